@@ -1,0 +1,1 @@
+"""Checkpoints for Titan: DCP manager, Hugging Face safetensors import/export."""

@@ -1,0 +1,76 @@
+"""Distributed Checkpoint (DCP) folders read and written by one process, no process group.
+
+Used to move a plain full state dict in or out of the format the trainer's
+checkpoints use (`.metadata` plus `__<rank>_<n>.distcp` files). A DCP folder written
+by an N-rank job (FSDP/TP shards) reads back here as full tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+METADATA_FILE = ".metadata"
+
+
+def read_dcp_tensor_shapes(folder: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of every tensor a DCP checkpoint holds, from its `.metadata`.
+
+    Args:
+        folder: the DCP checkpoint folder.
+
+    Raises:
+        FileNotFoundError: no `.metadata`; ValueError: unreadable metadata.
+    """
+    folder = Path(folder)
+    if not (folder / METADATA_FILE).is_file():
+        raise FileNotFoundError(f"{folder / METADATA_FILE} not found; point to a DCP checkpoint folder (e.g. checkpoint/step-N)")
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as err:  # DCP raises assorted types for damaged files
+        raise ValueError(f"{folder / METADATA_FILE} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged") from None
+    return {
+        name: (meta.size, meta.properties.dtype)
+        for name, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def read_dcp_state_dict(folder: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Load the named tensors of a DCP checkpoint as full CPU tensors in their stored dtype.
+
+    Args:
+        folder: the DCP checkpoint folder.
+        names: keys to load (other entries, e.g. optimizer state, are not read).
+
+    Raises:
+        KeyError: a name the checkpoint does not hold.
+        ValueError: the data files are missing or damaged.
+    """
+    shapes = read_dcp_tensor_shapes(folder)
+    state_dict = {}
+    for name in names:
+        if name not in shapes:
+            raise KeyError(name)
+        size, dtype = shapes[name]
+        state_dict[name] = torch.empty(size, dtype=dtype)
+    try:
+        dcp.load(state_dict, checkpoint_id=str(folder), no_dist=True)
+    except Exception as err:  # DCP wraps per-rank failures in CheckpointException
+        raise ValueError(f"{folder}: DCP data files cannot be read ({type(err).__name__}); the checkpoint is incomplete or damaged") from None
+    return state_dict
+
+
+def write_dcp_state_dict(folder: str | Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """Save a full state dict as a single-process DCP checkpoint.
+
+    Args:
+        folder: a new folder (created); use `staged_output` around this for atomicity.
+        state_dict: tensors by name (tensors shared between names are fine).
+    """
+    Path(folder).mkdir(parents=True, exist_ok=False)
+    dcp.save(dict(state_dict), checkpoint_id=str(folder), no_dist=True)

@@ -1,0 +1,3 @@
+from titan_cli.main import app
+
+app()

@@ -1,0 +1,58 @@
+"""`titan convert SRC DST --to hf|dcp|torch`: the command-line face of `titan_core.convert`.
+
+Imports only typer at start-up; torch, the models and transformers load when the
+command runs, so `titan --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def convert(
+    src: str = typer.Argument(..., help="Source: Hugging Face folder or Hub repo id, DCP folder (e.g. a trainer's step-N), or .pt/.bin file."),
+    dst: str = typer.Argument(..., help="Output path (must not exist). For --to torch, a .pt path writes one file; else a folder."),
+    to: str = typer.Option(..., "--to", help="Output format: hf, dcp or torch."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 (default: keep)."),
+    no_parity_check: bool = typer.Option(False, "--no-parity-check", help="Skip the transformers logits comparison."),
+    model_name: str = typer.Option("llama3", "--model-name", help="Model family (model.name)."),
+    flavor: str | None = typer.Option(
+        None, "--flavor", help="Named shape of a DCP/torch source that has no config.json beside it (model.flavor)."
+    ),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest Hugging Face shard, e.g. 5GB, 500MB."),
+) -> None:
+    """Convert model weights between Hugging Face safetensors, DCP and torch files.
+
+    The source format is detected. Conversions to or from Hugging Face end with a
+    parity check: transformers' logits on the HF files against Titan's on the
+    converted weights. Nothing is left on disk unless the conversion succeeds.
+    """
+    from titan_core.convert import ParityError, convert_checkpoint
+
+    def log(message: str) -> None:
+        typer.echo(message, err=True)
+
+    try:
+        result = convert_checkpoint(
+            src,
+            dst,
+            to,
+            dtype=dtype,
+            parity_check=not no_parity_check,
+            model_name=model_name,
+            flavor=flavor,
+            max_shard_size=max_shard_size,
+            log=log,
+        )
+    except ParityError as err:
+        typer.echo(f"titan convert: error: {err}", err=True)
+        raise typer.Exit(1) from None
+    except (ValueError, OSError) as err:
+        typer.echo(f"titan convert: error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"converted {result.src_format} -> {result.dst_format}: {result.dst} "
+        f"({result.n_params / 1e6:.2f}M parameters, {result.dtype})"
+    )
+    if result.parity is not None:
+        typer.echo(result.parity.describe())

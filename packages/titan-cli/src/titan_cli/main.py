@@ -1,0 +1,92 @@
+"""The `titan` command.
+
+Only typer is imported at start-up; torch and the trainer load inside the
+command that needs them, so `titan --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="titan",
+    help="Pretrain large language models with PyTorch, from one CPU to thousands of GPUs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"titan {version('titan-cli')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Pretrain large language models with PyTorch, from one CPU to thousands of GPUs."""
+
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command(context_settings=_PASS_THROUGH)
+def train(
+    ctx: typer.Context,
+    config: str | None = typer.Option(
+        None, "--config", "-c", help="TOML config file, or the name of a shipped one (e.g. llama3_8b)."
+    ),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes to start on this node (torchrun underneath)."),
+    nnodes: str = typer.Option("1", "--nnodes", help="Nodes in the job, or a MIN:MAX range (elastic)."),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="host:port of the rendezvous, for multi-node jobs (same on every node)."
+    ),
+    print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
+    help_config: bool = typer.Option(False, "--help-config", help="List every config key with its type, default and meaning."),
+) -> None:
+    """Train a model. Any config key can be overridden: `--training.steps 20 --model.flavor 10M`.
+
+    Precedence: command line > --config file > built-in defaults (the default run:
+    a small Llama 3 on the Python stdlib corpus, on CPU, in about a minute).
+    """
+    if help_config:
+        from titan_core.config import config_help
+
+        typer.echo(config_help())
+        raise typer.Exit(0)
+    forwarded = list(ctx.args)
+    if config is not None:
+        forwarded = ["--config", config, *forwarded]
+    if print_config:
+        forwarded.append("--print-config")
+    if nproc_per_node < 1:
+        typer.echo("titan: error: --nproc-per-node must be >= 1", err=True)
+        raise typer.Exit(2)
+    if nproc_per_node == 1 and nnodes == "1" or print_config:
+        from titan_core.train import main
+
+        raise typer.Exit(main(forwarded))
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
+    if rdzv_endpoint:
+        launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    elif nnodes == "1":
+        launcher.append("--standalone")
+    else:
+        typer.echo("titan: error: --nnodes > 1 needs --rdzv-endpoint host:port", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(subprocess.call([*launcher, "-m", "titan_core.train", *forwarded]))
+
+
+from titan_cli.convert_cmd import convert; app.command()(convert)  # noqa: E402, E702  (`titan convert`; typer only at import)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""Titan's trainer: config schema, data, tokenizers, optimizer, metrics."""

@@ -1,0 +1,354 @@
+"""The job config schema: sections and field names follow torchtitan v0.2.
+
+The defaults ARE the built-in default run: a small Llama 3 ("debugmodel") on
+the offline Python-stdlib corpus with the byte tokenizer, on CPU, about a
+minute. Every field is documented by the string on the line below it; those
+strings are also what `titan train --help-config` prints.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Degree = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+UnitFraction = Annotated[float, Field(ge=0, le=1)]
+
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""The pipeline schedules `parallelism.pipeline_parallel_schedule` accepts."""
+
+
+def _require_minus_one_or_at_least(value: int, low: int) -> int:
+    """Let a field hold -1 (meaning "derive it") or any int >= `low`.
+
+    Args:
+        value: the field's value.
+        low: the smallest value allowed besides -1.
+    """
+    if value != -1 and value < low:
+        raise ValueError(f"{value!r} must be -1 or >= {low}")
+    return value
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys and bad assignments fail."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+class Job(Section):
+    """The run as a whole."""
+
+    dump_folder: str = "./outputs"
+    """Run folder: checkpoints, TensorBoard logs, traces and config.toml go under it."""
+    description: str = "Titan default run: Llama 3 debugmodel on the Python stdlib corpus"
+    """A line describing this run, printed at start-up."""
+
+
+class Model(Section):
+    """Which model to build."""
+
+    name: str = "llama3"
+    """Model family, a name registered in titan_models (e.g. 'llama3')."""
+    flavor: str = "debugmodel"
+    """Size of the model family (e.g. 'debugmodel', '10M', '110M', '8B', '70B', '405B')."""
+    hf_assets_path: str | None = None
+    """Folder with tokenizer.json / tokenizer.model / config.json; unset = the offline byte tokenizer."""
+
+
+class Optimizer(Section):
+    """The optimizer."""
+
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+    lr: PositiveFloat = 8e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    beta1: UnitFraction = 0.9
+    """Adam's first-moment decay."""
+    beta2: UnitFraction = 0.95
+    """Adam's second-moment decay."""
+    eps: PositiveFloat = 1e-8
+    """Adam's epsilon, added to the denominator."""
+    weight_decay: NonNegativeFloat = 0.1
+    """Decoupled (AdamW) or L2 (Adam) weight decay."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Kernel the optimizer step uses: 'fused' is fastest on GPU, 'foreach' everywhere."""
+
+
+class LRScheduler(Section):
+    """Warmup-stable-decay learning-rate schedule."""
+
+    warmup_steps: NonNegativeInt = 10
+    """Steps of linear warmup from ~0 to optimizer.lr."""
+    decay_ratio: UnitFraction | None = None
+    """Fraction of the steps spent decaying at the end (WSD); unset = decay over all steps after warmup."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+    min_lr_factor: UnitFraction = 0.0
+    """Final learning rate as a fraction of optimizer.lr."""
+
+
+class Training(Section):
+    """Data, batch, precision and the length of the run."""
+
+    dataset: str = "stdlib"
+    """Dataset name: 'stdlib' (offline Python stdlib corpus), a registered name, or a Hugging Face dataset id."""
+    dataset_path: str | None = None
+    """Local file or folder to read the dataset from instead of its default location."""
+    dataset_text_field: str = "text"
+    """Column holding the text, for Hugging Face datasets."""
+    local_batch_size: PositiveInt = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree, larger values accumulate gradients and must be a multiple of it."""
+    seq_len: PositiveInt = 256
+    """Tokens per sequence."""
+    max_norm: PositiveFloat = 1.0
+    """Clip the global gradient norm to this value."""
+    steps: PositiveInt = 60
+    """Optimizer steps to train for."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of parameters in forward/backward under FSDP (the master copy stays float32)."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduce-scatter / all-reduce under FSDP."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: 'auto' = CUDA when available, else CPU."""
+    enable_cpu_offload: bool = False
+    """Keep FSDP-sharded parameters, gradients and optimizer state on CPU."""
+
+    @field_validator("global_batch_size")
+    @classmethod
+    def _check_global_batch_size(cls, value: int) -> int:
+        return _require_minus_one_or_at_least(value, 1)
+
+
+class Parallelism(Section):
+    """How the job is split over devices (the degrees multiply to the world size)."""
+
+    data_parallel_replicate_degree: Degree = 1
+    """Replicas in HSDP (or DDP); 1 = plain FSDP."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shards; -1 = the rest of the world after the other degrees."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: 'default' = yes, except for the last (pipeline) stage."""
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    """Data parallelism flavour: FSDP2 sharding, or DDP replication."""
+    tensor_parallel_degree: Degree = 1
+    """Tensor (and sequence) parallel degree."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (needs compile.enable and CUDA)."""
+    disable_loss_parallel: bool = False
+    """Gather the logits before the loss instead of computing it sharded over the vocab."""
+    pipeline_parallel_degree: Degree = 1
+    """Pipeline stages over ranks."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV."""
+    pipeline_parallel_schedule_csv: str | None = None
+    """CSV file with a custom pipeline schedule; overrides pipeline_parallel_schedule when set."""
+    pipeline_parallel_microbatch_size: PositiveInt = 1
+    """Sequences per pipeline micro-batch."""
+    pipeline_parallel_layers_per_stage: PositiveInt | None = None
+    """Transformer blocks per (virtual) stage; unset = derived from the degree and the schedule."""
+    pipeline_parallel_first_stage_less_layers: NonNegativeInt = 1
+    """Blocks fewer on the first stage, which also holds the embedding."""
+    pipeline_parallel_last_stage_less_layers: NonNegativeInt = 1
+    """Blocks fewer on the last stage, which also holds the norm and output."""
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Explicit module names per model part, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]."""
+    context_parallel_degree: Degree = 1
+    """Context parallel degree: sequences are split over this many ranks."""
+    context_parallel_rotate_method: Literal["allgather", "rotate"] = "allgather"
+    """How ring attention exchanges key/value shards."""
+
+    @field_validator("data_parallel_shard_degree")
+    @classmethod
+    def _check_shard_degree(cls, value: int) -> int:
+        return _require_minus_one_or_at_least(value, 1)
+
+    @field_validator("pipeline_parallel_schedule")
+    @classmethod
+    def _check_schedule(cls, value: str) -> str:
+        if value not in PIPELINE_SCHEDULES:
+            allowed = ", ".join(repr(name) for name in PIPELINE_SCHEDULES)
+            raise ValueError(f"{value!r} is not one of {allowed}")
+        return value
+
+
+class Checkpoint(Section):
+    """Distributed checkpointing (DCP) and Hugging Face import/export."""
+
+    enable: bool = False
+    """Save checkpoints, and resume from the latest one in the run folder."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: PositiveInt = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: NonNegativeInt = 10
+    """Keep this many newest checkpoints; 0 = keep all."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Save in the background: 'async' in a thread, 'async_with_pinned_mem' also staging in pinned memory."""
+    last_save_model_only: bool = False
+    """Save only the model weights (no optimizer, no data state) at the last step."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights in a model-only last save."""
+    load_step: int = -1
+    """Step to resume from; -1 = the latest one found."""
+    exclude_from_loading: list[str] = []
+    """State keys not to load on resume, e.g. ["optimizer", "lr_scheduler", "dataloader"]."""
+    initial_load_path: str | None = None
+    """Checkpoint to start from when the run folder has none (e.g. pretrained weights)."""
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path."""
+    initial_load_in_hf: bool = False
+    """initial_load_path holds Hugging Face safetensors, not a DCP checkpoint."""
+    last_save_in_hf: bool = False
+    """Write the last (model-only) save as Hugging Face safetensors."""
+    create_seed_checkpoint: bool = False
+    """Only initialise the model on one process, save it as step 0 and exit."""
+
+    @field_validator("load_step")
+    @classmethod
+    def _check_load_step(cls, value: int) -> int:
+        return _require_minus_one_or_at_least(value, 0)
+
+
+class ActivationCheckpoint(Section):
+    """Recompute activations in backward instead of keeping them."""
+
+    mode: Literal["none", "selective", "full"] = "none"
+    """'full' wraps every block, 'selective' follows selective_ac_option."""
+    selective_ac_option: str = "2"
+    """An int N = checkpoint every Nth block, or 'op' = keep the outputs of costly ops only."""
+
+    @field_validator("selective_ac_option", mode="before")
+    @classmethod
+    def _accept_int(cls, value: object) -> object:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("selective_ac_option")
+    @classmethod
+    def _check_option(cls, value: str) -> str:
+        if value != "op" and not (value.isdigit() and int(value) > 0):
+            raise ValueError(f"{value!r} is neither a positive integer nor 'op'")
+        return value
+
+
+class Compile(Section):
+    """torch.compile."""
+
+    enable: bool = False
+    """Compile the components below."""
+    components: list[Literal["model", "loss"]] = ["model", "loss"]
+    """What to compile: each transformer block ('model') and/or the loss."""
+
+
+class Metrics(Section):
+    """Logging and TensorBoard."""
+
+    log_freq: PositiveInt = 1
+    """Log loss, throughput and memory every this many steps."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard event files."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+    disable_color_printing: bool = False
+    """Print logs without ANSI colours."""
+    peak_tflops: PositiveFloat | None = None
+    """The device's peak TFLOP/s for MFU; unset = the GPU table, or on CPU a figure measured once and cached."""
+
+
+class Profiling(Section):
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    enable_profiling: bool = False
+    """Record torch.profiler traces."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+    profile_freq: PositiveInt = 10
+    """Write a trace every this many steps."""
+    enable_memory_snapshot: bool = False
+    """Record CUDA memory snapshots."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder, relative to job.dump_folder."""
+
+
+class Comm(Section):
+    """Collective communication."""
+
+    init_timeout_seconds: PositiveInt = 300
+    """Collective timeout until the first step ends (start-up, compile)."""
+    train_timeout_seconds: PositiveInt = 100
+    """Collective timeout after the first step."""
+    trace_buf_size: NonNegativeInt = 20000
+    """Entries in the NCCL flight recorder; 0 = off."""
+
+
+class Debug(Section):
+    """Reproducibility."""
+
+    seed: int | None = 0
+    """Random seed; unset = not seeded."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower)."""
+
+
+class Validation(Section):
+    """Periodic evaluation on held-out data."""
+
+    enable: bool = False
+    """Run validation during training."""
+    dataset: str = "stdlib"
+    """Validation dataset name (as training.dataset)."""
+    dataset_path: str | None = None
+    """Local file or folder to read the validation dataset from."""
+    freq: PositiveInt = 50
+    """Validate every this many steps."""
+    steps: PositiveInt = 10
+    """Batches per validation."""
+    local_batch_size: PositiveInt | None = None
+    """Sequences per validation batch on each rank; unset = training.local_batch_size."""
+
+
+class JobConfig(Section):
+    """The whole job: one field per section, each section one TOML table."""
+
+    job: Job = Field(default_factory=Job)
+    """The run as a whole."""
+    model: Model = Field(default_factory=Model)
+    """Which model to build."""
+    optimizer: Optimizer = Field(default_factory=Optimizer)
+    """The optimizer."""
+    lr_scheduler: LRScheduler = Field(default_factory=LRScheduler)
+    """The learning-rate schedule."""
+    training: Training = Field(default_factory=Training)
+    """Data, batch, precision and run length."""
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    """How the job is split over devices."""
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    """Checkpointing."""
+    activation_checkpoint: ActivationCheckpoint = Field(default_factory=ActivationCheckpoint)
+    """Activation checkpointing."""
+    compile: Compile = Field(default_factory=Compile)
+    """torch.compile."""
+    metrics: Metrics = Field(default_factory=Metrics)
+    """Logging and TensorBoard."""
+    profiling: Profiling = Field(default_factory=Profiling)
+    """Profiling."""
+    comm: Comm = Field(default_factory=Comm)
+    """Collective communication."""
+    debug: Debug = Field(default_factory=Debug)
+    """Reproducibility."""
+    validation: Validation = Field(default_factory=Validation)
+    """Validation."""

@@ -1,0 +1,351 @@
+"""`titan convert`: move model weights between Hugging Face safetensors, DCP and single
+torch files, then prove the result with a logits parity check against transformers.
+
+Titan-side formats (DCP, torch) hold Titan parameter names (`tok_embeddings.weight`,
+`layers.0.attention.wq.weight`, ...) in Meta's RoPE layout; the model's
+`state_dict_adapter` renames and permutes to and from Hugging Face. The shape of a
+Titan-side source comes from `--flavor`, a `config.json` beside it, or the run's
+`config.toml` above a trainer checkpoint (`<run>/checkpoint/step-N`). Every output is
+written to a hidden sibling folder and renamed into place only once complete and,
+when Hugging Face is involved, once the parity check passed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes, write_dcp_state_dict
+from titan_ckpt.dtypes import cast_floating, dtype_name, parse_dtype, state_dict_dtype
+from titan_ckpt.formats import FORMATS, detect_format, torch_file_of
+from titan_ckpt.hf_hub import resolve_hf_source
+from titan_ckpt.hf_safetensors import CONFIG_FILE, copy_extra_files, read_hf_config, read_hf_state_dict, write_hf_checkpoint
+from titan_ckpt.staging import staged_output
+from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_torch_state_dict
+from titan_models import get_model_args, get_model_spec
+
+DCP_MODEL_PREFIX = ""
+"""Prefix of the model's keys in DCP folders this writes (torchtitan's layout: none).
+Reading accepts both no prefix and `model.`, so trainer checkpoints of either layout load."""
+PARITY_TOKENS = 256
+"""Sequence length of the parity check."""
+PARITY_MAX_KL = 1e-4
+"""Mean KL(HF || Titan) per token above which the parity check fails (fp32 on both sides
+with identical weights gives ~1e-10)."""
+TORCH_FILE_NAME = "model.pt"
+"""State-dict file written inside a torch-format output folder."""
+# config.json keys that describe the weights or the writer rather than the model; recomputed on write.
+_STALE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "transformers_version")
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """Outcome of comparing Hugging Face logits with Titan's on the same weights.
+
+    Args:
+        max_abs_diff: largest absolute logit difference; None when skipped.
+        kl: mean per-token KL(HF || Titan); None when skipped.
+        n_tokens: sequence length compared.
+        skipped: why no check ran, or None.
+    """
+
+    max_abs_diff: float | None
+    kl: float | None
+    n_tokens: int
+    skipped: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True when skipped or when the logits agree (finite, KL within `PARITY_MAX_KL`)."""
+        if self.skipped is not None:
+            return True
+        return math.isfinite(self.max_abs_diff) and math.isfinite(self.kl) and self.kl <= PARITY_MAX_KL
+
+    def describe(self) -> str:
+        """One line: `parity: max_abs_diff=1.2e-06 kl=3.4e-13 tokens=256 ...` or why it was skipped."""
+        if self.skipped is not None:
+            return f"parity: skipped ({self.skipped})"
+        verdict = "ok" if self.passed else f"FAILED, kl above {PARITY_MAX_KL:g}"
+        return (
+            f"parity: max_abs_diff={self.max_abs_diff:.3e} kl={self.kl:.3e} tokens={self.n_tokens} "
+            f"({verdict}; transformers on the HF files vs Titan on the Titan weights, float32)"
+        )
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What `convert_checkpoint` did.
+
+    Args:
+        src_format: detected source format.
+        dst: the written file or folder.
+        dst_format: written format.
+        n_params: parameters written.
+        dtype: dtype name of the written weights.
+        parity: the parity report; None when Hugging Face was on neither side.
+    """
+
+    src_format: str
+    dst: Path
+    dst_format: str
+    n_params: int
+    dtype: str
+    parity: ParityReport | None
+
+
+class ParityError(RuntimeError):
+    """The converted weights do not reproduce the source's logits."""
+
+
+def convert_checkpoint(
+    src: str,
+    dst: str | Path,
+    to: str,
+    dtype: str | None = None,
+    parity_check: bool = True,
+    model_name: str = "llama3",
+    flavor: str | None = None,
+    max_shard_size: str = "5GB",
+    log: Callable[[str], None] = lambda message: None,
+) -> ConversionResult:
+    """Convert model weights between "hf", "dcp" and "torch" (source format detected).
+
+    Args:
+        src: source folder or file, or a Hugging Face Hub repo id.
+        dst: output path; must not exist. For `to="torch"` a `.pt`/`.bin` path writes
+            that one file, any other path a folder with `model.pt` and `config.json`.
+        to: output format, one of "hf", "dcp", "torch".
+        dtype: cast floating-point weights to "float32", "bfloat16" or "float16"; None keeps them.
+        parity_check: compare logits with transformers when either side is "hf".
+        model_name: model family in the registry (`model.name`).
+        flavor: named shape for a DCP/torch source without a config.json beside it.
+        max_shard_size: Hugging Face shard size limit ("5GB").
+        log: receives progress lines.
+
+    Raises:
+        ValueError / FileNotFoundError / FileExistsError: bad input, one line naming the path and the fix.
+        ParityError: the parity check failed; nothing was written.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"--to '{to}' is not a format; choose one of: {', '.join(FORMATS)}")
+    out_dtype = parse_dtype(dtype) if dtype is not None else None
+    dst = Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} already exists; choose a new destination or delete it first")
+    src_path = resolve_hf_source(src)
+    src_format = detect_format(src_path)
+    spec = get_model_spec(model_name)
+    adapter = spec.state_dict_adapter
+    if adapter is None:
+        raise ValueError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.state_dict_adapter")
+    log(f"reading {src_format} checkpoint {src_path}")
+    args, base_config, extras_dir = resolve_source_args(src_path, src_format, adapter, model_name, flavor)
+    expected = expected_shapes(spec.build, args)
+    state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected)
+    check_state_dict(state_dict, expected, src_path)
+    written = cast_floating(state_dict, out_dtype)
+    hf_config = {**{k: v for k, v in base_config.items() if k not in _STALE_CONFIG_KEYS}, **adapter.hf_config_from_args(args)}
+    hf_config["torch_dtype"] = dtype_name(state_dict_dtype(written))
+    parity = None
+    with staged_output(dst) as tmp:
+        log(f"writing {to} checkpoint {dst}")
+        if to == "hf":
+            write_hf_checkpoint(tmp, adapter.to_hf(written, args), hf_config, max_shard_size, extra_files_from=extras_dir)
+        elif to == "dcp":
+            write_dcp_state_dict(tmp, {DCP_MODEL_PREFIX + k: v for k, v in written.items()})
+            write_beside(tmp, hf_config, extras_dir)
+        elif dst.suffix in TORCH_SUFFIXES:
+            write_torch_state_dict(tmp, written)
+        else:
+            tmp.mkdir()
+            write_torch_state_dict(tmp / TORCH_FILE_NAME, written)
+            write_beside(tmp, hf_config, extras_dir)
+        if parity_check and "hf" in (src_format, to):
+            log("checking parity with transformers")
+            if to == "hf":  # HF side: the files just written; Titan side: the source weights
+                parity = check_hf_parity(tmp, state_dict, args, spec.build, adapter.hf_architecture, out_dtype)
+            else:  # HF side: the source files; Titan side: the weights read back from disk
+                written_back = load_titan_state_dict(tmp, to, args, adapter, expected)
+                parity = check_hf_parity(src_path, written_back, args, spec.build, adapter.hf_architecture, out_dtype)
+            if not parity.passed:
+                raise ParityError(f"{parity.describe()}; the converted weights do not reproduce {src_path}, so {dst} was not written")
+    n_params = sum(t.numel() for k, t in written.items() if not (k == "output.weight" and args.tie_word_embeddings))
+    return ConversionResult(src_format, dst, to, n_params, dtype_name(state_dict_dtype(written)), parity)
+
+
+def resolve_source_args(
+    src: Path, src_format: str, adapter: Any, model_name: str, flavor: str | None
+) -> tuple[Any, dict[str, Any], Path]:
+    """The model's args for a source checkpoint, the config.json to build on, and the
+    folder whose tokenizer files travel along.
+
+    Order: a Hugging Face source's own config.json; `flavor`; a config.json beside a
+    DCP/torch source; the `config.toml` of the trainer run above it (up to 3 levels).
+
+    Args:
+        src: source path (local).
+        src_format: "hf", "dcp" or "torch".
+        adapter: the model's state-dict adapter.
+        model_name: registry name.
+        flavor: named shape, or None.
+
+    Raises:
+        ValueError: no way to tell the shape; the message says how to give it.
+    """
+    folder = src if src.is_dir() else src.parent
+    if src_format == "hf":
+        config = read_hf_config(src)
+        return adapter.args_from_hf_config(config), config, src
+    if flavor is not None:
+        return get_model_args(model_name, flavor), {}, folder
+    if (folder / CONFIG_FILE).is_file():
+        config = read_hf_config(folder)
+        return adapter.args_from_hf_config(config), config, folder
+    for run_folder in [folder, *folder.parents][:4]:
+        toml_path = run_folder / "config.toml"
+        if toml_path.is_file():
+            model = tomllib.loads(toml_path.read_text()).get("model", {})
+            if model.get("name", model_name) != model_name:
+                raise ValueError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
+            if "flavor" in model:
+                return get_model_args(model_name, model["flavor"]), {}, folder
+    raise ValueError(f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it")
+
+
+def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[str, torch.Size]:
+    """Name -> shape of every entry of `build(args).state_dict()`, built on meta (no memory)."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in build(args).state_dict().items()}
+
+
+def load_titan_state_dict(path: Path, fmt: str, args: Any, adapter: Any, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Read a checkpoint of any format as a Titan-named full state dict on CPU.
+
+    Args:
+        path: the checkpoint (local).
+        fmt: "hf", "dcp" or "torch".
+        args: the model's args (for the RoPE permutation and tied embeddings).
+        adapter: the model's state-dict adapter.
+        expected: the model's names and shapes (`expected_shapes`); a DCP folder is read for these only.
+    """
+    if fmt == "hf":
+        return adapter.from_hf(read_hf_state_dict(path), args)
+    if fmt == "dcp":
+        return read_dcp_model(path, args, expected)
+    raw = read_torch_state_dict(torch_file_of(path))
+    if "model.embed_tokens.weight" in raw or "lm_head.weight" in raw:  # a Hugging Face pytorch_model.bin
+        return adapter.from_hf(raw, args)
+    return _with_tied_output(_strip_prefix(raw, "model."), args)
+
+
+def read_dcp_model(folder: Path, args: Any, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The model's tensors from a DCP folder whose keys have no prefix or `model.` (the
+    prefix that holds the most expected names wins); optimizer, data loader and train
+    state entries are not read."""
+    stored = read_dcp_tensor_shapes(folder)
+    prefix = max((DCP_MODEL_PREFIX, "", "model."), key=lambda p: sum(p + k in stored for k in expected))
+    names = [prefix + k for k in expected if prefix + k in stored]
+    if not names:
+        raise ValueError(f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint")
+    loaded = read_dcp_state_dict(folder, names)
+    return _with_tied_output({k[len(prefix) :]: v for k, v in loaded.items()}, args)
+
+
+def _strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Drop `prefix` from every key when every key has it."""
+    if state_dict and all(k.startswith(prefix) for k in state_dict):
+        return {k[len(prefix) :]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def _with_tied_output(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    """With tied embeddings, make `output.weight` the embedding tensor (some writers drop it)."""
+    if getattr(args, "tie_word_embeddings", False) and "tok_embeddings.weight" in state_dict:
+        state_dict = {**state_dict, "output.weight": state_dict["tok_embeddings.weight"]}
+    return state_dict
+
+
+def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Size], src: Path) -> None:
+    """Compare names and shapes with what the model expects.
+
+    Raises:
+        ValueError: a missing, unexpected or mis-shaped tensor; one line naming it and the fix.
+    """
+    hint = "pass the right --flavor (or config.json) for this checkpoint"
+    for name, shape in expected.items():
+        if name not in state_dict:
+            raise ValueError(f"{src} lacks '{name}'; {hint}")
+        if state_dict[name].shape != shape:
+            raise ValueError(f"{src}: '{name}' has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}; {hint}")
+    for name in state_dict:
+        if name not in expected:
+            raise ValueError(f"{src} has '{name}', which the model does not; {hint}")
+
+
+def write_beside(folder: Path, hf_config: dict[str, Any], extras_dir: Path) -> None:
+    """Put `config.json` (the model's shape) and the tokenizer files into a Titan-side output folder."""
+    (folder / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    copy_extra_files(extras_dir, folder)
+
+
+@torch.no_grad()
+def check_hf_parity(
+    hf_folder: Path,
+    titan_state_dict: dict[str, torch.Tensor],
+    args: Any,
+    build: Callable[[Any], torch.nn.Module],
+    hf_architecture: str,
+    round_to: torch.dtype | None = None,
+    n_tokens: int = PARITY_TOKENS,
+) -> ParityReport:
+    """Logits of transformers' model on `hf_folder` vs Titan's model on `titan_state_dict`,
+    both in float32 on the same random tokens.
+
+    Args:
+        hf_folder: a Hugging Face checkpoint folder.
+        titan_state_dict: Titan-named weights.
+        args: the model's args.
+        build: the model builder (`ModelSpec.build`).
+        hf_architecture: transformers class name, e.g. "LlamaForCausalLM".
+        round_to: round both sides' weights to this dtype first, so a conversion that
+            changes dtype is compared on equal weights; None compares them as stored.
+        n_tokens: sequence length (capped at the model's `max_seq_len`).
+
+    Returns:
+        The report; `skipped` says why when transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError:
+        return ParityReport(None, None, 0, skipped="transformers is not installed; `pip install transformers` to check")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n_tokens = min(n_tokens, args.max_seq_len)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (1, n_tokens), generator=generator).to(device)  # (1, seqlen)
+
+    dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    hf_class = getattr(transformers, hf_architecture)
+    hf_model = hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32}).to(device).eval()
+    if round_to is not None:
+        for param in hf_model.parameters():
+            param.copy_(param.to(round_to))
+    hf_logits = hf_model(tokens).logits.double()  # (1, seqlen, vocab)
+    del hf_model
+
+    with torch.device("meta"):
+        model = build(args)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)  # buffers (RoPE table); the weights are overwritten next
+    model.load_state_dict(cast_floating(titan_state_dict, round_to), strict=True)
+    titan_logits = model.eval()(tokens).double()  # (1, seqlen, vocab)
+    del model
+
+    log_p, log_q = hf_logits.log_softmax(-1), titan_logits.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    return ParityReport((hf_logits - titan_logits).abs().max().item(), kl, n_tokens)

@@ -1,0 +1,31 @@
+"""Data for training: tokenizers, corpus sources, and the packed loader.
+
+    tokenizer = build_tokenizer(hf_assets_path)        # None -> ByteTokenizer
+    source = build_source("stdlib")                     # or a path / hub name
+    loader = PackedLoader(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)
+    inputs, labels = next(loader)                       # (local_batch_size, seq_len) int64
+"""
+
+from titan_core.data.corpus import DocumentSource, StdlibSource, build_source
+from titan_core.data.hf_dataset import HFDatasetSource
+from titan_core.data.hf_tokenizer import HFTokenizer
+from titan_core.data.loader import PackedLoader
+from titan_core.data.local_files import LocalFileSource
+from titan_core.data.tiktoken_tokenizer import GPT2_PATTERN, LLAMA3_PATTERN, TiktokenTokenizer
+from titan_core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+
+__all__ = [
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "TiktokenTokenizer",
+    "LLAMA3_PATTERN",
+    "GPT2_PATTERN",
+    "build_tokenizer",
+    "DocumentSource",
+    "StdlibSource",
+    "LocalFileSource",
+    "HFDatasetSource",
+    "build_source",
+    "PackedLoader",
+]

@@ -1,0 +1,155 @@
+"""Corpus sources: documents (strings) in a fixed order, re-iterable.
+
+Every source iterates from its first document each time it is iterated (one
+epoch), and `skip(n_docs)` iterates from the `n_docs`-th document on, skipping
+cheaply (whole files, unparsed lines) so that a resumed run does not re-read
+what it already trained on. `build_source` picks the source from the config:
+
+- `"stdlib"` (the default): the Python standard library's own `.py` files, a
+  corpus every Python install already has. Titan's offline default.
+- a local file, folder or glob of `.txt` / `.jsonl` / `.parquet` files.
+- anything else: a Hugging Face hub dataset, streamed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from titan_core.data.hf_dataset import HFDatasetSource
+from titan_core.data.local_files import SUFFIXES, LocalFileSource, expand_pattern
+
+__all__ = ["DocumentSource", "StdlibSource", "build_source", "looks_like_path"]
+
+# Stdlib folders that are not library code (tests, the IDE, installed packages).
+_STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"})
+
+
+@runtime_checkable
+class DocumentSource(Protocol):
+    """Documents in a fixed order; iterating again starts a new epoch."""
+
+    def __iter__(self) -> Iterator[str]:
+        """The documents from the first."""
+        ...
+
+    def skip(self, n_docs: int) -> Iterator[str]:
+        """The documents from the `n_docs`-th on (empty past the end)."""
+        ...
+
+
+def build_source(dataset: str, dataset_path: str | None = None, text_field: str = "text") -> DocumentSource:
+    """The document source that the config names.
+
+    Args:
+        dataset: `"stdlib"`, a local path/glob, or a Hugging Face dataset name.
+        dataset_path: local files (a file, folder or glob); when set, it wins
+            over `dataset`.
+        text_field: the JSON field / parquet column / record field of the text.
+    """
+    if dataset_path:
+        return LocalFileSource(expand_pattern(dataset_path, "training.dataset_path"), text_field)
+    if dataset == "stdlib":
+        return StdlibSource()
+    if looks_like_path(dataset):
+        return LocalFileSource(expand_pattern(dataset, "training.dataset"), text_field)
+    return HFDatasetSource(dataset, text_field)
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether `name` is a local path or glob rather than a hub dataset name.
+
+    Args:
+        name: the `training.dataset` value.
+    """
+    return (
+        name.startswith(("/", "./", "../", "~", "."))
+        or any(ch in name for ch in "*?[")
+        or name.endswith(SUFFIXES)
+        or os.path.exists(name)
+    )
+
+
+class StdlibSource:
+    """The Python standard library's `.py` files, sorted, one document per file.
+
+    Skips the `test`/`tests`/`idlelib`/`site-packages`/`lib2to3` folders. On an
+    install stripped of its `.py` files, falls back to the docstrings of the
+    builtin modules (one document per module): still offline, never a download.
+
+    Args:
+        root: the stdlib folder; `sysconfig.get_paths()["stdlib"]` by default.
+    """
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+        self._files: list[Path] | None = None
+        self._fallback: list[str] | None = None
+
+    @property
+    def files(self) -> list[Path]:
+        """The stdlib `.py` files, sorted by their path under `root`."""
+        if self._files is None:
+            self._files = list_stdlib_files(self.root)
+        return self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return self.skip(0)
+
+    def skip(self, n_docs: int) -> Iterator[str]:
+        """The documents from the `n_docs`-th on.
+
+        Args:
+            n_docs: how many documents to skip.
+        """
+        if not self.files:
+            if self._fallback is None:
+                self._fallback = collect_builtin_docs()
+            yield from self._fallback[n_docs:]
+            return
+        for path in self.files[n_docs:]:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return f"StdlibSource({str(self.root)!r})"
+
+
+def list_stdlib_files(root: Path) -> list[Path]:
+    """The `.py` files under `root`, sorted, outside the skipped folders.
+
+    Args:
+        root: the stdlib folder.
+    """
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _STDLIB_SKIP]
+        files.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def collect_builtin_docs() -> list[str]:
+    """One document per builtin module: its docstring and its members' docstrings.
+
+    The corpus of last resort: it comes with the interpreter itself.
+    """
+    modules = [builtins]
+    for name in sorted(sys.builtin_module_names):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    documents = []
+    for module in dict.fromkeys(modules):
+        parts = [f"{module.__name__}\n\n{module.__doc__ or ''}"]
+        for name, member in sorted(vars(module).items()):
+            doc = getattr(member, "__doc__", None)
+            if callable(member) and not name.startswith("_") and isinstance(doc, str) and doc.strip():
+                parts.append(f"{name}\n{doc}")
+        documents.append("\n\n".join(parts))
+    return documents

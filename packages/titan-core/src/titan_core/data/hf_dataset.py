@@ -1,0 +1,57 @@
+"""Documents from a Hugging Face hub dataset, streamed (`datasets`, imported lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+__all__ = ["HFDatasetSource"]
+
+
+class HFDatasetSource:
+    """The `train` split of a hub dataset, streamed, one document per record.
+
+    Args:
+        name: the dataset's hub name, e.g. `"allenai/c4"`.
+        text_field: the record field that holds the text.
+    """
+
+    def __init__(self, name: str, text_field: str = "text"):
+        try:
+            import datasets
+        except ImportError as e:
+            raise ImportError(
+                f"training.dataset: streaming {name!r} from the hub needs the datasets package: "
+                "pip install 'titan-core[hf]', or set training.dataset to 'stdlib' or a local path"
+            ) from e
+        self.name = name
+        self.text_field = text_field
+        try:
+            self._dataset = datasets.load_dataset(name, split="train", streaming=True)
+        except Exception as e:
+            reason = (str(e).splitlines() or [""])[0][:200]
+            raise ValueError(
+                f"training.dataset: could not load {name!r} from the Hugging Face hub "
+                f"(hub unreachable, offline, or no such dataset: {type(e).__name__}: {reason}); "
+                "set training.dataset_path to local .txt/.jsonl/.parquet files, or training.dataset to 'stdlib'"
+            ) from e
+
+    def __iter__(self) -> Iterator[str]:
+        return self.skip(0)
+
+    def skip(self, n_docs: int) -> Iterator[str]:
+        """The records' texts from the `n_docs`-th record on.
+
+        Args:
+            n_docs: how many records to skip (the stream skips them unparsed).
+        """
+        dataset = self._dataset.skip(n_docs) if n_docs > 0 else self._dataset
+        for record in dataset:
+            if self.text_field not in record:
+                raise ValueError(
+                    f"training.dataset: {self.name!r} records have no field {self.text_field!r} "
+                    f"(have {list(record)}); set the dataset's text_field"
+                )
+            yield str(record[self.text_field] or "")
+
+    def __repr__(self) -> str:
+        return f"HFDatasetSource({self.name!r}, text_field={self.text_field!r})"

@@ -1,0 +1,191 @@
+"""The packed loader: documents -> one global token stream -> fixed-length samples.
+
+Each document becomes `[bos] + tokens + [eos]`; the documents are concatenated
+into ONE global token stream (looping over the source forever, one epoch after
+another), and the stream is cut into consecutive, non-overlapping samples of
+`seq_len + 1` tokens: `inputs = sample[:-1]`, `labels = sample[1:]`.
+
+The global sample order does not depend on the world size. Each step consumes
+the next `dp_world * local_batch_size` global samples and rank r takes the
+contiguous slice `[r * B, (r + 1) * B)`, so the ranks' shares are disjoint and
+one process with `local_batch_size = W * B` sees the W ranks' batches, in rank
+order, as one batch. Every rank reads the whole stream (and so holds the same
+position), which keeps the loader's state identical on all ranks.
+
+The position is training state: `state_dict()` is plain JSON-able data, and
+`load_state_dict` resumes at it without re-reading the documents before it,
+also into a loader with another `dp_world` or `local_batch_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from titan_core.data.corpus import DocumentSource
+from titan_core.data.tokenizer import Tokenizer
+
+__all__ = ["PackedLoader"]
+
+
+class PackedLoader:
+    """Batches of packed token samples for one data-parallel rank.
+
+    Args:
+        source: the documents, in a fixed order, re-iterable (one epoch each).
+        tokenizer: turns a document into ids; supplies `bos_id` / `eos_id`.
+        seq_len: tokens per sample fed to the model (each sample reads
+            `seq_len + 1` tokens of the stream).
+        local_batch_size: samples per batch on this rank (B).
+        dp_rank: this rank's index among the data-parallel ranks.
+        dp_world: how many data-parallel ranks share the stream (W).
+    """
+
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+    ):
+        if seq_len < 1:
+            raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+        if local_batch_size < 1:
+            raise ValueError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(
+                f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}; check the data-parallel mesh"
+            )
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        # Position of the next unconsumed token: token `doc_offset` of the
+        # wrapped document `doc_index` of epoch `epoch`.
+        self.epoch = 0
+        self.doc_index = 0
+        self.doc_offset = 0
+        self.samples_consumed = 0
+        self._document: np.ndarray | None = None  # wrapped tokens of doc_index, once read
+        self._documents: Iterator[str] | None = None  # the source, at the next doc to read
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next `(inputs, labels)`, each `(local_batch_size, seq_len)` int64."""
+        n_samples = self.dp_world * self.local_batch_size
+        tokens = self.take_tokens(n_samples * (self.seq_len + 1))
+        samples = tokens.reshape(n_samples, self.seq_len + 1)  # (W * B, seq_len + 1)
+        self.samples_consumed += n_samples
+        start = self.dp_rank * self.local_batch_size
+        mine = samples[start : start + self.local_batch_size]  # (B, seq_len + 1)
+        inputs = torch.from_numpy(np.ascontiguousarray(mine[:, :-1]))  # (B, seq_len)
+        labels = torch.from_numpy(np.ascontiguousarray(mine[:, 1:]))  # (B, seq_len)
+        return inputs, labels
+
+    def take_tokens(self, n_tokens: int) -> np.ndarray:
+        """The next `n_tokens` tokens of the global stream, advancing the position.
+
+        Args:
+            n_tokens: how many tokens to consume.
+        """
+        pieces = []
+        while n_tokens > 0:
+            if self._document is None:
+                self._document = self.read_document()
+                if self.doc_offset >= len(self._document):
+                    raise ValueError(
+                        f"loader state points at token {self.doc_offset} of document {self.doc_index}, "
+                        f"which has {len(self._document)}; the dataset or tokenizer changed since the "
+                        "checkpoint: resume with the same ones"
+                    )
+            piece = self._document[self.doc_offset : self.doc_offset + n_tokens]
+            pieces.append(piece)
+            n_tokens -= len(piece)
+            self.doc_offset += len(piece)
+            if self.doc_offset == len(self._document):
+                self._document = None
+                self.doc_index += 1
+                self.doc_offset = 0
+        return np.concatenate(pieces)
+
+    def read_document(self) -> np.ndarray:
+        """The wrapped tokens `[bos] + ids + [eos]` of document `doc_index`,
+        starting a new epoch when the source runs out."""
+        if self._documents is None:
+            self._documents = iter(self.source.skip(self.doc_index))
+        text = next(self._documents, None)
+        if text is None:
+            if self.doc_index == 0:
+                raise ValueError(
+                    f"the dataset {self.source!r} has no documents; check training.dataset / training.dataset_path"
+                )
+            if self.doc_offset:
+                raise ValueError(
+                    f"loader state points into document {self.doc_index}, past the dataset's end; "
+                    "the dataset changed since the checkpoint: resume with the same one"
+                )
+            self.epoch += 1
+            self.doc_index = 0
+            self._documents = iter(self.source)
+            text = next(self._documents, None)
+            if text is None:
+                raise ValueError(
+                    f"the dataset {self.source!r} yielded no documents in a new epoch; it must be re-iterable"
+                )
+        ids = self.tokenizer.encode(text)
+        document = np.empty(len(ids) + 2, dtype=np.int64)
+        document[0] = self.tokenizer.bos_id
+        document[1:-1] = ids
+        document[-1] = self.tokenizer.eos_id
+        return document
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position as plain ints (JSON-able, the same on every rank).
+
+        `doc_offset` counts the tokens of document `doc_index` (BOS included)
+        already consumed: samples end mid-document, so the position is a
+        document plus an offset; resuming re-tokenizes that one document only.
+        """
+        return {
+            "epoch": self.epoch,
+            "doc_index": self.doc_index,
+            "doc_offset": self.doc_offset,
+            "samples_consumed": self.samples_consumed,
+            "seq_len": self.seq_len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position from `state_dict()`, possibly of another world size.
+
+        Args:
+            state: a dict that `state_dict()` returned.
+        """
+        missing = {"epoch", "doc_index", "doc_offset", "samples_consumed", "seq_len"} - set(state)
+        if missing:
+            raise ValueError(f"loader state lacks {sorted(missing)}; it does not come from PackedLoader.state_dict()")
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"loader state was saved with training.seq_len={state['seq_len']}, this run has {self.seq_len}; "
+                "resume with the same training.seq_len"
+            )
+        self.epoch = int(state["epoch"])
+        self.doc_index = int(state["doc_index"])
+        self.doc_offset = int(state["doc_offset"])
+        self.samples_consumed = int(state["samples_consumed"])
+        self._document = None
+        self._documents = None
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedLoader({self.source!r}, {self.tokenizer!r}, seq_len={self.seq_len}, "
+            f"local_batch_size={self.local_batch_size}, dp_rank={self.dp_rank}, dp_world={self.dp_world})"
+        )

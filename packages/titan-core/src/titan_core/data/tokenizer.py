@@ -1,0 +1,143 @@
+"""The tokenizer protocol, the offline byte tokenizer, and `build_tokenizer`.
+
+A tokenizer turns a document into token ids and back. The loader wraps each
+document as `[bos] + encode(text) + [eos]`, so `encode` adds no special tokens.
+Three implementations:
+
+- `ByteTokenizer` (here): UTF-8 bytes, needs nothing; the offline default.
+- `HFTokenizer` (`hf_tokenizer.py`): a Hugging Face `tokenizer.json`.
+- `TiktokenTokenizer` (`tiktoken_tokenizer.py`): a tiktoken BPE ranks file,
+  the format of Llama 3's original `tokenizer.model`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Tokenizer", "ByteTokenizer", "build_tokenizer"]
+
+_CONFIG_KEY = "model.hf_assets_path"
+# A tiktoken ranks file: "<base64 token> <rank>" on every line.
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+\r?$")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data loader needs from a tokenizer.
+
+    Every id that `encode` returns, and `bos_id`/`eos_id`, is < `vocab_size`.
+    """
+
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOS or any other special token."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids` (how special tokens render is up to the tokenizer)."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0-255 are bytes, 256 is BOS, 257 is EOS.
+
+    Round trips any Unicode text exactly. Needs no file and no package.
+    """
+
+    bos_id = 256
+    eos_id = 257
+    vocab_size = 258
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`: its UTF-8 bytes.
+
+        Args:
+            text: any string.
+        """
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; BOS/EOS are dropped, bad UTF-8 becomes U+FFFD.
+
+        Args:
+            ids: token ids < 258.
+        """
+        data = bytes(i for i in ids if i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+def build_tokenizer(path: str | Path | None) -> Tokenizer:
+    """The tokenizer that `path` holds.
+
+    Args:
+        path: None for the `ByteTokenizer`; a folder holding `tokenizer.json`
+            (Hugging Face), else `tokenizer.model` or `*.tiktoken` (tiktoken
+            ranks, also looked for under `original/`); or one such file.
+
+    Raises:
+        FileNotFoundError: `path` does not exist or holds no tokenizer file.
+        ValueError: the file is in a format Titan cannot read.
+    """
+    if path is None:
+        return ByteTokenizer()
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{_CONFIG_KEY}: {path} does not exist; point it at a folder holding "
+            "tokenizer.json or tokenizer.model (tiktoken), or leave it unset for the byte tokenizer"
+        )
+    file = find_tokenizer_file(path) if path.is_dir() else path
+    return load_tokenizer_file(file)
+
+
+def find_tokenizer_file(folder: Path) -> Path:
+    """The tokenizer file inside `folder`: `tokenizer.json` first, then tiktoken files.
+
+    Args:
+        folder: a model's assets folder.
+    """
+    for sub in (folder, folder / "original"):
+        if (sub / "tokenizer.json").is_file():
+            return sub / "tokenizer.json"
+        if (sub / "tokenizer.model").is_file():
+            return sub / "tokenizer.model"
+        tiktoken_files = sorted(sub.glob("*.tiktoken"))
+        if tiktoken_files:
+            return tiktoken_files[0]
+    raise FileNotFoundError(
+        f"{_CONFIG_KEY}: no tokenizer.json, tokenizer.model or *.tiktoken in {folder} "
+        "(nor in its original/); download the model's tokenizer files there, "
+        "or leave the key unset for the byte tokenizer"
+    )
+
+
+def load_tokenizer_file(file: Path) -> Tokenizer:
+    """A tokenizer from one file, chosen by its name and contents.
+
+    Args:
+        file: a `tokenizer.json` / `*.json` (Hugging Face) or a tiktoken
+            ranks file (`tokenizer.model`, `*.tiktoken`, ...).
+    """
+    if file.suffix == ".json":
+        from titan_core.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(file)
+    with open(file, "rb") as f:
+        first_line = f.readline()
+    if _TIKTOKEN_LINE.match(first_line):
+        from titan_core.data.tiktoken_tokenizer import TiktokenTokenizer
+
+        return TiktokenTokenizer(file)
+    raise ValueError(
+        f"{_CONFIG_KEY}: {file} is neither a Hugging Face tokenizer.json nor a tiktoken ranks file "
+        "(e.g. a SentencePiece model); point the key at a folder holding tokenizer.json instead"
+    )

@@ -1,0 +1,140 @@
+"""Warmup-stable-decay (WSD) learning-rate schedule as a `LambdaLR`.
+
+The factor that scales `optimizer.lr` follows torchtitan's
+`linear_warmup_stable_decay`, with `step` the scheduler's 0-based count of
+`scheduler.step()` calls (the factor for step s is used by optimizer step s+1):
+
+- warmup, step < W:          (step + 1) / (W + 1)
+- stable, step < W + S:      1
+- decay,  the last D steps:  progress p = (step + 1 - W - S) / (D + 1), then
+  linear 1 - p, sqrt 1 - sqrt(p) or cosine (1 + cos(pi p)) / 2, mapped onto
+  [min_lr_factor, 1] as min_lr_factor + (1 - min_lr_factor) * shape
+- steps past the end keep the last step's factor.
+
+D = round(decay_ratio * steps), or steps - W when `decay_ratio` is None;
+S = steps - W - D.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from titan_core.config.errors import ConfigError
+
+__all__ = ["build_lr_scheduler", "warmup_stable_decay_factor", "DECAY_TYPES"]
+
+logger = logging.getLogger("titan")
+
+DECAY_TYPES = ("linear", "sqrt", "cosine")
+
+
+def warmup_stable_decay_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    stable_steps: int,
+    decay_steps: int,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
+    """The LR multiplier after `step` scheduler steps (see the module docstring).
+
+    Args:
+        step: 0-based scheduler step (`LambdaLR.last_epoch`).
+        warmup_steps: W, steps of linear warmup.
+        stable_steps: S, steps at the full LR after warmup.
+        decay_steps: D, steps of decay at the end.
+        decay_type: "linear", "sqrt" or "cosine".
+        min_lr_factor: the factor the decay ends at.
+
+    Returns:
+        The factor in (0, 1].
+    """
+    warmup_stable = warmup_steps + stable_steps
+    # Past the last step the LR is undefined; keep the last step's factor.
+    step = min(step, warmup_stable + decay_steps)
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if step < warmup_stable or decay_steps == 0:
+        return 1.0
+    progress = (step + 1 - warmup_stable) / (decay_steps + 1)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:  # cosine
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    warmup_steps: int,
+    decay_ratio: float | None = None,
+    decay_type: str = "linear",
+    min_lr_factor: float = 0.0,
+) -> LambdaLR:
+    """Build the warmup-stable-decay schedule for `optimizer`.
+
+    The returned scheduler's `state_dict()` holds only its step count and last
+    LRs (the factor function is a `functools.partial` of a module function, so
+    nothing of the schedule's settings is saved): resuming rebuilds it from the
+    config and loads the count.
+
+    Args:
+        optimizer: the optimizer whose `lr` the schedule scales.
+        steps: total optimizer steps (`training.steps`).
+        warmup_steps: steps of linear warmup (`lr_scheduler.warmup_steps`).
+        decay_ratio: fraction of `steps` spent decaying at the end; None decays
+            over all steps after warmup. If warmup plus decay exceed `steps`,
+            decay is shortened to the steps left after warmup (with a warning).
+        decay_type: "linear", "sqrt" or "cosine".
+        min_lr_factor: final LR as a fraction of the peak.
+
+    Returns:
+        A `LambdaLR`; call `step()` once after each optimizer step.
+
+    Raises:
+        ConfigError: warmup longer than training, an unknown decay type, or
+            a factor or ratio outside [0, 1].
+    """
+    if warmup_steps < 0 or warmup_steps > steps:
+        raise ConfigError(
+            f"lr_scheduler.warmup_steps: {warmup_steps} must be between 0 and training.steps ({steps}); "
+            "lower it or raise training.steps"
+        )
+    if decay_type not in DECAY_TYPES:
+        raise ConfigError(f"lr_scheduler.decay_type: unknown {decay_type!r}; choose one of {', '.join(DECAY_TYPES)}")
+    if not 0.0 <= min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_factor: {min_lr_factor} must be in [0, 1]")
+    if decay_ratio is None:
+        decay_steps = steps - warmup_steps
+    else:
+        if not 0.0 <= decay_ratio <= 1.0:
+            raise ConfigError(f"lr_scheduler.decay_ratio: {decay_ratio} must be in [0, 1] or unset")
+        decay_steps = round(steps * decay_ratio)
+        if warmup_steps + decay_steps > steps:
+            logger.warning(
+                "lr_scheduler: warmup (%d) + decay (%d) steps exceed training.steps (%d); decaying over %d steps",
+                warmup_steps,
+                decay_steps,
+                steps,
+                steps - warmup_steps,
+            )
+            decay_steps = steps - warmup_steps
+    lr_lambda = functools.partial(
+        warmup_stable_decay_factor,
+        warmup_steps=warmup_steps,
+        stable_steps=steps - warmup_steps - decay_steps,
+        decay_steps=decay_steps,
+        decay_type=decay_type,
+        min_lr_factor=min_lr_factor,
+    )
+    return LambdaLR(optimizer, lr_lambda)

@@ -1,0 +1,294 @@
+"""The trainer: one code path from one CPU process to N GPUs.
+
+`Trainer(cfg)` builds everything in a fixed order (process group -> mesh ->
+tokenizer and data -> model on meta -> parallelize -> materialise -> optimizer
+-> checkpoint) and `Trainer.train()` runs the loop. The whole job config stops
+here: every package below gets the plain arguments it uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from titan_models import get_model_args, get_model_spec
+from titan_parallel.dims import ParallelDims
+from titan_parallel.distributed import init_distributed
+from titan_parallel.grad_clip import clip_grad_norm_
+from titan_parallel.materialize import copy_full_state
+from titan_parallel.parallelize import ParallelOptions, parallelize
+
+from titan_core.config import JobConfig, dump_toml
+from titan_core.data import PackedLoader, build_source, build_tokenizer
+from titan_core.lr_schedule import build_lr_scheduler
+from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
+from titan_core.optim import build_optimizer
+
+logger = logging.getLogger("titan")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Progress of the run, saved in checkpoints."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device for `training.device`: "auto" takes this rank's GPU when there is one."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def set_determinism(seed: int | None, deterministic: bool) -> int:
+    """Seed every RNG with the same seed on every rank (rank 0's when `seed` is None); returns it."""
+    if seed is None:
+        chosen = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64)
+        dist.broadcast(chosen, src=0)
+        seed = int(chosen.item())
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    return seed
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class Trainer:
+    """Builds a run from a `JobConfig` and trains it.
+
+    Args:
+        cfg: the resolved job config.
+    """
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t = cfg.training
+        self.device = resolve_device(t.device)
+        self.rank, self.world_size = init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        p = cfg.parallelism
+        self.dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            world_size=self.world_size,
+        )
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
+        self.run_folder = Path(cfg.job.dump_folder)
+
+        # Batch: accumulate micro-batches until the global batch is reached.
+        per_step = t.local_batch_size * self.dims.dp
+        global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+        if global_batch % per_step:
+            raise ValueError(
+                f"training.global_batch_size {global_batch} must be a multiple of local_batch_size x data-parallel "
+                f"degree = {t.local_batch_size} x {self.dims.dp} = {per_step}"
+            )
+        self.accum_steps = global_batch // per_step
+        self.global_batch = global_batch
+
+        # Data.
+        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+        source = build_source(t.dataset, t.dataset_path, t.dataset_text_field)
+        self.loader = PackedLoader(
+            source,
+            self.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_rank=self.mesh["dp"].get_local_rank(),
+            dp_world=self.dims.dp,
+        )
+
+        # Model: build on meta, parallelize, then materialise.
+        self.spec = get_model_spec(cfg.model.name)
+        args = get_model_args(cfg.model.name, cfg.model.flavor)
+        if self.tokenizer.vocab_size > args.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model {cfg.model.name}/{cfg.model.flavor} "
+                f"only {args.vocab_size}; choose a larger model.flavor or another model.hf_assets_path"
+            )
+        self.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, t.seq_len))
+        with torch.device("meta"):
+            model = self.spec.build(self.model_args)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.options = ParallelOptions(
+            param_dtype=_DTYPES[t.mixed_precision_param],
+            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            cpu_offload=t.enable_cpu_offload,
+            dp_mode=p.dp_mode,
+            loss_parallel=not p.disable_loss_parallel,
+            async_tp=p.enable_async_tensor_parallel,
+            cp_rotate_method=p.context_parallel_rotate_method,
+            ac_mode=cfg.activation_checkpoint.mode,
+            ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
+            compile=cfg.compile.enable and "model" in cfg.compile.components,
+        )
+        self.model = parallelize(model, self.spec.plan, self.mesh, self.options)
+        self._init_weights()
+
+        self.optimizer = build_optimizer(
+            self.model.parameters(),
+            name=cfg.optimizer.name,
+            lr=cfg.optimizer.lr,
+            betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+            eps=cfg.optimizer.eps,
+            weight_decay=cfg.optimizer.weight_decay,
+            implementation=cfg.optimizer.implementation,
+            device_type=self.device.type,
+        )
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer,
+            steps=t.steps,
+            warmup_steps=cfg.lr_scheduler.warmup_steps,
+            decay_ratio=cfg.lr_scheduler.decay_ratio,
+            decay_type=cfg.lr_scheduler.decay_type,
+            min_lr_factor=cfg.lr_scheduler.min_lr_factor,
+        )
+        self.state = TrainState()
+        self.loss_fn = cross_entropy_loss
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_loss)
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Materialise the meta model with the seeded init (see `titan_parallel.materialize`)."""
+        self.model.to_empty(device=self.device)
+        if self.device.type == "cuda":
+            torch.manual_seed(self.seed)
+            self.model.init_weights(buffer_device=self.device)
+            return
+        with warnings.catch_warnings():  # DTensor warns that its CPU random ops are not sharded: we overwrite them
+            warnings.simplefilter("ignore", UserWarning)
+            self.model.init_weights(buffer_device=self.device)  # buffers; parameters are overwritten next
+        torch.manual_seed(self.seed)
+        reference = self.spec.build(self.model_args)
+        reference.init_weights()
+        copy_full_state(self.model, reference.state_dict())
+
+    def _loss_context(self):
+        """Loss parallel computes cross-entropy on vocab-sharded logits under TP."""
+        if self.dims.tp > 1 and self.options.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over the micro-batches, clip, step; returns (summed loss, grad norm)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self._loss_context():
+                loss = self.loss_fn(self.model(inputs), labels) / self.accum_steps
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss_sum, grad_norm
+
+    def _reduce_loss(self, loss: torch.Tensor) -> tuple[float, float]:
+        """Global average and max of the step loss over the data-parallel ranks."""
+        group = self.mesh["dp_cp"].get_group()
+        avg, mx = loss.detach().clone(), loss.detach().clone()
+        dist.all_reduce(avg, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+        return avg.item() / self.mesh["dp_cp"].size(), mx.item()
+
+    def train(self) -> list[float]:
+        """Run `training.steps` steps; returns the global-average loss of each logged step."""
+        cfg, t = self.cfg, self.cfg.training
+        if self.rank == 0:
+            self.run_folder.mkdir(parents=True, exist_ok=True)
+            (self.run_folder / "config.toml").write_text(dump_toml(cfg))
+        flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
+        peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
+        metrics = MetricsLogger(
+            self.run_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None,
+            enable_tensorboard=cfg.metrics.enable_tensorboard,
+            rank=self.rank,
+            total_steps=t.steps,
+            color=not cfg.metrics.disable_color_printing,
+        )
+        if self.rank == 0:
+            logger.info(
+                "%s | model %s/%s (%.1fM params) | %d processes (%s) | global batch %d x %d tokens, %d micro-batch(es) | %s",
+                cfg.job.description,
+                cfg.model.name,
+                cfg.model.flavor,
+                self.n_params / 1e6,
+                self.world_size,
+                self.dims,
+                self.global_batch,
+                t.seq_len,
+                self.accum_steps,
+                self.device,
+            )
+        losses: list[float] = []
+        tokens_per_step = self.global_batch * t.seq_len
+        meter = ThroughputMeter(
+            flops_per_token=flops_per_token,
+            peak_flops=peak,
+            non_data_parallel_size=self.dims.tp * self.dims.cp * self.dims.pp,
+        )
+        data = iter(self.loader)
+        jsonl = open(self.run_folder / "metrics.jsonl", "a") if self.rank == 0 else None
+        try:
+            while self.state.step < t.steps:
+                batches = [next(data) for _ in range(self.accum_steps)]
+                loss, grad_norm = self.train_step(batches)
+                self.state.step += 1
+                self.state.tokens_seen += tokens_per_step
+                meter.add_tokens(tokens_per_step // self.dims.dp)
+                metrics.update_progress(self.state.step)
+                if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps:
+                    continue
+                avg, mx = self._reduce_loss(loss)
+                values = {
+                    "loss/global_avg": avg,
+                    "loss/global_max": mx,
+                    "optim/grad_norm": grad_norm.item(),
+                    "optim/lr": self.lr_scheduler.get_last_lr()[0],
+                    **meter.read(),
+                    **memory_stats(self.device),
+                }
+                losses.append(avg)
+                metrics.log(self.state.step, values)
+                if jsonl is not None:
+                    jsonl.write(json.dumps({"step": self.state.step, **values}) + "\n")
+                    jsonl.flush()
+        finally:
+            metrics.close()
+            if jsonl is not None:
+                jsonl.close()
+        return losses

@@ -1,0 +1,9 @@
+"""Model definitions for Titan (Llama 3 first), with their parallel plans as data.
+
+`get_model_spec(name)` returns a `ModelSpec` (builder, flavors, plan, FLOP count);
+`get_model_args(name, flavor)` returns one named shape.
+"""
+
+from titan_models.spec import ModelSpec, get_model_args, get_model_spec, register_model_spec
+
+__all__ = ["ModelSpec", "get_model_args", "get_model_spec", "register_model_spec"]

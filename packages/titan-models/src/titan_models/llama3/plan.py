@@ -1,0 +1,30 @@
+"""How titan-parallel may split the Llama 3 `Transformer`, as data."""
+
+from titan_parallel.plan import ModelPlan, TPStyle
+
+llama3_plan = ModelPlan(
+    blocks="layers",
+    tp=(
+        ("tok_embeddings", TPStyle.EMBEDDING),
+        ("norm", TPStyle.NORM),
+        ("output", TPStyle.OUTPUT),
+    ),
+    block_tp=(
+        ("attention_norm", TPStyle.NORM),
+        ("attention", TPStyle.BLOCK_INPUT),
+        ("attention.wq", TPStyle.COLWISE),
+        ("attention.wk", TPStyle.COLWISE),
+        ("attention.wv", TPStyle.COLWISE),
+        ("attention.wo", TPStyle.ROWWISE),
+        ("ffn_norm", TPStyle.NORM),
+        ("feed_forward", TPStyle.BLOCK_INPUT),
+        ("feed_forward.w1", TPStyle.COLWISE),
+        ("feed_forward.w3", TPStyle.COLWISE),
+        ("feed_forward.w2", TPStyle.ROWWISE),
+    ),
+    pp_first=("tok_embeddings",),
+    pp_last=("norm", "output"),
+    attention="attention.sdpa",
+    head_counts=(),  # Attention reshapes with view(..., -1, head_dim): no attribute to divide
+    fsdp_root_units=("tok_embeddings", "output"),
+)

@@ -1,0 +1,83 @@
+"""Activation checkpointing: recompute a block's activations in backward instead of storing them.
+
+Modes (`activation_checkpoint.mode`):
+- "full": every block is recomputed.
+- "selective" with an int N: every Nth block is recomputed.
+- "selective" with "op": every block, but the outputs of matmuls and attention
+  are saved (every other one for matmuls), so only cheap ops are recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan_parallel.modules import get_submodule_or_none
+from titan_parallel.plan import ModelPlan
+
+# Ops whose outputs selective "op" mode keeps: expensive to recompute.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _op_policy():
+    def make_contexts():
+        counts: dict[str, int] = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func == torch.ops.aten.mm.default:
+                counts[f"{mode}_mm"] += 1
+                # Save every other matmul: half the memory of saving all, little recompute.
+                if counts[f"{mode}_mm"] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return make_contexts
+
+
+def apply_ac(model: nn.Module, plan: ModelPlan, mode: Literal["none", "selective", "full"], selective_option: str = "2") -> nn.Module:
+    """Wrap the blocks of `model` for activation checkpointing, in place.
+
+    Args:
+        model: the model or pipeline stage.
+        plan: names the blocks.
+        mode: "none", "selective" or "full" (`activation_checkpoint.mode`).
+        selective_option: "op", or a positive int N as a string: every Nth block
+            (`activation_checkpoint.selective_ac_option`).
+    """
+    if mode == "none":
+        return model
+    if mode == "selective" and selective_option != "op":
+        if not selective_option.isdigit() or int(selective_option) < 1:
+            raise ValueError(
+                f"activation_checkpoint.selective_ac_option must be a positive int or 'op', got {selective_option!r}"
+            )
+    container = get_submodule_or_none(model, plan.blocks)
+    if container is None:
+        return model
+    for i, (name, block) in enumerate(list(container.named_children())):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif selective_option == "op":
+            wrapped = checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False)
+        elif i % int(selective_option) == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        container.register_module(name, wrapped)
+    return model

@@ -1,0 +1,43 @@
+"""Starting and ending the process group, the same way for 1 process or N.
+
+A lone process (no `RANK` in the environment) still gets a world of size 1 on
+an in-memory store, so every collective in Titan runs on the same code path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(device: torch.device, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group for `device`; returns (rank, world_size).
+
+    Backends: NCCL for CUDA tensors with gloo beside it for CPU tensors, gloo on CPU.
+    Under torchrun the env:// rendezvous is used; alone, a size-1 world on a HashStore.
+
+    Args:
+        device: the device this process computes on.
+        timeout_s: collective timeout in seconds (`comm.init_timeout_seconds`).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group, if any."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

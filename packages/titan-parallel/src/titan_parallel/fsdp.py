@@ -1,0 +1,78 @@
+"""Data parallel: FSDP2 (`fully_shard`), HSDP, and DDP, read from a `ModelPlan`.
+
+Each block of `plan.blocks` is one FSDP unit, so its parameters are gathered
+just before it runs and freed after; the modules in `plan.fsdp_root_units`
+(embeddings, output) are units of their own; the root holds what is left.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from titan_parallel.modules import get_submodule_or_none, iter_blocks
+from titan_parallel.plan import ModelPlan
+
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    plan: ModelPlan,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: ReshardPolicy = "default",
+    cpu_offload: bool = False,
+    pipeline_parallel: bool = False,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2 over `mesh` (1-D: FSDP, 2-D `(replicate, shard)`: HSDP).
+
+    Args:
+        model: the module to shard (a whole model or one pipeline stage).
+        plan: names the blocks and the root-level units.
+        mesh: the data-parallel mesh, e.g. `mesh["dp_shard_cp"]` or `mesh["dp_replicate", "dp_shard_cp"]`.
+        param_dtype: dtype parameters are gathered in for compute (bf16 = mixed precision).
+        reduce_dtype: dtype gradients are reduce-scattered in.
+        reshard_after_forward: "always" frees gathered parameters after forward (ZeRO-3),
+            "never" keeps them until backward (ZeRO-2, more memory, less communication),
+            "default" = "always" except under pipeline parallel, where a stage runs
+            several microbatches and re-gathering for each would cost too much.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        pipeline_parallel: whether `model` is a pipeline stage (see `reshard_after_forward`).
+    """
+    reshard = {"always": True, "never": False, "default": not pipeline_parallel}[reshard_after_forward]
+    config: dict = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
+    if cpu_offload:
+        # Pinned memory needs an accelerator; on a CPU-only host it must be off.
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for name in plan.fsdp_root_units:
+        unit = get_submodule_or_none(model, name)
+        if unit is not None:
+            fully_shard(unit, reshard_after_forward=reshard, **config)
+    for block in iter_blocks(model, plan):
+        fully_shard(block, reshard_after_forward=reshard, **config)
+    # The root's own parameters (e.g. the final norm) are needed right at the end of
+    # forward, so they stay gathered for backward.
+    fully_shard(model, reshard_after_forward=False if not pipeline_parallel else reshard, **config)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Replicate `model` over `mesh` with gradient all-reduce (composable DDP).
+
+    Mixed precision is not applied here: under DDP, parameters stay in their own
+    dtype (use FSDP for bf16 compute through `MixedPrecisionPolicy`).
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    return model

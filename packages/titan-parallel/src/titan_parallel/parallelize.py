@@ -1,0 +1,97 @@
+"""`parallelize`: apply every parallelism to a model, in the one documented order.
+
+    tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP/DDP
+
+TP first, because it changes parameters into DTensors on the `tp` mesh that FSDP
+then shards further; CP swaps the attention core; AC and compile wrap the
+blocks TP and CP produced; FSDP last, so its units are the finished blocks.
+Pipeline parallel is outermost: `titan_parallel.pipeline` cuts the model into
+stages first and calls `parallelize` on each stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_parallel.activation_checkpoint import apply_ac
+from titan_parallel.compile import apply_compile
+from titan_parallel.fsdp import apply_ddp, apply_fsdp
+from titan_parallel.plan import ModelPlan
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What to apply beyond the mesh's degrees; defaults apply nothing optional.
+
+    Args:
+        param_dtype: compute dtype of parameters under FSDP (bf16 = mixed precision).
+        reduce_dtype: gradient reduction dtype under FSDP.
+        reshard_after_forward: FSDP policy, "default" | "always" | "never".
+        cpu_offload: FSDP keeps parameters and optimizer state on the CPU.
+        dp_mode: "fsdp" (also HSDP when the mesh has replicas) or "ddp".
+        loss_parallel: under TP, keep logits sharded on the vocab dim for a sharded cross-entropy.
+        async_tp: overlap TP communication with matmuls (CUDA + compile only).
+        cp_rotate_method: how context parallel exchanges K/V, "allgather" | "rotate".
+        ac_mode: activation checkpointing, "none" | "selective" | "full".
+        ac_selective_option: "op" or every Nth block.
+        compile: compile each block.
+        pipeline_parallel: the model is one pipeline stage.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    cpu_offload: bool = False
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    loss_parallel: bool = True
+    async_tp: bool = False
+    cp_rotate_method: Literal["allgather", "rotate"] = "allgather"
+    ac_mode: Literal["none", "selective", "full"] = "none"
+    ac_selective_option: str = "2"
+    compile: bool = False
+    pipeline_parallel: bool = False
+
+
+def parallelize(model: nn.Module, plan: ModelPlan, mesh: DeviceMesh, options: ParallelOptions = ParallelOptions()) -> nn.Module:
+    """Apply TP, CP, AC, compile and data parallel to `model` in place, as `mesh`'s degrees ask.
+
+    Args:
+        model: the model (or one pipeline stage), on the meta device or real.
+        plan: how the model may be split.
+        mesh: the mesh from `ParallelDims.build_mesh` (dims pp, dp_replicate, dp_shard, cp, tp).
+        options: dtypes and the optional features.
+    """
+    if mesh["tp"].size() > 1:
+        from titan_parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, plan, mesh["tp"], loss_parallel=options.loss_parallel, async_tp=options.async_tp)
+    if mesh["cp"].size() > 1:
+        from titan_parallel.context_parallel import apply_cp
+
+        apply_cp(model, plan, mesh["cp"], rotate_method=options.cp_rotate_method)
+    apply_ac(model, plan, options.ac_mode, options.ac_selective_option)
+    if options.compile:
+        apply_compile(model, plan)
+    if options.dp_mode == "ddp":
+        if mesh["dp_shard"].size() > 1 or mesh["cp"].size() > 1 or mesh["tp"].size() > 1:
+            raise ValueError(
+                "parallelism.dp_mode = 'ddp' replicates whole models: set data_parallel_shard_degree = 1 and use "
+                "data_parallel_replicate_degree for DDP (it does not combine with TP or CP; use 'fsdp' for those)"
+            )
+        return apply_ddp(model, mesh["dp_replicate"])
+    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_cp"]
+    return apply_fsdp(
+        model,
+        plan,
+        dp_mesh,
+        param_dtype=options.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        reshard_after_forward=options.reshard_after_forward,
+        cpu_offload=options.cpu_offload,
+        pipeline_parallel=options.pipeline_parallel,
+    )

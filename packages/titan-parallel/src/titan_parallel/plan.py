@@ -1,0 +1,68 @@
+"""How a model may be split, stated as data.
+
+A model states its plan once, as a `ModelPlan`; every `apply_*` function in
+titan-parallel reads it. A new model adds a table, not a copy of `apply_fsdp`.
+
+Module paths are dotted paths relative to the module the table applies to:
+`ModelPlan.tp` is relative to the root module, `ModelPlan.block_tp` relative to
+each repeated block (the children of `ModelPlan.blocks`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class TPStyle(str, enum.Enum):
+    """How one module is split by tensor parallel (with sequence parallel).
+
+    Activations between blocks are sharded on the sequence dim, `Shard(1)`;
+    inside a block they are replicated after `*_INPUT` and sharded on the
+    hidden dim between a colwise and a rowwise linear.
+    """
+
+    EMBEDDING = "embedding"
+    """`nn.Embedding` sharded on the vocab dim (rowwise); input tokens `Replicate()`, output `Shard(1)`."""
+    COLWISE = "colwise"
+    """`nn.Linear` sharded on its output features; output `Shard(-1)`."""
+    ROWWISE = "rowwise"
+    """`nn.Linear` sharded on its input features; output reduce-scattered to `Shard(1)`."""
+    NORM = "norm"
+    """A norm run on the sequence-sharded activation, weight replicated (sequence parallel)."""
+    BLOCK_INPUT = "block_input"
+    """A sub-block (attention, feed-forward) whose first positional input is all-gathered from `Shard(1)` to `Replicate()`."""
+    OUTPUT = "output"
+    """The final projection to the vocab: colwise; `Shard(-1)` logits under loss parallel, else `Replicate()`."""
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Everything titan-parallel needs to know about a model's structure.
+
+    Args:
+        blocks: path of the container (`nn.ModuleDict` keyed "0".."n-1") holding
+            the repeated blocks. Each block is one FSDP unit, one activation
+            checkpoint unit, one compile region, and the unit pipeline stages are
+            cut from.
+        tp: (module path, style) for modules outside the blocks.
+        block_tp: (module path, style) inside each block.
+        pp_first: modules that live only on the first pipeline stage (embeddings).
+        pp_last: modules that live only on the last pipeline stage (final norm, output).
+        attention: path, inside each block, of the module computing
+            `softmax(q k^T) v` from `(q, k, v)` each `(bs, n_heads, seqlen, head_dim)`;
+            context parallel swaps it for ring attention.
+        head_counts: (module path inside a block, attribute names) of head counts
+            that tensor parallel divides by its degree, e.g. `("attention", ("n_heads", "n_kv_heads"))`.
+        fsdp_root_units: modules outside the blocks wrapped as their own FSDP
+            unit (e.g. embeddings, the output projection), in forward order.
+    """
+
+    blocks: str
+    tp: tuple[tuple[str, TPStyle], ...] = ()
+    block_tp: tuple[tuple[str, TPStyle], ...] = ()
+    pp_first: tuple[str, ...] = ()
+    pp_last: tuple[str, ...] = ()
+    attention: str | None = None
+    head_counts: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
+    fsdp_root_units: tuple[str, ...] = ()

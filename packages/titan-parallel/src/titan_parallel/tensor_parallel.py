@@ -1,0 +1,235 @@
+"""Tensor parallel with sequence parallel and loss parallel, read from a `ModelPlan`.
+
+Each `TPStyle` of the plan becomes one of torch's `ParallelStyle`s, applied with
+`parallelize_module` (the layouts are torchtitan's Llama plan):
+
+- activations between blocks are sharded on the sequence dim, `Shard(1)`;
+- norms run on that sequence-sharded activation (`SequenceParallel`);
+- a sub-block (attention, feed-forward) all-gathers its first input to
+  `Replicate()`; its colwise linears shard the hidden dim, its rowwise linear
+  reduce-scatters back to `Shard(1)`;
+- the output projection keeps the logits sharded on the vocab dim, `Shard(-1)`,
+  under loss parallel (cross-entropy then runs inside `loss_parallel()`).
+
+Works on the meta device (parameters become meta DTensors; materialise after).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_parallel.dims import ParallelConfigError
+from titan_parallel.modules import get_submodule_or_none, iter_blocks
+from titan_parallel.plan import ModelPlan, TPStyle
+
+_DEGREE_KEY = "parallelism.tensor_parallel_degree"
+
+
+def build_tp_style(style: TPStyle, *, loss_parallel: bool) -> ParallelStyle:
+    """The torch `ParallelStyle` for one `TPStyle` (see `TPStyle` for the layouts).
+
+    Args:
+        style: how the module is split.
+        loss_parallel: for `TPStyle.OUTPUT`, keep the logits as a vocab-sharded DTensor.
+    """
+    if style is TPStyle.EMBEDDING:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if style is TPStyle.COLWISE:
+        return ColwiseParallel()
+    if style is TPStyle.ROWWISE:
+        return RowwiseParallel(output_layouts=Shard(1))
+    if style is TPStyle.NORM:
+        return SequenceParallel()
+    if style is TPStyle.BLOCK_INPUT:
+        # Only the first positional input (the hidden state) is redistributed; the block
+        # passes everything else (RoPE table, positions) as keyword arguments.
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if style is TPStyle.OUTPUT:
+        return ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    raise ValueError(f"unknown TPStyle {style!r}; add it to titan_parallel.tensor_parallel.build_tp_style")
+
+
+def _model_args(model: nn.Module) -> object | None:
+    """The model's ModelArgs-like object (`model.args`, `model.model_args` or `model.config`), if any."""
+    for name in ("args", "model_args", "config"):
+        args = getattr(model, name, None)
+        if args is not None and hasattr(args, "n_heads"):
+            return args
+    return None
+
+
+def _named_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
+    """(name, size) of every dimension tensor parallel divides: head counts, FFN hidden dim, vocab size."""
+    sizes: list[tuple[str, int]] = []
+    args = _model_args(model)
+    if args is not None:
+        n_heads = args.n_heads
+        n_kv_heads = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or n_heads
+        sizes += [("n_heads", n_heads), ("n_kv_heads", n_kv_heads)]
+        for name in ("ffn_hidden_dim", "vocab_size"):
+            if isinstance(getattr(args, name, None), int):
+                sizes.append((name, getattr(args, name)))
+    for block in iter_blocks(model, plan):
+        for path, attrs in plan.head_counts:
+            module = get_submodule_or_none(block, path)
+            for attr in attrs:
+                if module is not None and isinstance(getattr(module, attr, None), int):
+                    sizes.append((attr, getattr(module, attr)))
+    return sizes
+
+
+def _split_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
+    """(name, size) of the weight dimension each planned module shards, found on the modules themselves."""
+    sizes: list[tuple[str, int]] = []
+    container = get_submodule_or_none(model, plan.blocks)
+    first_block = next(iter(container.named_children()), None) if container is not None else None
+    tables = [(model, "", plan.tp)]
+    if first_block is not None:  # every block has the same shapes
+        tables.append((first_block[1], f"{plan.blocks}.{first_block[0]}.", plan.block_tp))
+    for root, prefix, table in tables:
+        for path, style in table:
+            module = get_submodule_or_none(root, path)
+            if isinstance(module, nn.Linear) and style in (TPStyle.COLWISE, TPStyle.OUTPUT):
+                sizes.append((f"{prefix}{path}.out_features", module.out_features))
+            elif isinstance(module, nn.Linear) and style is TPStyle.ROWWISE:
+                sizes.append((f"{prefix}{path}.in_features", module.in_features))
+            elif isinstance(module, nn.Embedding) and style is TPStyle.EMBEDDING:
+                sizes.append((f"{prefix}{path}.num_embeddings", module.num_embeddings))
+    return sizes
+
+
+def check_tp(model: nn.Module, plan: ModelPlan, degree: int) -> None:
+    """Raise `ParallelConfigError` (one line naming the key and the fix) if `model` cannot be split `degree` ways.
+
+    Checks that the plan has tensor-parallel entries and that the degree divides the
+    head counts, the FFN hidden dim and the vocab size (read from `model.args` or the
+    plan's `head_counts`), and every dimension a planned linear or embedding shards.
+    Cheap and communication-free; works on the meta device, so a trainer can call it first.
+
+    Args:
+        model: the model or pipeline stage to split.
+        plan: its plan.
+        degree: the tensor-parallel degree.
+    """
+    if degree < 1:
+        raise ParallelConfigError(f"{_DEGREE_KEY} must be >= 1, got {degree}")
+    if degree == 1:
+        return
+    if not plan.tp and not plan.block_tp:
+        raise ParallelConfigError(
+            f"model {type(model).__name__} has no tensor-parallel plan; set {_DEGREE_KEY} = 1"
+        )
+    for name, size in _named_sizes(model, plan) + _split_sizes(model, plan):
+        if size % degree:
+            raise ParallelConfigError(
+                f"{_DEGREE_KEY} {degree} does not divide {name} {size}; choose a degree that divides it"
+            )
+
+
+def check_async_tp(device_type: str, compile_enabled: bool) -> None:
+    """Raise `ParallelConfigError` unless async TP can run (CUDA and torch.compile).
+
+    Args:
+        device_type: the mesh's device type, e.g. "cuda".
+        compile_enabled: whether the model is compiled (`compile.enable`).
+    """
+    if device_type != "cuda" or not torch.cuda.is_available() or not compile_enabled:
+        raise ParallelConfigError(
+            "parallelism.enable_async_tensor_parallel needs CUDA and compile.enable = true; "
+            "enable both or set it to false"
+        )
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let Inductor overlap TP collectives with matmuls (micro-pipeline TP on symmetric memory).
+
+    Args:
+        tp_mesh: the 1-D tensor-parallel mesh.
+    """
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # a no-op (and deprecated) in newer torch
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def apply_tp(
+    model: nn.Module,
+    plan: ModelPlan,
+    tp_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool = True,
+    async_tp: bool = False,
+    compile_enabled: bool = False,
+) -> nn.Module:
+    """Split `model` in place over `tp_mesh` as `plan.tp` / `plan.block_tp` say (with sequence parallel).
+
+    Modules the plan names but the model lacks (dropped by a pipeline stage) are
+    skipped. Validates first (`check_tp`; `check_async_tp` when `async_tp`).
+
+    Args:
+        model: the model or pipeline stage, on the meta device or real.
+        plan: how the model may be split.
+        tp_mesh: the 1-D tensor-parallel mesh, e.g. `mesh["tp"]`.
+        loss_parallel: the output projection returns vocab-sharded DTensor logits
+            (`Shard(-1)`) for a cross-entropy under `loss_parallel()`; else replicated
+            plain-tensor logits.
+        async_tp: overlap TP communication with compute (needs CUDA and torch.compile).
+        compile_enabled: whether the model will be compiled (required by `async_tp`).
+
+    Returns:
+        `model`, changed in place.
+    """
+    check_tp(model, plan, tp_mesh.size())
+    if async_tp:
+        check_async_tp(tp_mesh.device_type, compile_enabled)
+    tied = _tied_output_embedding(model, plan)
+    parallelize_module(model, tp_mesh, _present_styles(model, plan.tp, loss_parallel))
+    for block in iter_blocks(model, plan):
+        parallelize_module(block, tp_mesh, _present_styles(block, plan.block_tp, loss_parallel))
+    if tied is not None:
+        # Both styles shard the shared weight on dim 0 (the vocab); restore one shared parameter.
+        embedding, output = tied
+        output.weight = embedding.weight
+    if async_tp:
+        enable_async_tp(tp_mesh)
+    return model
+
+
+def _present_styles(root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan for the entries of `table` that exist under `root`."""
+    return {
+        path: build_tp_style(style, loss_parallel=loss_parallel)
+        for path, style in table
+        if get_submodule_or_none(root, path) is not None
+    }
+
+
+def _tied_output_embedding(model: nn.Module, plan: ModelPlan) -> tuple[nn.Module, nn.Module] | None:
+    """(embedding, output) modules of `plan.tp` that share one weight, or None."""
+    embeddings = [get_submodule_or_none(model, p) for p, s in plan.tp if s is TPStyle.EMBEDDING]
+    outputs = [get_submodule_or_none(model, p) for p, s in plan.tp if s is TPStyle.OUTPUT]
+    for embedding in embeddings:
+        for output in outputs:
+            if embedding is not None and output is not None and embedding.weight is output.weight:
+                return embedding, output
+    return None

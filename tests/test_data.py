@@ -1,0 +1,282 @@
+"""Corpus sources and the packed loader: order, sharding, resume, world-size changes."""
+
+import json
+import sysconfig
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_core.data import (
+    ByteTokenizer,
+    DocumentSource,
+    LocalFileSource,
+    PackedLoader,
+    StdlibSource,
+    build_source,
+)
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+HAMLET = SHARED / "shakespeare" / "hamlet_gut.txt"
+BOS, EOS = 256, 257
+
+
+class ListSource:
+    """Documents from a list; records which document indices were read."""
+
+    def __init__(self, docs):
+        self.docs = docs
+        self.read = []
+
+    def __iter__(self):
+        return self.skip(0)
+
+    def skip(self, n_docs):
+        for index in range(n_docs, len(self.docs)):
+            self.read.append(index)
+            yield self.docs[index]
+
+
+# Documents of assorted lengths (some shorter than a sample, one much longer), incl. non-ASCII.
+DOCS = ["a", "hello world", "ünïcödé ✓", "", "x" * 37, "the quick brown fox jumps over the lazy dog", "z" * 5]
+
+
+def expected_samples(docs, seq_len, n_samples):
+    """The global samples, worked out by hand from the spec: [BOS] + utf8 + [EOS], looped, cut."""
+    stream = []
+    while len(stream) < n_samples * (seq_len + 1):
+        for doc in docs:
+            stream += [BOS] + list(doc.encode("utf-8")) + [EOS]
+    return [stream[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in range(n_samples)]
+
+
+def global_batch(loaders):
+    """One step of every rank's loader, the rank batches in rank order, as lists of samples."""
+    samples = []
+    for loader in loaders:
+        inputs, labels = next(loader)
+        assert inputs.dtype == labels.dtype == torch.int64
+        assert inputs.shape == labels.shape == (loader.local_batch_size, loader.seq_len)
+        assert (inputs[:, 1:] == labels[:, :-1]).all()  # labels are inputs shifted by one
+        samples += [row_in + [row_lab[-1]] for row_in, row_lab in zip(inputs.tolist(), labels.tolist())]
+    return samples
+
+
+def make_loaders(source, seq_len, batch, world):
+    return [PackedLoader(source, ByteTokenizer(), seq_len, batch, rank, world) for rank in range(world)]
+
+
+# ---------------------------------------------------------------- sources
+
+
+def test_stdlib_source_yields_the_standard_library():
+    source = build_source("stdlib", None)
+    assert isinstance(source, DocumentSource)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = source.files
+    assert len(files) > 100
+    assert files == sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    assert root / "os.py" in files
+    skipped = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
+    assert not any(part in skipped for f in files for part in f.relative_to(root).parts)
+    first_six = list(islice(source, 6))
+    assert first_six == list(islice(source, 6))  # re-iterable, same order
+    assert next(source.skip(5)) == first_six[5]
+    index = files.index(root / "os.py")
+    assert next(source.skip(index)) == (root / "os.py").read_text(encoding="utf-8")
+
+
+def test_stdlib_source_skips_folders_and_falls_back_offline(tmp_path):
+    for rel in ["b.py", "a.py", "pkg/c.py", "pkg/notes.txt", "test/t.py", "tests/t.py", "idlelib/i.py",
+                "site-packages/s.py", "lib2to3/l.py", "pkg/tests/t.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n")
+    assert list(StdlibSource(tmp_path)) == ["# a.py\n", "# b.py\n", "# pkg/c.py\n"]
+    assert list(StdlibSource(tmp_path).skip(2)) == ["# pkg/c.py\n"]
+
+    empty = tmp_path / "stripped"
+    empty.mkdir()
+    fallback = list(StdlibSource(empty))  # no .py files: the interpreter's own docstrings
+    assert len(fallback) > 5
+    assert fallback[0].startswith("builtins") and "print" in fallback[0]
+    assert list(StdlibSource(empty).skip(3)) == fallback[3:]
+
+
+def write_local_corpus(folder):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    (folder / "b.txt").write_text("a whole text file\nis one document ✓\n")
+    lines = [json.dumps({"text": f"json doc {i}", "id": i}) for i in range(3)]
+    (folder / "a.jsonl").write_text(lines[0] + "\n\n" + lines[1] + "\n" + lines[2] + "\n")
+    table = pa.table({"text": [f"parquet row {i}" for i in range(5)], "n": list(range(5))})
+    pq.write_table(table, folder / "c.parquet", row_group_size=2)  # row groups of 2, 2, 1
+    (folder / "sub").mkdir()
+    (folder / "sub" / "d.txt").write_text("nested")
+    (folder / "ignored.csv").write_text("x,y\n")
+    return ["json doc 0", "json doc 1", "json doc 2", "a whole text file\nis one document ✓\n"] + [
+        f"parquet row {i}" for i in range(5)
+    ] + ["nested"]
+
+
+def test_local_sources_txt_jsonl_parquet(tmp_path):
+    expected = write_local_corpus(tmp_path / "corpus")
+    source = build_source("ignored-when-a-path-is-set", str(tmp_path / "corpus"))
+    assert isinstance(source, LocalFileSource)
+    assert list(source) == expected
+    assert list(source) == expected  # a second epoch, same order
+    for n in range(len(expected) + 2):
+        assert list(source.skip(n)) == expected[n:], n
+    # The dataset key itself may be a path or a glob.
+    assert list(build_source(str(tmp_path / "corpus"), None)) == expected
+    assert list(build_source(str(tmp_path / "corpus" / "*.jsonl"), None)) == expected[:3]
+    assert list(build_source("x", str(tmp_path / "corpus" / "**" / "*.txt"))) == [expected[3], "nested"]
+    assert list(build_source("x", str(tmp_path / "corpus" / "c.parquet")).skip(3)) == expected[7:9]
+
+
+def test_local_sources_other_text_field_and_errors(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"content": "one"}\n{"content": "two"}\n')
+    assert list(build_source("x", str(tmp_path / "d.jsonl"), text_field="content")) == ["one", "two"]
+    with pytest.raises(ValueError, match="'text'"):
+        list(build_source("x", str(tmp_path / "d.jsonl")))
+
+    pattern = str(tmp_path / "nothing" / "*.txt")
+    with pytest.raises(FileNotFoundError) as err:
+        build_source("stdlib", pattern)
+    assert "training.dataset_path" in str(err.value) and pattern in str(err.value) and "\n" not in str(err.value)
+    missing = str(tmp_path / "missing_dir")
+    with pytest.raises(FileNotFoundError) as err:
+        build_source("stdlib", missing)
+    assert "training.dataset_path" in str(err.value) and missing in str(err.value)
+
+
+def test_hub_dataset_offline_error_names_the_key(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as err:
+        build_source("nobody-titan-test/no-such-dataset", None)
+    message = str(err.value)
+    assert "training.dataset" in message and "stdlib" in message and "unreachable" in message
+    assert "\n" not in message
+
+
+# ---------------------------------------------------------------- loader
+
+
+def test_loader_packs_documents_with_bos_eos_across_epochs():
+    seq_len, batch = 8, 3
+    loader = PackedLoader(ListSource(DOCS), ByteTokenizer(), seq_len, batch)
+    total = sum(len(d.encode()) + 2 for d in DOCS)  # tokens in one epoch
+    n_steps = 3 * total // (seq_len + 1) // batch + 2  # about three epochs
+    got = [s for _ in range(n_steps) for s in global_batch([loader])]
+    assert got == expected_samples(DOCS, seq_len, n_steps * batch)
+    assert loader.epoch >= 2
+    # BOS/EOS placement by hand: the stream opens [BOS] 'a' [EOS] [BOS] 'hello ...'.
+    assert got[0] == [BOS, ord("a"), EOS, BOS] + list(b"hello")  # 9 = seq_len + 1 tokens
+    assert got[1][:7] == list(b" world") + [EOS]  # sample 1 picks up right after "hello"
+
+
+def test_rank_shares_are_disjoint_and_cover_the_single_process_batch():
+    seq_len, batch, world = 6, 2, 4
+    ranks = make_loaders(ListSource(DOCS), seq_len, batch, world)
+    single = PackedLoader(ListSource(DOCS), ByteTokenizer(), seq_len, batch * world)
+    for _ in range(5):
+        per_rank = [next(loader) for loader in ranks]
+        inputs, labels = next(single)
+        assert (inputs == torch.cat([x for x, _ in per_rank])).all()
+        assert (labels == torch.cat([y for _, y in per_rank])).all()
+    states = [json.dumps(loader.state_dict(), sort_keys=True) for loader in ranks]
+    assert len(set(states)) == 1  # identical on every rank
+    assert json.loads(states[0]) == single.state_dict()
+
+
+@pytest.mark.parametrize("steps_before", [1, 4, 9, 13])
+def test_resume_mid_stream_gives_identical_batches(steps_before):
+    seq_len, batch = 7, 2
+    docs_per_epoch = len(DOCS)
+    reference = PackedLoader(ListSource(DOCS), ByteTokenizer(), seq_len, batch)
+    for _ in range(steps_before):
+        next(reference)
+    state = json.loads(json.dumps(reference.state_dict()))  # plain JSON data
+    assert all(isinstance(v, int) for v in state.values())
+
+    source = ListSource(DOCS)
+    resumed = PackedLoader(source, ByteTokenizer(), seq_len, batch)
+    resumed.load_state_dict(state)
+    for _ in range(6):  # runs on across at least one epoch boundary
+        a, b = next(reference), next(resumed)
+        assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+    # No document before the saved position was re-read.
+    assert source.read[0] == state["doc_index"] % docs_per_epoch
+    assert resumed.state_dict() == reference.state_dict()
+
+
+def test_resume_across_an_epoch_boundary_state():
+    seq_len, batch = 5, 1
+    epoch_tokens = sum(len(d.encode()) + 2 for d in DOCS)
+    loader = PackedLoader(ListSource(DOCS), ByteTokenizer(), seq_len, batch)
+    steps = epoch_tokens // (seq_len + 1) + 1  # the first step that reads into epoch 1
+    for _ in range(steps):
+        next(loader)
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["samples_consumed"] == steps
+    resumed = PackedLoader(ListSource(DOCS), ByteTokenizer(), seq_len, batch)
+    resumed.load_state_dict(state)
+    expected = expected_samples(DOCS, seq_len, steps + 4)[steps:]
+    assert [s for _ in range(4) for s in global_batch([resumed])] == expected
+
+
+def test_resume_into_other_world_sizes_continues_the_global_order():
+    seq_len = 6
+    got = []
+    two = make_loaders(ListSource(DOCS), seq_len, batch=3, world=2)
+    for _ in range(3):
+        got += global_batch(two)  # 18 samples
+    state = json.loads(json.dumps(two[1].state_dict()))
+    assert state["samples_consumed"] == 18
+
+    four = make_loaders(ListSource(DOCS), seq_len, batch=2, world=4)
+    for loader in four:
+        loader.load_state_dict(state)
+    for _ in range(2):
+        got += global_batch(four)  # 16 samples
+    state = four[2].state_dict()
+
+    one = make_loaders(ListSource(DOCS), seq_len, batch=5, world=1)
+    one[0].load_state_dict(state)
+    for _ in range(2):
+        got += global_batch(one)  # 10 samples
+    assert one[0].state_dict()["samples_consumed"] == 44
+    assert got == expected_samples(DOCS, seq_len, 44)  # nothing repeated or skipped
+
+
+def test_loader_errors_are_one_line():
+    with pytest.raises(ValueError, match="training.seq_len"):
+        PackedLoader(ListSource(DOCS), ByteTokenizer(), 0, 1)
+    with pytest.raises(ValueError, match="dp_rank"):
+        PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1, dp_rank=2, dp_world=2)
+    with pytest.raises(ValueError, match="no documents"):
+        next(PackedLoader(ListSource([]), ByteTokenizer(), 4, 1))
+    saved = PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1).state_dict()
+    with pytest.raises(ValueError, match="training.seq_len=4"):
+        PackedLoader(ListSource(DOCS), ByteTokenizer(), 8, 1).load_state_dict(saved)
+
+
+def test_loader_over_real_sources():
+    # The offline default: stdlib with the byte tokenizer, a whole epoch in well under a second.
+    loader = PackedLoader(build_source("stdlib"), ByteTokenizer(), 1024, 16)
+    first = StdlibSource().files[0].read_bytes()
+    inputs, _ = next(loader)
+    assert inputs[0, 0].item() == BOS
+    assert inputs[0, 1 : 1 + min(len(first), 50)].tolist() == list(first[:50])
+    while loader.epoch == 0:
+        next(loader)
+    assert loader.state_dict()["doc_index"] < 50
+    if HAMLET.exists():
+        hamlet = PackedLoader(build_source("x", str(HAMLET)), ByteTokenizer(), 64, 2)
+        inputs, labels = next(hamlet)
+        data = HAMLET.read_bytes()
+        assert inputs[0].tolist() == [BOS] + list(data[:63])
+        assert labels[1].tolist() == list(data[65:129])  # stream[66:130], stream[k] = data[k-1]

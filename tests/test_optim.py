@@ -1,0 +1,174 @@
+"""Optimizer builder and warmup-stable-decay LR schedule.
+
+Expected schedule factors are worked out by hand from the definition
+(torchtitan's linear_warmup_stable_decay): warmup (s+1)/(W+1); decay progress
+p = (s+1-W-S)/(D+1); linear 1-p, sqrt 1-sqrt(p), cosine (1+cos(pi p))/2, mapped
+onto [m, 1] as m + (1-m) * shape.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from titan_core.config.errors import ConfigError
+from titan_core.lr_schedule import build_lr_scheduler
+from titan_core.optim import build_optimizer
+
+
+def _lrs(steps: int, n: int | None = None, **schedule) -> list[float]:
+    """LR (peak 1.0) used by each of the first `n` optimizer steps."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = build_lr_scheduler(opt, steps=steps, **schedule)
+    lrs = []
+    for _ in range(steps if n is None else n):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+# steps=10, W=2, decay_ratio=0.4 -> D=4, S=4. Decay steps s=6..9 have
+# p = 1/5, 2/5, 3/5, 4/5.
+def test_wsd_linear_with_min_lr_factor():
+    lrs = _lrs(10, warmup_steps=2, decay_ratio=0.4, decay_type="linear", min_lr_factor=0.1)
+    # warmup 1/3, 2/3; stable 1 x4; linear 0.8, 0.6, 0.4, 0.2 -> 0.1 + 0.9 * shape
+    expected = [1 / 3, 2 / 3, 1, 1, 1, 1, 0.82, 0.64, 0.46, 0.28]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+
+
+def test_wsd_sqrt_and_cosine():
+    sqrt = _lrs(10, warmup_steps=2, decay_ratio=0.4, decay_type="sqrt", min_lr_factor=0.0)
+    # 1 - sqrt(0.2) = 1 - 0.4472136; 1 - sqrt(0.8) = 1 - 0.8944272
+    assert sqrt[:6] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1, 1])
+    assert sqrt[6] == pytest.approx(0.5527864, abs=1e-7)
+    assert sqrt[9] == pytest.approx(0.1055728, abs=1e-7)
+    cosine = _lrs(10, warmup_steps=2, decay_ratio=0.4, decay_type="cosine", min_lr_factor=0.0)
+    # cos(36 deg) = 0.8090170, cos(72 deg) = 0.3090170, cos(108 deg) = -0.3090170
+    assert cosine[6] == pytest.approx(0.9045085, abs=1e-7)
+    assert cosine[7] == pytest.approx(0.6545085, abs=1e-7)
+    assert cosine[8] == pytest.approx(0.3454915, abs=1e-7)
+    cosine_min = _lrs(10, warmup_steps=2, decay_ratio=0.4, decay_type="cosine", min_lr_factor=0.5)
+    assert cosine_min[8] == pytest.approx(0.5 + 0.5 * 0.3454915, abs=1e-7)
+
+
+def test_decay_ratio_none_decays_after_warmup():
+    # steps=6, W=1 -> D=5, S=0: warmup 1/2, then p = 1/6 .. 5/6
+    lrs = _lrs(6, warmup_steps=1, decay_ratio=None, decay_type="linear", min_lr_factor=0.0)
+    assert lrs == pytest.approx([1 / 2, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6], abs=1e-12)
+    # no warmup: D=4, p = 1/5 .. 4/5; a step past the end keeps the last factor (p = 1 -> m)
+    lrs = _lrs(4, n=6, warmup_steps=0, decay_ratio=None, decay_type="linear", min_lr_factor=0.25)
+    assert lrs == pytest.approx([0.85, 0.7, 0.55, 0.4, 0.25, 0.25], abs=1e-12)
+
+
+def test_warmup_plus_decay_longer_than_training_shrinks_decay():
+    # steps=10, W=5, ratio 0.8 -> D=8 would overflow; D becomes 5, p = 1/6 .. 5/6
+    lrs = _lrs(10, warmup_steps=5, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0)
+    assert lrs[4] == pytest.approx(5 / 6)
+    assert lrs[5:] == pytest.approx([5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6], abs=1e-12)
+
+
+def test_warmup_longer_than_training_is_an_error():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.warmup_steps"):
+        build_lr_scheduler(opt, steps=5, warmup_steps=6)
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.decay_type"):
+        build_lr_scheduler(opt, steps=5, warmup_steps=1, decay_type="exp")
+
+
+def test_scheduler_state_round_trip():
+    def build():
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = build_optimizer([p], lr=1e-2, implementation="for-loop", device_type="cpu")
+        sched = build_lr_scheduler(opt, steps=12, warmup_steps=3, decay_ratio=0.5, decay_type="cosine")
+        return p, opt, sched
+
+    def train(p, opt, sched, n):
+        lrs = []
+        for _ in range(n):
+            p.grad = torch.full_like(p, 0.5)
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    p_ref, opt_ref, sched_ref = build()
+    reference = train(p_ref, opt_ref, sched_ref, 9)
+
+    p, opt, sched = build()
+    first = train(p, opt, sched, 4)
+    buffer = io.BytesIO()
+    torch.save({"sched": sched.state_dict(), "opt": opt.state_dict(), "p": p.detach()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # the state is plain data
+
+    p2, opt2, sched2 = build()
+    with torch.no_grad():
+        p2.copy_(saved["p"])
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    assert sched2.last_epoch == 4
+    rest = train(p2, opt2, sched2, 5)
+    assert first + rest == pytest.approx(reference, abs=0)
+    torch.testing.assert_close(p2.detach(), p_ref.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("implementation", ["for-loop", "foreach", "fused"])
+def test_optimizer_kinds_take_a_step(implementation):
+    # One Adam step moves by lr * g / (|g| + eps) = lr * sign(g) (bias-corrected m/sqrt(v)).
+    # AdamW: p * (1 - lr * wd) - lr = 1 * 0.99 - 0.1 = 0.89.
+    # Adam (L2): gradient g + wd * p = 0.6 > 0, so p - lr = 0.9.
+    for name, expected in [("AdamW", 0.89), ("Adam", 0.9)]:
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = build_optimizer(
+            [p], name=name, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+            implementation=implementation, device_type="cpu",
+        )
+        assert isinstance(opt, torch.optim.AdamW if name == "AdamW" else torch.optim.Adam)
+        group = opt.param_groups[0]
+        assert group["fused"] == (implementation == "fused")
+        assert group["foreach"] == (implementation == "foreach")
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        torch.testing.assert_close(p.detach(), torch.full((4,), expected), rtol=0, atol=1e-6)
+
+
+def test_unsupported_choices_raise_naming_the_key():
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ConfigError, match=r"optimizer\.implementation.*'fused'.*'meta'"):
+        build_optimizer([p], lr=0.1, implementation="fused", device_type="meta")
+    complex_param = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(ConfigError, match=r"optimizer\.implementation.*complex64"):
+        build_optimizer([complex_param], lr=0.1, implementation="fused", device_type="cpu")
+    with pytest.raises(ConfigError, match=r"optimizer\.implementation"):
+        build_optimizer([p], lr=0.1, implementation="apex", device_type="cpu")
+    with pytest.raises(ConfigError, match=r"optimizer\.name"):
+        build_optimizer([p], name="SGD", lr=0.1, device_type="cpu")
+
+
+def test_foreach_and_for_loop_agree_after_three_steps():
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    data = [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)]
+    results = {}
+    for implementation in ("for-loop", "foreach", "fused"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        model.load_state_dict(base.state_dict())
+        opt = build_optimizer(
+            model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+            implementation=implementation, device_type="cpu",
+        )
+        for x, y in data:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        results[implementation] = [t.detach().clone() for t in model.parameters()]
+    for a, b, start in zip(results["for-loop"], results["foreach"], base.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(a, start.detach())  # the parameters did move
+    for a, b in zip(results["for-loop"], results["fused"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

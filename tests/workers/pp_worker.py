@@ -1,0 +1,201 @@
+"""Pipeline-parallel parity worker, launched by tests/test_pipeline.py under torchrun (gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node N tests/workers/pp_worker.py SUITE OUT_JSON
+
+Every rank trains the same tiny Llama for 3 SGD steps twice: alone, on the whole
+batch (the reference), and as its part of a pipeline (optionally with FSDP).
+Rank 0 writes, per case, the largest differences of the losses, the final
+parameters and the last step's gradients, where the loss was seen, and which
+parameter names the stages held, to OUT_JSON; the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
+from titan_parallel.dims import ParallelDims
+from titan_parallel.materialize import canonical_name, copy_full_state
+from titan_parallel.parallelize import ParallelOptions, parallelize
+from titan_parallel.pipeline import (
+    build_schedule,
+    build_stages,
+    count_microbatches,
+    count_stages,
+    pipeline_step,
+    split_model,
+    stage_module_names,
+)
+
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=64)
+GLOBAL_BS, SEQ, STEPS, LR = 8, 32, 3, 0.5
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    batches = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, ARGS.vocab_size, (GLOBAL_BS, SEQ + 1), generator=gen)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())  # mean over the microbatch's tokens
+
+
+def full_init_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_reference(state: dict[str, torch.Tensor], batches) -> dict:
+    model = Transformer(ARGS)
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for inputs, labels in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "grads": grads}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
+    """Train one pipeline layout; return this rank's differences to the reference."""
+    world = dist.get_world_size()
+    pp, dp_shard = case["pp"], case.get("dp_shard", 1)
+    schedule_name = case["schedule"]
+    mesh = ParallelDims(pp=pp, dp_shard=dp_shard, world_size=world).build_mesh("cpu")
+    pp_mesh = mesh["pp"]
+    n_stages = count_stages(ARGS.n_layers, pp, schedule_name, layers_per_stage=case.get("layers_per_stage"))
+    names = case.get("names") or stage_module_names(llama3_plan, ARGS.n_layers, n_stages)
+    with torch.device("meta"):
+        whole = Transformer(ARGS)
+    parts = split_model(whole, llama3_plan, names, pp_mesh, schedule_name)
+    for _, part in parts:
+        if dp_shard > 1:
+            parallelize(part, llama3_plan, mesh, ParallelOptions(pipeline_parallel=True))
+        part.to_empty(device="cpu")
+        part.init_weights(buffer_device="cpu")
+        copy_full_state(part, state)
+    stages = build_stages(parts, len(names), pp_mesh, torch.device("cpu"))
+    local_bs = GLOBAL_BS // dp_shard
+    n_mb = count_microbatches(local_bs, 1, len(names), schedule_name)
+    csv_path = None
+    if case.get("csv_from"):
+        csv_path = os.path.join(csv_dir, f"{case['csv_from']}.csv")
+        if dist.get_rank() == 0:  # the compute-only actions of a built-in schedule, as a custom CSV schedule
+            build_schedule(stages, case["csv_from"], n_mb, loss_fn)._dump_csv(csv_path, format="compute_only")
+        dist.barrier()
+    schedule = build_schedule(stages, schedule_name, n_mb, loss_fn, csv_path=csv_path)
+    params = [p for _, part in parts for p in part.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = []
+    for inputs, labels in batches:
+        opt.zero_grad()
+        rows = slice(dp_rank * local_bs, (dp_rank + 1) * local_bs)
+        loss = pipeline_step(schedule, stages, inputs[rows], labels[rows], pp_mesh)
+        if loss is not None and dp_shard > 1:  # average the local means over data parallel
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss = loss / dp_shard
+        losses.append(loss)
+        opt.step()
+    loss_diff = max((abs(l.item() - r) for l, r in zip(losses, ref["losses"])), default=0.0) if losses[0] is not None else 0.0
+    param_diff = grad_diff = 0.0
+    held = []
+    for _, part in parts:
+        for name, p in part.named_parameters():
+            key = canonical_name(name)
+            held.append(key)
+            param_diff = max(param_diff, (full(p.detach()) - ref["params"][key]).abs().max().item())
+            grad_diff = max(grad_diff, (full(p.grad) - ref["grads"][key]).abs().max().item())
+    # Free this layout's process groups before the next one.
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "grad_diff": grad_diff, "has_loss": losses[0] is not None, "held": held,
+            "stages": [i for i, _ in parts], "pp_rank": pp_mesh.get_local_rank()}
+
+
+def record_errors(state) -> dict:
+    """Errors split_model raises that need a real pp mesh: a weight tied across stages."""
+    out = {}
+    mesh = ParallelDims(pp=dist.get_world_size(), dp_shard=1, world_size=dist.get_world_size()).build_mesh("cpu")
+    with torch.device("meta"):
+        tied = Transformer(dataclasses.replace(ARGS, tie_word_embeddings=True))
+    names = stage_module_names(llama3_plan, ARGS.n_layers, mesh["pp"].size())
+    try:
+        split_model(tied, llama3_plan, names, mesh["pp"], "1F1B")
+        out["tied"] = None
+    except ValueError as e:
+        out["tied"] = str(e)
+    return out
+
+
+SUITES = {
+    "pp2": [
+        *({"name": f"pp2-{s}", "pp": 2, "schedule": s} for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")),
+        {"name": "pp2-1F1B-explicit", "pp": 2, "schedule": "1F1B",
+         "names": [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]},
+        {"name": "pp2-csv-Interleaved1F1B", "pp": 2, "schedule": "Interleaved1F1B", "csv_from": "Interleaved1F1B"},
+    ],
+    "pp4": [
+        {"name": "pp4-1F1B", "pp": 4, "schedule": "1F1B"},
+        {"name": "pp4-Interleaved1F1B", "pp": 4, "schedule": "Interleaved1F1B"},
+        {"name": "pp4-ZBVZeroBubble", "pp": 4, "schedule": "ZBVZeroBubble"},
+        {"name": "pp2xfsdp2-1F1B", "pp": 2, "dp_shard": 2, "schedule": "1F1B"},
+        {"name": "pp2xfsdp2-Interleaved1F1B", "pp": 2, "dp_shard": 2, "schedule": "Interleaved1F1B"},
+        {"name": "pp2xfsdp2-DualPipeV", "pp": 2, "dp_shard": 2, "schedule": "DualPipeV"},
+    ],
+}
+
+
+def main() -> None:
+    suite, out_path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    state = full_init_state()
+    batches = make_batches()
+    ref = train_reference(state, batches)
+    results: dict = {"ref_params": sorted(ref["params"]), "ref_losses": ref["losses"], "cases": {}}
+    csv_dir = os.path.dirname(os.path.abspath(out_path))
+    for case in SUITES[suite]:
+        try:
+            local = run_case(case, state, batches, ref, csv_dir)
+        except Exception:  # report, and keep the other ranks from hanging on this case
+            local = {"error": traceback.format_exc()}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        results["cases"][case["name"]] = gathered
+        if any("error" in g for g in gathered):
+            break  # ranks may be out of step; stop here
+    results["errors"] = record_errors(state)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

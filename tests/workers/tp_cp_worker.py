@@ -1,0 +1,311 @@
+"""Tensor- and context-parallel parity worker, launched by tests/test_tensor_parallel.py and
+tests/test_context_parallel.py under torchrun (4 processes, gloo, CPU, float32).
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/workers/tp_cp_worker.py {tp|cp} OUT_JSON
+
+Every rank builds the same seeded tiny Llama alone (the reference) and runs one
+forward and backward on the whole batch; then, per case, the same weights split
+by TP and/or CP run the same batch. Rank 0 writes, per case, the largest absolute
+differences (over all ranks) of the logits, the loss and every parameter's
+gradient, plus the largest reference magnitudes, to OUT_JSON; the tests assert on them.
+The expected head-tail layout is written out here independently of the product code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
+from titan_parallel.context_parallel import apply_cp, shard_sequence, unshard_sequence
+from titan_parallel.dims import ParallelDims
+from titan_parallel.materialize import copy_full_state
+from titan_parallel.parallelize import ParallelOptions, parallelize
+from titan_parallel.ring_attention import RingAttention, ring_attention
+from titan_parallel.tensor_parallel import apply_tp
+
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, vocab_size=512)
+BS, SEQ = 2, 32
+WORLD = 4
+
+
+def head_tail_index(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions rank `rank` holds: chunks `rank` and `2*cp-1-rank` of `2*cp` equal chunks."""
+    chunks = torch.arange(seq).chunk(2 * cp)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Reference:
+    """The single-process model, its logits, loss and gradients on the whole batch."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.model = Transformer(ARGS)
+        self.model.init_weights()
+        self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        gen = torch.Generator().manual_seed(1234)
+        data = torch.randint(0, ARGS.vocab_size, (BS, SEQ + 1), generator=gen)
+        self.tokens, self.labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        self.logits = self.model(self.tokens)
+        self.loss = F.cross_entropy(self.logits.flatten(0, 1), self.labels.flatten())
+        self.loss.backward()
+        self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
+        self.logits = self.logits.detach()
+
+
+def build_meta(stage: str | None = None) -> Transformer:
+    """The model on the meta device; `stage` "first" keeps embeddings + layer 0, "last" layer 1 + norm + output."""
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    if stage == "first":
+        del model.layers["1"]
+        model.norm, model.output = None, None
+    elif stage == "last":
+        del model.layers["0"]
+        model.tok_embeddings = None
+    return model
+
+
+def materialize(model: Transformer, ref: Reference) -> Transformer:
+    model.to_empty(device="cpu")
+    model.init_weights()  # the RoPE buffer; parameters are overwritten next
+    copy_full_state(model, ref.state)
+    return model
+
+
+class Recorder:
+    """Collects per-case maxima, reduced with MAX over all ranks."""
+
+    def __init__(self):
+        self.cases: dict[str, dict[str, float]] = {}
+
+    def add(self, case: str, **values: float) -> None:
+        self.cases.setdefault(case, {}).update(values)
+
+    def reduce(self) -> dict:
+        out = {}
+        for case, values in self.cases.items():
+            keys = sorted(values)
+            t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out[case] = dict(zip(keys, t.tolist()))
+        return out
+
+
+def grad_diffs(model: torch.nn.Module, ref: Reference, reduce_group=None, divide: int = 1) -> tuple[float, float, int]:
+    """Largest gradient difference and reference magnitude over `model`'s parameters; and how many were compared."""
+    worst, scale, count = 0.0, 0.0, 0
+    for name, param in model.named_parameters():
+        grad = full(param.grad)
+        if reduce_group is not None:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=reduce_group)
+            grad /= divide
+        expected = ref.grads[name.replace("_checkpoint_wrapped_module.", "")]
+        assert grad.shape == expected.shape, (name, grad.shape, expected.shape)
+        worst = max(worst, maxdiff(grad, expected))
+        scale = max(scale, expected.abs().max().item())
+        count += 1
+    return worst, scale, count
+
+
+# ---- tensor parallel -----------------------------------------------------------------------
+
+
+def run_tp(ref: Reference, rec: Recorder) -> None:
+    for tp in (2, 4):
+        mesh = ParallelDims(tp=tp, world_size=WORLD).build_mesh("cpu")
+        for lp in (True, False):
+            case = f"tp{tp}_{'loss_parallel' if lp else 'replicated_logits'}"
+            model = materialize(apply_tp(build_meta(), llama3_plan, mesh["tp"], loss_parallel=lp), ref)
+            wq = model.layers["0"].attention.wq.weight
+            rec.add(case, wq_local_rows=wq.to_local().shape[0], logits_is_dtensor=0.0)
+            logits = model(ref.tokens)
+            if lp:
+                rec.add(case, logits_is_dtensor=float(isinstance(logits, DTensor)))
+                with loss_parallel():
+                    loss = F.cross_entropy(logits.flatten(0, 1), ref.labels.flatten())
+                    loss.backward()
+            else:
+                loss = F.cross_entropy(logits.flatten(0, 1), ref.labels.flatten())
+                loss.backward()
+            gd, gs, n = grad_diffs(model, ref)
+            rec.add(
+                case,
+                logits=maxdiff(full(logits), ref.logits),
+                loss=maxdiff(full(loss), ref.loss),
+                grads=gd,
+                grad_scale=gs,
+                n_grads=n,
+                logits_scale=ref.logits.abs().max().item(),
+            )
+
+
+# ---- context parallel ----------------------------------------------------------------------
+
+
+def run_ring_alone(rec: Recorder) -> None:
+    """`ring_attention` on random q/k/v against causal SDPA on the whole sequence, forward and backward."""
+    bs, seq, head_dim = 2, 32, 8
+    for cp in (2, 4):
+        mesh = ParallelDims(cp=cp, world_size=WORLD).build_mesh("cpu")
+        group, rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+        idx = head_tail_index(seq, cp, rank)
+        for n_heads, n_kv_heads in ((4, 4), (4, 2), (6, 2)):
+            gen = torch.Generator().manual_seed(7)
+            q = torch.randn(bs, n_heads, seq, head_dim, generator=gen, requires_grad=True)
+            k = torch.randn(bs, n_kv_heads, seq, head_dim, generator=gen, requires_grad=True)
+            v = torch.randn(bs, n_kv_heads, seq, head_dim, generator=gen, requires_grad=True)
+            dout = torch.randn(bs, n_heads, seq, head_dim, generator=gen)
+            expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_heads != n_kv_heads)
+            (expected * dout).sum().backward()
+            for method in ("allgather", "rotate"):
+                ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+                out = ring_attention(ql, kl, vl, group, method)
+                (out * dout[:, :, idx]).sum().backward()
+                rec.add(
+                    f"ring_cp{cp}_{method}_h{n_heads}_kv{n_kv_heads}",
+                    out=maxdiff(out, expected[:, :, idx]),
+                    dq=maxdiff(ql.grad, q.grad[:, :, idx]),
+                    dk=maxdiff(kl.grad, k.grad[:, :, idx]),
+                    dv=maxdiff(vl.grad, v.grad[:, :, idx]),
+                )
+
+
+def gather_logits(local: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """All-gather the cp ranks' logits and put them back in sequence order (written independently)."""
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    out = torch.empty(local.size(0), local.size(1) * cp, local.size(2))
+    for r, part in enumerate(parts):
+        out[:, head_tail_index(out.size(1), cp, r)] = part
+    return out
+
+
+def run_cp(ref: Reference, rec: Recorder) -> None:
+    """CP-only models: logits, loss (averaged over cp) and gradients (averaged over cp) against the reference."""
+    for cp in (2, 4):
+        mesh = ParallelDims(cp=cp, world_size=WORLD).build_mesh("cpu")
+        cp_mesh = mesh["cp"]
+        group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
+        tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=cp_mesh)
+        idx = head_tail_index(SEQ, cp, rank)
+        rec.add(f"shard_sequence_cp{cp}", tokens=maxdiff(tokens, ref.tokens[:, idx]), labels=maxdiff(labels, ref.labels[:, idx]))
+        for method in ("allgather", "rotate"):
+            case = f"cp{cp}_{method}"
+            model = materialize(apply_cp(build_meta(), llama3_plan, cp_mesh, rotate_method=method), ref)
+            swapped = all(isinstance(b.attention.sdpa, RingAttention) for b in model.layers.values())
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss, group=group)
+            gd, gs, n = grad_diffs(model, ref, reduce_group=group, divide=cp)
+            rec.add(
+                case,
+                ring_swapped=float(not swapped),  # 0 when every block's core is RingAttention
+                logits=maxdiff(gather_logits(logits.detach(), cp, group), ref.logits),
+                unshard=maxdiff(unshard_sequence(logits.detach(), cp_mesh), ref.logits),
+                local_loss_differs=float(abs(loss.item() - ref.loss.item()) > 1e-4),  # 1: shards really differ
+                loss=maxdiff(mean_loss / cp, ref.loss),
+                grads=gd,
+                grad_scale=gs,
+                n_grads=n,
+            )
+
+
+def run_cp_stages(ref: Reference, rec: Recorder) -> None:
+    """Two pipeline stages run one after the other: the last one gets only hidden states (positions from the hook)."""
+    for tp, cp in ((1, 4), (2, 2)):
+        mesh = ParallelDims(cp=cp, tp=tp, world_size=WORLD).build_mesh("cpu")
+        cp_mesh = mesh["cp"]
+        tokens, _ = shard_sequence(ref.tokens, ref.labels, cp_mesh=cp_mesh)
+        stages = []
+        for stage in ("first", "last"):
+            model = build_meta(stage)
+            if tp > 1:
+                apply_tp(model, llama3_plan, mesh["tp"], loss_parallel=False)
+            stages.append(materialize(apply_cp(model, llama3_plan, cp_mesh, rotate_method="rotate"), ref))
+        with torch.no_grad():
+            hidden = stages[0](tokens)  # (bs, seqlen/(cp*tp), dim) locally
+            logits = stages[1](hidden)
+        rec.add(
+            f"stages_tp{tp}_cp{cp}",
+            hidden_seq=hidden.shape[1],
+            logits=maxdiff(gather_logits(logits, cp, cp_mesh.get_group()), ref.logits),
+        )
+
+
+def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
+    """TP 2 x CP 2 through `parallelize` (FSDP over dp_shard_cp averages the local-mean gradients)."""
+    for method in ("allgather", "rotate"):
+        mesh = ParallelDims(cp=2, tp=2, world_size=WORLD).build_mesh("cpu")
+        options = ParallelOptions(loss_parallel=True, cp_rotate_method=method)
+        model = materialize(parallelize(build_meta(), llama3_plan, mesh, options), ref)
+        tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=mesh["cp"])
+        logits = model(tokens)  # Shard(-1) over tp
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        mean_loss = full(loss).detach().clone()
+        dist.all_reduce(mean_loss, group=mesh["cp"].get_group())
+        gd, gs, n = grad_diffs(model, ref)
+        rec.add(
+            f"parallelize_tp2_cp2_{method}",
+            logits=maxdiff(gather_logits(full(logits).detach(), 2, mesh["cp"].get_group()), ref.logits),
+            loss=maxdiff(mean_loss / 2, ref.loss),
+            grads=gd,
+            grad_scale=gs,
+            n_grads=n,
+        )
+
+
+def main() -> None:
+    suite, out_path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    torch.use_deterministic_algorithms(True)
+    ref = Reference()
+    rec = Recorder()
+    if suite == "tp":
+        run_tp(ref, rec)
+    elif suite == "cp":
+        run_ring_alone(rec)
+        run_cp(ref, rec)
+        run_cp_stages(ref, rec)
+        run_tp_cp_parallelize(ref, rec)
+    else:
+        raise SystemExit(f"unknown suite {suite!r}; use tp or cp")
+    results = rec.reduce()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    os._exit(0)
