@@ -26,6 +26,7 @@ from titan_parallel.grad_clip import clip_grad_norm_
 from titan_parallel.materialize import copy_full_state
 from titan_parallel.parallelize import ParallelOptions, parallelize
 
+from titan_core.checkpointing import build_checkpointer
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import PackedLoader, build_source, build_tokenizer
 from titan_core.lr_schedule import build_lr_scheduler
@@ -174,6 +175,18 @@ class Trainer:
             min_lr_factor=cfg.lr_scheduler.min_lr_factor,
         )
         self.state = TrainState()
+        # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG (titan_core.checkpointing)
+        self.checkpointer = build_checkpointer(
+            cfg.checkpoint,
+            run_folder=self.run_folder,
+            model_parts=[self.model],
+            optimizers=[self.optimizer],
+            lr_schedulers=[self.lr_scheduler],
+            dataloader=self.loader,
+            train_state=self.state,
+            device=self.device,
+            world_size=self.world_size,
+        )
         self.loss_fn = cross_entropy_loss
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.loss_fn = torch.compile(cross_entropy_loss)
@@ -189,8 +202,8 @@ class Trainer:
         with warnings.catch_warnings():  # DTensor warns that its CPU random ops are not sharded: we overwrite them
             warnings.simplefilter("ignore", UserWarning)
             self.model.init_weights(buffer_device=self.device)  # buffers; parameters are overwritten next
-        torch.manual_seed(self.seed)
         reference = self.spec.build(self.model_args)
+        torch.manual_seed(self.seed)
         reference.init_weights()
         copy_full_state(self.model, reference.state_dict())
 
@@ -231,6 +244,10 @@ class Trainer:
         if self.rank == 0:
             self.run_folder.mkdir(parents=True, exist_ok=True)
             (self.run_folder / "config.toml").write_text(dump_toml(cfg))
+        if cfg.checkpoint.create_seed_checkpoint:  # [checkpoint] seed mode: save the initialised model as step-0, no training
+            self.checkpointer.save_seed()
+            return []
+        self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
         flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
         metrics = MetricsLogger(
@@ -271,6 +288,7 @@ class Trainer:
                 self.state.tokens_seen += tokens_per_step
                 meter.add_tokens(tokens_per_step // self.dims.dp)
                 metrics.update_progress(self.state.step)
+                self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
                 if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps:
                     continue
                 avg, mx = self._reduce_loss(loss)
@@ -288,6 +306,7 @@ class Trainer:
                     jsonl.write(json.dumps({"step": self.state.step, **values}) + "\n")
                     jsonl.flush()
         finally:
+            self.checkpointer.close()  # [checkpoint] waits for a background save
             metrics.close()
             if jsonl is not None:
                 jsonl.close()

@@ -54,16 +54,25 @@ def apply_fsdp(
     if cpu_offload:
         # Pinned memory needs an accelerator; on a CPU-only host it must be off.
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for name in plan.fsdp_root_units:
-        unit = get_submodule_or_none(model, name)
-        if unit is not None:
-            fully_shard(unit, reshard_after_forward=reshard, **config)
+    for unit in _root_units(model, plan):
+        fully_shard(unit, reshard_after_forward=reshard, **config)
     for block in iter_blocks(model, plan):
         fully_shard(block, reshard_after_forward=reshard, **config)
     # The root's own parameters (e.g. the final norm) are needed right at the end of
     # forward, so they stay gathered for backward.
     fully_shard(model, reshard_after_forward=False if not pipeline_parallel else reshard, **config)
     return model
+
+
+def _root_units(model: nn.Module, plan: ModelPlan) -> list[nn.Module]:
+    """The modules of `plan.fsdp_root_units` present in `model` that share no parameter with
+    another unit: tied weights (embedding = output) must stay in one unit, the root's."""
+    units = [m for m in (get_submodule_or_none(model, name) for name in plan.fsdp_root_units) if m is not None]
+    owners: dict[int, int] = {}
+    for unit in units:
+        for p in unit.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [u for u in units if all(owners[id(p)] == 1 for p in u.parameters())]
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

@@ -63,8 +63,9 @@ def is_v_schedule(schedule_name: str) -> bool:
 def count_microbatches(local_batch_size: int, microbatch_size: int, n_stages: int, schedule_name: str) -> int:
     """`local_batch_size // microbatch_size`, refused where it does not divide or the schedule needs more.
 
-    1F1B needs at least as many microbatches as stages, DualPipeV as many as all
-    (2 x pp) stages, the looped and zero-bubble ones at least one per rank.
+    1F1B and DualPipeV need at least one microbatch per stage (torch refuses fewer);
+    the others run with any number, though fewer microbatches than stages leave
+    the pipeline mostly idle (bubbles).
 
     Args:
         local_batch_size: sequences per data-parallel rank per step (`training.local_batch_size`).
@@ -72,18 +73,14 @@ def count_microbatches(local_batch_size: int, microbatch_size: int, n_stages: in
         n_stages: total number of stages over all ranks.
         schedule_name: one of `available_schedules()`.
     """
+    get_schedule_class(schedule_name)  # refuse unknown names first
     if local_batch_size % microbatch_size:
         raise ParallelConfigError(
             f"training.local_batch_size={local_batch_size} is not divisible by "
             f"parallelism.pipeline_parallel_microbatch_size={microbatch_size}; make the batch a multiple of the microbatch"
         )
     n_microbatches = local_batch_size // microbatch_size
-    if schedule_name in ("1F1B", "DualPipeV"):
-        needed = n_stages
-    elif schedule_name == "GPipe":
-        needed = 1
-    else:  # looped and zero-bubble: at least one microbatch per pipeline rank
-        needed = n_stages // 2 if is_v_schedule(schedule_name) else 1
+    needed = n_stages if schedule_name in ("1F1B", "DualPipeV") else 1
     if n_microbatches < needed:
         raise ParallelConfigError(
             f"schedule '{schedule_name}' with {n_stages} stages needs >= {needed} microbatches, got {n_microbatches} "

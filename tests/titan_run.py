@@ -1,0 +1,54 @@
+"""Running `titan train` for real from the tests: one process or N under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# A tiny, fast, exactly reproducible run: fp32, fixed seed, every step logged.
+TINY = [
+    "--training.seq_len", "32",
+    "--training.steps", "10",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false",
+    "--metrics.peak_tflops", "1",
+    "--debug.seed", "7",
+]
+
+
+def titan_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # a mismatched collective fails instead of returning garbage
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_titan(
+    dump_folder: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run `titan train` (N processes via `--nproc-per-node`) with `args`, into `dump_folder`."""
+    cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc),
+           "--job.dump_folder", str(dump_folder), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=titan_env(), timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    """The per-step records the trainer wrote to `metrics.jsonl`."""
+    lines = (dump_folder / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def losses(dump_folder: Path) -> list[float]:
+    return [r["loss/global_avg"] for r in read_metrics(dump_folder)]
