@@ -20,16 +20,31 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan
 
+
+
+def _ops(*names: str) -> set:
+    """The aten/_c10d_functional overloads named `namespace.op`, skipping ones this torch lacks."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops)
+
+    found = set()
+    for name in names:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            found.add(packet.default)
+    return found
+
+
 # Ops whose outputs selective "op" mode keeps: expensive to recompute.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.c10d_functional.reduce_scatter_tensor.default,
-    torch.ops.aten.max.default,
-}
+_SAVE_OPS = _ops(
+    "aten.mm",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_cudnn_attention",
+    "_c10d_functional.reduce_scatter_tensor",
+    "aten.max",
+)
 
 
 def _op_policy():

@@ -163,7 +163,8 @@ def check_module_names(plan: ModelPlan, n_layers: int, names_per_stage: list[lis
             raise ParallelConfigError(f"{_FQNS_KEY}: stage {stage} is empty; give every stage at least one module")
         for name in names:
             if name not in position:
-                raise ParallelConfigError(f"{_FQNS_KEY}: unknown module '{name}' in stage {stage}; valid names are {units[0]} .. {units[-1]} ({', '.join(units)})")
+                valid = [*plan.pp_first, f"{plan.blocks}.0 .. {plan.blocks}.{n_layers - 1}", *plan.pp_last]
+                raise ParallelConfigError(f"{_FQNS_KEY}: unknown module '{name}' in stage {stage}; valid names: {', '.join(valid)}")
             if name in seen:
                 raise ParallelConfigError(f"{_FQNS_KEY}: module '{name}' is in stage {seen[name]} and stage {stage}; list it once")
             seen[name] = stage
