@@ -1,9 +1,11 @@
 """Pipeline-parallel parity worker, launched by tests/test_pipeline.py under torchrun (gloo, CPU).
 
-    python -m torch.distributed.run --nproc-per-node N tests/workers/pp_worker.py SUITE OUT_JSON
+    python -m torch.distributed.run --nproc-per-node 4 tests/workers/pp_worker.py OUT_JSON
 
 Every rank trains the same tiny Llama for 3 SGD steps twice: alone, on the whole
 batch (the reference), and as its part of a pipeline (optionally with FSDP).
+pp=2 layouts without FSDP run as two independent pipeline replicas
+(`dp_replicate`=2, no data-parallel wrapping), each on the whole batch.
 Rank 0 writes, per case, the largest differences of the losses, the final
 parameters and the last step's gradients, where the loss was seen, and which
 parameter names the stages held, to OUT_JSON; the test asserts on them.
@@ -16,6 +18,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -28,6 +31,7 @@ from titan_parallel.dims import ParallelDims
 from titan_parallel.materialize import canonical_name, copy_full_state
 from titan_parallel.parallelize import ParallelOptions, parallelize
 from titan_parallel.pipeline import (
+    available_schedules,
     build_schedule,
     build_stages,
     count_microbatches,
@@ -86,7 +90,8 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
     world = dist.get_world_size()
     pp, dp_shard = case["pp"], case.get("dp_shard", 1)
     schedule_name = case["schedule"]
-    mesh = ParallelDims(pp=pp, dp_shard=dp_shard, world_size=world).build_mesh("cpu")
+    dims = ParallelDims(pp=pp, dp_replicate=world // (pp * dp_shard), dp_shard=dp_shard, world_size=world)
+    mesh = dims.build_mesh("cpu")
     pp_mesh = mesh["pp"]
     n_stages = count_stages(ARGS.n_layers, pp, schedule_name, layers_per_stage=case.get("layers_per_stage"))
     names = case.get("names") or stage_module_names(llama3_plan, ARGS.n_layers, n_stages)
@@ -96,10 +101,14 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
     for _, part in parts:
         if dp_shard > 1:
             parallelize(part, llama3_plan, mesh, ParallelOptions(pipeline_parallel=True))
+    if case.get("stages_on_meta"):  # PipelineStage wraps the meta modules; they are materialised after
+        stages = build_stages(parts, len(names), pp_mesh, torch.device("cpu"))
+    for _, part in parts:
         part.to_empty(device="cpu")
         part.init_weights(buffer_device="cpu")
         copy_full_state(part, state)
-    stages = build_stages(parts, len(names), pp_mesh, torch.device("cpu"))
+    if not case.get("stages_on_meta"):
+        stages = build_stages(parts, len(names), pp_mesh, torch.device("cpu"))
     local_bs = GLOBAL_BS // dp_shard
     n_mb = count_microbatches(local_bs, 1, len(names), schedule_name)
     csv_path = None
@@ -111,18 +120,19 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
     schedule = build_schedule(stages, schedule_name, n_mb, loss_fn, csv_path=csv_path)
     params = [p for _, part in parts for p in part.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
-    dp_rank = mesh["dp"].get_local_rank()
+    dp_rank = mesh["dp_shard"].get_local_rank()
     losses = []
     for inputs, labels in batches:
         opt.zero_grad()
         rows = slice(dp_rank * local_bs, (dp_rank + 1) * local_bs)
         loss = pipeline_step(schedule, stages, inputs[rows], labels[rows], pp_mesh)
         if loss is not None and dp_shard > 1:  # average the local means over data parallel
-            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
             loss = loss / dp_shard
         losses.append(loss)
         opt.step()
-    loss_diff = max((abs(l.item() - r) for l, r in zip(losses, ref["losses"])), default=0.0) if losses[0] is not None else 0.0
+    has_loss = losses[0] is not None
+    loss_diff = max(abs(l.item() - r) for l, r in zip(losses, ref["losses"])) if has_loss else 0.0
     param_diff = grad_diff = 0.0
     held = []
     for _, part in parts:
@@ -131,15 +141,14 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
             held.append(key)
             param_diff = max(param_diff, (full(p.detach()) - ref["params"][key]).abs().max().item())
             grad_diff = max(grad_diff, (full(p.grad) - ref["grads"][key]).abs().max().item())
-    # Free this layout's process groups before the next one.
-    return {"loss_diff": loss_diff, "param_diff": param_diff, "grad_diff": grad_diff, "has_loss": losses[0] is not None, "held": held,
+    return {"loss_diff": loss_diff, "param_diff": param_diff, "grad_diff": grad_diff, "has_loss": has_loss, "held": held,
             "stages": [i for i, _ in parts], "pp_rank": pp_mesh.get_local_rank()}
 
 
-def record_errors(state) -> dict:
+def record_errors() -> dict:
     """Errors split_model raises that need a real pp mesh: a weight tied across stages."""
     out = {}
-    mesh = ParallelDims(pp=dist.get_world_size(), dp_shard=1, world_size=dist.get_world_size()).build_mesh("cpu")
+    mesh = ParallelDims(pp=2, dp_replicate=dist.get_world_size() // 2, dp_shard=1, world_size=dist.get_world_size()).build_mesh("cpu")
     with torch.device("meta"):
         tied = Transformer(dataclasses.replace(ARGS, tie_word_embeddings=True))
     names = stage_module_names(llama3_plan, ARGS.n_layers, mesh["pp"].size())
@@ -151,26 +160,22 @@ def record_errors(state) -> dict:
     return out
 
 
-SUITES = {
-    "pp2": [
-        *({"name": f"pp2-{s}", "pp": 2, "schedule": s} for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")),
-        {"name": "pp2-1F1B-explicit", "pp": 2, "schedule": "1F1B",
-         "names": [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]},
-        {"name": "pp2-csv-Interleaved1F1B", "pp": 2, "schedule": "Interleaved1F1B", "csv_from": "Interleaved1F1B"},
-    ],
-    "pp4": [
-        {"name": "pp4-1F1B", "pp": 4, "schedule": "1F1B"},
-        {"name": "pp4-Interleaved1F1B", "pp": 4, "schedule": "Interleaved1F1B"},
-        {"name": "pp4-ZBVZeroBubble", "pp": 4, "schedule": "ZBVZeroBubble"},
-        {"name": "pp2xfsdp2-1F1B", "pp": 2, "dp_shard": 2, "schedule": "1F1B"},
-        {"name": "pp2xfsdp2-Interleaved1F1B", "pp": 2, "dp_shard": 2, "schedule": "Interleaved1F1B"},
-        {"name": "pp2xfsdp2-DualPipeV", "pp": 2, "dp_shard": 2, "schedule": "DualPipeV"},
-    ],
-}
+CASES = [
+    *({"name": f"pp2-{s}", "pp": 2, "schedule": s} for s in available_schedules()),
+    {"name": "pp2-1F1B-explicit", "pp": 2, "schedule": "1F1B", "stages_on_meta": True,
+     "names": [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]},
+    {"name": "pp2-csv-Interleaved1F1B", "pp": 2, "schedule": "Interleaved1F1B", "csv_from": "Interleaved1F1B"},
+    {"name": "pp4-1F1B", "pp": 4, "schedule": "1F1B"},
+    {"name": "pp4-Interleaved1F1B", "pp": 4, "schedule": "Interleaved1F1B"},
+    {"name": "pp4-ZBVZeroBubble", "pp": 4, "schedule": "ZBVZeroBubble", "stages_on_meta": True},
+    {"name": "pp2xfsdp2-1F1B", "pp": 2, "dp_shard": 2, "schedule": "1F1B"},
+    {"name": "pp2xfsdp2-Interleaved1F1B", "pp": 2, "dp_shard": 2, "schedule": "Interleaved1F1B"},
+    {"name": "pp2xfsdp2-DualPipeV", "pp": 2, "dp_shard": 2, "schedule": "DualPipeV", "stages_on_meta": True},
+]
 
 
 def main() -> None:
-    suite, out_path = sys.argv[1], sys.argv[2]
+    out_path = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     state = full_init_state()
@@ -178,17 +183,20 @@ def main() -> None:
     ref = train_reference(state, batches)
     results: dict = {"ref_params": sorted(ref["params"]), "ref_losses": ref["losses"], "cases": {}}
     csv_dir = os.path.dirname(os.path.abspath(out_path))
-    for case in SUITES[suite]:
+    for case in [c for c in CASES if c["schedule"] in available_schedules()]:
+        start = time.perf_counter()
         try:
             local = run_case(case, state, batches, ref, csv_dir)
+            local["seconds"] = round(time.perf_counter() - start, 2)
         except Exception:  # report, and keep the other ranks from hanging on this case
             local = {"error": traceback.format_exc()}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         results["cases"][case["name"]] = gathered
         if any("error" in g for g in gathered):
-            break  # ranks may be out of step; stop here
-    results["errors"] = record_errors(state)
+            break  # later cases could hang on ranks left out of step; report this one
+    else:
+        results["errors"] = record_errors()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

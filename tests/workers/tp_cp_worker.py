@@ -13,7 +13,9 @@ The expected head-tail layout is written out here independently of the product c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import datetime
 import json
 import os
@@ -39,6 +41,12 @@ BS, SEQ = 2, 32
 WORLD = 4
 
 
+@functools.cache
+def build_mesh(cp: int = 1, tp: int = 1):
+    """The 5-D mesh for `cp` x `tp` on the 4 ranks (dp_shard takes the rest); built once per layout."""
+    return ParallelDims(cp=cp, tp=tp, world_size=WORLD).build_mesh("cpu")
+
+
 def head_tail_index(seq: int, cp: int, rank: int) -> torch.Tensor:
     """Positions rank `rank` holds: chunks `rank` and `2*cp-1-rank` of `2*cp` equal chunks."""
     chunks = torch.arange(seq).chunk(2 * cp)
@@ -56,11 +64,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
 class Reference:
     """The single-process model, its logits, loss and gradients on the whole batch."""
 
-    def __init__(self):
+    def __init__(self, args=ARGS):
+        self.args = args
         torch.manual_seed(0)
-        self.model = Transformer(ARGS)
+        self.model = Transformer(args)
         self.model.init_weights()
+        # Parameters and the (non-persistent) RoPE table.
         self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.state["rope_cache"] = self.model.rope_cache.clone()
         gen = torch.Generator().manual_seed(1234)
         data = torch.randint(0, ARGS.vocab_size, (BS, SEQ + 1), generator=gen)
         self.tokens, self.labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -71,10 +82,10 @@ class Reference:
         self.logits = self.logits.detach()
 
 
-def build_meta(stage: str | None = None) -> Transformer:
+def build_meta(stage: str | None = None, args=ARGS) -> Transformer:
     """The model on the meta device; `stage` "first" keeps embeddings + layer 0, "last" layer 1 + norm + output."""
     with torch.device("meta"):
-        model = Transformer(ARGS)
+        model = Transformer(args)
     if stage == "first":
         del model.layers["1"]
         model.norm, model.output = None, None
@@ -85,8 +96,8 @@ def build_meta(stage: str | None = None) -> Transformer:
 
 
 def materialize(model: Transformer, ref: Reference) -> Transformer:
+    """Give a meta (possibly split) model the reference's weights and RoPE table."""
     model.to_empty(device="cpu")
-    model.init_weights()  # the RoPE buffer; parameters are overwritten next
     copy_full_state(model, ref.state)
     return model
 
@@ -110,9 +121,10 @@ class Recorder:
         return out
 
 
-def grad_diffs(model: torch.nn.Module, ref: Reference, reduce_group=None, divide: int = 1) -> tuple[float, float, int]:
-    """Largest gradient difference and reference magnitude over `model`'s parameters; and how many were compared."""
-    worst, scale, count = 0.0, 0.0, 0
+def grad_diffs(model: torch.nn.Module, ref: Reference, reduce_group=None, divide: int = 1) -> dict[str, float]:
+    """Largest gradient difference (absolute, and relative to each parameter's largest reference
+    gradient), the largest reference gradient, and how many parameters were compared."""
+    worst, worst_rel, scale, count = 0.0, 0.0, 0.0, 0
     for name, param in model.named_parameters():
         grad = full(param.grad)
         if reduce_group is not None:
@@ -122,41 +134,36 @@ def grad_diffs(model: torch.nn.Module, ref: Reference, reduce_group=None, divide
         expected = ref.grads[name.replace("_checkpoint_wrapped_module.", "")]
         assert grad.shape == expected.shape, (name, grad.shape, expected.shape)
         worst = max(worst, maxdiff(grad, expected))
+        worst_rel = max(worst_rel, maxdiff(grad, expected) / expected.abs().max().item())
         scale = max(scale, expected.abs().max().item())
         count += 1
-    return worst, scale, count
+    return {"grads": worst, "grads_rel": worst_rel, "grad_scale": scale, "n_grads": count}
 
 
 # ---- tensor parallel -----------------------------------------------------------------------
 
 
-def run_tp(ref: Reference, rec: Recorder) -> None:
-    for tp in (2, 4):
-        mesh = ParallelDims(tp=tp, world_size=WORLD).build_mesh("cpu")
-        for lp in (True, False):
-            case = f"tp{tp}_{'loss_parallel' if lp else 'replicated_logits'}"
-            model = materialize(apply_tp(build_meta(), llama3_plan, mesh["tp"], loss_parallel=lp), ref)
-            wq = model.layers["0"].attention.wq.weight
-            rec.add(case, wq_local_rows=wq.to_local().shape[0], logits_is_dtensor=0.0)
-            logits = model(ref.tokens)
-            if lp:
-                rec.add(case, logits_is_dtensor=float(isinstance(logits, DTensor)))
-                with loss_parallel():
-                    loss = F.cross_entropy(logits.flatten(0, 1), ref.labels.flatten())
-                    loss.backward()
-            else:
-                loss = F.cross_entropy(logits.flatten(0, 1), ref.labels.flatten())
-                loss.backward()
-            gd, gs, n = grad_diffs(model, ref)
-            rec.add(
-                case,
-                logits=maxdiff(full(logits), ref.logits),
-                loss=maxdiff(full(loss), ref.loss),
-                grads=gd,
-                grad_scale=gs,
-                n_grads=n,
-                logits_scale=ref.logits.abs().max().item(),
-            )
+def run_tp(base: Reference, rec: Recorder) -> None:
+    """TP=2 and TP=4, with and without loss parallel; and TP=2 on a model with tied embeddings."""
+    cases = [(f"tp{tp}_{'loss_parallel' if lp else 'replicated_logits'}", tp, lp, base) for tp in (2, 4) for lp in (True, False)]
+    cases.append(("tp2_tied_embeddings", 2, True, Reference(dataclasses.replace(ARGS, tie_word_embeddings=True))))
+    for case, tp, lp, ref in cases:
+        model = materialize(apply_tp(build_meta(args=ref.args), llama3_plan, build_mesh(tp=tp)["tp"], loss_parallel=lp), ref)
+        if ref.args.tie_word_embeddings:
+            rec.add(case, still_tied=float(model.output.weight is model.tok_embeddings.weight))
+        wq = model.layers["0"].attention.wq.weight
+        rec.add(case, wq_local_rows=wq.to_local().shape[0])
+        logits = model(ref.tokens)
+        rec.add(case, logits_is_dtensor=float(isinstance(logits, DTensor)))
+        with loss_parallel() if lp else contextlib.nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1), ref.labels.flatten())
+            loss.backward()
+        rec.add(
+            case,
+            **grad_diffs(model, ref),
+            logits=maxdiff(full(logits), ref.logits),
+            loss=maxdiff(full(loss), ref.loss),
+        )
 
 
 # ---- context parallel ----------------------------------------------------------------------
@@ -166,7 +173,7 @@ def run_ring_alone(rec: Recorder) -> None:
     """`ring_attention` on random q/k/v against causal SDPA on the whole sequence, forward and backward."""
     bs, seq, head_dim = 2, 32, 8
     for cp in (2, 4):
-        mesh = ParallelDims(cp=cp, world_size=WORLD).build_mesh("cpu")
+        mesh = build_mesh(cp=cp)
         group, rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         idx = head_tail_index(seq, cp, rank)
         for n_heads, n_kv_heads in ((4, 4), (4, 2), (6, 2)):
@@ -203,7 +210,7 @@ def gather_logits(local: torch.Tensor, cp: int, group) -> torch.Tensor:
 def run_cp(ref: Reference, rec: Recorder) -> None:
     """CP-only models: logits, loss (averaged over cp) and gradients (averaged over cp) against the reference."""
     for cp in (2, 4):
-        mesh = ParallelDims(cp=cp, world_size=WORLD).build_mesh("cpu")
+        mesh = build_mesh(cp=cp)
         cp_mesh = mesh["cp"]
         group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
         tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=cp_mesh)
@@ -218,24 +225,21 @@ def run_cp(ref: Reference, rec: Recorder) -> None:
             loss.backward()
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss, group=group)
-            gd, gs, n = grad_diffs(model, ref, reduce_group=group, divide=cp)
             rec.add(
                 case,
+                **grad_diffs(model, ref, reduce_group=group, divide=cp),
                 ring_swapped=float(not swapped),  # 0 when every block's core is RingAttention
                 logits=maxdiff(gather_logits(logits.detach(), cp, group), ref.logits),
                 unshard=maxdiff(unshard_sequence(logits.detach(), cp_mesh), ref.logits),
                 local_loss_differs=float(abs(loss.item() - ref.loss.item()) > 1e-4),  # 1: shards really differ
                 loss=maxdiff(mean_loss / cp, ref.loss),
-                grads=gd,
-                grad_scale=gs,
-                n_grads=n,
             )
 
 
 def run_cp_stages(ref: Reference, rec: Recorder) -> None:
     """Two pipeline stages run one after the other: the last one gets only hidden states (positions from the hook)."""
     for tp, cp in ((1, 4), (2, 2)):
-        mesh = ParallelDims(cp=cp, tp=tp, world_size=WORLD).build_mesh("cpu")
+        mesh = build_mesh(cp=cp, tp=tp)
         cp_mesh = mesh["cp"]
         tokens, _ = shard_sequence(ref.tokens, ref.labels, cp_mesh=cp_mesh)
         stages = []
@@ -257,7 +261,7 @@ def run_cp_stages(ref: Reference, rec: Recorder) -> None:
 def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
     """TP 2 x CP 2 through `parallelize` (FSDP over dp_shard_cp averages the local-mean gradients)."""
     for method in ("allgather", "rotate"):
-        mesh = ParallelDims(cp=2, tp=2, world_size=WORLD).build_mesh("cpu")
+        mesh = build_mesh(cp=2, tp=2)
         options = ParallelOptions(loss_parallel=True, cp_rotate_method=method)
         model = materialize(parallelize(build_meta(), llama3_plan, mesh, options), ref)
         tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=mesh["cp"])
@@ -267,14 +271,11 @@ def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
             loss.backward()
         mean_loss = full(loss).detach().clone()
         dist.all_reduce(mean_loss, group=mesh["cp"].get_group())
-        gd, gs, n = grad_diffs(model, ref)
         rec.add(
             f"parallelize_tp2_cp2_{method}",
+            **grad_diffs(model, ref),
             logits=maxdiff(gather_logits(full(logits).detach(), 2, mesh["cp"].get_group()), ref.logits),
             loss=maxdiff(mean_loss / 2, ref.loss),
-            grads=gd,
-            grad_scale=gs,
-            n_grads=n,
         )
 
 

@@ -7,6 +7,7 @@ by an N-rank job (FSDP/TP shards) reads back here as full tensors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -59,7 +60,9 @@ def read_dcp_state_dict(folder: str | Path, names: Iterable[str]) -> dict[str, t
         size, dtype = shapes[name]
         state_dict[name] = torch.empty(size, dtype=dtype)
     try:
-        dcp.load(state_dict, checkpoint_id=str(folder), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": single process is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state_dict, checkpoint_id=str(folder), no_dist=True)
     except Exception as err:  # DCP wraps per-rank failures in CheckpointException
         raise ValueError(f"{folder}: DCP data files cannot be read ({type(err).__name__}); the checkpoint is incomplete or damaged") from None
     return state_dict
@@ -73,4 +76,6 @@ def write_dcp_state_dict(folder: str | Path, state_dict: dict[str, torch.Tensor]
         state_dict: tensors by name (tensors shared between names are fine).
     """
     Path(folder).mkdir(parents=True, exist_ok=False)
-    dcp.save(dict(state_dict), checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": single process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(dict(state_dict), checkpoint_id=str(folder), no_dist=True)

@@ -153,7 +153,8 @@ def write_hf_checkpoint(
     """Write a Hugging Face checkpoint folder (weights, index, config, tokenizer files).
 
     Args:
-        folder: a new folder (created); use `staged_output` around this for atomicity.
+        folder: the folder to fill (created if missing); use `staged_output` around
+            this for atomicity.
         state_dict: Hugging Face names -> tensors; tensors must not share storage.
         config: the `config.json` content; `torch_dtype` is set to the weights' dtype.
         max_shard_size: shard size limit, bytes or "5GB"-style.
@@ -165,7 +166,7 @@ def write_hf_checkpoint(
         The safetensors files written.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=False)
+    folder.mkdir(parents=True, exist_ok=True)
     state_dict = cast_floating(state_dict, dtype)
     sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
     groups = plan_shards(sizes, parse_size(max_shard_size))

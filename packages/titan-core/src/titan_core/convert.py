@@ -140,10 +140,7 @@ def convert_checkpoint(
         raise FileExistsError(f"{dst} already exists; choose a new destination or delete it first")
     src_path = resolve_hf_source(src)
     src_format = detect_format(src_path)
-    spec = get_model_spec(model_name)
-    adapter = spec.state_dict_adapter
-    if adapter is None:
-        raise ValueError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.state_dict_adapter")
+    spec, adapter = get_model_spec(model_name), _hf_adapter(model_name)
     log(f"reading {src_format} checkpoint {src_path}")
     args, base_config, extras_dir = resolve_source_args(src_path, src_format, adapter, model_name, flavor)
     expected = expected_shapes(spec.build, args)
@@ -177,6 +174,49 @@ def convert_checkpoint(
                 raise ParityError(f"{parity.describe()}; the converted weights do not reproduce {src_path}, so {dst} was not written")
     n_params = sum(t.numel() for k, t in written.items() if not (k == "output.weight" and args.tie_word_embeddings))
     return ConversionResult(src_format, dst, to, n_params, dtype_name(state_dict_dtype(written)), parity)
+
+
+def read_hf_weights(source: str | Path, model_name: str, args: Any) -> dict[str, torch.Tensor]:
+    """Titan-named full weights of a Hugging Face checkpoint (a `checkpoint.initial_load_in_hf` reader).
+
+    Args:
+        source: Hugging Face folder or Hub repo id.
+        model_name: registry name; its adapter converts the names.
+        args: the model's args.
+    """
+    adapter = _hf_adapter(model_name)
+    return adapter.from_hf(read_hf_state_dict(resolve_hf_source(str(source))), args)
+
+
+def write_hf_weights(
+    folder: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    model_name: str,
+    args: Any,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+) -> None:
+    """Write Titan-named full weights as a Hugging Face checkpoint into `folder` (a
+    `checkpoint.last_save_in_hf` writer; call it on one rank).
+
+    Args:
+        folder: destination folder (created if missing).
+        state_dict: Titan names -> full tensors.
+        model_name: registry name; its adapter converts the names.
+        args: the model's args.
+        dtype: cast floating-point weights to this; None keeps them.
+        max_shard_size: shard size limit.
+    """
+    adapter = _hf_adapter(model_name)
+    write_hf_checkpoint(folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args), max_shard_size, dtype)
+
+
+def _hf_adapter(model_name: str) -> Any:
+    """The registry's state-dict adapter of `model_name`, or a one-line error."""
+    adapter = get_model_spec(model_name).state_dict_adapter
+    if adapter is None:
+        raise ValueError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.state_dict_adapter")
+    return adapter
 
 
 def resolve_source_args(
@@ -338,10 +378,8 @@ def check_hf_parity(
     hf_logits = hf_model(tokens).logits.double()  # (1, seqlen, vocab)
     del hf_model
 
-    with torch.device("meta"):
+    with torch.device(device):  # a plain build: its default init is cheap, unlike init_weights' truncated normals
         model = build(args)
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device)  # buffers (RoPE table); the weights are overwritten next
     model.load_state_dict(cast_floating(titan_state_dict, round_to), strict=True)
     titan_logits = model.eval()(tokens).double()  # (1, seqlen, vocab)
     del model

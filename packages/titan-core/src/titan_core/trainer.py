@@ -13,23 +13,25 @@ import dataclasses
 import json
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from titan_models import get_model_args, get_model_spec
 from titan_parallel.dims import ParallelDims
 from titan_parallel.distributed import init_distributed
 from titan_parallel.grad_clip import clip_grad_norm_
-from titan_parallel.materialize import copy_full_state
-from titan_parallel.parallelize import ParallelOptions, parallelize
+from titan_parallel.context_parallel import check_cp, shard_sequence
+from titan_parallel.parallelize import ParallelOptions
+from titan_parallel.pipeline import pipeline_step
 
 from titan_core.checkpointing import build_checkpointer
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import PackedLoader, build_source, build_tokenizer
 from titan_core.lr_schedule import build_lr_scheduler
+from titan_core.model_setup import PipelineOptions, build_model_parts
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.optim import build_optimizer
 
@@ -137,9 +139,9 @@ class Trainer:
                 f"only {args.vocab_size}; choose a larger model.flavor or another model.hf_assets_path"
             )
         self.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, t.seq_len))
-        with torch.device("meta"):
-            model = self.spec.build(self.model_args)
-        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_params = self.spec.count_params(self.model_args)
+        if self.dims.cp > 1:
+            check_cp(t.seq_len, self.dims.cp)
         self.options = ParallelOptions(
             param_dtype=_DTYPES[t.mixed_precision_param],
             reduce_dtype=_DTYPES[t.mixed_precision_reduce],
@@ -152,60 +154,71 @@ class Trainer:
             ac_mode=cfg.activation_checkpoint.mode,
             ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
             compile=cfg.compile.enable and "model" in cfg.compile.components,
+            pipeline_parallel=self.dims.pp > 1,
         )
-        self.model = parallelize(model, self.spec.plan, self.mesh, self.options)
-        self._init_weights()
-
-        self.optimizer = build_optimizer(
-            self.model.parameters(),
-            name=cfg.optimizer.name,
-            lr=cfg.optimizer.lr,
-            betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
-            eps=cfg.optimizer.eps,
-            weight_decay=cfg.optimizer.weight_decay,
-            implementation=cfg.optimizer.implementation,
-            device_type=self.device.type,
+        self.loss_fn = cross_entropy_loss
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_loss)
+        accum = self.accum_steps
+        self.model = build_model_parts(
+            self.spec,
+            self.model_args,
+            self.mesh,
+            self.dims,
+            self.options,
+            self.device,
+            self.seed,
+            pipeline=PipelineOptions(
+                schedule=p.pipeline_parallel_schedule,
+                schedule_csv=p.pipeline_parallel_schedule_csv,
+                microbatch_size=p.pipeline_parallel_microbatch_size,
+                layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+                module_names_per_stage=p.module_fqns_per_model_part,
+            ),
+            local_batch_size=t.local_batch_size,
+            loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
         )
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer,
-            steps=t.steps,
-            warmup_steps=cfg.lr_scheduler.warmup_steps,
-            decay_ratio=cfg.lr_scheduler.decay_ratio,
-            decay_type=cfg.lr_scheduler.decay_type,
-            min_lr_factor=cfg.lr_scheduler.min_lr_factor,
-        )
+        # One optimizer and LR schedule per model part (pipeline stage), so that
+        # checkpoints key optimizer state by the full model's parameter names.
+        self.optimizers = [
+            build_optimizer(
+                part.parameters(),
+                name=cfg.optimizer.name,
+                lr=cfg.optimizer.lr,
+                betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+                eps=cfg.optimizer.eps,
+                weight_decay=cfg.optimizer.weight_decay,
+                implementation=cfg.optimizer.implementation,
+                device_type=self.device.type,
+            )
+            for part in self.model.parts
+        ]
+        self.lr_schedulers = [
+            build_lr_scheduler(
+                optimizer,
+                steps=t.steps,
+                warmup_steps=cfg.lr_scheduler.warmup_steps,
+                decay_ratio=cfg.lr_scheduler.decay_ratio,
+                decay_type=cfg.lr_scheduler.decay_type,
+                min_lr_factor=cfg.lr_scheduler.min_lr_factor,
+            )
+            for optimizer in self.optimizers
+        ]
         self.state = TrainState()
         # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG (titan_core.checkpointing)
         self.checkpointer = build_checkpointer(
             cfg.checkpoint,
             run_folder=self.run_folder,
-            model_parts=[self.model],
-            optimizers=[self.optimizer],
-            lr_schedulers=[self.lr_scheduler],
+            model_parts=self.model.parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
             dataloader=self.loader,
             train_state=self.state,
             device=self.device,
             world_size=self.world_size,
         )
-        self.loss_fn = cross_entropy_loss
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_loss)
-
-    @torch.no_grad()
-    def _init_weights(self) -> None:
-        """Materialise the meta model with the seeded init (see `titan_parallel.materialize`)."""
-        self.model.to_empty(device=self.device)
-        if self.device.type == "cuda":
-            torch.manual_seed(self.seed)
-            self.model.init_weights(buffer_device=self.device)
-            return
-        with warnings.catch_warnings():  # DTensor warns that its CPU random ops are not sharded: we overwrite them
-            warnings.simplefilter("ignore", UserWarning)
-            self.model.init_weights(buffer_device=self.device)  # buffers; parameters are overwritten next
-        reference = self.spec.build(self.model_args)
-        torch.manual_seed(self.seed)
-        reference.init_weights()
-        copy_full_state(self.model, reference.state_dict())
 
     def _loss_context(self):
         """Loss parallel computes cross-entropy on vocab-sharded logits under TP."""
@@ -215,27 +228,46 @@ class Trainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over the micro-batches, clip, step; returns (summed loss, grad norm)."""
-        self.optimizer.zero_grad(set_to_none=True)
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Forward and backward over the micro-batches, clip, step.
+
+        Returns the step's loss (None on pipeline ranks without the last stage) and the grad norm.
+        """
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.dims.cp > 1:
+                inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
             with self._loss_context():
-                loss = self.loss_fn(self.model(inputs), labels) / self.accum_steps
-                loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        return loss_sum, grad_norm
+                if self.model.schedule is not None:
+                    loss = pipeline_step(self.model.schedule, self.model.stages, inputs, labels)
+                else:
+                    loss = self.loss_fn(self.model.parts[0](inputs), labels) / self.accum_steps
+                    loss.backward()
+            if isinstance(loss, DTensor):  # a replicated scalar under loss parallel
+                loss = loss.full_tensor()
+            if loss is not None:
+                loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(
+            self.model.parameters(), self.cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None
+        )
+        for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
+            optimizer.step()
+            scheduler.step()
+        return (loss_sum if self.model.has_last_stage else None), grad_norm
 
-    def _reduce_loss(self, loss: torch.Tensor) -> tuple[float, float]:
-        """Global average and max of the step loss over the data-parallel ranks."""
+    def _reduce_loss(self, loss: torch.Tensor | None) -> tuple[float, float]:
+        """Global average and max of the step loss over data-parallel ranks (and from the last pipeline stage)."""
+        avg = loss.detach().clone() if loss is not None else torch.zeros((), device=self.device)
+        mx = loss.detach().clone() if loss is not None else torch.full((), -float("inf"), device=self.device)
         group = self.mesh["dp_cp"].get_group()
-        avg, mx = loss.detach().clone(), loss.detach().clone()
         dist.all_reduce(avg, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+        if self.dims.pp > 1:  # only the last stage's ranks hold a loss; the others contribute 0 / -inf
+            dist.all_reduce(avg, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
 
     def train(self) -> list[float]:
@@ -296,7 +328,7 @@ class Trainer:
                     "loss/global_avg": avg,
                     "loss/global_max": mx,
                     "optim/grad_norm": grad_norm.item(),
-                    "optim/lr": self.lr_scheduler.get_last_lr()[0],
+                    "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
                     **meter.read(),
                     **memory_stats(self.device),
                 }

@@ -57,7 +57,12 @@ def is_single_stage_schedule(schedule_name: str) -> bool:
 
 def is_v_schedule(schedule_name: str) -> bool:
     """Whether the schedule places two stages per rank in V order (ZBVZeroBubble, DualPipeV)."""
-    return schedule_name in ("ZBVZeroBubble", "DualPipeV")
+    return issubclass(get_schedule_class(schedule_name), _classes_named("ZBVZeroBubble", "DualPipeV"))
+
+
+def _classes_named(*schedule_names: str) -> tuple[type, ...]:
+    """The schedule classes of those of `schedule_names` the installed torch has."""
+    return tuple(_schedules.get_schedule_class(name) for name in schedule_names if name in available_schedules())
 
 
 def count_microbatches(local_batch_size: int, microbatch_size: int, n_stages: int, schedule_name: str) -> int:
@@ -73,14 +78,14 @@ def count_microbatches(local_batch_size: int, microbatch_size: int, n_stages: in
         n_stages: total number of stages over all ranks.
         schedule_name: one of `available_schedules()`.
     """
-    get_schedule_class(schedule_name)  # refuse unknown names first
+    schedule_class = get_schedule_class(schedule_name)
     if local_batch_size % microbatch_size:
         raise ParallelConfigError(
             f"training.local_batch_size={local_batch_size} is not divisible by "
             f"parallelism.pipeline_parallel_microbatch_size={microbatch_size}; make the batch a multiple of the microbatch"
         )
     n_microbatches = local_batch_size // microbatch_size
-    needed = n_stages if schedule_name in ("1F1B", "DualPipeV") else 1
+    needed = n_stages if issubclass(schedule_class, _classes_named("1F1B", "DualPipeV")) else 1
     if n_microbatches < needed:
         raise ParallelConfigError(
             f"schedule '{schedule_name}' with {n_stages} stages needs >= {needed} microbatches, got {n_microbatches} "

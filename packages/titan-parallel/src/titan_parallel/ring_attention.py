@@ -11,9 +11,10 @@ rank does the same causal work. Two ways to exchange K/V:
   head-tail layout every step after the first is one unmasked half-size block.
 
 Written here rather than taken from `torch.distributed.tensor.experimental.context_parallel`
-because that one swaps SDPA kernels behind a context manager, needs CUDA, and
-shards buffers itself with its own load balancer; Titan needs a plain module in
-place of `ModelPlan.attention` that runs on CPU (gloo) and GPU alike, under TP.
+because that one swaps SDPA kernels behind a context manager, rings only the CUDA
+kernels (flash, efficient, cuDNN), and shards buffers itself with its own load
+balancer; Titan needs a plain module in place of `ModelPlan.attention` that runs
+on CPU (gloo) and GPU alike, under TP.
 The partial attentions are plain matmuls in float32 (exact, not a fused kernel).
 """
 
@@ -130,18 +131,23 @@ class _RingAttention(torch.autograd.Function):
         chunk = q.size(-2) // 2
         positions = cp_positions(q.size(-2), rank, size, device=q.device)
         own_mask = positions.unsqueeze(1) >= positions.unsqueeze(0)  # (seqlen, seqlen)
-        out, lse = _attend(q, k, v, own_mask, scale)
         kv = torch.stack([k, v])  # (2, bs, n_kv_heads, 1, seqlen, head_dim)
-        for step in range(1, size):
-            kv, requests = _exchange(kv, group)
-            _wait(requests)
+        for step in range(size):
+            requests: list = []
+            if step + 1 < size:
+                next_kv, requests = _exchange(kv, group)  # overlaps with this step's compute
             source = (rank - step) % size
-            if source < rank:  # all my queries see the source's head chunk, none its tail
+            if step == 0:  # my own K/V: causal by position
+                out, lse = _attend(q, k, v, own_mask, scale)
+            elif source < rank:  # all my queries see the source's head chunk, none its tail
                 part_out, part_lse = _attend(q, kv[0][..., :chunk, :], kv[1][..., :chunk, :], None, scale)
                 _merge_(out, lse, part_out, part_lse)
             else:  # only my tail chunk sees the source, all of it
                 part_out, part_lse = _attend(q[..., chunk:, :], kv[0], kv[1], None, scale)
                 _merge_(out[..., chunk:, :], lse[..., chunk:], part_out, part_lse)
+            _wait(requests)
+            if step + 1 < size:
+                kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse, own_mask)
         ctx.group, ctx.scale = group, scale
         return out
@@ -182,8 +188,9 @@ class _RingAttention(torch.autograd.Function):
                 dkv[0] += dk
                 dkv[1] += dv
             # Pass the K/V gradient on; after `size` hops it is back at its owner, complete.
-            dkv, dkv_requests = _exchange(dkv, group)
+            next_dkv, dkv_requests = _exchange(dkv, group)
             _wait(kv_requests + dkv_requests)
+            dkv = next_dkv
             if step + 1 < size:
                 kv = next_kv
         return dq, dkv[0], dkv[1], None, None

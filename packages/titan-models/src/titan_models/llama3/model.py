@@ -278,10 +278,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        rope_cache = torch.empty(args.max_seq_len, args.attention_head_dim)  # on the default device
-        if not rope_cache.is_meta:  # on meta, init_weights computes it (meta math would import torch._dynamo: ~5 s)
-            rope_cache = self._compute_rope_cache()
-        self.register_buffer("rope_cache", rope_cache, persistent=False)
+        self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
 
     def _compute_rope_cache(self) -> torch.Tensor:
         a = self.args
@@ -320,9 +317,8 @@ class Transformer(nn.Module):
         Embeddings and `wq`/`wk`/`wv`/`w1`: std 0.02; `wo`/`w2`/`w3`: std
         `0.02 / sqrt(2 * (layer_id + 1))`; `output`: std `dim ** -0.5`; norms: ones.
         A tied weight is re-tied (moving off the meta device unties it) and initialised
-        once, as an embedding. Every normal is truncated at
-        +-3 std (torchtitan passes nn.init's absolute default of +-2, which truncates
-        nothing at std 0.02).
+        once, as an embedding. Every normal is truncated at +-3 std (torchtitan passes
+        nn.init's absolute default of +-2, which truncates nothing at std 0.02).
 
         Args:
             buffer_device: device for the RoPE table; None keeps its current device.

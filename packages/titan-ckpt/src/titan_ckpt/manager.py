@@ -1,0 +1,399 @@
+"""`CheckpointManager`: periodic, atomic, verifiable DCP checkpoints of a training run, and resume.
+
+One step folder holds everything needed to continue a run exactly:
+
+    step-N/.metadata, __<rank>_<i>.distcp   model weights and optimizer tensors (DCP, any layout)
+    step-N/optimizer.json                   the optimizer's hyperparameters (lr, betas, ...)
+    step-N/<name>.json                      each JSON state: lr_scheduler, dataloader, train_state, ...
+    step-N/rng.json                         the torch RNG state
+    step-N/manifest.json                    written last: every file's size and CRC-32
+
+Saving: every rank writes into `step-N.tmp/`; once all data and DCP's metadata are on
+disk, rank 0 writes the manifest and renames the folder to `step-N/` (see
+`titan_ckpt.step_folders`). With `async_mode` the training loop waits only while the
+state is copied to CPU memory ("staging"); the files are written in a background
+thread over a dedicated gloo group, and the folder is completed at a later step (or
+at `close`). Loading: the newest complete `step-N` (or `load_step`) is checked file by
+file against its manifest, then restored; with none, `initial_load_path` is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from titan_ckpt import model_state as ms
+from titan_ckpt.dcp_io import ChecksummingWriter, SafeFileSystemReader, read_metadata_safely
+from titan_ckpt.json_states import JsonStateful, load_rng_state, read_json_state, rng_state_dict, to_json_text, write_json_state
+from titan_ckpt.manifest import PROBLEMS, CheckpointError, check_file, read_manifest, write_manifest
+from titan_ckpt.step_folders import list_complete_steps, prune, publish, remove_tmp_folders, step_folder, tmp_folder
+
+logger = logging.getLogger("titan")
+
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+RESERVED_STATES = ("model", "optimizer", "rng")
+"""State names the manager itself saves; the JSON states are named by the caller."""
+
+LoadModelFn = Callable[[Path], Mapping[str, torch.Tensor]]
+"""Reads full model weights (Titan names, unsharded) from a checkpoint in another format."""
+SaveModelFn = Callable[[Path, Mapping[str, torch.Tensor]], None]
+"""Writes the last model-only save in another format into a folder; called on every rank with its
+parts' full weights (under pipeline parallel, only its stages')."""
+
+_NO_PROBLEM = 1 << 62
+
+
+class CheckpointManager:
+    """Saves and restores a run's model, optimizer, JSON states and RNG with torch.distributed.checkpoint.
+
+    Every rank constructs it (it creates a gloo process group) and calls `load`, `save` and `close`
+    at the same points.
+
+    Args:
+        folder: the run's checkpoint folder (`<run>/<checkpoint.folder>`).
+        model_parts: the model, or this rank's pipeline stages (FSDP/TP-sharded or not).
+        optimizers: one per model part.
+        states: JSON states by name, e.g. {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}:
+            objects whose `state_dict()` is plain JSON data, the same on every rank.
+        device: the device the run computes on (picks the RNG state to save).
+        enable: when False, `load` restores nothing and `save` writes nothing.
+        interval: save every this many steps (and at the last step).
+        keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
+        async_mode: "disabled", "async" (write in a background thread) or "async_with_pinned_mem"
+            (also stage in reusable pinned memory; on a CPU-only run the same as "async").
+        last_save_model_only: the last step saves only the model weights (plus the small JSON states).
+        export_dtype: dtype of the weights in that model-only save.
+        load_step: step to resume from; -1 = the newest complete one.
+        exclude_from_loading: states not restored, from "model", "optimizer", "rng" and the `states` names.
+        initial_load_path: a checkpoint to start from when `folder` has none.
+        initial_load_model_only: load only the model weights from `initial_load_path`.
+        load_model_fn: reads `initial_load_path` (or an externally saved step) as full weights,
+            for formats other than DCP (e.g. Hugging Face safetensors).
+        save_model_fn: writes the last model-only save in another format instead of DCP.
+        checksums: record and check CRC-32 of every file (else sizes only).
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        model_parts: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        states: Mapping[str, JsonStateful] | None = None,
+        device: torch.device = torch.device("cpu"),
+        enable: bool = True,
+        interval: int = 500,
+        keep_latest_k: int = 10,
+        async_mode: str = "disabled",
+        last_save_model_only: bool = False,
+        export_dtype: torch.dtype = torch.float32,
+        load_step: int = -1,
+        exclude_from_loading: Sequence[str] = (),
+        initial_load_path: str | Path | None = None,
+        initial_load_model_only: bool = True,
+        load_model_fn: LoadModelFn | None = None,
+        save_model_fn: SaveModelFn | None = None,
+        checksums: bool = True,
+    ):
+        self.states = dict(states or {})
+        clash = sorted(set(self.states) & set(RESERVED_STATES))
+        if clash:
+            raise ValueError(f"state name '{clash[0]}' is reserved by the checkpoint manager; rename that state")
+        known = (*RESERVED_STATES, *self.states)
+        unknown = [name for name in exclude_from_loading if name not in known]
+        if unknown:
+            raise ValueError(f"checkpoint.exclude_from_loading: unknown state '{unknown[0]}'; choose from {', '.join(known)}")
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"checkpoint.async_mode: unknown '{async_mode}'; choose one of {', '.join(ASYNC_MODES)}")
+        if interval < 1 or keep_latest_k < 0 or load_step < -1:
+            raise ValueError("checkpoint.interval must be >= 1, checkpoint.keep_latest_k >= 0 and checkpoint.load_step >= -1")
+        if not dist.is_initialized():
+            raise RuntimeError("CheckpointManager needs torch.distributed initialised; call titan_parallel.distributed.init_distributed first")
+        self.folder = Path(folder)
+        self.model_parts, self.optimizers = list(model_parts), list(optimizers)
+        self.device, self.enable = device, enable
+        self.interval, self.keep_latest_k = interval, keep_latest_k
+        self.last_save_model_only, self.export_dtype = last_save_model_only, export_dtype
+        self.load_step, self.exclude = load_step, set(exclude_from_loading)
+        self.initial_load_path = None if initial_load_path is None else Path(initial_load_path)
+        self.initial_load_model_only = initial_load_model_only
+        self.load_model_fn, self.save_model_fn = load_model_fn, save_model_fn
+        self.checksums = checksums
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.async_mode = async_mode
+        if async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+            logger.warning("checkpoint.async_mode = 'async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'")
+            self.async_mode = "async"
+        self._pinned_writer: ChecksummingWriter | None = None
+        self._pending: tuple[int, object, Path, dict] | None = None  # (step, future, tmp folder, manifest info)
+        self.last_blocked_s = 0.0  # how long the last save held the training loop
+        # Checkpoint collectives get their own gloo group: the background writer's
+        # collectives must not interleave with the training loop's on the default group.
+        self.pg = dist.new_group(backend="gloo") if enable else None
+
+    # ---- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, *, last_step: bool = False) -> bool:
+        """Call after every training step: saves when `step` is a multiple of `interval` or `last_step`.
+
+        Also completes a finished background save. Returns whether a save started.
+
+        Args:
+            step: the step just finished (1-based).
+            last_step: this is the run's last step (saved synchronously; model-only if asked).
+        """
+        if not self.enable:
+            return False
+        self._complete_pending(block=False)
+        if step % self.interval and not last_step:
+            return False
+        model_only = last_step and self.last_save_model_only
+        dtype = self.export_dtype if model_only else None
+        background = self.async_mode != "disabled" and not last_step
+        self._save(step, model_only=model_only, dtype=dtype, background=background, with_json=True)
+        return True
+
+    def save_seed(self) -> Path:
+        """Save the freshly initialised model alone as `step-0` (for `create_seed_checkpoint`);
+        every layout can start from it. Returns the folder."""
+        if not self.enable:
+            raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+        if list_complete_steps(self.folder):
+            raise FileExistsError(f"{self.folder} already holds checkpoints; a seed checkpoint needs an empty checkpoint folder (choose another job.dump_folder)")
+        self._save(0, model_only=True, dtype=None, background=False, with_json=False)
+        return step_folder(self.folder, 0)
+
+    def wait(self) -> None:
+        """Block until a background save is on disk and its folder completed."""
+        self._complete_pending(block=True)
+
+    def close(self) -> None:
+        """Finish any background save; call once at the end of training (also after an error)."""
+        if self.enable:
+            self.wait()
+
+    def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, background: bool, with_json: bool) -> None:
+        self.wait()  # one save in flight at a time
+        start = time.perf_counter()
+        tmp = tmp_folder(self.folder, step)
+        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for s in ms.get_part_states(self.model_parts) for k, v in s.items()}
+        contents, texts = ["model"], {}
+        if not model_only:
+            opt_states = ms.get_optimizer_states(self.model_parts, self.optimizers)
+            tensors.update(ms.flatten_optimizer_tensors(opt_states))
+            texts["optimizer"] = to_json_text("optimizer", {"param_groups": ms.param_group_settings(opt_states[0])})
+        if with_json:
+            texts.update({name: to_json_text(name, obj.state_dict()) for name, obj in self.states.items()})
+            texts["rng"] = to_json_text("rng", rng_state_dict(self.device))
+        contents += list(texts)
+        external = model_only and self.save_model_fn is not None
+        info = {
+            "step": step,
+            "contents": sorted(contents),
+            "model_only": model_only,
+            "model_format": "external" if external else "dcp",
+            "weights_dtype": str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch."),
+            "world_size": self.world_size,
+        }
+        if self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+            for name, text in texts.items():
+                write_json_state(tmp, name, text)
+        if external:
+            dist.barrier(group=self.pg)  # the folder exists before any rank writes into it
+            self.save_model_fn(tmp, ms.get_full_model_state(self.model_parts, dtype))
+            dist.barrier(group=self.pg)
+            self._finish(step, tmp, info, start)
+            return
+        if background:
+            writer = self._writer(tmp)
+            result = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg)
+            future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+            self._pending = (step, future, tmp, info)
+            self.last_blocked_s = time.perf_counter() - start
+            if self.rank == 0:
+                logger.info("checkpoint: step-%d staged in %.2f s, writing in the background", step, self.last_blocked_s)
+            return
+        dcp.save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer(tmp), process_group=self.pg)
+        self._finish(step, tmp, info, start)
+        self.last_blocked_s = time.perf_counter() - start
+
+    def _writer(self, tmp: Path) -> ChecksummingWriter:
+        """The DCP writer; in pinned mode one writer is kept so its pinned staging buffers are reused."""
+        if self.async_mode != "async_with_pinned_mem":
+            return ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
+        if self._pinned_writer is None:
+            self._pinned_writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums, cache_staged_state_dict=True)
+        return self._pinned_writer
+
+    def _complete_pending(self, block: bool) -> None:
+        """Complete the background save if it is done (or, with `block`, once it is)."""
+        if self._pending is None:
+            return
+        step, future, tmp, info = self._pending
+        if not block and not future.done():
+            return
+        self._pending = None
+        future.result()  # re-raises a failed background write
+        self._finish(step, tmp, info, None)
+
+    def _finish(self, step: int, tmp: Path, info: dict, start: float | None) -> None:
+        """Rank 0: manifest, rename `step-N.tmp` -> `step-N`, drop old checkpoints."""
+        if self.rank != 0:
+            return
+        manifest = write_manifest(tmp, info, self.checksums)
+        publish(tmp, step_folder(self.folder, step))
+        removed = prune(self.folder, self.keep_latest_k)
+        size = sum(entry["bytes"] for entry in manifest["files"].values())
+        took = f" in {time.perf_counter() - start:.2f} s" if start is not None else ""
+        logger.info(
+            "checkpoint: saved %s (%s, %.1f MB)%s%s",
+            step_folder(self.folder, step),
+            "model only" if info["model_only"] else "full",
+            size / 1e6,
+            took,
+            f"; removed step {', '.join(map(str, removed))} (keep_latest_k={self.keep_latest_k})" if removed else "",
+        )
+
+    # ---- loading --------------------------------------------------------------------------------
+
+    def load(self) -> int | None:
+        """Restore the newest complete checkpoint (or `load_step`); with none, `initial_load_path`.
+
+        Unfinished `step-N.tmp` folders are removed first. Returns the step restored (0 for an
+        initial load), or None when the run starts fresh.
+
+        Raises:
+            CheckpointError: `load_step` not found, or a file missing, truncated or corrupt (named).
+        """
+        if not self.enable:
+            return None
+        if self.rank == 0:
+            remove_tmp_folders(self.folder)
+        step = self._choose_step()
+        if step is not None:
+            self._restore(step_folder(self.folder, step), set(self._all_states()) - self.exclude, verified=True)
+            return step
+        if self.initial_load_path is None:
+            if self.rank == 0:
+                logger.info("checkpoint: none in %s, starting fresh", self.folder)
+            return None
+        self._load_initial(self.initial_load_path)
+        return 0
+
+    def _all_states(self) -> list[str]:
+        return [*RESERVED_STATES, *self.states]
+
+    def _choose_step(self) -> int | None:
+        """Rank 0 picks the step (the ranks might list the folder at different moments); all get it."""
+        choice = torch.tensor([-1, 0], dtype=torch.int64)  # (step or -1, load_step not found)
+        if self.rank == 0:
+            steps = list_complete_steps(self.folder)
+            if self.load_step == -1:
+                choice[0] = steps[-1] if steps else -1
+            elif self.load_step in steps:
+                choice[0] = self.load_step
+            else:
+                choice[1] = 1
+        dist.broadcast(choice, src=0, group=self.pg)
+        if choice[1]:
+            steps = list_complete_steps(self.folder)
+            raise CheckpointError(
+                f"checkpoint.load_step = {self.load_step} but {self.folder} has no complete step-{self.load_step}; "
+                f"complete checkpoints: {steps or 'none'}; set checkpoint.load_step to one of them, or -1 for the newest"
+            )
+        return None if choice[0] < 0 else int(choice[0])
+
+    def _load_initial(self, path: Path) -> None:
+        """Start from `initial_load_path`: another format through `load_model_fn`, or a DCP folder."""
+        names = {"model"} if self.initial_load_model_only else set(self._all_states()) - self.exclude
+        if self.load_model_fn is not None:
+            ms.set_full_model_state(self.model_parts, dict(self.load_model_fn(path)), str(path))
+            if self.rank == 0:
+                logger.info("checkpoint: initial model weights loaded from %s", path)
+            return
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} is not a DCP checkpoint folder (no .metadata); point it to a step-N folder, "
+                "or set checkpoint.initial_load_in_hf for Hugging Face safetensors"
+            )
+        verified = (path / "manifest.json").is_file()
+        if not verified and names != {"model"}:
+            raise CheckpointError(f"checkpoint.initial_load_path {path} has no manifest.json, so only its model weights can be loaded; set checkpoint.initial_load_model_only = true")
+        if not verified and self.rank == 0:
+            logger.warning("checkpoint: %s has no manifest.json; its files are not verified", path)
+        self._restore(path, names, verified=verified)
+
+    def _restore(self, folder: Path, names: set[str], verified: bool) -> None:
+        """Load the `names` states that `folder` holds into the live objects."""
+        start = time.perf_counter()
+        if verified:
+            manifest = read_manifest(folder)
+            self._verify(folder, manifest)
+            contents, external = set(manifest.get("contents", ())), manifest.get("model_format") == "external"
+        else:
+            contents, external = {"model"}, False
+        absent = sorted(names - contents)
+        names &= contents
+        if absent and self.rank == 0:
+            logger.warning("checkpoint: %s holds no %s state (model-only save?); those start fresh", folder, ", ".join(absent))
+        tensors: dict[str, torch.Tensor] = {}
+        part_states = opt_states = None
+        if "model" in names and external:
+            if self.load_model_fn is None:
+                raise CheckpointError(f"{folder} holds its model weights in another format; resume from a DCP checkpoint with checkpoint.load_step")
+            ms.set_full_model_state(self.model_parts, dict(self.load_model_fn(folder)), str(folder))
+        elif "model" in names:
+            part_states = ms.get_part_states(self.model_parts)
+            tensors.update({k: v for s in part_states for k, v in s.items()})
+        if "optimizer" in names:
+            opt_states = ms.get_optimizer_states(self.model_parts, self.optimizers)
+            tensors.update(ms.flatten_optimizer_tensors(opt_states))
+        if tensors:
+            ms.check_against_metadata(tensors, read_metadata_safely(folder / ".metadata"), str(folder))
+            try:
+                dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), process_group=self.pg)
+            except Exception as err:  # DCP wraps per-rank failures in CheckpointException
+                first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                raise CheckpointError(f"{folder}: DCP could not load the checkpoint ({first[:300]}); pick another with checkpoint.load_step") from err
+        if part_states is not None:
+            ms.set_part_states(self.model_parts, part_states)
+        if opt_states is not None:
+            ms.set_optimizer_states(self.model_parts, self.optimizers, opt_states, read_json_state(folder, "optimizer")["param_groups"])
+        for name in sorted(names & set(self.states)):
+            self.states[name].load_state_dict(read_json_state(folder, name))
+        if "rng" in names:
+            load_rng_state(read_json_state(folder, "rng"), self.device)
+        if self.rank == 0:
+            skipped = f"; not loaded: {', '.join(sorted(self.exclude))}" if self.exclude else ""
+            logger.info("checkpoint: loaded %s (%s) in %.2f s%s", folder, ", ".join(sorted(names)), time.perf_counter() - start, skipped)
+
+    def _verify(self, folder: Path, manifest: dict) -> None:
+        """Check every file against the manifest, the files split over the ranks; all ranks raise the same error."""
+        names = sorted(manifest["files"])
+        first = _NO_PROBLEM
+        for index in range(self.rank, len(names), self.world_size):
+            problem = check_file(folder, names[index], manifest["files"][names[index]], self.checksums)
+            if problem is not None:
+                first = index * len(PROBLEMS) + problem
+                break
+        found = torch.tensor([first], dtype=torch.int64)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.pg)
+        if int(found) == _NO_PROBLEM:
+            return
+        index, problem = divmod(int(found), len(PROBLEMS))
+        older = [s for s in list_complete_steps(self.folder) if step_folder(self.folder, s) != folder and s < manifest.get("step", 1 << 62)]
+        fix = (
+            f"resume from an older checkpoint with --checkpoint.load_step {older[-1]} (complete: {older})"
+            if older
+            else "no older complete checkpoint exists here; restore the file or start a new run folder"
+        )
+        raise CheckpointError(f"checkpoint file {folder / names[index]} {PROBLEMS[problem]}; {fix}")

@@ -1,0 +1,171 @@
+"""Model and optimizer state of the model parts (the whole model, or this rank's pipeline
+stages) as one flat dict of tensors for DCP, and back.
+
+DCP keys: the model's parameter names as they are (torchtitan's layout,
+`layers.0.attention.wq.weight`), optimizer tensors as `optimizer.state.<param>.<name>`
+(`optimizer.state.layers.0.attention.wq.weight.exp_avg`). `get_model_state_dict` /
+`get_optimizer_state_dict` give these names whatever the wrapping (FSDP, TP, activation
+checkpointing, compile) with DTensor values, and pipeline stages keep the full model's
+names, so each rank's dict is a slice of one global dict and a checkpoint loads into
+any layout. The optimizer's hyperparameters (lr, betas, ...) are not tensors: they are
+returned apart, for a JSON file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titan_ckpt.manifest import CheckpointError
+
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
+def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
+    """Each part's model state dict (DTensors where sharded; they share the parameters' storage)."""
+    return [get_model_state_dict(part) for part in model_parts]
+
+
+def set_part_states(model_parts: Sequence[nn.Module], states: Sequence[dict[str, torch.Tensor]]) -> None:
+    """Load each part's state dict (from `get_part_states`, filled by DCP) into the part."""
+    for part, state in zip(model_parts, states, strict=True):
+        set_model_state_dict(part, state)
+
+
+def get_optimizer_states(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    """`get_optimizer_state_dict` of each (part, optimizer) pair; an empty optimizer state is
+    initialised first (a zero-lr step), so a fresh optimizer gives the tensors to load into.
+
+    Raises:
+        ValueError: not one optimizer per model part.
+    """
+    if len(optimizers) != len(model_parts):
+        raise ValueError(
+            f"the checkpoint manager got {len(optimizers)} optimizers for {len(model_parts)} model parts; "
+            "build one optimizer per model part (pipeline stage)"
+        )
+    return [get_optimizer_state_dict(part, optim) for part, optim in zip(model_parts, optimizers)]
+
+
+def flatten_optimizer_tensors(states: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The tensors of optimizer state dicts under `optimizer.state.<param>.<name>` keys (same objects, no copy).
+
+    Raises:
+        CheckpointError: a non-tensor value in the per-parameter state.
+    """
+    flat = {}
+    for state in states:
+        for fqn, per_param in state["state"].items():
+            for name, value in per_param.items():
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointError(
+                        f"optimizer state '{fqn}.{name}' is a {type(value).__name__}, not a tensor; "
+                        "Titan checkpoints hold tensor optimizer state only (use a torch.optim optimizer that keeps tensors)"
+                    )
+                flat[f"{OPTIMIZER_PREFIX}{fqn}.{name}"] = value
+    return flat
+
+
+def param_group_settings(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hyperparameters of each param group (everything but the parameter list)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
+
+
+def set_optimizer_states(
+    model_parts: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    states: Sequence[dict[str, Any]],
+    settings: list[dict[str, Any]] | None,
+) -> None:
+    """Load optimizer state dicts (from `get_optimizer_states`, filled by DCP), with saved hyperparameters.
+
+    Args:
+        model_parts: the model parts.
+        optimizers: one per part.
+        states: the filled state dicts.
+        settings: saved hyperparameters per param group (the same for every part), or None to keep the live ones.
+
+    Raises:
+        CheckpointError: the saved param groups do not match the optimizer's.
+    """
+    for part, optim, state in zip(model_parts, optimizers, states, strict=True):
+        groups = state["param_groups"]
+        if settings is not None:
+            if len(settings) != len(groups):
+                raise CheckpointError(
+                    f"the checkpoint's optimizer has {len(settings)} param groups, this one {len(groups)}; "
+                    "resume with the same optimizer, or add 'optimizer' to checkpoint.exclude_from_loading"
+                )
+            groups = [
+                {**group, **{k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}}
+                for group, saved in zip(groups, settings)
+            ]
+        set_optimizer_state_dict(part, optim, {"state": state["state"], "param_groups": groups})
+
+
+def check_against_metadata(wanted: dict[str, torch.Tensor], metadata: Metadata, where: str) -> None:
+    """Fail clearly when the checkpoint lacks a tensor this run needs or holds it in another shape.
+
+    Args:
+        wanted: the tensors to load, by DCP key (global shapes for DTensors).
+        metadata: the checkpoint's DCP metadata.
+        where: the checkpoint folder, for messages.
+
+    Raises:
+        CheckpointError: a missing key or a shape mismatch (the first one, and how many more).
+    """
+    stored = metadata.state_dict_metadata
+    missing = [k for k in wanted if not isinstance(stored.get(k), TensorStorageMetadata)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{where} has no tensor '{missing[0]}'{more}; it was saved from another model (check model.name / model.flavor), "
+            "or exclude that state with checkpoint.exclude_from_loading"
+        )
+    for key, tensor in wanted.items():
+        if tuple(stored[key].size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{where}: '{key}' has shape {tuple(stored[key].size)} in the checkpoint but {tuple(tensor.shape)} in this run; "
+                "resume with the model.flavor it was saved with"
+            )
+
+
+def get_full_model_state(model_parts: Sequence[nn.Module], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """This rank's parts as full (unsharded) CPU tensors, floating ones cast to `dtype` (a collective
+    over each part's mesh: every rank calls it)."""
+    out = {}
+    for part in model_parts:
+        for key, value in get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)).items():
+            cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            out[key] = value.to(device="cpu", dtype=cast)
+    return out
+
+
+def set_full_model_state(model_parts: Sequence[nn.Module], full: dict[str, torch.Tensor], where: str) -> None:
+    """Load full (unsharded) tensors into the parts, each rank keeping its shards.
+
+    Args:
+        model_parts: the model parts.
+        full: at least every parameter of the parts, by name.
+        where: the source, for messages.
+
+    Raises:
+        CheckpointError: a parameter of the parts is missing from `full`.
+    """
+    for part in model_parts:
+        keys = list(get_model_state_dict(part))
+        missing = [k for k in keys if k not in full]
+        if missing:
+            raise CheckpointError(f"{where} lacks '{missing[0]}' ({len(missing)} of {len(keys)} model tensors missing); load weights of this model.name / model.flavor")
+        set_model_state_dict(part, {k: full[k] for k in keys}, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,114 @@
+"""Checkpointing for the trainer: the `checkpoint` config section -> `titan_ckpt.CheckpointManager`.
+
+The trainer calls, in order (see `titan_core.trainer`):
+
+    self.checkpointer = build_checkpointer(cfg.checkpoint, ...)   # after optimizer + LR schedule
+    self.checkpointer.load()                                       # before the loop: step, data, optimizer, LR, RNG
+    self.checkpointer.save(step, last_step=...)                    # after every step
+    self.checkpointer.close()                                      # at the end, waits for a background save
+
+What a checkpoint holds: model and optimizer tensors (DCP, resharded on load), and as
+JSON the LR schedule ("lr_scheduler"), the data loader's global position
+("dataloader", independent of the world size), step and tokens seen ("train_state"),
+and the RNG ("rng"); the names are what `checkpoint.exclude_from_loading` accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from titan_ckpt.dtypes import parse_dtype
+from titan_ckpt.manager import CheckpointManager, LoadModelFn, SaveModelFn
+
+from titan_core.config.errors import ConfigError
+from titan_core.config.schema import Checkpoint
+
+__all__ = ["SchedulersState", "build_checkpointer"]
+
+
+class SchedulersState:
+    """The LR schedulers of all model parts as one JSON state: they step together, so the
+    first one's state is saved and loaded into each.
+
+    Args:
+        schedulers: one per optimizer.
+    """
+
+    def __init__(self, schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler]):
+        self.schedulers = list(schedulers)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(dict(state))
+
+
+def build_checkpointer(
+    ckpt: Checkpoint,
+    *,
+    run_folder: Path,
+    model_parts: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    lr_schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
+    dataloader: Any,
+    train_state: Any,
+    device: torch.device,
+    world_size: int,
+    load_model_fn: LoadModelFn | None = None,
+    save_model_fn: SaveModelFn | None = None,
+) -> CheckpointManager:
+    """Build the run's checkpoint manager from the `checkpoint` section (disabled: it does nothing).
+
+    Args:
+        ckpt: the job config's `checkpoint` section.
+        run_folder: `job.dump_folder`; checkpoints go to `run_folder / ckpt.folder`.
+        model_parts: the model, or this rank's pipeline stages.
+        optimizers: one per model part.
+        lr_schedulers: one per optimizer.
+        dataloader: the `PackedLoader` (its JSON state is the global stream position).
+        train_state: the `TrainState` (step, tokens seen).
+        device: the device the run computes on.
+        world_size: number of processes (a seed checkpoint needs exactly one).
+        load_model_fn: reads `initial_load_path` in Hugging Face format (for `initial_load_in_hf`).
+        save_model_fn: writes the last save in Hugging Face format (for `last_save_in_hf`).
+
+    Raises:
+        ConfigError: a combination of `checkpoint.*` keys that cannot work.
+    """
+    if not ckpt.enable:
+        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
+            if getattr(ckpt, key):
+                raise ConfigError(f"checkpoint.{key} is set but checkpoint.enable is false; add --checkpoint.enable")
+    if ckpt.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; launch it with --nproc-per-node 1")
+    if ckpt.initial_load_in_hf and load_model_fn is None:
+        raise ConfigError("checkpoint.initial_load_in_hf: no Hugging Face reader is wired into this trainer; convert with `titan convert --to dcp` and load that")
+    if ckpt.last_save_in_hf and save_model_fn is None:
+        raise ConfigError("checkpoint.last_save_in_hf: no Hugging Face writer is wired into this trainer; save in DCP and run `titan convert --to hf`")
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ConfigError("checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true")
+    return CheckpointManager(
+        run_folder / ckpt.folder,
+        model_parts=model_parts,
+        optimizers=optimizers,
+        states={"lr_scheduler": SchedulersState(lr_schedulers), "dataloader": dataloader, "train_state": train_state},
+        device=device,
+        enable=ckpt.enable,
+        interval=ckpt.interval,
+        keep_latest_k=ckpt.keep_latest_k,
+        async_mode=ckpt.async_mode,
+        last_save_model_only=ckpt.last_save_model_only,
+        export_dtype=parse_dtype(ckpt.export_dtype),
+        load_step=ckpt.load_step,
+        exclude_from_loading=ckpt.exclude_from_loading,
+        initial_load_path=ckpt.initial_load_path,
+        initial_load_model_only=ckpt.initial_load_model_only,
+        load_model_fn=load_model_fn if ckpt.initial_load_in_hf else None,
+        save_model_fn=save_model_fn if ckpt.last_save_in_hf else None,
+    )

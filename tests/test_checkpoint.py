@@ -1,0 +1,317 @@
+"""`titan_ckpt.CheckpointManager` in one process (a world of one over gloo): what a checkpoint
+holds and restores, atomic folders, keep_latest_k, model-only bf16 saves, damaged and
+tampered files, pipeline-style model parts, and the hooks for other weight formats.
+
+Multi-process runs of the trainer are in tests/test_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemReader
+from torch.optim.lr_scheduler import LambdaLR
+
+from titan_ckpt.manager import CheckpointManager
+from titan_ckpt.manifest import CheckpointError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 16)
+
+
+class Tiny(nn.Module):
+    """Embedding + linear head; `Embed` and `Head` are its two "pipeline stages" (same names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+class Counter:
+    """A JSON state."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class Run:
+    """A model, AdamW, a warmup LR schedule and a counter, as a trainer holds them."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.model = Tiny()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1, betas=(0.8, 0.9), weight_decay=0.1)
+        self.scheduler = LambdaLR(self.optimizer, lambda step: (step + 1) / 10)
+        self.counter = Counter()
+
+    def manager(self, folder: Path, **kwargs) -> CheckpointManager:
+        states = {"lr_scheduler": self.scheduler, "counter": self.counter}
+        return CheckpointManager(folder, model_parts=[self.model], optimizers=[self.optimizer], states=states, **kwargs)
+
+    def step(self, n: int = 1, data_seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(data_seed)
+        for _ in range(n):
+            x = torch.randint(0, 16, (4, 5), generator=gen)
+            loss = F.cross_entropy(self.model(x).flatten(0, 1), x.flatten())
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.counter.value += 1
+
+
+def params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def stored_tensors(folder: Path) -> dict[str, torch.dtype]:
+    meta = FileSystemReader(str(folder)).read_metadata()
+    return {k: m.properties.dtype for k, m in meta.state_dict_metadata.items()}
+
+
+def test_save_then_load_restores_model_optimizer_lr_json_states_and_rng(tmp_path):
+    a = Run(seed=1)
+    a.step(3)
+    saver = a.manager(tmp_path, interval=3)
+    assert not saver.save(2) and saver.save(3)
+    expected_draw = torch.rand(4)  # drawn from the RNG state saved with step 3
+    folder = tmp_path / "step-3"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    on_disk = {p.name for p in folder.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk and {".metadata", "__0_0.distcp", "counter.json", "rng.json"} <= on_disk
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+    b = Run(seed=2)  # other weights, empty optimizer, schedule at 0
+    assert b.manager(tmp_path).load() == 3
+    assert all(torch.equal(v, params(a.model)[k]) for k, v in params(b.model).items())
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a.optimizer.state[pa][key], b.optimizer.state[pb][key])
+    assert b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 4 / 10)
+    assert b.optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    assert b.scheduler.last_epoch == 3 and b.counter.value == 3
+    assert torch.equal(torch.rand(4), expected_draw)
+    # Training on from the checkpoint is the same as never having stopped.
+    a.step(2, data_seed=5)
+    b.step(2, data_seed=5)
+    assert all(torch.equal(v, params(a.model)[k]) for k, v in params(b.model).items())
+
+
+def test_async_save_holds_the_state_of_its_step(tmp_path):
+    a = Run(seed=1)
+    a.step(2)
+    at_save = params(a.model)
+    saver = a.manager(tmp_path, interval=2, async_mode="async_with_pinned_mem")  # CPU: falls back to "async"
+    assert saver.save(2)
+    a.step(3, data_seed=9)  # training goes on while the files are written
+    saver.save(3)  # not a save step: completes step-2 once its write is done
+    saver.close()
+    assert (tmp_path / "step-2" / "manifest.json").is_file()
+    b = Run(seed=2)
+    assert b.manager(tmp_path).load() == 2
+    assert all(torch.equal(v, at_save[k]) for k, v in params(b.model).items())
+    assert b.counter.value == 2
+
+
+def test_keep_latest_k_and_unfinished_folders(tmp_path):
+    a = Run(seed=1)
+    saver = a.manager(tmp_path, interval=1, keep_latest_k=2)
+    for step in range(1, 5):
+        a.step()
+        saver.save(step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+    (tmp_path / "step-9.tmp").mkdir()  # a save killed half-way
+    (tmp_path / "step-9.tmp" / "__0_0.distcp").write_bytes(b"half")
+    shutil.copytree(tmp_path / "step-4", tmp_path / "step-8")
+    (tmp_path / "step-8" / "manifest.json").unlink()  # no manifest: never complete
+    b = Run(seed=2)
+    assert b.manager(tmp_path).load() == 4
+    assert not (tmp_path / "step-9.tmp").exists()
+    assert b.counter.value == 4
+
+
+def test_model_only_last_save_in_export_dtype(tmp_path):
+    a = Run(seed=1)
+    a.step(5)
+    saver = a.manager(tmp_path, interval=100, last_save_model_only=True, export_dtype=torch.bfloat16)
+    assert saver.save(5, last_step=True)
+    stored = stored_tensors(tmp_path / "step-5")
+    assert set(stored) == {"embed.weight", "head.weight", "head.bias"}
+    assert set(stored.values()) == {torch.bfloat16}
+    b = Run(seed=2)
+    assert b.manager(tmp_path).load() == 5
+    expected = {k: v.to(torch.bfloat16).float() for k, v in params(a.model).items()}
+    assert all(torch.equal(v, expected[k]) for k, v in params(b.model).items())
+    assert not b.optimizer.state and b.counter.value == 5  # no optimizer state saved; the small states are
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+def test_damaged_file_is_named_with_an_older_step_to_use(tmp_path, damage):
+    a = Run(seed=1)
+    saver = a.manager(tmp_path, interval=1, keep_latest_k=0)
+    for step in (1, 2):
+        a.step()
+        saver.save(step)
+    shard = tmp_path / "step-2" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(data)
+    with pytest.raises(CheckpointError) as err:
+        Run(seed=2).manager(tmp_path).load()
+    problem = {"truncate": "truncated", "delete": "missing", "flip": "corrupt"}[damage]
+    assert str(shard) in str(err.value) and problem in str(err.value)
+    assert "--checkpoint.load_step 1" in str(err.value)
+    assert Run(seed=3).manager(tmp_path, load_step=1).load() == 1  # the suggested fix works
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_tampered_metadata_is_never_unpickled(tmp_path):
+    a = Run(seed=1)
+    a.step()
+    a.manager(tmp_path, interval=1).save(1)
+    folder = tmp_path / "step-1"
+    evil = _Evil()
+    evil.marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(evil))
+    manifest = json.loads((folder / "manifest.json").read_text())  # made to match, as an attacker would
+    data = (folder / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="refusing to load global"):
+        Run(seed=2).manager(tmp_path).load()
+    assert not evil.marker.exists()
+
+
+def test_load_step_not_found_lists_the_complete_steps(tmp_path):
+    a = Run(seed=1)
+    a.manager(tmp_path, interval=1).save(2)
+    with pytest.raises(CheckpointError, match=r"no complete step-7; complete checkpoints: \[2\]"):
+        Run(seed=2).manager(tmp_path, load_step=7).load()
+
+
+def test_arguments_and_states_are_checked(tmp_path):
+    a = Run(seed=1)
+    with pytest.raises(ValueError, match="exclude_from_loading: unknown state 'data'"):
+        a.manager(tmp_path, exclude_from_loading=["data"])
+    with pytest.raises(ValueError, match="'rng' is reserved"):
+        CheckpointManager(tmp_path, model_parts=[a.model], optimizers=[a.optimizer], states={"rng": Counter()})
+    a.counter.value = torch.tensor(1)  # not JSON
+    with pytest.raises(CheckpointError, match="the 'counter' state is not plain JSON data"):
+        a.manager(tmp_path, interval=1).save(1)
+
+
+def test_excluded_states_are_not_loaded(tmp_path):
+    a = Run(seed=1)
+    a.step(2)
+    a.manager(tmp_path, interval=2).save(2)
+    b = Run(seed=2)
+    fresh = params(b.model)
+    assert b.manager(tmp_path, exclude_from_loading=["model", "counter"]).load() == 2
+    assert all(torch.equal(v, fresh[k]) for k, v in params(b.model).items())
+    assert b.counter.value == 0 and b.scheduler.last_epoch == 2 and b.optimizer.state
+
+
+def test_pipeline_parts_merge_into_one_model_and_split_back(tmp_path):
+    torch.manual_seed(0)
+    parts = [Embed(), Head()]
+    optimizers = [torch.optim.AdamW(p.parameters(), lr=0.1) for p in parts]
+    x = torch.randint(0, 16, (4, 5))
+    F.cross_entropy(parts[1].head(parts[0].embed(x)).flatten(0, 1), x.flatten()).backward()
+    for opt in optimizers:
+        opt.step()
+    CheckpointManager(tmp_path / "a", model_parts=parts, optimizers=optimizers, interval=1).save(1)
+
+    whole = Run(seed=5)  # one model, one optimizer: the same names
+    assert whole.manager(tmp_path / "a").load() == 1
+    assert torch.equal(whole.model.embed.weight, parts[0].embed.weight)
+    assert torch.equal(whole.model.head.bias, parts[1].head.bias)
+    assert torch.equal(whole.optimizer.state[whole.model.head.weight]["exp_avg"], optimizers[1].state[parts[1].head.weight]["exp_avg"])
+
+    whole.manager(tmp_path / "b", interval=1).save(1)
+    torch.manual_seed(9)
+    split = [Embed(), Head()]
+    split_opts = [torch.optim.AdamW(p.parameters(), lr=0.1) for p in split]
+    assert CheckpointManager(tmp_path / "b", model_parts=split, optimizers=split_opts).load() == 1
+    assert torch.equal(split[1].head.weight, whole.model.head.weight)
+    assert torch.equal(split_opts[0].state[split[0].embed.weight]["exp_avg_sq"], whole.optimizer.state[whole.model.embed.weight]["exp_avg_sq"])
+
+
+def test_other_format_hooks_and_initial_load_path(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def save_model(folder: Path, state: dict) -> None:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+
+    def load_model(folder: Path) -> dict:
+        return load_file(str(folder / "model.safetensors"))
+
+    a = Run(seed=1)
+    a.step(2)
+    a.manager(tmp_path / "run-a", interval=10, last_save_model_only=True, save_model_fn=save_model, export_dtype=torch.bfloat16).save(2, last_step=True)
+    exported = tmp_path / "run-a" / "step-2"
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert manifest["model_format"] == "external" and "model.safetensors" in manifest["files"]
+    assert load_file(str(exported / "model.safetensors"))["head.weight"].dtype == torch.bfloat16
+
+    b = Run(seed=2)  # a new run folder with no checkpoint starts from the exported weights
+    assert b.manager(tmp_path / "run-b", initial_load_path=exported, load_model_fn=load_model).load() == 0
+    assert torch.equal(b.model.head.weight, a.model.head.weight.to(torch.bfloat16).float())
+    assert b.counter.value == 0 and not b.optimizer.state
+
+    a.manager(tmp_path / "run-c", interval=1).save(2)  # a full DCP checkpoint as the initial load
+    c = Run(seed=3)
+    assert c.manager(tmp_path / "run-d", initial_load_path=tmp_path / "run-c" / "step-2").load() == 0
+    assert torch.equal(c.model.embed.weight, a.model.embed.weight) and c.counter.value == 0 and not c.optimizer.state
+    d = Run(seed=4)
+    d.manager(tmp_path / "run-e", initial_load_path=tmp_path / "run-c" / "step-2", initial_load_model_only=False).load()
+    assert d.counter.value == 2 and d.optimizer.state

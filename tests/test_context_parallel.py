@@ -1,0 +1,109 @@
+"""Context parallel: head-tail layout and validation in process, parity under torchrun.
+
+The parity run is one launch of `workers/tp_cp_worker.py cp` on 4 gloo processes:
+ring attention alone against causal SDPA (incl. GQA), a seeded 2-layer debugmodel
+under CP=2 and CP=4 with both K/V exchanges, two pipeline stages run back to back
+(positions from the pre-hook), and TP=2 x CP=2 through `parallelize` with FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_tensor_parallel import TOL, launch_worker
+from titan_parallel.context_parallel import check_cp, cp_positions
+from titan_parallel.dims import ParallelConfigError
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory) -> dict:
+    results = launch_worker("cp", tmp_path_factory.mktemp("cp"))
+    print(json.dumps(results, indent=1))
+    return results
+
+
+# ---- layout and validation (no processes) ----------------------------------------------------
+
+
+def test_cp_positions_head_tail_by_hand():
+    # T = 8, cp = 2: chunks [0,1] [2,3] [4,5] [6,7]; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert cp_positions(4, 0, 2).tolist() == [0, 1, 6, 7]
+    assert cp_positions(4, 1, 2).tolist() == [2, 3, 4, 5]
+    # T = 16, cp = 4: eight chunks of 2; rank r holds chunks r and 7 - r.
+    assert cp_positions(4, 0, 4).tolist() == [0, 1, 14, 15]
+    assert cp_positions(4, 1, 4).tolist() == [2, 3, 12, 13]
+    assert cp_positions(4, 2, 4).tolist() == [4, 5, 10, 11]
+    assert cp_positions(4, 3, 4).tolist() == [6, 7, 8, 9]
+    assert cp_positions(6, 0, 1).tolist() == list(range(6))  # cp = 1 is the identity
+
+
+def test_cp_positions_partition_the_sequence_with_equal_causal_work():
+    seq, cp = 64, 4
+    parts = [cp_positions(seq // cp, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    # Causal work of a query at position p is p + 1 keys; head-tail makes it equal on every rank.
+    work = [int((p + 1).sum()) for p in parts]
+    assert work == [seq * (seq + 1) // 2 // cp] * cp
+
+
+def test_cp_positions_refuses_an_odd_local_length():
+    with pytest.raises(ValueError, match=r"training\.seq_len must be divisible by 2 x parallelism\.context_parallel_degree = 4"):
+        cp_positions(3, 0, 2)
+
+
+def test_check_cp_names_both_keys():
+    check_cp(32, 4)
+    check_cp(7, 1)  # no context parallel: any length
+    with pytest.raises(ParallelConfigError) as err:
+        check_cp(36, 4)
+    assert str(err.value) == (
+        "training.seq_len 36 is not divisible by 2 x parallelism.context_parallel_degree = 8; change one of them"
+    )
+
+
+# ---- parity under torchrun ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", ["allgather", "rotate"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2)])
+def test_ring_attention_matches_causal_sdpa(cp_results, cp, method, heads):
+    r = cp_results[f"ring_cp{cp}_{method}_h{heads[0]}_kv{heads[1]}"]
+    for key in ("out", "dq", "dk", "dv"):
+        assert r[key] < TOL, (key, r)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_shard_sequence_takes_the_head_tail_positions(cp_results, cp):
+    assert cp_results[f"shard_sequence_cp{cp}"] == {"labels": 0.0, "tokens": 0.0}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method", ["allgather", "rotate"])
+def test_cp_model_matches_single_process(cp_results, cp, method):
+    r = cp_results[f"cp{cp}_{method}"]
+    assert r["ring_swapped"] == 0.0
+    assert r["local_loss_differs"] == 1.0  # each rank's loss is over its own tokens only
+    assert r["n_grads"] == 21
+    for key in ("logits", "unshard", "loss", "grads"):
+        assert r[key] < TOL, (key, r)
+    assert r["grads_rel"] < 1e-5, r
+
+
+@pytest.mark.parametrize("layout", ["tp1_cp4", "tp2_cp2"])
+def test_pipeline_stage_gets_positions_from_the_hook(cp_results, layout):
+    r = cp_results[f"stages_{layout}"]
+    assert r["hidden_seq"] == 8  # 32 tokens over cp x tp = 4: the last stage saw only local hidden states
+    assert r["logits"] < TOL, r
+
+
+@pytest.mark.parametrize("method", ["allgather", "rotate"])
+def test_tp_cp_fsdp_through_parallelize(cp_results, method):
+    r = cp_results[f"parallelize_tp2_cp2_{method}"]
+    assert r["n_grads"] == 21
+    for key in ("logits", "loss", "grads"):
+        assert r[key] < TOL, (key, r)
+    assert r["grads_rel"] < 1e-5, r

@@ -1,0 +1,19 @@
+"""Every parallel layout matches one process (see parity_matrix.py for the layouts and the tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+from parity_matrix import LAYOUTS, TOLERANCE, max_diff, reference_losses, run_layout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_losses(tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(lay, id=lay.name, marks=[pytest.mark.slow] if lay.slow else []) for lay in LAYOUTS]
+)
+def test_layout_matches_one_process(layout, reference, tmp_path):
+    diff = max_diff(reference, run_layout(layout, tmp_path / layout.name))
+    assert diff <= TOLERANCE, f"{layout.name}: max loss difference {diff:.2e} > {TOLERANCE}"

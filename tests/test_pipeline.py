@@ -1,0 +1,227 @@
+"""Pipeline parallel (titan_parallel.pipeline): stage cuts worked out by hand, errors, and
+parity with a single process for every schedule, over real torchrun processes (gloo, CPU).
+
+One 4-process launch carries all the multi-process checks (tests/workers/pp_worker.py):
+pp=2 for every available schedule, an explicit module list and a CSV schedule (as two
+pipeline replicas of 2 ranks each), pp=4 for three schedules, pp=2 x FSDP 2 for three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_models.llama3 import llama3_plan
+from titan_parallel.dims import ParallelConfigError
+from titan_parallel.pipeline import (
+    SCHEDULE_NAMES,
+    available_schedules,
+    check_module_names,
+    count_microbatches,
+    count_stages,
+    get_schedule_class,
+    stage_indices,
+    stage_module_names,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "pp_worker.py"
+TOL = 1e-5
+V_SCHEDULES = {"ZBVZeroBubble", "DualPipeV"}
+
+
+def layers(*ids: int) -> list[str]:
+    return [f"layers.{i}" for i in ids]
+
+
+# ---- stage cuts, worked out by hand -----------------------------------------------------
+# Units = layers + first weight + last weight, spread evenly, the first `units % stages`
+# stages one more; the first stage spends `first` units on the embeddings, the last
+# `last` units on norm + output (torchtitan's generate_llm_fqn_per_model_part).
+
+
+def test_six_layers_two_stages():
+    # 6 + 1 + 1 = 8 units, 4 per stage: embeddings + 3 layers | 3 layers + norm + output.
+    assert stage_module_names(llama3_plan, 6, 2) == [
+        ["tok_embeddings", *layers(0, 1, 2)],
+        [*layers(3, 4, 5), "norm", "output"],
+    ]
+
+
+def test_eight_layers_four_stages_uneven():
+    # 10 units over 4 stages: 3, 3, 2, 2.
+    assert stage_module_names(llama3_plan, 8, 4) == [
+        ["tok_embeddings", *layers(0, 1)],
+        layers(2, 3, 4),
+        layers(5, 6),
+        [*layers(7), "norm", "output"],
+    ]
+
+
+def test_one_unit_per_stage_leaves_embeddings_and_output_alone():
+    # 6 + 1 + 1 = 8 units over 8 stages: the first holds only the embeddings, the last only norm + output.
+    assert stage_module_names(llama3_plan, 6, 8) == [["tok_embeddings"], *([name] for name in layers(0, 1, 2, 3, 4, 5)), ["norm", "output"]]
+
+
+def test_weights_shift_layers_between_first_and_last():
+    # 5 + 0 + 2 = 7 units: 4 and 3; the first stage's 4 are all layers, the last keeps 3 - 2 = 1 layer.
+    names = stage_module_names(llama3_plan, 5, 2, first_stage_less_layers=0, last_stage_less_layers=2)
+    assert names == [["tok_embeddings", *layers(0, 1, 2, 3)], [*layers(4), "norm", "output"]]
+
+
+def test_single_stage_holds_everything():
+    assert stage_module_names(llama3_plan, 3, 1) == [["tok_embeddings", *layers(0, 1, 2), "norm", "output"]]
+
+
+def test_stage_indices_loop_and_v():
+    assert stage_indices(0, 2, 4, "Interleaved1F1B") == (0, 2)
+    assert stage_indices(1, 4, 8, "InterleavedZeroBubble") == (1, 5)
+    assert stage_indices(3, 4, 4, "1F1B") == (3,)
+    assert stage_indices(0, 2, 4, "ZBVZeroBubble") == (0, 3)
+    assert stage_indices(1, 4, 8, "DualPipeV") == (1, 6)
+
+
+def test_count_stages():
+    assert count_stages(6, 2, "1F1B") == 2
+    assert count_stages(6, 2, "Interleaved1F1B") == 4  # default 2 per rank
+    assert count_stages(6, 4, "ZBVZeroBubble") == 8
+    assert count_stages(6, 2, "Interleaved1F1B", layers_per_stage=2) == 4  # ceil(8 / 2)
+    assert count_stages(10, 2, "Interleaved1F1B", layers_per_stage=2) == 6  # ceil(12 / 2): 3 per rank
+    assert count_stages(6, 2, "GPipe", layers_per_stage=4) == 2
+
+
+def test_count_microbatches():
+    assert count_microbatches(8, 2, 2, "1F1B") == 4
+    assert count_microbatches(2, 1, 4, "Interleaved1F1B") == 2  # fewer than stages: allowed, just bubbly
+
+
+def test_every_schedule_is_available():
+    assert set(available_schedules()) == set(SCHEDULE_NAMES)
+
+
+# ---- errors: one line each, naming the key to change -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: stage_module_names(llama3_plan, 2, 5), ["5 pipeline stages", "4 units", "pipeline_parallel_degree"]),
+        (lambda: stage_module_names(llama3_plan, 6, 4, first_stage_less_layers=3), ["pipeline_parallel_first_stage_less_layers=3"]),
+        (lambda: stage_module_names(llama3_plan, 6, 4, last_stage_less_layers=3), ["pipeline_parallel_last_stage_less_layers=3"]),
+        (lambda: count_stages(6, 2, "1F1B", layers_per_stage=2), ["pipeline_parallel_layers_per_stage=2", "1 per rank"]),
+        (lambda: count_stages(6, 2, "Interleaved1F1B", layers_per_stage=3), ["pipeline_parallel_layers_per_stage=3", "multiple"]),
+        (lambda: count_stages(6, 2, "ZBVZeroBubble", layers_per_stage=1), ["exactly 2 per rank"]),
+        (lambda: count_stages(6, 2, "Interleaved1F1B", layers_per_stage=4), [">= 2 per rank"]),
+        (lambda: get_schedule_class("Looped"), ["parallelism.pipeline_parallel_schedule='Looped'", "GPipe", "DualPipeV"]),
+        (lambda: stage_indices(0, 2, 2, "ZBVZeroBubble"), ["needs >= 2 stages per rank"]),
+        (lambda: count_microbatches(8, 3, 2, "1F1B"), ["training.local_batch_size=8", "pipeline_parallel_microbatch_size=3"]),
+        (lambda: count_microbatches(8, 4, 4, "DualPipeV"), ["needs >= 4 microbatches, got 2"]),
+        (lambda: count_microbatches(4, 1, 2, "Bogus"), ["'Bogus' is unknown"]),
+    ],
+)
+def test_config_errors(call, words):
+    with pytest.raises(ParallelConfigError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize(
+    "names, words",
+    [
+        ([["tok_embeddings", "layers.0"], ["layers.1", "layers.9", "norm", "output"]], ["unknown module 'layers.9'"]),
+        ([["tok_embeddings", "layers.0", "layers.1"], ["layers.1", "norm", "output"]], ["'layers.1' is in stage 0 and stage 1"]),
+        ([["tok_embeddings", "layers.0"], ["layers.1", "norm"]], ["['output'] are in no stage"]),
+        ([["tok_embeddings", "layers.1"], ["layers.0", "norm", "output"]], ["forward order"]),
+        ([["tok_embeddings", "layers.0", "layers.1"], [], ["norm", "output"]], ["stage 1 is empty"]),
+    ],
+)
+def test_module_name_errors(names, words):
+    with pytest.raises(ParallelConfigError) as info:
+        check_module_names(llama3_plan, 2, names)
+    message = str(info.value)
+    assert "\n" not in message and "parallelism.module_fqns_per_model_part" in message
+    for word in words:
+        assert word in message, message
+
+
+def test_valid_explicit_names_pass():
+    check_module_names(llama3_plan, 2, [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]])
+
+
+# ---- parity with one process, over real processes ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Launch the worker once on 4 processes; its per-case, per-rank results."""
+    out = tmp_path_factory.mktemp("pp") / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def expected_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    if schedule in ("GPipe", "1F1B"):
+        return [pp_rank]
+    return [pp_rank, pp_rank + pp]
+
+
+def check_case(results: dict, name: str, schedule: str, pp: int) -> None:
+    """Parity, stage placement, loss placement and parameter coverage of one layout on 4 ranks."""
+    assert name in results["cases"], f"case {name} did not run: an earlier case failed ({list(results['cases'])[-1]})"
+    ranks = results["cases"][name]
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, errors[0]
+    dp = len(ranks) // pp  # copies of each stage: pipeline replicas or FSDP shards
+    for r in ranks:
+        assert r["loss_diff"] < TOL and r["param_diff"] < TOL and r["grad_diff"] < TOL, (name, r)
+        assert r["stages"] == expected_stages(schedule, pp, r["pp_rank"]), (name, r["stages"])
+        # The last stage, hence the loss, lives on pp rank 0 under V schedules, else on the last pp rank.
+        assert r["has_loss"] == (r["pp_rank"] == (0 if schedule in V_SCHEDULES else pp - 1)), (name, r)
+    # Every parameter lives on exactly one stage of each pipeline, i.e. on dp ranks in all.
+    held = sorted(n for r in ranks for n in r["held"])
+    assert held == sorted(results["ref_params"] * dp)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_pp2_matches_single_process(runs, schedule):
+    check_case(runs, f"pp2-{schedule}", schedule, pp=2)
+
+
+def test_pp2_explicit_module_names(runs):
+    check_case(runs, "pp2-1F1B-explicit", "1F1B", pp=2)
+    assert sorted(runs["cases"]["pp2-1F1B-explicit"][0]["held"]) == ["layers.0.attention.wk.weight", "layers.0.attention.wo.weight",
+        "layers.0.attention.wq.weight", "layers.0.attention.wv.weight", "layers.0.attention_norm.weight", "layers.0.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight", "layers.0.ffn_norm.weight", "tok_embeddings.weight"]
+
+
+def test_pp2_csv_schedule(runs):
+    check_case(runs, "pp2-csv-Interleaved1F1B", "Interleaved1F1B", pp=2)
+
+
+def test_weight_tied_across_stages_is_refused(runs):
+    message = runs.get("errors", {}).get("tied")
+    assert message is not None and "\n" not in message
+    assert "'tok_embeddings.weight' and 'output.weight'" in message and "stages 0 and 1" in message and "module_fqns_per_model_part" in message
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_pp4_matches_single_process(runs, schedule):
+    check_case(runs, f"pp4-{schedule}", schedule, pp=4)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "DualPipeV"])
+def test_pp2_with_fsdp2_matches_single_process(runs, schedule):
+    check_case(runs, f"pp2xfsdp2-{schedule}", schedule, pp=2)

@@ -1,0 +1,235 @@
+"""Checkpoints in real training runs: resume equality, kill -9 (during training and during an
+async save), a truncated shard, load_step / exclude_from_loading, resharding 2 -> 4 -> 1 ranks,
+keep_latest_k, a bf16 model-only last save, and a seed checkpoint started on 2 FSDP ranks.
+
+Every run is the same tiny job (debugmodel, fp32, seq_len 32, global batch 4, 6 steps,
+warmup 2 then linear decay, so the LR differs at every step); the uninterrupted one-process
+run is the reference. Runs are real processes (`python -m titan_core.train`, torchrun for
+several ranks); crashes are SIGKILLs sent to the run's process group at points that
+tests/workers/ckpt_train.py makes deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "ckpt_train.py"
+STEPS = 6
+GLOBAL_BATCH = 4
+TINY = [
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "32",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false",
+    "--metrics.peak_tflops", "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval", "2",
+    "--checkpoint.keep_latest_k", "0",
+]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def command(run: Path, args: tuple[str, ...], nproc: int, hook: tuple[str, int] | None) -> list[str]:
+    """`python -m titan_core.train` (or the hook worker), under torchrun for several ranks."""
+    target = [str(WORKER), hook[0], str(hook[1])] if hook else ["-m", "titan_core.train"]
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    batch = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
+    return [*launcher, *target, *TINY, *batch, "--job.dump_folder", str(run), *args]
+
+
+def train(run: Path, *args: str, nproc: int = 1, hook: tuple[str, int] | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    """Run a training job to its end; with `ok`, fail the test on a non-zero exit."""
+    proc = subprocess.run(command(run, args, nproc, hook), capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    if ok and proc.returncode != 0:
+        raise AssertionError(f"run {run} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def train_until_killed(run: Path, hook: tuple[str, int], *args: str) -> None:
+    """Run a one-process job until the hook reports, then SIGKILL its process group."""
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "killed.log", "w") as log:
+        proc = subprocess.Popen(command(run, args, 1, hook), stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not (run / "HANG").exists():
+            assert proc.poll() is None, f"run ended ({proc.returncode}) before the crash point:\n{(run / 'killed.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "crash point not reached in 300 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl; a step logged again after a resume keeps its last value."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss/global_avg"] for r in records}
+
+
+def logged_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoint" / f"step-{step}"
+
+
+def read_json(run: Path, step: int, name: str) -> dict:
+    return json.loads((ckpt(run, step) / f"{name}.json").read_text())
+
+
+def complete_steps(run: Path) -> list[int]:
+    return sorted(int(p.parent.name.removeprefix("step-")) for p in (run / "checkpoint").glob("step-*/manifest.json"))
+
+
+def dcp_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder, read with torch's own reader in this one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    out = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A copy of a run folder's checkpoints (metrics start empty)."""
+    shutil.copytree(src / "checkpoint", dst / "checkpoint")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted one-process run, checkpoints at steps 2, 4, 6 (all kept)."""
+    run = tmp_path_factory.mktemp("reference")
+    train(run)
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
+    assert complete_steps(run) == [2, 4, 6]
+    return run
+
+
+def test_resume_after_kill_during_training_equals_uninterrupted(reference, tmp_path):
+    # Checkpoint every 3 steps; killed with SIGKILL after step 4: step-3 is the newest checkpoint.
+    run = tmp_path / "run"
+    train_until_killed(run, ("hang-after-step", 4), "--checkpoint.interval", "3")
+    assert complete_steps(run) == [3]
+    assert not list((run / "checkpoint").glob("*.tmp"))
+    assert read_json(run, 3, "train_state") == {"step": 3, "tokens_seen": 3 * GLOBAL_BATCH * 32}
+    # A fresh process in the same run folder continues from step 3: same losses, bit for bit.
+    proc = train(run, "--checkpoint.interval", "3")
+    assert "loaded" in proc.stderr and "step-3" in proc.stderr
+    assert logged_steps(run) == [1, 2, 3, 4, 4, 5, 6]  # step 4 ran again after the resume
+    assert losses(run) == losses(reference)
+    assert read_json(run, 6, "dataloader") == read_json(reference, 6, "dataloader")
+
+
+def test_kill_during_async_save_then_resume_keep_k_and_bf16_export(reference, tmp_path):
+    run = tmp_path / "run"
+    async_args = ("--checkpoint.async_mode", "async")
+    # Killed while the background writer of step 4 is between its data file and the manifest.
+    train_until_killed(run, ("hang-in-async-write", 4), *async_args)
+    assert complete_steps(run) == [2]
+    unfinished = run / "checkpoint" / "step-4.tmp"
+    assert (unfinished / "__0_0.distcp").is_file() and not (unfinished / "manifest.json").exists()
+
+    export = ("--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+    train(run, *async_args, *export)
+    assert not unfinished.exists()
+    assert losses(run) == losses(reference)  # step 2 was saved in the background while training went on
+    assert complete_steps(run) == [4, 6]  # keep_latest_k = 2 removed step-2
+    manifest = json.loads((ckpt(run, 6) / "manifest.json").read_text())
+    assert manifest["model_only"] is True and "optimizer" not in manifest["contents"]
+    exported, full = dcp_tensors(ckpt(run, 6)), dcp_tensors(ckpt(reference, 6))
+    model_keys = {k for k in full if not k.startswith("optimizer.")}
+    assert set(exported) == model_keys and len(model_keys) > 10
+    for key, value in exported.items():
+        assert value.dtype == torch.bfloat16, key
+        assert torch.equal(value, full[key].to(torch.bfloat16)), key
+    assert any(k.startswith("optimizer.") for k in dcp_tensors(ckpt(run, 4)))  # not the last step: a full save
+
+
+def test_truncated_shard_is_detected_and_named(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run")
+    shard = ckpt(run, 6) / "__0_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    proc = train(run, ok=False)
+    assert proc.returncode == 2
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("titan: error: checkpoint file") and str(shard) in error, error
+    assert "truncated" in error and "--checkpoint.load_step 4" in error, error
+
+
+def test_load_step_and_exclude_from_loading(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run")
+    train(run, "--checkpoint.load_step", "2", "--checkpoint.exclude_from_loading", '["dataloader", "lr_scheduler"]')
+    assert logged_steps(run) == [3, 4, 5, 6]  # resumed at step 2 although step-4 and step-6 exist
+    # The model came from step 2: a trained model, not a fresh one, sees the stream's first batch.
+    assert losses(run)[3] < losses(reference)[1] - 0.5
+    # The data restarted at the stream's start: after 4 steps here it stands where the reference stood after 4.
+    assert read_json(run, 6, "dataloader") == read_json(reference, 4, "dataloader")
+    assert read_json(run, 6, "dataloader")["samples_consumed"] == 4 * GLOBAL_BATCH
+    assert read_json(run, 4, "dataloader") == read_json(reference, 2, "dataloader")  # step-4 was rewritten
+    assert read_json(run, 6, "lr_scheduler")["last_epoch"] == 4  # a fresh schedule, stepped 4 times
+    assert read_json(run, 6, "train_state")["step"] == 6
+
+
+def test_reshard_2_to_4_to_1_ranks_keeps_losses_and_data_position(reference, tmp_path):
+    run = tmp_path / "run"
+    train(run, "--checkpoint.async_mode", "async", nproc=2, hook=("stop-after-step", 2))
+    train(run, nproc=4, hook=("stop-after-step", 4))
+    train(run)
+    assert complete_steps(run) == [2, 4, 6]
+    assert [json.loads((ckpt(run, s) / "manifest.json").read_text())["world_size"] for s in (2, 4, 6)] == [2, 4, 1]
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
+    ref = losses(reference)
+    assert max(abs(ref[s] - loss) for s, loss in losses(run).items()) < 1e-5
+    for step in (2, 4, 6):  # the global sample stream went on where it stopped: nothing repeated or skipped
+        assert read_json(run, step, "dataloader")["samples_consumed"] == step * GLOBAL_BATCH
+        assert read_json(run, step, "dataloader") == read_json(reference, step, "dataloader")
+
+
+def test_seed_checkpoint_then_fsdp_2_ranks_start_from_it(reference, tmp_path):
+    from titan_core.data import PackedLoader, build_source, build_tokenizer
+    from titan_models import get_model_args, get_model_spec
+
+    run = tmp_path / "run"
+    train(run, "--checkpoint.create_seed_checkpoint", "--debug.seed", "7")
+    assert complete_steps(run) == [0] and not (run / "metrics.jsonl").exists()
+    assert json.loads((ckpt(run, 0) / "manifest.json").read_text())["contents"] == ["model"]
+    # The seed checkpoint holds the model as initialised from seed 7, full and unsharded.
+    model = get_model_spec("llama3").build(get_model_args("llama3", "debugmodel"))
+    torch.manual_seed(7)
+    model.init_weights()  # the documented init: every parameter drawn from the seed, in init_weights' order
+    expected = model.state_dict()
+    seed = dcp_tensors(ckpt(run, 0))
+    assert set(seed) == set(expected)
+    assert all(torch.equal(seed[k], expected[k]) for k in expected)
+
+    # Two FSDP ranks (seeded 0) start from it: their first loss is the seed-7 model's on the first batch.
+    train(run, "--training.steps", "2", "--lr_scheduler.warmup_steps", "1", nproc=2)
+    inputs, labels = next(iter(PackedLoader(build_source("stdlib", None, "text"), build_tokenizer(None), seq_len=32, local_batch_size=4)))
+    with torch.no_grad():
+        first = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
+    assert abs(losses(run)[1] - first) < 1e-5
+    assert abs(losses(reference)[1] - first) > 1e-3  # the seed-0 model's loss differs: the weights came from step-0

@@ -1,0 +1,129 @@
+"""Tensor parallel (+ sequence and loss parallel): validation in process, parity under torchrun.
+
+The parity run is one launch of `workers/tp_cp_worker.py tp` on 4 gloo processes: a
+seeded 2-layer debugmodel (dim 256, 16 heads, 8 KV heads, FFN 768, vocab 512) split
+TP=2 and TP=4, with and without loss parallel, against the same model alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_models.llama3 import ModelArgs, Transformer, llama3_flavors, llama3_plan
+from titan_parallel.dims import ParallelConfigError
+from titan_parallel.plan import ModelPlan
+from titan_parallel.tensor_parallel import apply_tp, check_async_tp, check_tp
+
+WORKER = Path(__file__).parent / "workers" / "tp_cp_worker.py"
+TOL = 1e-5
+
+
+def launch_worker(suite: str, tmp_path: Path) -> dict:
+    """Run the worker on 4 processes and return rank 0's JSON of measured differences."""
+    out = tmp_path / f"{suite}.json"
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER), suite, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory) -> dict:
+    results = launch_worker("tp", tmp_path_factory.mktemp("tp"))
+    print(json.dumps(results, indent=1))
+    return results
+
+
+def meta_transformer(args: ModelArgs) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def meta_model() -> Transformer:
+    return meta_transformer(dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, vocab_size=512))
+
+
+# ---- validation (no processes) --------------------------------------------------------------
+
+
+def test_check_tp_accepts_divisible_degrees():
+    model = meta_model()  # 16 heads, 8 KV heads, FFN 768, vocab 512
+    for degree in (1, 2, 4, 8):
+        check_tp(model, llama3_plan, degree)
+
+
+def test_check_tp_names_the_head_count_that_does_not_divide():
+    model = meta_model()
+    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 3 does not divide n_heads 16;"):
+        check_tp(model, llama3_plan, 3)
+    # 16 divides n_heads 16 but not n_kv_heads 8.
+    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 16 does not divide n_kv_heads 8;"):
+        check_tp(model, llama3_plan, 16)
+
+
+def test_check_tp_names_ffn_hidden_dim_and_vocab_size():
+    # FFN hidden: int(2 * 4 * 64 / 3) = 170, rounded up to multiple_of: 32 -> 192, 5 -> 170 (= 2 x 85).
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=96, multiple_of=32, max_seq_len=16)
+    check_tp(meta_transformer(args), llama3_plan, 4)
+    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 4 does not divide ffn_hidden_dim 170;"):
+        check_tp(meta_transformer(dataclasses.replace(args, multiple_of=5)), llama3_plan, 4)
+    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 2 does not divide vocab_size 97;"):
+        check_tp(meta_transformer(dataclasses.replace(args, vocab_size=97)), llama3_plan, 2)
+
+
+def test_check_tp_refuses_a_model_without_a_plan():
+    with pytest.raises(ParallelConfigError) as err:
+        check_tp(meta_model(), ModelPlan(blocks="layers"), 2)
+    assert str(err.value) == "model Transformer has no tensor-parallel plan; set parallelism.tensor_parallel_degree = 1"
+    check_tp(meta_model(), ModelPlan(blocks="layers"), 1)  # degree 1 needs no plan
+
+
+def test_apply_tp_validates_before_touching_the_model():
+    model = meta_model()
+    before = {n: type(p) for n, p in model.named_parameters()}
+    mesh_of_three = types.SimpleNamespace(size=lambda: 3, device_type="cpu")  # validation reads only the size
+    with pytest.raises(ParallelConfigError, match="does not divide n_heads 16"):
+        apply_tp(model, llama3_plan, mesh_of_three)
+    assert {n: type(p) for n, p in model.named_parameters()} == before
+
+
+def test_async_tp_needs_cuda_and_compile():
+    message = r"^parallelism\.enable_async_tensor_parallel needs CUDA and compile\.enable = true"
+    with pytest.raises(ParallelConfigError, match=message):
+        check_async_tp("cpu", compile_enabled=True)
+    with pytest.raises(ParallelConfigError, match=message):
+        check_async_tp("cuda", compile_enabled=False)
+
+
+# ---- parity under torchrun ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", ["loss_parallel", "replicated_logits"])
+def test_tp_matches_single_process(tp_results, tp, mode):
+    r = tp_results[f"tp{tp}_{mode}"]
+    assert r["wq_local_rows"] == 256 / tp  # wq really sharded: 16 heads x 16 dims over tp ranks
+    assert r["logits_is_dtensor"] == (1.0 if mode == "loss_parallel" else 0.0)
+    assert r["n_grads"] == 21  # embedding, 2 x (2 norms + 4 attention + 3 FFN), norm, output
+    assert r["logits"] < TOL, r
+    assert r["loss"] < TOL, r
+    assert r["grads"] < TOL, r
+    assert r["grads_rel"] < 1e-5, r
+
+
+def test_tp_keeps_tied_embeddings_tied(tp_results):
+    r = tp_results["tp2_tied_embeddings"]
+    assert r["still_tied"] == 1.0
+    assert r["n_grads"] == 20  # one shared embedding/output weight
+    for key in ("logits", "loss", "grads"):
+        assert r[key] < TOL, (key, r)
