@@ -41,6 +41,9 @@ class Layout:
     dp: int  # data-parallel degree: local batch = GLOBAL_BATCH / dp
     args: tuple[str, ...]
     slow: bool = False
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL; off for DDP, whose reducer crashes (SIGSEGV) under the
+    # DETAIL wrapper process group in torch 2.15 on gloo.
+    debug_detail: bool = True
 
 
 def _pp(schedule: str, *extra: str) -> tuple[str, ...]:
@@ -52,7 +55,7 @@ LAYOUTS = [
     Layout("fsdp4", 4, 4, ()),
     Layout("hsdp2x2", 4, 4, (f"{P}data_parallel_replicate_degree", "2")),
     Layout("ddp2", 2, 2, (f"{P}dp_mode", "ddp", f"{P}data_parallel_replicate_degree", "2",
-                           f"{P}data_parallel_shard_degree", "1")),
+                           f"{P}data_parallel_shard_degree", "1"), debug_detail=False),
     Layout("tp2_no_loss_parallel", 2, 1, (f"{P}tensor_parallel_degree", "2", f"{P}disable_loss_parallel", "true")),
     Layout("tp2_sp_loss_parallel", 2, 1, (f"{P}tensor_parallel_degree", "2")),
     Layout("fsdp2_tp2", 4, 2, (f"{P}tensor_parallel_degree", "2")),
@@ -76,7 +79,7 @@ LAYOUTS = [
 
 def run_layout(layout: Layout, folder: Path) -> list[float]:
     run_titan(folder, *TINY, "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
-              nproc=layout.nproc)
+              nproc=layout.nproc, debug_detail=layout.debug_detail)
     return losses(folder)
 
 
@@ -99,7 +102,11 @@ def main(names: list[str]) -> int:
         failed = 0
         for layout in chosen:
             start = time.perf_counter()
-            diff = max_diff(ref, run_layout(layout, Path(tmp) / layout.name))
+            try:
+                diff = max_diff(ref, run_layout(layout, Path(tmp) / layout.name))
+            except AssertionError as e:  # the run itself failed: show why, go on
+                print(str(e)[-1500:])
+                diff = float("nan")
             ok = diff <= TOLERANCE
             failed += not ok
             print(f"{layout.name:<28}{layout.nproc:>6}{diff:>18.2e}{time.perf_counter() - start:>9.1f}  {'yes' if ok else 'NO'}")

@@ -53,26 +53,43 @@ def command(run: Path, args: tuple[str, ...], nproc: int, hook: tuple[str, int] 
     return [*launcher, *target, *TINY, *batch, "--job.dump_folder", str(run), *args]
 
 
-def train(run: Path, *args: str, nproc: int = 1, hook: tuple[str, int] | None = None, ok: bool = True) -> subprocess.CompletedProcess:
-    """Run a training job to its end; with `ok`, fail the test on a non-zero exit."""
-    proc = subprocess.run(command(run, args, nproc, hook), capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    if ok and proc.returncode != 0:
-        raise AssertionError(f"run {run} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+def start(run: Path, *args: str, nproc: int = 1, hook: tuple[str, int] | None = None) -> subprocess.Popen:
+    """Start a training job in its own process group, its output in `run`/train-N.log."""
+    run.mkdir(parents=True, exist_ok=True)
+    log = run / f"train-{len(list(run.glob('train-*.log')))}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command(run, args, nproc, hook), stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO, start_new_session=True)
+    proc.log = log
     return proc
 
 
-def train_until_killed(run: Path, hook: tuple[str, int], *args: str) -> None:
-    """Run a one-process job until the hook reports, then SIGKILL its process group."""
-    run.mkdir(parents=True, exist_ok=True)
-    with open(run / "killed.log", "w") as log:
-        proc = subprocess.Popen(command(run, args, 1, hook), stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not (run / "HANG").exists():
-            assert proc.poll() is None, f"run ended ({proc.returncode}) before the crash point:\n{(run / 'killed.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "crash point not reached in 300 s"
-            time.sleep(0.05)
+def finish(proc: subprocess.Popen, ok: bool = True) -> str:
+    """Wait for a job; returns its output. With `ok`, fail the test on a non-zero exit."""
+    try:
+        code = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
+        raise
+    output = proc.log.read_text()
+    if ok and code != 0:
+        raise AssertionError(f"{proc.args} failed ({code}):\n{output[-4000:]}")
+    return output
+
+
+def train(run: Path, *args: str, nproc: int = 1, hook: tuple[str, int] | None = None) -> str:
+    """Run a training job to its end (it must succeed); returns its output."""
+    return finish(start(run, *args, nproc=nproc, hook=hook))
+
+
+def kill_at_hang(proc: subprocess.Popen, run: Path) -> None:
+    """Wait until a hook job reports its crash point (`run`/HANG), then SIGKILL its process group."""
+    deadline = time.monotonic() + 300
+    while not (run / "HANG").exists():
+        assert proc.poll() is None, f"run ended ({proc.returncode}) before the crash point:\n{proc.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "crash point not reached in 300 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -128,44 +145,49 @@ def reference(tmp_path_factory) -> Path:
     return run
 
 
-def test_resume_after_kill_during_training_equals_uninterrupted(reference, tmp_path):
-    # Checkpoint every 3 steps; killed with SIGKILL after step 4: step-3 is the newest checkpoint.
-    run = tmp_path / "run"
-    train_until_killed(run, ("hang-after-step", 4), "--checkpoint.interval", "3")
-    assert complete_steps(run) == [3]
-    assert not list((run / "checkpoint").glob("*.tmp"))
-    assert read_json(run, 3, "train_state") == {"step": 3, "tokens_seen": 3 * GLOBAL_BATCH * 32}
-    # A fresh process in the same run folder continues from step 3: same losses, bit for bit.
-    proc = train(run, "--checkpoint.interval", "3")
-    assert "loaded" in proc.stderr and "step-3" in proc.stderr
-    assert logged_steps(run) == [1, 2, 3, 4, 4, 5, 6]  # step 4 ran again after the resume
-    assert losses(run) == losses(reference)
-    assert read_json(run, 6, "dataloader") == read_json(reference, 6, "dataloader")
+def test_kill_9_during_training_and_during_async_save_then_resume(reference, tmp_path):
+    """Two independent one-process jobs, run side by side:
 
-
-def test_kill_during_async_save_then_resume_keep_k_and_bf16_export(reference, tmp_path):
-    run = tmp_path / "run"
-    async_args = ("--checkpoint.async_mode", "async")
-    # Killed while the background writer of step 4 is between its data file and the manifest.
-    train_until_killed(run, ("hang-in-async-write", 4), *async_args)
-    assert complete_steps(run) == [2]
-    unfinished = run / "checkpoint" / "step-4.tmp"
+    A checkpoints every 3 steps and is killed after step 4: step-3 stays the newest.
+    B saves in the background every 2 steps and is killed while step 4's writer is between its
+    data file and the manifest: step-2 stays the newest, step-4.tmp is left behind. B resumes
+    with keep_latest_k = 2 and a bf16 model-only last save.
+    """
+    a, b = tmp_path / "a", tmp_path / "b"
+    a_args = ("--checkpoint.interval", "3")
+    b_args = ("--checkpoint.async_mode", "async")
+    crashing = [(start(a, *a_args, hook=("hang-after-step", 4)), a), (start(b, *b_args, hook=("hang-in-async-write", 4)), b)]
+    for proc, run in crashing:
+        kill_at_hang(proc, run)
+    assert complete_steps(a) == [3] and not list((a / "checkpoint").glob("*.tmp"))
+    assert read_json(a, 3, "train_state") == {"step": 3, "tokens_seen": 3 * GLOBAL_BATCH * 32}
+    assert complete_steps(b) == [2]
+    unfinished = b / "checkpoint" / "step-4.tmp"
     assert (unfinished / "__0_0.distcp").is_file() and not (unfinished / "manifest.json").exists()
 
     export = ("--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
-    train(run, *async_args, *export)
+    resumed = [start(a, *a_args), start(b, *b_args, *export)]  # fresh processes in the same run folders
+    a_out, _ = (finish(proc) for proc in resumed)
+
+    # A: continued from step 3 and matches the uninterrupted run bit for bit (data order, LR, optimizer).
+    assert "loaded" in a_out and "step-3" in a_out
+    assert logged_steps(a) == [1, 2, 3, 4, 4, 5, 6]  # step 4 ran again after the resume
+    assert losses(a) == losses(reference)
+    assert read_json(a, 6, "dataloader") == read_json(reference, 6, "dataloader")
+
+    # B: the unfinished folder is gone, the losses are exact (step 2 was written while training went on).
     assert not unfinished.exists()
-    assert losses(run) == losses(reference)  # step 2 was saved in the background while training went on
-    assert complete_steps(run) == [4, 6]  # keep_latest_k = 2 removed step-2
-    manifest = json.loads((ckpt(run, 6) / "manifest.json").read_text())
+    assert losses(b) == losses(reference)
+    assert complete_steps(b) == [4, 6]  # keep_latest_k = 2 removed step-2
+    manifest = json.loads((ckpt(b, 6) / "manifest.json").read_text())
     assert manifest["model_only"] is True and "optimizer" not in manifest["contents"]
-    exported, full = dcp_tensors(ckpt(run, 6)), dcp_tensors(ckpt(reference, 6))
+    exported, full = dcp_tensors(ckpt(b, 6)), dcp_tensors(ckpt(reference, 6))
     model_keys = {k for k in full if not k.startswith("optimizer.")}
     assert set(exported) == model_keys and len(model_keys) > 10
     for key, value in exported.items():
         assert value.dtype == torch.bfloat16, key
         assert torch.equal(value, full[key].to(torch.bfloat16)), key
-    assert any(k.startswith("optimizer.") for k in dcp_tensors(ckpt(run, 4)))  # not the last step: a full save
+    assert any(k.startswith("optimizer.") for k in dcp_tensors(ckpt(b, 4)))  # not the last step: a full save
 
 
 def test_truncated_shard_is_detected_and_named(reference, tmp_path):
@@ -173,9 +195,10 @@ def test_truncated_shard_is_detected_and_named(reference, tmp_path):
     shard = ckpt(run, 6) / "__0_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    proc = train(run, ok=False)
+    proc = start(run)
+    output = finish(proc, ok=False)
     assert proc.returncode == 2
-    error = proc.stderr.strip().splitlines()[-1]
+    error = output.strip().splitlines()[-1]
     assert error.startswith("titan: error: checkpoint file") and str(shard) in error, error
     assert "truncated" in error and "--checkpoint.load_step 4" in error, error
 

@@ -24,21 +24,22 @@ TINY = [
 ]
 
 
-def titan_env() -> dict[str, str]:
+def titan_env(debug_detail: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # a mismatched collective fails instead of returning garbage
+    if debug_detail:  # a mismatched collective fails instead of returning garbage
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def run_titan(
-    dump_folder: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 600
+    dump_folder: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 600, debug_detail: bool = True
 ) -> subprocess.CompletedProcess:
     """Run `titan train` (N processes via `--nproc-per-node`) with `args`, into `dump_folder`."""
     cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc),
            "--job.dump_folder", str(dump_folder), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=titan_env(), timeout=timeout, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=titan_env(debug_detail), timeout=timeout, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -90,13 +90,11 @@ class ChecksummingWriter(FileSystemWriter):
         path: the step folder being written (`step-N.tmp`).
         rank: this process's global rank (names its sums file).
         checksums: compute CRC-32 (one read of the rank's own files, from the page cache).
-        cache_staged_state_dict: keep the CPU staging copy between async saves, in pinned
-            memory (needs CUDA).
         thread_count: threads writing this rank's files.
     """
 
-    def __init__(self, path: str | Path, *, rank: int, checksums: bool = True, cache_staged_state_dict: bool = False, thread_count: int = 1):
-        super().__init__(str(path), cache_staged_state_dict=cache_staged_state_dict, thread_count=thread_count)
+    def __init__(self, path: str | Path, *, rank: int, checksums: bool = True, thread_count: int = 1):
+        super().__init__(str(path), thread_count=thread_count)
         self.rank = rank
         self.checksums = checksums
 

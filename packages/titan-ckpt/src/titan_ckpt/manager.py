@@ -11,9 +11,9 @@ One step folder holds everything needed to continue a run exactly:
 Saving: every rank writes into `step-N.tmp/`; once all data and DCP's metadata are on
 disk, rank 0 writes the manifest and renames the folder to `step-N/` (see
 `titan_ckpt.step_folders`). With `async_mode` the training loop waits only while the
-state is copied to CPU memory ("staging"); the files are written in a background
-thread over a dedicated gloo group, and the folder is completed at a later step (or
-at `close`). Loading: the newest complete `step-N` (or `load_step`) is checked file by
+state is copied to CPU memory ("staging", into buffers kept between saves: pinned ones
+in `async_with_pinned_mem` on CUDA); the files are written in a background thread over
+a dedicated gloo group, and the folder is completed at a later step (or at `close`). Loading: the newest complete `step-N` (or `load_step`) is checked file by
 file against its manifest, then restored; with none, `initial_load_path` is used.
 """
 
@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from titan_ckpt import model_state as ms
 from titan_ckpt.dcp_io import ChecksummingWriter, SafeFileSystemReader, read_metadata_safely
 from titan_ckpt.json_states import JsonStateful, load_rng_state, read_json_state, rng_state_dict, to_json_text, write_json_state
-from titan_ckpt.manifest import PROBLEMS, CheckpointError, check_file, read_manifest, write_manifest
+from titan_ckpt.manifest import CheckpointError, find_damaged_file, read_manifest, write_manifest
 from titan_ckpt.step_folders import list_complete_steps, prune, publish, remove_tmp_folders, step_folder, tmp_folder
 
 logger = logging.getLogger("titan")
@@ -48,7 +49,6 @@ SaveModelFn = Callable[[Path, Mapping[str, torch.Tensor]], None]
 """Writes the last model-only save in another format into a folder; called on every rank with its
 parts' full weights (under pipeline parallel, only its stages')."""
 
-_NO_PROBLEM = 1 << 62
 
 
 class CheckpointManager:
@@ -67,8 +67,9 @@ class CheckpointManager:
         enable: when False, `load` restores nothing and `save` writes nothing.
         interval: save every this many steps (and at the last step).
         keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
-        async_mode: "disabled", "async" (write in a background thread) or "async_with_pinned_mem"
-            (also stage in reusable pinned memory; on a CPU-only run the same as "async").
+        async_mode: "disabled", "async" (stage into CPU buffers reused between saves, write in a
+            background thread) or "async_with_pinned_mem" (the buffers are pinned memory, for fast
+            device-to-host copies; on a CPU-only run the same as "async").
         last_save_model_only: the last step saves only the model weights (plus the small JSON states).
         export_dtype: dtype of the weights in that model-only save.
         load_step: step to resume from; -1 = the newest complete one.
@@ -132,7 +133,7 @@ class CheckpointManager:
         if async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             logger.warning("checkpoint.async_mode = 'async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'")
             self.async_mode = "async"
-        self._pinned_writer: ChecksummingWriter | None = None
+        self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
         self._pending: tuple[int, object, Path, dict] | None = None  # (step, future, tmp folder, manifest info)
         self.last_blocked_s = 0.0  # how long the last save held the training loop
         # Checkpoint collectives get their own gloo group: the background writer's
@@ -179,28 +180,23 @@ class CheckpointManager:
         """Finish any background save; call once at the end of training (also after an error)."""
         if self.enable:
             self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, background: bool, with_json: bool) -> None:
+        """Write `step-N.tmp` (DCP in the background when asked, or through `save_model_fn`) and complete it."""
         self.wait()  # one save in flight at a time
         start = time.perf_counter()
         tmp = tmp_folder(self.folder, step)
-        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for s in ms.get_part_states(self.model_parts) for k, v in s.items()}
-        contents, texts = ["model"], {}
-        if not model_only:
-            opt_states = ms.get_optimizer_states(self.model_parts, self.optimizers)
-            tensors.update(ms.flatten_optimizer_tensors(opt_states))
-            texts["optimizer"] = to_json_text("optimizer", {"param_groups": ms.param_group_settings(opt_states[0])})
-        if with_json:
-            texts.update({name: to_json_text(name, obj.state_dict()) for name, obj in self.states.items()})
-            texts["rng"] = to_json_text("rng", rng_state_dict(self.device))
-        contents += list(texts)
         external = model_only and self.save_model_fn is not None
+        tensors, texts = self._collect(model_only, dtype, with_dcp=not external, with_json=with_json)
         info = {
             "step": step,
-            "contents": sorted(contents),
+            "contents": sorted(["model", *texts]),
             "model_only": model_only,
             "model_format": "external" if external else "dcp",
-            "weights_dtype": str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch."),
+            "weights_dtype": str(dtype or next(self.model_parts[0].parameters()).dtype).removeprefix("torch."),
             "world_size": self.world_size,
         }
         if self.rank == 0:
@@ -211,28 +207,39 @@ class CheckpointManager:
             dist.barrier(group=self.pg)  # the folder exists before any rank writes into it
             self.save_model_fn(tmp, ms.get_full_model_state(self.model_parts, dtype))
             dist.barrier(group=self.pg)
-            self._finish(step, tmp, info, start)
-            return
-        if background:
-            writer = self._writer(tmp)
-            result = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg)
+        elif background:
+            if self._stager is None:
+                pinned = self.async_mode == "async_with_pinned_mem"
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False))
+            writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
+            result = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg, async_stager=self._stager)
             future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
             self._pending = (step, future, tmp, info)
             self.last_blocked_s = time.perf_counter() - start
             if self.rank == 0:
                 logger.info("checkpoint: step-%d staged in %.2f s, writing in the background", step, self.last_blocked_s)
             return
-        dcp.save(tensors, checkpoint_id=str(tmp), storage_writer=self._writer(tmp), process_group=self.pg)
+        else:
+            writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
+            dcp.save(tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg)
         self._finish(step, tmp, info, start)
         self.last_blocked_s = time.perf_counter() - start
 
-    def _writer(self, tmp: Path) -> ChecksummingWriter:
-        """The DCP writer; in pinned mode one writer is kept so its pinned staging buffers are reused."""
-        if self.async_mode != "async_with_pinned_mem":
-            return ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
-        if self._pinned_writer is None:
-            self._pinned_writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums, cache_staged_state_dict=True)
-        return self._pinned_writer
+    def _collect(self, model_only: bool, dtype: torch.dtype | None, *, with_dcp: bool, with_json: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The tensors of a save by DCP key (the live ones: DCP stages or writes them) and its JSON texts by state name."""
+        tensors: dict[str, torch.Tensor] = {}
+        if with_dcp:
+            for state in ms.get_part_states(self.model_parts):
+                tensors.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()})
+        texts = {}
+        if not model_only:
+            opt_states = ms.get_optimizer_states(self.model_parts, self.optimizers)
+            tensors.update(ms.flatten_optimizer_tensors(opt_states))
+            texts["optimizer"] = to_json_text("optimizer", {"param_groups": ms.param_group_settings(opt_states[0])})
+        if with_json:
+            texts.update({name: to_json_text(name, obj.state_dict()) for name, obj in self.states.items()})
+            texts["rng"] = to_json_text("rng", rng_state_dict(self.device))
+        return tensors, texts
 
     def _complete_pending(self, block: bool) -> None:
         """Complete the background save if it is done (or, with `block`, once it is)."""
@@ -377,23 +384,14 @@ class CheckpointManager:
             logger.info("checkpoint: loaded %s (%s) in %.2f s%s", folder, ", ".join(sorted(names)), time.perf_counter() - start, skipped)
 
     def _verify(self, folder: Path, manifest: dict) -> None:
-        """Check every file against the manifest, the files split over the ranks; all ranks raise the same error."""
-        names = sorted(manifest["files"])
-        first = _NO_PROBLEM
-        for index in range(self.rank, len(names), self.world_size):
-            problem = check_file(folder, names[index], manifest["files"][names[index]], self.checksums)
-            if problem is not None:
-                first = index * len(PROBLEMS) + problem
-                break
-        found = torch.tensor([first], dtype=torch.int64)
-        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.pg)
-        if int(found) == _NO_PROBLEM:
+        """Check every file against the manifest (split over the ranks); all ranks raise the same error."""
+        damaged = find_damaged_file(folder, manifest, self.checksums, self.pg)
+        if damaged is None:
             return
-        index, problem = divmod(int(found), len(PROBLEMS))
-        older = [s for s in list_complete_steps(self.folder) if step_folder(self.folder, s) != folder and s < manifest.get("step", 1 << 62)]
+        older = [s for s in list_complete_steps(self.folder) if s < manifest.get("step", -1) and step_folder(self.folder, s) != folder]
         fix = (
             f"resume from an older checkpoint with --checkpoint.load_step {older[-1]} (complete: {older})"
             if older
             else "no older complete checkpoint exists here; restore the file or start a new run folder"
         )
-        raise CheckpointError(f"checkpoint file {folder / names[index]} {PROBLEMS[problem]}; {fix}")
+        raise CheckpointError(f"checkpoint file {folder / damaged[0]} {damaged[1]}; {fix}")

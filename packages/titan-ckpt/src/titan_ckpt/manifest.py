@@ -20,6 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 SUMS_PREFIX = ".sums-rank"
@@ -162,3 +165,31 @@ def check_file(folder: Path, name: str, entry: dict[str, int], checksums: bool) 
     if checksums and "crc32" in entry and file_crc32(path) != entry["crc32"]:
         return 2
     return None
+
+
+def find_damaged_file(folder: Path, manifest: dict[str, Any], checksums: bool, group: dist.ProcessGroup) -> tuple[str, str] | None:
+    """Check every file of `folder` against its manifest, the files split over the ranks of `group`.
+
+    A collective: every rank gets the same answer, the first damaged file (in name order) and
+    what is wrong with it, or None when all are intact.
+
+    Args:
+        folder: the step folder.
+        manifest: its manifest.
+        checksums: also compare CRC-32.
+        group: the ranks sharing the work (a CPU/gloo group).
+    """
+    names = sorted(manifest["files"])
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first = len(names) * len(PROBLEMS)  # "none found"
+    for index in range(rank, len(names), world):
+        problem = check_file(folder, names[index], manifest["files"][names[index]], checksums)
+        if problem is not None:
+            first = index * len(PROBLEMS) + problem
+            break
+    found = torch.tensor([first], dtype=torch.int64)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+    if int(found) == len(names) * len(PROBLEMS):
+        return None
+    index, problem = divmod(int(found), len(PROBLEMS))
+    return names[index], PROBLEMS[problem]

@@ -101,8 +101,14 @@ def build_model_parts(
         indexed = pp.split_model(model, plan, names, mesh["pp"], pipeline.schedule)
     else:
         indexed = [(0, model)]
-    parts = [parallelize(part, plan, mesh, options) for _, part in indexed]
-    init_weights(parts, spec, model_args, device, seed)
+    parts = [part for _, part in indexed]
+    if options.dp_mode == "ddp":
+        # DDP buckets the gradients of real parameters: materialise first, then wrap.
+        init_weights(parts, spec, model_args, device, seed)
+        parts = [parallelize(part, plan, mesh, options) for part in parts]
+    else:
+        parts = [parallelize(part, plan, mesh, options) for part in parts]
+        init_weights(parts, spec, model_args, device, seed)
     if dims.pp == 1:
         return ModelParts(parts)
     stages = pp.build_stages([(i, part) for (i, _), part in zip(indexed, parts)], len(names), mesh["pp"], device)
