@@ -8,6 +8,7 @@ Multi-process runs of the trainer are in tests/test_resume.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -138,11 +139,13 @@ def test_save_then_load_restores_model_optimizer_lr_json_states_and_rng(tmp_path
     assert all(torch.equal(v, params(a.model)[k]) for k, v in params(b.model).items())
 
 
-def test_async_save_holds_the_state_of_its_step(tmp_path):
+def test_async_save_holds_the_state_of_its_step(tmp_path, caplog):
     a = Run(seed=1)
     a.step(2)
     at_save = params(a.model)
-    saver = a.manager(tmp_path, interval=2, async_mode="async_with_pinned_mem")  # CPU: falls back to "async"
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        saver = a.manager(tmp_path, interval=2, async_mode="async_with_pinned_mem")
+    assert "this CPU-only run saves as 'async'" in caplog.text  # no CUDA here: plain async, said once
     assert saver.save(2)
     a.step(3, data_seed=9)  # training goes on while the files are written
     saver.save(3)  # not a save step: completes step-2 once its write is done

@@ -71,6 +71,18 @@ def test_titan_parallel_installs_alone(tmp_path):
     )
     out = subprocess.run([str(python), "-c", smoke], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "4"
+    # A model titan-models does not define, parallelized from the lone install: FSDP x TP and PP x FSDP.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    env.pop("PYTHONPATH", None)
+    example = REPO / "examples" / "parallelize_any_model.py"
+    run = subprocess.run(
+        [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(example)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for layout in ("FSDP2 x TP2", "PP2 x FSDP2"):
+        line = next(x for x in run.stdout.splitlines() if x.startswith(layout))
+        assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
 
 
 def test_cli_help_does_not_import_torch():
