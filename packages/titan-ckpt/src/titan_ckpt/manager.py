@@ -13,8 +13,11 @@ disk, rank 0 writes the manifest and renames the folder to `step-N/` (see
 `titan_ckpt.step_folders`). With `async_mode` the training loop waits only while the
 state is copied to CPU memory ("staging", into buffers kept between saves: pinned ones
 in `async_with_pinned_mem` on CUDA); the files are written in a background thread over
-a dedicated gloo group, and the folder is completed at a later step (or at `close`). Loading: the newest complete `step-N` (or `load_step`) is checked file by
-file against its manifest, then restored; with none, `initial_load_path` is used.
+a dedicated gloo group, and the folder is completed at a later step (or at `close`).
+
+Loading: the newest complete `step-N` (or `load_step`) is checked file by file against
+its manifest, split over the ranks, then restored into any layout (DCP reshards); with
+none, `initial_load_path` is used. Non-tensor state never goes through DCP's pickles.
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ LoadModelFn = Callable[[Path], Mapping[str, torch.Tensor]]
 SaveModelFn = Callable[[Path, Mapping[str, torch.Tensor]], None]
 """Writes the last model-only save in another format into a folder; called on every rank with its
 parts' full weights (under pipeline parallel, only its stages')."""
-
 
 
 class CheckpointManager:
@@ -130,7 +132,7 @@ class CheckpointManager:
         self.checksums = checksums
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.async_mode = async_mode
-        if async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+        if enable and async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             logger.warning("checkpoint.async_mode = 'async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'")
             self.async_mode = "async"
         self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
@@ -159,7 +161,8 @@ class CheckpointManager:
         model_only = last_step and self.last_save_model_only
         dtype = self.export_dtype if model_only else None
         background = self.async_mode != "disabled" and not last_step
-        self._save(step, model_only=model_only, dtype=dtype, background=background, with_json=True)
+        external = model_only and self.save_model_fn is not None
+        self._save(step, model_only=model_only, dtype=dtype, background=background, with_json=True, external=external)
         return True
 
     def save_seed(self) -> Path:
@@ -169,7 +172,8 @@ class CheckpointManager:
             raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
         if list_complete_steps(self.folder):
             raise FileExistsError(f"{self.folder} already holds checkpoints; a seed checkpoint needs an empty checkpoint folder (choose another job.dump_folder)")
-        self._save(0, model_only=True, dtype=None, background=False, with_json=False)
+        remove_tmp_folders(self.folder)  # one process: no other rank is writing
+        self._save(0, model_only=True, dtype=None, background=False, with_json=False, external=False)
         return step_folder(self.folder, 0)
 
     def wait(self) -> None:
@@ -184,12 +188,11 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
 
-    def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, background: bool, with_json: bool) -> None:
-        """Write `step-N.tmp` (DCP in the background when asked, or through `save_model_fn`) and complete it."""
+    def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, background: bool, with_json: bool, external: bool) -> None:
+        """Write `step-N.tmp` (DCP, in the background when asked; or the model through `save_model_fn`) and complete it."""
         self.wait()  # one save in flight at a time
         start = time.perf_counter()
         tmp = tmp_folder(self.folder, step)
-        external = model_only and self.save_model_fn is not None
         tensors, texts = self._collect(model_only, dtype, with_dcp=not external, with_json=with_json)
         info = {
             "step": step,

@@ -33,8 +33,20 @@ OPTIMIZER_PREFIX = "optimizer.state."
 
 
 def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
-    """Each part's model state dict (DTensors where sharded; they share the parameters' storage)."""
-    return [get_model_state_dict(part) for part in model_parts]
+    """Each part's model state dict (DTensors where sharded; they share the parameters' storage).
+
+    Raises:
+        CheckpointError: a non-tensor entry (a module's `get_extra_state`), which DCP would pickle.
+    """
+    states = [get_model_state_dict(part) for part in model_parts]
+    for state in states:
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"model state '{key}' is a {type(value).__name__}, not a tensor; DCP would pickle it, "
+                    "so Titan checkpoints refuse it: keep module extra state in tensors or buffers"
+                )
+    return states
 
 
 def set_part_states(model_parts: Sequence[nn.Module], states: Sequence[dict[str, torch.Tensor]]) -> None:

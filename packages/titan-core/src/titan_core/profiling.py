@@ -1,0 +1,81 @@
+"""Profiling: torch.profiler traces and CUDA memory snapshots every `profile_freq` steps.
+
+Traces go to `<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json`
+(open them in Perfetto or chrome://tracing); memory snapshots (CUDA only) to
+`<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle`
+(open them at pytorch.org/memory_viz).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("titan")
+
+_WARMUP, _ACTIVE = 1, 1
+
+
+class Profiler:
+    """Call `step(step)` after every training step; `close()` at the end.
+
+    Args:
+        folder: where traces go (None = no traces).
+        memory_folder: where CUDA memory snapshots go (None = none).
+        freq: profile the last step of every `freq` steps (`profiling.profile_freq`).
+        rank: this process's rank, in file names.
+        device: the training device; memory snapshots need CUDA.
+    """
+
+    def __init__(self, folder: Path | None, memory_folder: Path | None, freq: int, rank: int, device: torch.device):
+        if freq < _WARMUP + _ACTIVE:
+            raise ValueError(f"profiling.profile_freq must be >= {_WARMUP + _ACTIVE}, got {freq}")
+        if memory_folder is not None and device.type != "cuda":
+            raise ValueError(
+                "profiling.enable_memory_snapshot records the CUDA caching allocator and needs a CUDA device; "
+                "set it to false on CPU"
+            )
+        self.rank, self.freq = rank, freq
+        self.folder, self.memory_folder = folder, memory_folder
+        self._step = 0
+        self._torch_profiler = None
+        if folder is not None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._torch_profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=freq - _WARMUP - _ACTIVE, warmup=_WARMUP, active=_ACTIVE),
+                on_trace_ready=self._save_trace,
+                record_shapes=True,
+            )
+            self._torch_profiler.start()
+        if memory_folder is not None:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def _save_trace(self, prof) -> None:
+        out = self.folder / f"iteration_{self._step}"
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"rank{self.rank}_trace.json"))
+        if self.rank == 0:
+            logger.info("profiler trace of step %d saved in %s", self._step, out)
+
+    def step(self, step: int) -> None:
+        self._step = step
+        if self._torch_profiler is not None:
+            self._torch_profiler.step()
+        if self.memory_folder is not None and step % self.freq == 0:
+            out = self.memory_folder / f"iteration_{step}"
+            out.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(out / f"rank{self.rank}_memory_snapshot.pickle"))
+
+    def close(self) -> None:
+        if self._torch_profiler is not None:
+            with contextlib.suppress(RuntimeError):  # stopped before its first active window
+                self._torch_profiler.stop()
+            self._torch_profiler = None
+        if self.memory_folder is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
