@@ -34,6 +34,8 @@ from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.model_setup import PipelineOptions, build_model_parts
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.optim import build_optimizer
+from titan_core.profiling import Profiler
+from titan_core.validation import Validator
 
 logger = logging.getLogger("titan")
 
@@ -133,6 +135,14 @@ class Trainer:
         # Model: build on meta, parallelize, then materialise.
         self.spec = get_model_spec(cfg.model.name)
         args = get_model_args(cfg.model.name, cfg.model.flavor)
+        hf_source = None
+        if cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
+            # Any Llama-architecture checkpoint: the shape comes from its own config.json, not model.flavor.
+            from titan_ckpt.hf_hub import resolve_hf_source
+            from titan_ckpt.hf_safetensors import read_hf_config
+
+            hf_source = resolve_hf_source(cfg.checkpoint.initial_load_path)
+            args = self.spec.args_from_hf_config(read_hf_config(hf_source))
         if self.tokenizer.vocab_size > args.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but model {cfg.model.name}/{cfg.model.flavor} "
@@ -218,7 +228,65 @@ class Trainer:
             train_state=self.state,
             device=self.device,
             world_size=self.world_size,
+            **self._hf_checkpoint_hooks(hf_source),
         )
+
+    def _build_profiler(self) -> Profiler | None:
+        p = self.cfg.profiling
+        if not (p.enable_profiling or p.enable_memory_snapshot):
+            return None
+        return Profiler(
+            self.run_folder / p.save_traces_folder if p.enable_profiling else None,
+            self.run_folder / p.save_memory_snapshot_folder if p.enable_memory_snapshot else None,
+            p.profile_freq,
+            self.rank,
+            self.device,
+        )
+
+    def _build_validator(self) -> Validator | None:
+        v, t = self.cfg.validation, self.cfg.training
+        if not v.enable:
+            return None
+        if self.dims.pp > 1:
+            raise ValueError("validation.enable is not supported with pipeline parallel yet; set it to false")
+
+        def prepare(inputs, labels):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.dims.cp > 1:
+                inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
+            return inputs, labels
+
+        return Validator(
+            v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer,
+            seq_len=t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size, steps=v.steps,
+            dp_rank=self.mesh["dp"].get_local_rank(), dp_world=self.dims.dp,
+            loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._loss_context,
+        )
+
+    def _hf_checkpoint_hooks(self, hf_source) -> dict:
+        """Readers/writers for `checkpoint.initial_load_in_hf` / `last_save_in_hf` (Hugging Face safetensors)."""
+        ckpt, name, args = self.cfg.checkpoint, self.cfg.model.name, self.model_args
+        hooks = {}
+        if ckpt.initial_load_in_hf:
+            from titan_core.convert import read_hf_weights
+
+            hooks["load_model_fn"] = lambda path: read_hf_weights(hf_source or path, name, args)
+        if ckpt.last_save_in_hf:
+            if self.dims.pp > 1:
+                raise ValueError(
+                    "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
+                    "`titan convert <run>/checkpoint/step-N OUT --to hf`"
+                )
+            from titan_ckpt.dtypes import parse_dtype
+
+            from titan_core.convert import write_hf_weights
+
+            def save_hf(folder, state_dict):
+                if self.rank == 0:
+                    write_hf_weights(folder, dict(state_dict), name, args, dtype=parse_dtype(ckpt.export_dtype))
+
+            hooks["save_model_fn"] = save_hf
+        return hooks
 
     def _loss_context(self):
         """Loss parallel computes cross-entropy on vocab-sharded logits under TP."""
@@ -312,6 +380,8 @@ class Trainer:
         )
         data = iter(self.loader)
         jsonl = open(self.run_folder / "metrics.jsonl", "a") if self.rank == 0 else None
+        profiler = self._build_profiler()
+        validator = self._build_validator()
         try:
             while self.state.step < t.steps:
                 batches = [next(data) for _ in range(self.accum_steps)]
@@ -321,6 +391,14 @@ class Trainer:
                 meter.add_tokens(tokens_per_step // self.dims.dp)
                 metrics.update_progress(self.state.step)
                 self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
+                if profiler is not None:
+                    profiler.step(self.state.step)
+                if validator is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps):
+                    val_loss = validator.validate(self.model.parts[0], self.loss_fn)
+                    metrics.log(self.state.step, {"validation/loss": val_loss})
+                    if jsonl is not None:
+                        jsonl.write(json.dumps({"step": self.state.step, "validation/loss": val_loss}) + "\n")
+                    meter.reset()  # validation time is not training throughput
                 if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps:
                     continue
                 avg, mx = self._reduce_loss(loss)
@@ -338,6 +416,8 @@ class Trainer:
                     jsonl.write(json.dumps({"step": self.state.step, **values}) + "\n")
                     jsonl.flush()
         finally:
+            if profiler is not None:
+                profiler.close()
             self.checkpointer.close()  # [checkpoint] waits for a background save
             metrics.close()
             if jsonl is not None:
