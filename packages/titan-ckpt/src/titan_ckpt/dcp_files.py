@@ -15,6 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titan_ckpt.dcp_io import SafeFileSystemReader, read_metadata_safely  # never unpickles arbitrary objects
+
 METADATA_FILE = ".metadata"
 
 
@@ -31,7 +33,7 @@ def read_dcp_tensor_shapes(folder: str | Path) -> dict[str, tuple[torch.Size, to
     if not (folder / METADATA_FILE).is_file():
         raise FileNotFoundError(f"{folder / METADATA_FILE} not found; point to a DCP checkpoint folder (e.g. checkpoint/step-N)")
     try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        metadata = read_metadata_safely(folder / METADATA_FILE)
     except Exception as err:  # DCP raises assorted types for damaged files
         raise ValueError(f"{folder / METADATA_FILE} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged") from None
     return {
@@ -62,7 +64,7 @@ def read_dcp_state_dict(folder: str | Path, names: Iterable[str]) -> dict[str, t
     try:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": single process is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state_dict, checkpoint_id=str(folder), no_dist=True)
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
     except Exception as err:  # DCP wraps per-rank failures in CheckpointException
         raise ValueError(f"{folder}: DCP data files cannot be read ({type(err).__name__}); the checkpoint is incomplete or damaged") from None
     return state_dict
