@@ -3,10 +3,11 @@
 Same model (titan_models' Llama), same batches, same dtype, same optimizer and
 clipping. Titan's step runs through the full trainer (FSDP2 on a one-process
 mesh, DTensor parameters, the global-norm clip); the plain loop is the
-nanoGPT-style minimum. Rounds alternate A/B so machine noise hits both alike.
+nanoGPT-style minimum. Single steps alternate A/B so machine noise hits both alike.
 
     uv run python benchmarks/step_overhead.py --flavor 10M --seq-len 256 --batch 8 --steps 8 --rounds 3
 
+Other arguments are Titan config overrides (e.g. `--parallelism.fsdp_reshard_after_forward never`).
 Prints tokens/s of each and the ratio titan / plain (target >= 0.97).
 """
 
@@ -56,10 +57,10 @@ def main() -> None:
     parser.add_argument("--flavor", default="10M")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=8, help="distinct batches per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args()
+    args, titan_overrides = parser.parse_known_args()  # the rest: Titan config overrides
     dtype = getattr(torch, args.dtype)
 
     cfg = load_config(None, [
@@ -67,6 +68,7 @@ def main() -> None:
         "--training.local_batch_size", str(args.batch), "--training.steps", "1000",
         "--training.mixed_precision_param", args.dtype, "--lr_scheduler.warmup_steps", "0",
         "--metrics.enable_tensorboard", "false", "--job.dump_folder", "/tmp/titan-bench",
+        *titan_overrides,
     ])
     trainer = Trainer(cfg)
     data = iter(trainer.loader)
@@ -81,17 +83,23 @@ def main() -> None:
 
     timed(titan, batches[:2])  # warm-up: allocator, thread pools
     timed(plain, batches[:2])
-    tokens = args.steps * args.batch * args.seq_len
+    # Interleave single steps (titan, plain, plain, titan, ...) so drifts in machine speed hit both alike.
     t_titan, t_plain = [], []
-    for _ in range(args.rounds):
-        t_titan.append(tokens / timed(titan, batches))
-        t_plain.append(tokens / timed(plain, batches))
-    titan_tps, plain_tps = statistics.median(t_titan), statistics.median(t_plain)
+    for r in range(args.rounds):
+        for i, batch in enumerate(batches):
+            order = [(titan, t_titan), (plain, t_plain)]
+            for fn, times in order if (r + i) % 2 == 0 else order[::-1]:
+                times.append(timed(fn, [batch]))
+    tokens_per_step = args.batch * args.seq_len
+    titan_tps, plain_tps = tokens_per_step / statistics.median(t_titan), tokens_per_step / statistics.median(t_plain)
+    ratios = sorted(b / a for a, b in zip(t_titan, t_plain))
     print(f"model llama3/{args.flavor}  batch {args.batch} x {args.seq_len}  {args.dtype}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}")
-    print(f"plain loop : {plain_tps:10.1f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in t_plain)})")
-    print(f"titan step : {titan_tps:10.1f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in t_titan)})")
-    print(f"ratio titan/plain: {titan_tps / plain_tps:.3f}")
+    print(f"plain loop : {plain_tps:10.1f} tokens/s (median of {len(t_plain)} steps)")
+    print(f"titan step : {titan_tps:10.1f} tokens/s (median of {len(t_titan)} steps)")
+    q = len(ratios) // 4
+    print(f"ratio titan/plain: {titan_tps / plain_tps:.3f}  (paired steps: median {statistics.median(ratios):.3f}, "
+          f"interquartile {ratios[q]:.3f}-{ratios[-q - 1]:.3f})")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from titan_core.data import PackedLoader, build_source, build_tokenizer
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.model_setup import PipelineOptions, build_model_parts
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
+from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.optim import build_optimizer
 from titan_core.profiling import Profiler
 from titan_core.validation import Validator
@@ -350,6 +351,7 @@ class Trainer:
         self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
         flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
+        self._measured_cpu_peak = self.device.type == "cpu" and cfg.metrics.peak_tflops is None
         metrics = MetricsLogger(
             self.run_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None,
             enable_tensorboard=cfg.metrics.enable_tensorboard,
@@ -410,6 +412,9 @@ class Trainer:
                     **meter.read(),
                     **memory_stats(self.device),
                 }
+                if values["throughput/mfu_pct"] and values["throughput/mfu_pct"] > 100 and self._measured_cpu_peak:
+                    meter.peak_flops = raise_cpu_peak(self.options.param_dtype, values["throughput/tflops"] * 1e12)
+                    values["throughput/mfu_pct"] = 100 * values["throughput/tflops"] * 1e12 / meter.peak_flops
                 losses.append(avg)
                 metrics.log(self.state.step, values)
                 if jsonl is not None:

@@ -199,6 +199,32 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
     return flops
 
 
+def raise_cpu_peak(dtype: torch.dtype, achieved_flops: float) -> float:
+    """Correct a cached CPU peak that training has beaten (it was measured while the machine was busy).
+
+    Measures again and caches the larger of the new measurement and `achieved_flops`.
+
+    Args:
+        dtype: matmul dtype.
+        achieved_flops: FLOP/s a training step reached.
+
+    Returns:
+        The corrected peak FLOP/s.
+    """
+    path = cpu_peak_cache_path()
+    key = _cpu_cache_key(dtype)
+    flops = max(measure_cpu_matmul_flops(dtype), achieved_flops)
+    entries = _read_cache(path)
+    entries[key] = flops
+    _write_cache(path, entries)
+    logger.warning(
+        "training reached %.1f GFLOP/s, above the cached CPU peak for %s (measured while the machine was busy?); "
+        "the peak in %s is now %.1f GFLOP/s (set metrics.peak_tflops to fix it yourself)",
+        achieved_flops / 1e9, key, path, flops / 1e9,
+    )
+    return flops
+
+
 def device_peak_flops(
     device: torch.device,
     dtype: torch.dtype,
