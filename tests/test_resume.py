@@ -259,3 +259,18 @@ def test_seed_checkpoint_then_fsdp_2_ranks_start_from_it(reference, tmp_path):
         first = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
     assert abs(losses(run)[1] - first) < 1e-5
     assert abs(losses(reference)[1] - first) > 1e-3  # the seed-0 model's loss differs: the weights came from step-0
+
+
+def test_resume_across_pipeline_tensor_and_data_parallel_layouts(reference, tmp_path):
+    """Saved by 2 pipeline stages, resumed by 2 tensor-parallel ranks, finished by 2 FSDP ranks."""
+    run = tmp_path / "run"
+    whole_batch = ("--training.local_batch_size", str(GLOBAL_BATCH))  # pp and tp ranks read the same batch
+    train(run, *whole_batch, "--parallelism.pipeline_parallel_degree", "2", nproc=2, hook=("stop-after-step", 2))
+    train(run, *whole_batch, "--parallelism.tensor_parallel_degree", "2", nproc=2, hook=("stop-after-step", 4))
+    train(run, nproc=2)
+    assert complete_steps(run) == [2, 4, 6]
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
+    ref = losses(reference)
+    assert max(abs(ref[s] - loss) for s, loss in losses(run).items()) < 2e-5
+    for step in (2, 4, 6):
+        assert read_json(run, step, "dataloader") == read_json(reference, step, "dataloader")
