@@ -60,6 +60,8 @@ LAYOUTS = [
     Layout("fsdp2_ac_selective_op", 2, 2, ("--activation_checkpoint.mode", "selective",
                                            "--activation_checkpoint.selective_ac_option", "op")),
     Layout("tp2_ac_selective_2", 2, 1, (f"{P}tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")),
+    # Regional compile (each block, inductor's C++ backend on CPU); loss compiled too.
+    Layout("compile_fsdp2", 2, 2, ("--compile.enable", "true"), slow=True),
     Layout("ddp2", 2, 2, (f"{P}dp_mode", "ddp", f"{P}data_parallel_replicate_degree", "2",
                            f"{P}data_parallel_shard_degree", "1"), debug_detail=False),
     Layout("tp2_no_loss_parallel", 2, 1, (f"{P}tensor_parallel_degree", "2", f"{P}disable_loss_parallel", "true")),
