@@ -60,7 +60,7 @@ class TrainState:
 def resolve_device(name: str) -> torch.device:
     """The device for `training.device`: "auto" takes this rank's GPU when there is one."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+        raise ValueError("training.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
