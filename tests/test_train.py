@@ -79,3 +79,15 @@ def test_validation_and_profiler_traces(tmp_path):
     assert '"traceEvents"' in traces[0].read_text()[:10000]
     proc = run_titan(tmp_path / "bad", *TINY, "--profiling.enable_memory_snapshot", check=False)
     assert proc.returncode == 2 and "profiling.enable_memory_snapshot" in proc.stderr
+
+
+def test_tokenizer_from_hf_assets_path_widens_a_small_flavor(tmp_path):
+    # A tiktoken-format BPE file (the original Llama 3 tokenizer.model format): GPT-2's 50,256 ranks
+    # plus 256 special tokens, far more than debugmodel's 2,048-token vocab.
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "gpt2.tiktoken").write_bytes((SHARED_DATA / "tokenizers" / "gpt2.tiktoken").read_bytes())
+    run = tmp_path / "run"
+    run_titan(run, *TINY, "--training.steps", "3", "--model.hf_assets_path", str(assets))
+    first = read_metrics(run)[0]["loss/global_avg"]
+    assert abs(first - math.log(50256 + 256)) < 1.0, first  # ~uniform over the widened vocab, not over 2048

@@ -145,10 +145,14 @@ class Trainer:
             hf_source = resolve_hf_source(cfg.checkpoint.initial_load_path)
             args = self.spec.args_from_hf_config(read_hf_config(hf_source))
         if self.tokenizer.vocab_size > args.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model {cfg.model.name}/{cfg.model.flavor} "
-                f"only {args.vocab_size}; choose a larger model.flavor or another model.hf_assets_path"
-            )
+            if hf_source is not None:
+                raise ValueError(
+                    f"the tokenizer in model.hf_assets_path has {self.tokenizer.vocab_size} tokens but the checkpoint "
+                    f"{cfg.checkpoint.initial_load_path} only {args.vocab_size}; use the checkpoint's own tokenizer"
+                )
+            # A flavor's vocab is a default: a larger tokenizer (e.g. Llama 3's on a small flavor) widens it.
+            logger.info("model vocab %d widened to the tokenizer's %d tokens", args.vocab_size, self.tokenizer.vocab_size)
+            args = dataclasses.replace(args, vocab_size=self.tokenizer.vocab_size)
         self.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, t.seq_len))
         self.n_params = self.spec.count_params(self.model_args)
         if self.dims.cp > 1:
