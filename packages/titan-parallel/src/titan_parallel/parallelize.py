@@ -5,8 +5,9 @@
 TP first, because it changes parameters into DTensors on the `tp` mesh that FSDP
 then shards further; CP swaps the attention core; AC and compile wrap the
 blocks TP and CP produced; FSDP last, so its units are the finished blocks.
-Pipeline parallel is outermost: `titan_parallel.pipeline` cuts the model into
-stages first and calls `parallelize` on each stage.
+Pipeline parallel is outermost: the caller cuts the model into stages with
+`titan_parallel.pipeline.split_model` first, then calls `parallelize` on each
+stage (as `titan_core.model_setup` does).
 """
 
 from __future__ import annotations
