@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from titan_ckpt.dtypes import parse_dtype
 from titan_models import get_model_args, get_model_spec
 from titan_parallel.dims import ParallelDims
 from titan_parallel.distributed import init_distributed
@@ -39,9 +40,6 @@ from titan_core.profiling import Profiler
 from titan_core.validation import Validator
 
 logger = logging.getLogger("titan")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclasses.dataclass
 class TrainState:
@@ -158,8 +156,8 @@ class Trainer:
         if self.dims.cp > 1:
             check_cp(t.seq_len, self.dims.cp)
         self.options = ParallelOptions(
-            param_dtype=_DTYPES[t.mixed_precision_param],
-            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+            param_dtype=parse_dtype(t.mixed_precision_param),
+            reduce_dtype=parse_dtype(t.mixed_precision_reduce),
             reshard_after_forward=p.fsdp_reshard_after_forward,
             cpu_offload=t.enable_cpu_offload,
             dp_mode=p.dp_mode,
@@ -282,7 +280,6 @@ class Trainer:
                     "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
                     "`titan convert <run>/checkpoint/step-N OUT --to hf`"
                 )
-            from titan_ckpt.dtypes import parse_dtype
 
             from titan_core.convert import write_hf_weights
 
