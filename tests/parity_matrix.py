@@ -62,6 +62,10 @@ LAYOUTS = [
     Layout("tp2_ac_selective_2", 2, 1, (f"{P}tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")),
     # Regional compile (each block, inductor's C++ backend on CPU); loss compiled too.
     Layout("compile_fsdp2", 2, 2, ("--compile.enable", "true"), slow=True),
+    Layout("compile_tp2", 2, 1, ("--compile.enable", "true", f"{P}tensor_parallel_degree", "2"), slow=True),
+    Layout("compile_pp2", 2, 1, ("--compile.enable", "true", *_pp("1F1B")), slow=True),
+    # Ring attention stays eager inside the compiled block (a graph break around it).
+    Layout("compile_cp2", 2, 1, ("--compile.enable", "true", f"{P}context_parallel_degree", "2"), slow=True),
     Layout("ddp2", 2, 2, (f"{P}dp_mode", "ddp", f"{P}data_parallel_replicate_degree", "2",
                            f"{P}data_parallel_shard_degree", "1"), debug_detail=False),
     Layout("tp2_no_loss_parallel", 2, 1, (f"{P}tensor_parallel_degree", "2", f"{P}disable_loss_parallel", "true")),

@@ -57,6 +57,7 @@ SPEC_DEFAULTS = {
     "model.name": "llama3",
     "model.flavor": "debugmodel",
     "model.hf_assets_path": None,
+    "model.converters": [],
     "optimizer.name": "AdamW",
     "optimizer.lr": 8e-4,
     "optimizer.beta1": 0.9,
@@ -76,7 +77,7 @@ SPEC_DEFAULTS = {
     "training.seq_len": 256,
     "training.max_norm": 1.0,
     "training.steps": 60,
-    "training.mixed_precision_param": "bfloat16",
+    "training.mixed_precision_param": "auto",
     "training.mixed_precision_reduce": "float32",
     "training.device": "auto",
     "training.enable_cpu_offload": False,
@@ -115,6 +116,14 @@ SPEC_DEFAULTS = {
     "activation_checkpoint.selective_ac_option": "2",
     "compile.enable": False,
     "compile.components": ["model", "loss"],
+    "float8.recipe_name": "tensorwise",
+    "float8.enable_fsdp_float8_all_gather": False,
+    "float8.precompute_float8_dynamic_scale_for_fsdp": False,
+    "float8.filter_fqns": ["output"],
+    "float8.auto_filter_small_kn": True,
+    "float8.emulate": "auto",
+    "mx.recipe_name": "mxfp8_rceil",
+    "mx.filter_fqns": ["output"],
     "metrics.log_freq": 1,
     "metrics.enable_tensorboard": True,
     "metrics.save_tb_folder": "tb",
@@ -300,7 +309,7 @@ def test_unknown_toml_key_names_file_and_suggestion(tmp_path):
 
 def test_bad_literal_names_key_value_and_allowed_values(tmp_path):
     message = config_error(None, ["--training.mixed_precision_param", "fp8"])
-    assert message.startswith("training.mixed_precision_param: 'fp8' is not one of 'bfloat16', 'float32'")
+    assert message.startswith("training.mixed_precision_param: 'fp8' is not one of 'auto', 'bfloat16', 'float32'")
     message = config_error(None, ["--compile.components", "model,lose"])
     assert "compile.components" in message and "'lose'" in message and "'model', 'loss'" in message
     message = config_error(write(tmp_path, '[lr_scheduler]\ndecay_type = "exp"\n'), [])

@@ -98,11 +98,19 @@ def test_apply_tp_validates_before_touching_the_model():
 
 
 def test_async_tp_needs_cuda_and_compile():
-    message = r"^parallelism\.enable_async_tensor_parallel needs CUDA and compile\.enable = true"
-    with pytest.raises(ParallelConfigError, match=message):
+    with pytest.raises(ParallelConfigError, match=r"^parallelism\.enable_async_tensor_parallel needs a CUDA device \(the mesh is on 'cpu'\); "):
         check_async_tp("cpu", compile_enabled=True)
-    with pytest.raises(ParallelConfigError, match=message):
-        check_async_tp("cuda", compile_enabled=False)
+    with pytest.raises(ParallelConfigError, match=r"needs a CUDA device .* and compiled blocks \(compile\.enable = true\)"):
+        check_async_tp("cpu", compile_enabled=False)
+
+
+def test_parallelize_passes_the_compile_flag_to_async_tp(tp_results):
+    # Through `parallelize` (as the trainer calls it) with TP 2 on CPU: with compile on, only
+    # the device is missing; before the fix the compile flag never arrived and compile was
+    # always reported off.
+    r = tp_results["parallelize_async_tp"]
+    assert r["compile_on_error_names_cuda"] == 1.0 and r["compile_on_error_names_compile"] == 0.0
+    assert r["compile_off_error_names_compile"] == 1.0
 
 
 # ---- parity under torchrun ---------------------------------------------------------------------

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan
 
 
 def test_default_run_loss_falls_and_writes_run_folder(tmp_path):
-    # The built-in default run (debugmodel, stdlib corpus, byte tokenizer, bf16), only shorter.
+    # The built-in default run (debugmodel, stdlib corpus, byte tokenizer, dtype "auto"), only shorter.
     run = tmp_path / "run"
-    run_titan(run, "--training.steps", "25", "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "5")
+    proc = run_titan(run, "--training.steps", "25", "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "5")
+    # "auto" computes in bf16 only where the CPU has native bf16, and says so once.
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert proc.stderr.count("compute dtype auto: ") == 1, proc.stderr[-3000:]
+    assert f"compute dtype auto: {'bfloat16' if native else 'float32'}, since this CPU has " in proc.stderr
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(1, 26))
     first, last = records[0]["loss/global_avg"], records[-1]["loss/global_avg"]

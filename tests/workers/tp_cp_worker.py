@@ -166,6 +166,24 @@ def run_tp(base: Reference, rec: Recorder) -> None:
         )
 
 
+def run_async_tp_plumbing(rec: Recorder) -> None:
+    """`parallelize` with async TP on CPU: which requirement does the refusal name, with compile on and off?"""
+    from titan_parallel.dims import ParallelConfigError
+
+    for compile_on in (True, False):
+        options = ParallelOptions(async_tp=True, compile=compile_on)
+        try:
+            parallelize(build_meta(), llama3_plan, build_mesh(tp=2), options)
+            message = ""
+        except ParallelConfigError as e:
+            message = str(e)
+        state = "on" if compile_on else "off"
+        rec.add("parallelize_async_tp", **{
+            f"compile_{state}_error_names_cuda": float("CUDA device" in message),
+            f"compile_{state}_error_names_compile": float("compile.enable" in message),
+        })
+
+
 # ---- context parallel ----------------------------------------------------------------------
 
 
@@ -287,6 +305,7 @@ def main() -> None:
     rec = Recorder()
     if suite == "tp":
         run_tp(ref, rec)
+        run_async_tp_plumbing(rec)
     elif suite == "cp":
         run_ring_alone(rec)
         run_cp(ref, rec)

@@ -32,6 +32,29 @@ from titan_ckpt.manifest import CheckpointError
 OPTIMIZER_PREFIX = "optimizer.state."
 
 
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """`value` without weight-wrapper tensor subclasses that hold one plain tensor of the same shape and
+    dtype (torchao's float8 / MXFP8 training weights), also as a DTensor's local shard. DCP would pickle
+    such a wrapper (a checkpoint that `weights_only` loading, or a run without torchao, then refuses)
+    and safetensors cannot write one; the inner tensor is the parameter's own storage, so loading into
+    it in place still fills the parameter."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        inner = plain_tensor(local)
+        if inner is local:
+            return value
+        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+    while is_traceable_wrapper_subclass(value):
+        inner = getattr(value, value.__tensor_flatten__()[0][0])
+        if inner.shape != value.shape or inner.dtype != value.dtype:
+            break
+        value = inner
+    return value
+
+
 def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
     """Each part's model state dict (DTensors where sharded; they share the parameters' storage).
 
@@ -41,7 +64,9 @@ def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Te
     states = [get_model_state_dict(part) for part in model_parts]
     for state in states:
         for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor):
+                state[key] = plain_tensor(value)
+            else:
                 raise CheckpointError(
                     f"model state '{key}' is a {type(value).__name__}, not a tensor; DCP would pickle it, "
                     "so Titan checkpoints refuse it: keep module extra state in tensors or buffers"
@@ -159,6 +184,7 @@ def get_full_model_state(model_parts: Sequence[nn.Module], dtype: torch.dtype | 
     out = {}
     for part in model_parts:
         for key, value in get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)).items():
+            value = plain_tensor(value)
             cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
             out[key] = value.to(device="cpu", dtype=cast)
     return out

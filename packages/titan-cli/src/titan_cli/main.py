@@ -75,6 +75,10 @@ def train(
         from titan_core.train import main
 
         raise typer.Exit(main(forwarded))
+    from titan_core.train import check_before_launch  # pydantic only; torch just if a rule needs CUDA's presence
+
+    if code := check_before_launch(forwarded):
+        raise typer.Exit(code)
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
     if rdzv_endpoint:
         launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]

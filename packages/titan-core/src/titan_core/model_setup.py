@@ -1,6 +1,6 @@
 """Building the model a rank trains: on meta, cut into pipeline stages, parallelized, materialised.
 
-    meta model -> [pipeline split] -> parallelize each part (TP, CP, AC, compile, FSDP)
+    meta model -> [float8 / MXFP8 linears] -> [pipeline split] -> parallelize each part (TP, CP, AC, compile, FSDP)
                -> to_empty -> seeded init -> [pipeline stages + schedule]
 
 A rank holds one model part without pipeline parallel, else one part per
@@ -19,7 +19,9 @@ import torch.nn as nn
 from titan_models import ModelSpec
 from titan_parallel.dims import ParallelDims, ParallelMesh
 from titan_parallel.materialize import copy_full_state
-from titan_parallel.parallelize import ParallelOptions, parallelize
+from titan_parallel.parallelize import ParallelOptions, parallelize, uses_fsdp
+
+from titan_core.converters import Converters
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ def build_model_parts(
     pipeline: PipelineOptions = PipelineOptions(),
     local_batch_size: int = 1,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    converters: Converters = Converters(),
 ) -> ModelParts:
     """Build, split, parallelize and initialise this rank's share of the model.
 
@@ -77,10 +80,20 @@ def build_model_parts(
         pipeline: how to cut and schedule stages (used when dims.pp > 1).
         local_batch_size: sequences per micro-batch on this rank (split into pipeline micro-batches).
         loss_fn: `(logits, labels) -> loss` for the pipeline's last stage.
+        converters: float8 / MXFP8 linears, swapped in on the meta model before anything is split.
     """
     with torch.device("meta"):
         model = spec.build(model_args)
     plan = spec.plan
+    if converters.float8 is not None:
+        from titan_parallel.float8 import apply_float8
+
+        fsdp_shards = mesh["dp_shard_cp"].size() if uses_fsdp(mesh, options) else 1
+        apply_float8(model, converters.float8, fsdp_shards=fsdp_shards)
+    if converters.mx is not None:
+        from titan_parallel.float8 import apply_mx
+
+        apply_mx(model, converters.mx)
     if dims.pp > 1:
         from titan_parallel import pipeline as pp
 

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from titan_core.config import ConfigError, dump_toml, load_config
+from titan_core.config import ConfigError, check_combinations, dump_toml, load_config
 
 # Errors that mean "the input is wrong": shown as one line, no traceback
 # (set TITAN_TRACEBACK=1 to see it).
@@ -44,6 +44,23 @@ def setup_logging() -> None:
         format="%(asctime)s %(message)s" if rank == 0 else f"[rank{rank}] %(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
+
+
+def check_before_launch(argv: list[str]) -> int:
+    """Load and check the config in the launching process, before torchrun starts N of them.
+
+    Returns 0 when the config is valid, else prints one line and returns 2: a wrong key or
+    combination is reported once, not by N processes followed by torchrun's traceback.
+    """
+    try:
+        config, _, overrides = split_args(argv)
+        check_combinations(load_config(config, overrides))
+    except ConfigError as e:
+        if os.environ.get("TITAN_TRACEBACK"):
+            raise
+        print(f"titan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

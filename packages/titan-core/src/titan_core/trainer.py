@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,13 +26,15 @@ from titan_parallel.dims import ParallelDims
 from titan_parallel.distributed import init_distributed
 from titan_parallel.grad_clip import clip_grad_norm_
 from titan_parallel.context_parallel import check_cp, shard_sequence
-from titan_parallel.parallelize import ParallelOptions
+from titan_parallel.parallelize import ParallelOptions, uses_fsdp
+from titan_parallel.precision import mixed_precision_context, resolve_param_dtype
 from titan_parallel.pipeline import pipeline_step
 
 from titan_core.checkpointing import build_checkpointer
-from titan_core.config import JobConfig, dump_toml
+from titan_core.config import JobConfig, check_combinations, dump_toml
 from titan_core.data import PackedLoader, build_source, build_tokenizer
 from titan_core.lr_schedule import build_lr_scheduler
+from titan_core.converters import build_converters
 from titan_core.model_setup import PipelineOptions, build_model_parts
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
@@ -94,6 +97,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.device = resolve_device(t.device)
+        check_combinations(cfg, cuda_available=lambda: self.device.type == "cuda")
         self.rank, self.world_size = init_distributed(self.device, cfg.comm.init_timeout_seconds)
         p = cfg.parallelism
         self.dims = ParallelDims(
@@ -155,8 +159,14 @@ class Trainer:
         self.n_params = self.spec.count_params(self.model_args)
         if self.dims.cp > 1:
             check_cp(t.seq_len, self.dims.cp)
+        with warnings.catch_warnings():
+            if self.rank != 0:  # the slow-bf16 warning is said once, by rank 0
+                warnings.simplefilter("ignore", UserWarning)
+            param_dtype, dtype_reason = resolve_param_dtype(t.mixed_precision_param, self.device)
+        if self.rank == 0:
+            logger.info("compute dtype %s", dtype_reason)
         self.options = ParallelOptions(
-            param_dtype=parse_dtype(t.mixed_precision_param),
+            param_dtype=param_dtype,
             reduce_dtype=parse_dtype(t.mixed_precision_reduce),
             reshard_after_forward=p.fsdp_reshard_after_forward,
             cpu_offload=t.enable_cpu_offload,
@@ -169,9 +179,18 @@ class Trainer:
             compile=cfg.compile.enable and "model" in cfg.compile.components,
             pipeline_parallel=self.dims.pp > 1,
         )
+        self._mixed_precision = lambda: mixed_precision_context(
+            self.device.type, param_dtype, fsdp=uses_fsdp(self.mesh, self.options)
+        )
         self.loss_fn = cross_entropy_loss
         if cfg.compile.enable and "loss" in cfg.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_loss)
+            if self.dims.tp > 1 and self.options.loss_parallel:
+                # A compiled cross-entropy does not see loss_parallel()'s DTensor rules: on vocab-sharded
+                # logits it silently returned 0 (torch 2.15). The loss stays eager under loss parallel.
+                if self.rank == 0:
+                    logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
+            else:
+                self.loss_fn = torch.compile(cross_entropy_loss)
         accum = self.accum_steps
         self.model = build_model_parts(
             self.spec,
@@ -192,7 +211,9 @@ class Trainer:
             ),
             local_batch_size=t.local_batch_size,
             loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
+            converters=build_converters(cfg, self.device),  # [float8] / [mx]: swapped in on the meta model
         )
+        self.precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
         # One optimizer and LR schedule per model part (pipeline stage), so that
         # checkpoints key optimizer state by the full model's parameter names.
         self.optimizers = [
@@ -263,7 +284,7 @@ class Trainer:
             v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer,
             seq_len=t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size, steps=v.steps,
             dp_rank=self.mesh["dp"].get_local_rank(), dp_world=self.dims.dp,
-            loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._loss_context,
+            loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._forward_context,
         )
 
     def _hf_checkpoint_hooks(self, hf_source) -> dict:
@@ -290,13 +311,17 @@ class Trainer:
             hooks["save_model_fn"] = save_hf
         return hooks
 
-    def _loss_context(self):
-        """Loss parallel computes cross-entropy on vocab-sharded logits under TP."""
-        if self.dims.tp > 1 and self.options.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
+    @contextlib.contextmanager
+    def _forward_context(self):
+        """Forward and loss run under mixed precision (autocast where FSDP does not cast) and, under TP,
+        loss parallel (cross-entropy on vocab-sharded logits)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._mixed_precision())
+            if self.dims.tp > 1 and self.options.loss_parallel:
+                from torch.distributed.tensor.parallel import loss_parallel
 
-            return loss_parallel()
-        return contextlib.nullcontext()
+                stack.enter_context(loss_parallel())
+            yield
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Forward and backward over the micro-batches, clip, step.
@@ -310,7 +335,7 @@ class Trainer:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.dims.cp > 1:
                 inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
-            with self._loss_context():
+            with self._forward_context():
                 if self.model.schedule is not None:
                     loss = pipeline_step(self.model.schedule, self.model.stages, inputs, labels)
                 else:
@@ -326,6 +351,10 @@ class Trainer:
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
             optimizer.step()
             scheduler.step()
+        if self.precompute_float8:  # [float8] every float8-gathered weight's scale in one all-reduce
+            from titan_parallel.float8 import precompute_float8_scales
+
+            precompute_float8_scales(self.model.parts)
         return (loss_sum if self.model.has_last_stage else None), grad_norm
 
     def _reduce_loss(self, loss: torch.Tensor | None) -> tuple[float, float]:

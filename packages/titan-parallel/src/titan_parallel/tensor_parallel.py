@@ -38,25 +38,33 @@ from titan_parallel.plan import ModelPlan, TPStyle
 _DEGREE_KEY = "parallelism.tensor_parallel_degree"
 
 
-def build_tp_style(style: TPStyle, *, loss_parallel: bool) -> ParallelStyle:
+def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False) -> ParallelStyle:
     """The torch `ParallelStyle` for one `TPStyle` (see `TPStyle` for the layouts).
 
     Args:
         style: how the module is split.
         loss_parallel: for `TPStyle.OUTPUT`, keep the logits as a vocab-sharded DTensor.
+        float8: for COLWISE, ROWWISE and BLOCK_INPUT, torchao's float8 styles (same
+            layouts; activations cast to float8 before the all-gather), for tensorwise
+            `Float8Linear`s (see `titan_parallel.float8`).
     """
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8 and style in (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.BLOCK_INPUT):
+        from titan_parallel.float8 import float8_tp_style_classes
+
+        colwise, rowwise, prepare_input = float8_tp_style_classes()
     if style is TPStyle.EMBEDDING:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if style is TPStyle.COLWISE:
-        return ColwiseParallel()
+        return colwise()
     if style is TPStyle.ROWWISE:
-        return RowwiseParallel(output_layouts=Shard(1))
+        return rowwise(output_layouts=Shard(1))
     if style is TPStyle.NORM:
         return SequenceParallel()
     if style is TPStyle.BLOCK_INPUT:
         # Only the first positional input (the hidden state) is redistributed; the block
         # passes everything else (RoPE table, positions) as keyword arguments.
-        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if style is TPStyle.OUTPUT:
         return ColwiseParallel(
             input_layouts=Shard(1),
@@ -144,16 +152,23 @@ def check_tp(model: nn.Module, plan: ModelPlan, degree: int) -> None:
 
 
 def check_async_tp(device_type: str, compile_enabled: bool) -> None:
-    """Raise `ParallelConfigError` unless async TP can run (CUDA and torch.compile).
+    """Raise `ParallelConfigError` unless async TP can run: on CUDA, with the blocks compiled.
+
+    The message names what is missing (the device, compile, or both).
 
     Args:
         device_type: the mesh's device type, e.g. "cuda".
         compile_enabled: whether the model is compiled (`compile.enable`).
     """
-    if device_type != "cuda" or not torch.cuda.is_available() or not compile_enabled:
+    on_cuda = device_type == "cuda" and torch.cuda.is_available()
+    missing = [what for what, lacking in (
+        (f"a CUDA device (the mesh is on {device_type!r})", not on_cuda),
+        ("compiled blocks (compile.enable = true)", not compile_enabled),
+    ) if lacking]
+    if missing:
         raise ParallelConfigError(
-            "parallelism.enable_async_tensor_parallel needs CUDA and compile.enable = true; "
-            "enable both or set it to false"
+            f"parallelism.enable_async_tensor_parallel needs {' and '.join(missing)}; "
+            "provide them or set it to false"
         )
 
 
@@ -203,9 +218,9 @@ def apply_tp(
     if async_tp:
         check_async_tp(tp_mesh.device_type, compile_enabled)
     tied = _tied_output_embedding(model, plan)
-    parallelize_module(model, tp_mesh, _present_styles(model, plan.tp, loss_parallel))
+    parallelize_module(model, tp_mesh, planned_styles(model, plan.tp, loss_parallel))
     for block in iter_blocks(model, plan):
-        parallelize_module(block, tp_mesh, _present_styles(block, plan.block_tp, loss_parallel))
+        parallelize_module(block, tp_mesh, planned_styles(block, plan.block_tp, loss_parallel))
     if tied is not None:
         # Both styles shard the shared weight on dim 0 (the vocab); restore one shared parameter.
         embedding, output = tied
@@ -215,13 +230,25 @@ def apply_tp(
     return model
 
 
-def _present_styles(root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """The `parallelize_module` plan for the entries of `table` that exist under `root`."""
-    return {
-        path: build_tp_style(style, loss_parallel=loss_parallel)
-        for path, style in table
-        if get_submodule_or_none(root, path) is not None
-    }
+def planned_styles(root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan for the entries of `table` that exist under `root`.
+
+    Float8 styles are chosen from the modules themselves: a COLWISE/ROWWISE linear that
+    is a tensorwise `Float8Linear`, and a BLOCK_INPUT whose colwise linears all are (its
+    input then all-gathers once, in float8). Rowwise-scaled float8 linears get the plain
+    styles: torchao's float8 TP is tensorwise-only, so they all-gather in high precision.
+    """
+    from titan_parallel.float8 import is_tensorwise_float8
+
+    present = {path: style for path, style in table if get_submodule_or_none(root, path) is not None}
+
+    def float8(path: str, style: TPStyle) -> bool:
+        if style is TPStyle.BLOCK_INPUT:
+            users = [p for p, s in present.items() if s is TPStyle.COLWISE and p.startswith(path + ".")]
+            return bool(users) and all(is_tensorwise_float8(root.get_submodule(p)) for p in users)
+        return style in (TPStyle.COLWISE, TPStyle.ROWWISE) and is_tensorwise_float8(root.get_submodule(path))
+
+    return {path: build_tp_style(style, loss_parallel=loss_parallel, float8=float8(path, style)) for path, style in present.items()}
 
 
 def _tied_output_embedding(model: nn.Module, plan: ModelPlan) -> tuple[nn.Module, nn.Module] | None:

@@ -4,6 +4,7 @@
     print(dump_toml(cfg))
 """
 
+from titan_core.config.combinations import check_combinations
 from titan_core.config.describe import config_help
 from titan_core.config.errors import ConfigError
 from titan_core.config.load import (
@@ -49,6 +50,7 @@ __all__ = [
     "Profiling",
     "Training",
     "Validation",
+    "check_combinations",
     "config_help",
     "dump_toml",
     "list_shipped_configs",

@@ -66,6 +66,8 @@ class Model(Section):
     """Size of the model family (e.g. 'debugmodel', '10M', '110M', '8B', '70B', '405B')."""
     hf_assets_path: str | None = None
     """Folder with tokenizer.json / tokenizer.model / config.json; unset = the offline byte tokenizer."""
+    converters: list[Literal["float8", "mx"]] = []
+    """Swap linears before parallelizing: 'float8' (torchao float8 training, see [float8]) or 'mx' (MXFP8, see [mx])."""
 
 
 class Optimizer(Section):
@@ -119,8 +121,8 @@ class Training(Section):
     """Clip the global gradient norm to this value."""
     steps: PositiveInt = 60
     """Optimizer steps to train for."""
-    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of parameters in forward/backward under FSDP (the master copy stays float32)."""
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype of forward/backward (the master copy stays float32): 'auto' = bfloat16 on a GPU or CPU with native bf16 (AVX512-BF16/AMX), else float32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter / all-reduce under FSDP."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -254,6 +256,32 @@ class Compile(Section):
     """What to compile: each transformer block ('model') and/or the loss."""
 
 
+class Float8(Section):
+    """Float8 linears through torchao (when model.converters has 'float8')."""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """Scaling: 'tensorwise' (fastest; float8 all-gathers), 'rowwise' (more accurate), 'rowwise_with_gw_hp' (rowwise, weight gradients in high precision)."""
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP all-gathers weights in float8 (half bf16's traffic); tensorwise only, and only when FSDP shards over 2+ ranks."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Compute every weight's float8 scale in one all-reduce after the optimizer step (with the float8 all-gather)."""
+    filter_fqns: list[str] = ["output"]
+    """Linears whose name contains any of these stay in high precision (the output projection by default)."""
+    auto_filter_small_kn: bool = True
+    """Also leave linears whose GEMM is too small to gain from float8 (torchao's H100 thresholds); false converts every linear with dims divisible by 16."""
+    emulate: Literal["auto"] | bool = "auto"
+    """Emulate the float8 matmuls in fp32: 'auto' = unless on a CUDA GPU of compute capability 8.9+ (H100, L4); true works anywhere (for tests)."""
+
+
+class MX(Section):
+    """MXFP8 linears through torchao (when model.converters has 'mx'); needs a B200/GB200-class GPU (sm_100+)."""
+
+    recipe_name: Literal["mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp"] = "mxfp8_rceil"
+    """torchao MXFP8 recipe: 'mxfp8_rceil', or 'mxfp8_rceil_wgrad_with_hp' (weight gradients in high precision)."""
+    filter_fqns: list[str] = ["output"]
+    """Linears whose name contains any of these stay in high precision (the output projection by default)."""
+
+
 class Metrics(Section):
     """Logging and TensorBoard."""
 
@@ -342,6 +370,10 @@ class JobConfig(Section):
     """Activation checkpointing."""
     compile: Compile = Field(default_factory=Compile)
     """torch.compile."""
+    float8: Float8 = Field(default_factory=Float8)
+    """Float8 training (model.converters = ["float8"])."""
+    mx: MX = Field(default_factory=MX)
+    """MXFP8 training (model.converters = ["mx"])."""
     metrics: Metrics = Field(default_factory=Metrics)
     """Logging and TensorBoard."""
     profiling: Profiling = Field(default_factory=Profiling)

@@ -1,0 +1,92 @@
+"""Mixed precision: which compute dtype suits a device, and how it is applied.
+
+Two questions, answered by asking torch rather than parsing /proc:
+
+- `native_bf16(device)`: does the device run bf16 matmuls at full speed? A CUDA
+  device from Ampere on does; a CPU does with AVX512-BF16 or AMX. On an AVX2-only
+  CPU torch has no fast bf16 kernel: a bf16 matmul measured 0.9 GFLOP/s there
+  against 143 GFLOP/s in fp32, so "auto" picks fp32 on such a machine.
+- `mixed_precision_context(...)`: FSDP2 applies mixed precision itself (its
+  `MixedPrecisionPolicy` casts the gathered parameters). Where the model is not
+  wrapped by FSDP (one data-parallel rank, or DDP), `torch.autocast` does it instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+__all__ = ["native_bf16", "resolve_param_dtype", "mixed_precision_context"]
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether `device` computes in bf16 at full speed, and why (a short phrase for the log).
+
+    Args:
+        device: the training device.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{torch.cuda.get_device_name(device)} has native bf16"
+        return False, f"{torch.cuda.get_device_name(device)} has no native bf16 (needs compute capability 8.0+)"
+    if device.type == "cpu":
+        features = [name for name, has in (("AMX", _cpu_has("_is_amx_tile_supported")),
+                                           ("AVX512-BF16", _cpu_has("_is_avx512_bf16_supported"))) if has]
+        if features:
+            return True, f"this CPU has {' and '.join(features)}"
+        return False, f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {_cpu_capability()})"
+    return False, f"no bf16 check for device type {device.type!r}"
+
+
+def resolve_param_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The compute dtype for `name` ("auto", "bfloat16" or "float32") on `device`, and the reason.
+
+    "auto" is bf16 where `native_bf16` says so, else fp32. An explicit "bfloat16" on a
+    device without native bf16 is kept, with a warning that it will be many times slower.
+
+    Args:
+        name: the requested dtype (`training.mixed_precision_param`).
+        device: the training device.
+    """
+    fast, why = native_bf16(device)
+    if name == "auto":
+        if fast:
+            return torch.bfloat16, f"auto: bfloat16, since {why}"
+        return torch.float32, f"auto: float32, since {why}; bf16 would run many times slower here"
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    if dtype is torch.bfloat16 and not fast:
+        warnings.warn(
+            f"bfloat16 compute requested but {why}: training will be many times slower than in float32 "
+            "(set training.mixed_precision_param = 'auto' or 'float32')",
+            stacklevel=2,
+        )
+        return dtype, f"bfloat16 as requested, without native support ({why})"
+    return dtype, f"{name} as requested"
+
+
+def mixed_precision_context(device_type: str, param_dtype: torch.dtype, *, fsdp: bool) -> contextlib.AbstractContextManager:
+    """`torch.autocast` to `param_dtype` when FSDP does not apply mixed precision itself, else a no-op.
+
+    Args:
+        device_type: "cuda" or "cpu".
+        param_dtype: the compute dtype; fp32 needs no context.
+        fsdp: whether the model is wrapped by FSDP (whose policy casts parameters).
+    """
+    if fsdp or param_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=param_dtype)
+
+
+def _cpu_has(probe: str) -> bool:
+    """A `torch.cpu._is_*_supported` probe; False where this torch lacks it."""
+    fn = getattr(torch.cpu, probe, None)
+    return bool(fn()) if fn is not None else False
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except AttributeError:  # older torch
+        return "unknown"

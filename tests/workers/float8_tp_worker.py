@@ -1,0 +1,117 @@
+"""Float8 under tensor parallel, launched by tests/test_float8.py under torchrun (2 processes, gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/workers/float8_tp_worker.py OUT_JSON
+
+For each float8 recipe, the trainer's own `build_model_parts` builds a seeded tiny
+Llama converted to float8 and split TP=2. Hooks placed after TP's own record what
+each linear really receives (a float8 DTensor, all-gathered in float8, or a
+high-precision one); one forward and backward on a fixed batch is compared with the
+same float8 model alone and with the unconverted model alone. Rank 0 writes the
+types and differences to OUT_JSON; the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan_core.converters import Converters
+from titan_core.model_setup import build_model_parts
+from titan_models import get_model_spec
+from titan_models.llama3 import llama3_flavors
+from titan_parallel.dims import ParallelDims
+from titan_parallel.float8 import Float8Options, apply_float8
+from titan_parallel.parallelize import ParallelOptions
+
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, vocab_size=512)
+SEED, BS, SEQ = 3, 4, 32
+WATCHED = ("layers.0.attention.wq", "layers.0.attention.wo", "layers.1.feed_forward.w1", "layers.1.feed_forward.w2")
+
+
+def describe(t: torch.Tensor) -> dict:
+    """What a linear received: DTensor or not, its local tensor's class, placements."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return {
+        "dtensor": isinstance(t, DTensor),
+        "local_type": type(local).__name__,
+        "replicated": isinstance(t, DTensor) and all(isinstance(p, Replicate) for p in t.placements),
+    }
+
+
+def single(spec, options: Float8Options | None, tokens, labels) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Logits, loss and gradients of the model alone (float8-converted when `options`)."""
+    model = spec.build(ARGS)
+    torch.manual_seed(SEED)
+    model.init_weights()
+    if options is not None:
+        apply_float8(model, options)
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def run(recipe: str, tokens, labels) -> dict:
+    spec = get_model_spec("llama3")
+    options = Float8Options(recipe_name=recipe, auto_filter_small_kn=False, emulate=True)
+    dims = ParallelDims(tp=2, world_size=2)
+    mesh = dims.build_mesh("cpu")
+    model = build_model_parts(
+        spec, ARGS, mesh, dims, ParallelOptions(), torch.device("cpu"), SEED, converters=Converters(float8=options)
+    ).parts[0]
+    seen: dict[str, dict] = {}
+
+    def record(name: str):
+        def hook(_module, args) -> None:  # registered after TP's hooks: sees what the linear computes on
+            seen.setdefault(name, describe(args[0]))
+
+        return hook
+
+    for name in WATCHED:
+        model.get_submodule(name).register_forward_pre_hook(record(name))
+    with loss_parallel():
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+    logits, loss = logits.full_tensor().detach(), loss.full_tensor().detach()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    ref_logits, ref_loss, ref_grads = single(spec, options, tokens, labels)
+    plain_logits, plain_loss, plain_grads = single(spec, None, tokens, labels)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    wq = model.get_submodule("layers.0.attention.wq")
+    return {
+        "module_types": sorted({type(model.get_submodule(n)).__name__ for n in WATCHED}),
+        "weight": {"dtensor": isinstance(wq.weight, DTensor), "placements": str(wq.weight.placements)},
+        "inputs": seen,
+        "logits_rel_vs_float8_alone": rel(logits, ref_logits),
+        "logits_rel_float8_alone_vs_unconverted": rel(ref_logits, plain_logits),
+        "loss": loss.item(),
+        "loss_float8_alone": ref_loss.item(),
+        "loss_unconverted": plain_loss.item(),
+        # per parameter: (TP float8 vs float8 alone, float8 alone vs unconverted), relative L2
+        "grad_rel": {n: (rel(grads[n], ref_grads[n]), rel(ref_grads[n], plain_grads[n])) for n in ref_grads},
+    }
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    gen = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, ARGS.vocab_size, (BS, SEQ + 1), generator=gen)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    results = {recipe: run(recipe, tokens, labels) for recipe in ("tensorwise", "rowwise")}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
