@@ -1,0 +1,37 @@
+"""The benchmark scripts still run end to end (tiny sizes; their figures are not checked here:
+speed is measured by running them, see docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from titan_run import REPO
+
+
+def run(*cmd: str, **env: str) -> str:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_cpu_peers_compares_three_loops_from_the_same_weights():
+    out = run(sys.executable, "benchmarks/cpu_peers.py", "--flavor", "debugmodel", "--seq-len", "64", "--batch", "2",
+              "--steps", "1", "--rounds", "2", "--warmup", "1")
+    # The logits check ran (a mismatch above --max-diff aborts the script) and all three were timed.
+    assert "titan's model (outside its train step) vs hand-written 0.00e+00" in out, out
+    for name in ("titan", "hand-written", "transformers"):
+        assert f"\n  {name} " in out, out
+    assert "titan / hand-written: " in out and "titan / transformers: " in out, out
+
+
+def test_gpu_suite_smoke_mode_writes_its_results(tmp_path):
+    run("bash", "benchmarks/run_gpu_suite.sh", str(tmp_path), "--smoke", PYTHON=sys.executable)
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["row"]: row for row in results["rows"]}
+    measured = [row for row in rows.values() if row.get("tokens_per_s")]
+    assert measured, rows  # at least the eager rows measured something
+    assert (tmp_path / "results.md").read_text().count("|") > 10
