@@ -179,9 +179,8 @@ class Trainer:
             compile=cfg.compile.enable and "model" in cfg.compile.components,
             pipeline_parallel=self.dims.pp > 1,
         )
-        self._mixed_precision = lambda: mixed_precision_context(
-            self.device.type, param_dtype, fsdp=uses_fsdp(self.mesh, self.options)
-        )
+        fsdp_casts = uses_fsdp(self.mesh, self.options)  # else autocast applies the compute dtype
+        self._mixed_precision = lambda: mixed_precision_context(self.device.type, param_dtype, fsdp=fsdp_casts)
         self.loss_fn = cross_entropy_loss
         if cfg.compile.enable and "loss" in cfg.compile.components:
             if self.dims.tp > 1 and self.options.loss_parallel:
