@@ -27,7 +27,7 @@ from titan_ckpt.manager import CheckpointManager, LoadModelFn, SaveModelFn
 from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
 
-__all__ = ["SchedulersState", "build_checkpointer"]
+__all__ = ["SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
 
 
 class SchedulersState:
@@ -112,3 +112,38 @@ def build_checkpointer(
         load_model_fn=load_model_fn if ckpt.initial_load_in_hf else None,
         save_model_fn=save_model_fn if ckpt.last_save_in_hf else None,
     )
+
+
+def hf_checkpoint_hooks(
+    ckpt: Checkpoint, model_name: str, model_args: Any, hf_source: Any, *, rank: int, pipeline_parallel: bool
+) -> dict[str, Any]:
+    """`build_checkpointer`'s readers/writers for `checkpoint.initial_load_in_hf` / `last_save_in_hf`.
+
+    Args:
+        ckpt: the `checkpoint` config section.
+        model_name: the registered model family (`model.name`), for its state-dict adapter.
+        model_args: the model's shape.
+        hf_source: the resolved Hugging Face source of `initial_load_path`, or None (then the path itself).
+        rank: this process's rank (rank 0 writes the export).
+        pipeline_parallel: whether the model is cut into stages (the HF export cannot gather them yet).
+    """
+    hooks: dict[str, Any] = {}
+    if ckpt.initial_load_in_hf:
+        from titan_core.convert import read_hf_weights
+
+        hooks["load_model_fn"] = lambda path: read_hf_weights(hf_source or path, model_name, model_args)
+    if ckpt.last_save_in_hf:
+        if pipeline_parallel:
+            raise ValueError(
+                "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
+                "`titan convert <run>/checkpoint/step-N OUT --to hf`"
+            )
+
+        from titan_core.convert import write_hf_weights
+
+        def save_hf(folder, state_dict):
+            if rank == 0:
+                write_hf_weights(folder, dict(state_dict), model_name, model_args, dtype=parse_dtype(ckpt.export_dtype))
+
+        hooks["save_model_fn"] = save_hf
+    return hooks

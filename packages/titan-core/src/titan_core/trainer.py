@@ -30,7 +30,7 @@ from titan_parallel.parallelize import ParallelOptions, uses_fsdp
 from titan_parallel.precision import mixed_precision_context, resolve_param_dtype
 from titan_parallel.pipeline import pipeline_step
 
-from titan_core.checkpointing import build_checkpointer
+from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, check_combinations, dump_toml
 from titan_core.data import PackedLoader, build_source, build_tokenizer
 from titan_core.lr_schedule import build_lr_scheduler
@@ -251,7 +251,10 @@ class Trainer:
             train_state=self.state,
             device=self.device,
             world_size=self.world_size,
-            **self._hf_checkpoint_hooks(hf_source),
+            **hf_checkpoint_hooks(
+                cfg.checkpoint, cfg.model.name, self.model_args, hf_source,
+                rank=self.rank, pipeline_parallel=self.dims.pp > 1,
+            ),
         )
 
     def _build_profiler(self) -> Profiler | None:
@@ -285,30 +288,6 @@ class Trainer:
             dp_rank=self.mesh["dp"].get_local_rank(), dp_world=self.dims.dp,
             loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._forward_context,
         )
-
-    def _hf_checkpoint_hooks(self, hf_source) -> dict:
-        """Readers/writers for `checkpoint.initial_load_in_hf` / `last_save_in_hf` (Hugging Face safetensors)."""
-        ckpt, name, args = self.cfg.checkpoint, self.cfg.model.name, self.model_args
-        hooks = {}
-        if ckpt.initial_load_in_hf:
-            from titan_core.convert import read_hf_weights
-
-            hooks["load_model_fn"] = lambda path: read_hf_weights(hf_source or path, name, args)
-        if ckpt.last_save_in_hf:
-            if self.dims.pp > 1:
-                raise ValueError(
-                    "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
-                    "`titan convert <run>/checkpoint/step-N OUT --to hf`"
-                )
-
-            from titan_core.convert import write_hf_weights
-
-            def save_hf(folder, state_dict):
-                if self.rank == 0:
-                    write_hf_weights(folder, dict(state_dict), name, args, dtype=parse_dtype(ckpt.export_dtype))
-
-            hooks["save_model_fn"] = save_hf
-        return hooks
 
     @contextlib.contextmanager
     def _forward_context(self):

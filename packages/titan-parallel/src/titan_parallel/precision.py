@@ -36,7 +36,7 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
                                            ("AVX512-BF16", _cpu_has("_is_avx512_bf16_supported"))) if has]
         if features:
             return True, f"this CPU has {' and '.join(features)}"
-        return False, f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {_cpu_capability()})"
+        return False, f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})"
     return False, f"no bf16 check for device type {device.type!r}"
 
 
@@ -83,10 +83,3 @@ def _cpu_has(probe: str) -> bool:
     """A `torch.cpu._is_*_supported` probe; False where this torch lacks it."""
     fn = getattr(torch.cpu, probe, None)
     return bool(fn()) if fn is not None else False
-
-
-def _cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except AttributeError:  # older torch
-        return "unknown"
