@@ -31,9 +31,7 @@ import torch
 import torch.distributed as dist
 from titan_ckpt.manager import CheckpointManager
 from titan_models import get_model_args, get_model_spec
-from titan_parallel.dims import ParallelDims, default_device
-from titan_parallel.distributed import init_distributed, shutdown_distributed
-from titan_parallel.parallelize import ParallelOptions, parallelize
+from titan_parallel import ParallelDims, ParallelOptions, init_distributed, parallelize, resolve_device, shutdown_distributed
 
 
 def build_trained_model(flavor: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
@@ -81,7 +79,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all variants; the best of each is printed")
     opts = parser.parse_args()
 
-    device = default_device()
+    device = resolve_device()
     rank, world = init_distributed(device)
     model, optimizer, n_params = build_trained_model(opts.flavor, device)
     base = Path(opts.folder or tempfile.mkdtemp(prefix="titan-ckpt-bench-"))

@@ -95,8 +95,8 @@ def build_transformers(spec, model_args, state):
     """transformers' model class for this family, with Titan's weights converted by the spec's adapter."""
     import transformers
 
-    adapter = spec.state_dict_adapter
-    config = transformers.LlamaConfig(**adapter.hf_config_from_args(model_args))
+    adapter = spec.hf_adapter
+    config = transformers.LlamaConfig(**adapter.hf_config_from_args(model_args, "float32"))
     config.use_cache = False  # training: no KV cache
     model = getattr(transformers, adapter.hf_architecture)._from_config(config, attn_implementation="sdpa")
     model.load_state_dict(adapter.to_hf(state, model_args), strict=True)

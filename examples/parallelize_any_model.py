@@ -1,7 +1,8 @@
 """titan-parallel on a model it has never seen: FSDP + TP, and PP + FSDP.
 
-Needs only `pip install titan-parallel` (torch + numpy). The model below is a
-plain PyTorch transformer written here; its plan is a small table. Run:
+Needs only `pip install titan-parallel` (torch + numpy) and uses only its
+top-level API (`from titan_parallel import ...`). The model below is a plain
+PyTorch transformer written here; its plan is a small table. Run:
 
     torchrun --nproc-per-node 4 examples/parallelize_any_model.py
 
@@ -17,13 +18,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from titan_parallel.dims import ParallelDims
-from titan_parallel.distributed import init_distributed, shutdown_distributed
-from titan_parallel.grad_clip import clip_grad_norm_
-from titan_parallel.materialize import copy_full_state
-from titan_parallel.parallelize import ParallelOptions, parallelize
-from titan_parallel.pipeline import build_schedule, build_stages, pipeline_step, split_model, stage_module_names
-from titan_parallel.plan import ModelPlan, TPStyle
+from titan_parallel import (
+    ModelPlan,
+    ParallelDims,
+    ParallelOptions,
+    PipelineConfig,
+    TPStyle,
+    build_pipeline,
+    check_pipeline,
+    clip_grad_norm_,
+    copy_full_state,
+    init_distributed,
+    parallelize,
+    pipeline_step,
+    resolve_device,
+    shutdown_distributed,
+    split_model,
+)
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, STEPS = 256, 64, 4, 4, 16, 8, 4
 
@@ -144,29 +155,30 @@ def fsdp_tp_losses(full_state, device):
 
 
 def pp_fsdp_losses(full_state, device):
-    """2 pipeline stages (1F1B, 4 microbatches) x FSDP over 2 ranks."""
+    """2 pipeline stages (1F1B, 4 microbatches of 1) x FSDP over 2 ranks."""
     dims = ParallelDims(pp=2, dp_shard=2, world_size=4)
     mesh = dims.build_mesh(device.type)
     with torch.device("meta"):
         model = TinyGPT()
-    names = stage_module_names(PLAN, LAYERS, n_stages=2)
-    parts = split_model(model, PLAN, names, mesh["pp"], "1F1B")
-    for _, part in parts:
-        parallelize(part, PLAN, mesh, ParallelOptions(pipeline_parallel=True))
-        part.to_empty(device=device)
-        copy_full_state(part, full_state)
-    stages = build_stages(parts, 2, mesh["pp"], device)
-    schedule = build_schedule(stages, "1F1B", n_microbatches=4, loss_fn=loss_fn)
-    opts = [torch.optim.AdamW(part.parameters(), lr=1e-3) for _, part in parts]
-    dp_rank, half = mesh["dp"].get_local_rank(), BATCH // 2
+    half = BATCH // 2  # each data-parallel rank's batch
+    config = PipelineConfig(schedule="1F1B", microbatch_size=1)
+    names = check_pipeline(config, pp=2, n_layers=LAYERS, local_batch_size=half, plan=PLAN)  # stage 0: embed + 2 blocks
+    parts = split_model(model, PLAN, names, mesh["pp"], config.schedule)  # this rank's stage
+    for part in parts:
+        parallelize(part.module, PLAN, mesh, ParallelOptions(pipeline_parallel=True))
+        part.module.to_empty(device=device)
+        copy_full_state(part.module, full_state)
+    pipe = build_pipeline(parts, config, n_stages=len(names), pp_mesh=mesh["pp"], device=device, local_batch_size=half, loss_fn=loss_fn)
+    opts = [torch.optim.AdamW(part.module.parameters(), lr=1e-3) for part in parts]
+    dp_rank = mesh["dp"].get_local_rank()
     out = []
     for b in batches():
         b = b[dp_rank * half:(dp_rank + 1) * half].to(device)
         for opt in opts:
             opt.zero_grad()
-        loss = pipeline_step(schedule, stages, b[:, :-1], b[:, 1:])
+        loss = pipeline_step(pipe.schedule, pipe.stages, b[:, :-1], b[:, 1:])  # None off the last stage
         total = loss.detach().clone() if loss is not None else torch.zeros((), device=device)
-        clip_grad_norm_([p for _, part in parts for p in part.parameters()], 1.0, pp_mesh=mesh["pp"])
+        clip_grad_norm_([p for part in parts for p in part.module.parameters()], 1.0, pp_mesh=mesh["pp"])
         for opt in opts:
             opt.step()
         dist.all_reduce(total)  # only the 2 last-stage ranks hold a loss
@@ -175,7 +187,7 @@ def pp_fsdp_losses(full_state, device):
 
 
 def main():
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    device = resolve_device("auto")  # cuda:LOCAL_RANK where there is a GPU, else the CPU
     rank, world = init_distributed(device)
     assert world == 4, "run with torchrun --nproc-per-node 4"
     torch.manual_seed(0)

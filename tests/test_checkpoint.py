@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -23,8 +24,22 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_ckpt.manager import CheckpointManager
-from titan_ckpt.manifest import CheckpointError
+from titan_ckpt import CheckpointError, CheckpointManager
+
+_CHECKPOINT_ERROR_INIT = CheckpointError.__init__
+
+
+@pytest.fixture(autouse=True)
+def errors_name_their_arguments(monkeypatch):
+    """Every CheckpointError raised here names each of its `arguments` as a whole word (the contract
+    callers rely on to rewrite them, e.g. into config keys)."""
+
+    def checked_init(self, message, *, arguments=()):
+        for argument in arguments:
+            assert re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", message), (argument, message)
+        _CHECKPOINT_ERROR_INIT(self, message, arguments=arguments)
+
+    monkeypatch.setattr(CheckpointError, "__init__", checked_init)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -209,7 +224,7 @@ def test_damaged_file_is_named_with_an_older_step_to_use(tmp_path, damage):
         Run(seed=2).manager(tmp_path).load()
     problem = {"truncate": "truncated", "delete": "missing", "flip": "corrupt"}[damage]
     assert str(shard) in str(err.value) and problem in str(err.value)
-    assert "--checkpoint.load_step 1" in str(err.value)
+    assert "load_step=1" in str(err.value) and err.value.arguments == ("load_step",)
     assert Run(seed=3).manager(tmp_path, load_step=1).load() == 1  # the suggested fix works
 
 
@@ -238,16 +253,41 @@ def test_tampered_metadata_is_never_unpickled(tmp_path):
 def test_load_step_not_found_lists_the_complete_steps(tmp_path):
     a = Run(seed=1)
     a.manager(tmp_path, interval=1).save(2)
-    with pytest.raises(CheckpointError, match=r"no complete step-7; complete checkpoints: \[2\]"):
+    with pytest.raises(CheckpointError, match=r"no complete step-7; complete checkpoints: \[2\]") as err:
         Run(seed=2).manager(tmp_path, load_step=7).load()
+    assert err.value.arguments == ("load_step",)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument, says",
+    [
+        ({"exclude_from_loading": ["data"]}, "exclude_from_loading", "unknown state 'data'"),
+        ({"async_mode": "background"}, "async_mode", "unknown 'background'"),
+        ({"interval": 0}, "interval", "interval=0"),
+        ({"keep_latest_k": -1}, "keep_latest_k", "keep_latest_k=-1"),
+        ({"load_step": -2}, "load_step", "load_step=-2"),
+        ({"optimizers": []}, None, None),  # no optimizer at all is allowed (a model-only manager)
+    ],
+)
+def test_arguments_are_checked_naming_the_argument(tmp_path, kwargs, argument, says):
+    a = Run(seed=1)
+    kwargs = {"optimizers": [a.optimizer], **kwargs}
+    if argument is None:
+        CheckpointManager(tmp_path, model_parts=[a.model], **kwargs)
+        return
+    with pytest.raises(CheckpointError, match=re.escape(says)) as err:
+        CheckpointManager(tmp_path, model_parts=[a.model], **kwargs)
+    assert err.value.arguments == (argument,)
 
 
 def test_arguments_and_states_are_checked(tmp_path):
     a = Run(seed=1)
-    with pytest.raises(ValueError, match="exclude_from_loading: unknown state 'data'"):
-        a.manager(tmp_path, exclude_from_loading=["data"])
-    with pytest.raises(ValueError, match="'rng' is reserved"):
+    with pytest.raises(CheckpointError, match="'rng' is reserved") as err:
         CheckpointManager(tmp_path, model_parts=[a.model], optimizers=[a.optimizer], states={"rng": Counter()})
+    assert err.value.arguments == ("states",)
+    with pytest.raises(CheckpointError, match="optimizers has 2 entries for 1 model parts") as err:
+        CheckpointManager(tmp_path, model_parts=[a.model], optimizers=[a.optimizer, a.optimizer])
+    assert err.value.arguments == ("optimizers",)
     a.counter.value = torch.tensor(1)  # not JSON
     with pytest.raises(CheckpointError, match="the 'counter' state is not plain JSON data"):
         a.manager(tmp_path, interval=1).save(1)
@@ -318,3 +358,27 @@ def test_other_format_hooks_and_initial_load_path(tmp_path):
     d = Run(seed=4)
     d.manager(tmp_path / "run-e", initial_load_path=tmp_path / "run-c" / "step-2", initial_load_model_only=False).load()
     assert d.counter.value == 2 and d.optimizer.state
+
+
+def test_library_errors_name_the_argument_to_change(tmp_path):
+    a = Run(seed=1)
+    a.step()
+    a.manager(tmp_path / "run", interval=1).save(1)
+    cases = [  # (what goes wrong, the arguments its error names)
+        (lambda: a.manager(tmp_path / "new", initial_load_path=tmp_path).load(), ("initial_load_path", "load_model_fn")),
+        (lambda: a.manager(tmp_path / "run", enable=False).save_seed(), ("enable",)),
+        (lambda: a.manager(tmp_path / "run").save_seed(), ("folder",)),
+    ]
+    unverified = tmp_path / "unverified"
+    shutil.copytree(tmp_path / "run" / "step-1", unverified)
+    (unverified / "manifest.json").unlink()
+    cases.append((lambda: a.manager(tmp_path / "new", initial_load_path=unverified, initial_load_model_only=False).load(),
+                  ("initial_load_path", "initial_load_model_only")))
+    wider = Run(seed=2)
+    wider.model.head = nn.Linear(8, 17)  # another shape than the one saved
+    wider.optimizer = torch.optim.AdamW(wider.model.parameters())
+    cases.append((lambda: wider.manager(tmp_path / "run").load(), ("model_parts",)))
+    for fail, arguments in cases:
+        with pytest.raises(CheckpointError) as err:
+            fail()
+        assert err.value.arguments == arguments, str(err.value)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from test_tensor_parallel import TOL, launch_worker
-from titan_parallel.context_parallel import check_cp, cp_positions
-from titan_parallel.dims import ParallelConfigError
+from titan_parallel import ParallelConfigError, check_cp
+from titan_parallel.context_parallel import cp_positions
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +50,33 @@ def test_cp_positions_partition_the_sequence_with_equal_causal_work():
 
 
 def test_cp_positions_refuses_an_odd_local_length():
-    with pytest.raises(ValueError, match=r"training\.seq_len must be divisible by 2 x parallelism\.context_parallel_degree = 4"):
+    with pytest.raises(ParallelConfigError, match=r"^seq_len=6 is not divisible by 2 x cp=2 = 4"):
         cp_positions(3, 0, 2)
+    assert cp_positions(5, 0, 1).tolist() == list(range(5))  # cp = 1: any length
 
 
-def test_check_cp_names_both_keys():
+def test_check_cp_names_its_arguments():
     check_cp(32, 4)
     check_cp(7, 1)  # no context parallel: any length
     with pytest.raises(ParallelConfigError) as err:
         check_cp(36, 4)
     assert str(err.value) == (
-        "training.seq_len 36 is not divisible by 2 x parallelism.context_parallel_degree = 8; change one of them"
+        "seq_len=36 is not divisible by 2 x cp=4 = 8: context parallel cuts each sequence into 2 chunks per rank; "
+        "change seq_len or cp"
     )
+    assert err.value.arguments == ("seq_len", "cp")
+
+
+def test_check_cp_under_sequence_parallel():
+    # Sequence parallel splits each cp rank's seq_len / cp tokens into tp pieces.
+    check_cp(32, 2, tp=8)
+    check_cp(16, 1, tp=4)
+    with pytest.raises(ParallelConfigError, match=r"^seq_len=15 is not divisible by tp=2: sequence parallel") as err:
+        check_cp(15, 1, tp=2)
+    assert err.value.arguments == ("seq_len", "tp")
+    with pytest.raises(ParallelConfigError, match=r"^seq_len=24 is not divisible by cp=2 x tp=8 = 16") as err:
+        check_cp(24, 2, tp=8)  # 24 splits into 2 x cp = 4 chunks, but 12 tokens per cp rank do not split 8 ways
+    assert err.value.arguments == ("seq_len", "cp", "tp")
 
 
 # ---- parity under torchrun ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes
 from titan_ckpt.formats import detect_format
 from titan_ckpt.hf_safetensors import INDEX_FILE, parse_size, plan_shards, read_hf_state_dict
-from titan_ckpt.staging import staged_output
+from titan_ckpt import atomic_output
 from titan_cli.main import app
 from titan_core import convert as convert_module
 from titan_core.convert import check_hf_parity, convert_checkpoint
@@ -270,7 +270,7 @@ def test_storage_helpers(tmp_path):
     # greedy in order; a tensor larger than the limit gets its own shard
     assert plan_shards({"a": 4, "b": 4, "c": 10, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
     with pytest.raises(RuntimeError):
-        with staged_output(tmp_path / "out") as tmp:
+        with atomic_output(tmp_path / "out") as tmp:
             tmp.mkdir()
             (tmp / "half").write_text("x")
             raise RuntimeError("crash mid-write")

@@ -42,8 +42,8 @@ import torch.nn as nn
 from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
-from titan_parallel.dims import ParallelConfigError
-from titan_parallel.float8 import Float8Options, MXOptions, apply_float8, apply_mx, check_float8, gains_from_float8
+from titan_parallel import Float8Options, MXOptions, ParallelConfigError, apply_float8, apply_mx, check_float8, check_mx
+from titan_parallel.float8 import gains_from_float8
 from titan_parallel.tensor_parallel import planned_styles
 
 torchao = pytest.importorskip("torchao")
@@ -129,14 +129,21 @@ def test_tp_chooses_float8_styles_from_module_types():
     assert mixed["attention.wq"] is Float8ColwiseParallel and mixed["feed_forward"] is PrepareFloat8ModuleInput
 
 
-def test_refusals_are_one_line_naming_the_key():
-    with pytest.raises(ParallelConfigError, match=r"^float8\.enable_fsdp_float8_all_gather works with float8\.recipe_name = 'tensorwise'"):
+def test_refusals_are_one_line_naming_the_options():
+    with pytest.raises(ParallelConfigError, match=r"^enable_fsdp_float8_all_gather=True works with recipe_name='tensorwise' only") as info:
         check_float8(emulated(recipe_name="rowwise", enable_fsdp_float8_all_gather=True))
-    with pytest.raises(ParallelConfigError, match=r"needs float8\.enable_fsdp_float8_all_gather = true"):
+    assert info.value.arguments == ("enable_fsdp_float8_all_gather", "recipe_name")
+    with pytest.raises(ParallelConfigError, match=r"needs enable_fsdp_float8_all_gather=True") as info:
         check_float8(emulated(precompute_float8_dynamic_scale_for_fsdp=True))
+    assert info.value.arguments == ("precompute_float8_dynamic_scale_for_fsdp", "enable_fsdp_float8_all_gather")
+    with pytest.raises(ParallelConfigError, match=r"^MXFP8 needs an NVIDIA GPU with compute capability 10\.0\+ \(B200/GB200\), but device_type is 'cpu'") as info:
+        check_mx(MXOptions(), "cpu")
+    assert info.value.arguments == ("device_type",)
+    check_mx(MXOptions(recipe_name="mxfp8_emulated_rceil"), "cpu")  # torchao's debug recipe runs anywhere
     if not torch.cuda.is_available():
-        with pytest.raises(ParallelConfigError, match=r"^float8\.emulate = false needs an NVIDIA GPU with compute capability 8\.9\+"):
+        with pytest.raises(ParallelConfigError, match=r"^emulate=False needs an NVIDIA GPU with compute capability 8\.9\+") as info:
             check_float8(Float8Options(emulate=False))
+        assert info.value.arguments == ("emulate",)
         with pytest.raises(ParallelConfigError) as info:
             apply_mx(meta_model(n_layers=1), MXOptions())
         assert "\n" not in str(info.value)
@@ -149,7 +156,7 @@ def test_missing_torchao_names_the_extra(monkeypatch):
     with pytest.raises(ImportError) as info:
         apply_float8(meta_model(n_layers=1), emulated())
     assert str(info.value) == (
-        "model.converters asks for torchao, which is not installed; pip install titan-parallel[float8] (torchao)"
+        "float8 and MXFP8 training need torchao, which is not installed; pip install titan-parallel[float8] (torchao)"
     )
     # An unconverted model still plans tensor parallel without torchao.
     styles = planned_styles(meta_model(n_layers=1).layers["0"], llama3_plan.block_tp, loss_parallel=True)
@@ -185,6 +192,7 @@ def test_mx_code_path_runs_with_torchaos_emulated_recipe():
 def test_config_keys(tmp_path):
     from titan_core.config import ConfigError, dump_toml, load_config
     from titan_core.converters import build_converters
+    from titan_core.job_check import check_job
 
     cfg = load_config(None, ["--model.converters", "float8", "--float8.emulate", "true", "--float8.filter_fqns", "output,wk"])
     assert cfg.model.converters == ["float8"] and cfg.float8.emulate is True and cfg.float8.filter_fqns == ["output", "wk"]
@@ -192,10 +200,10 @@ def test_config_keys(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text(dump_toml(cfg))
     assert load_config(str(toml), []) == cfg
-    converters = build_converters(load_config(None, ["--model.converters", "float8"]), torch.device("cpu"))
+    converters = build_converters(load_config(None, ["--model.converters", "float8"]), "cpu")
     assert converters.float8 == Float8Options(emulate=True) and converters.mx is None  # 'auto' emulates on a CPU
     with pytest.raises(ConfigError, match=r"^model\.converters lists both 'float8' and 'mx'"):
-        build_converters(load_config(None, ["--model.converters", "float8,mx"]), torch.device("cpu"))
+        check_job(load_config(None, ["--model.converters", "float8,mx"]), 1)
 
 
 # ---- launched -----------------------------------------------------------------------------

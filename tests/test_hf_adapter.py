@@ -17,7 +17,7 @@ from titan_models.llama3 import (
     count_params,
     hf_config_from_args,
     llama3_flavors,
-    llama3_state_dict_adapter,
+    llama3_hf_adapter,
 )
 from titan_models.llama3.hf_adapter import from_hf_state_dict, permute_from_hf, permute_to_hf, to_hf_state_dict
 
@@ -244,8 +244,10 @@ def test_unsupported_configs_fail_naming_the_key(change, key):
 
 def test_registry_exposes_the_adapter():
     spec = get_model_spec("llama3")
-    assert spec.state_dict_adapter is llama3_state_dict_adapter
-    assert spec.args_from_hf_config(LLAMA31_8B_CONFIG) == args_from_hf_config(LLAMA31_8B_CONFIG)
+    assert spec.hf_adapter is llama3_hf_adapter and spec.hf_adapter.hf_architecture == "LlamaForCausalLM"
+    assert spec.hf_adapter.args_from_hf_config(LLAMA31_8B_CONFIG) == args_from_hf_config(LLAMA31_8B_CONFIG)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.hf_adapter.hf_architecture = "MistralForCausalLM"
 
 
 # ---- logits parity with transformers -------------------------------------------------

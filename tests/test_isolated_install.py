@@ -3,77 +3,54 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import re
 import subprocess
 import sys
 
-import pytest
+from lone_install import installed_and_required, lone_env, make_lone_venv, titan_key_pattern
 from titan_run import REPO
 
-# Distributions that are torch's own requirements, computed inside the new venv
-# from torch's metadata, so this list is not hard-coded here.
-CLOSURE = r"""
-import json, re
-from importlib.metadata import distributions, distribution
-norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-installed = {norm(d.metadata["Name"]) for d in distributions()}
-def requires(name, extras):
-    out = []
-    for r in distribution(name).requires or []:
-        m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?", r)
-        want = re.findall(r"extra\s*==\s*['\"]([^'\"]+)", r)
-        if want and not set(map(norm, want)) & extras:
-            continue
-        sub = {norm(e) for e in (m.group(2) or "").split(",") if e.strip()}
-        out.append((norm(m.group(1)), frozenset(sub)))
-    return out
-seen, todo = set(), [("torch", frozenset())]
-while todo:
-    name, extras = todo.pop()
-    if (name, extras) in seen or name not in installed:
-        continue
-    seen.add((name, extras))
-    todo.extend(requires(name, extras))
-print(json.dumps({"installed": sorted(installed), "torch_closure": sorted({n for n, _ in seen})}))
-"""
-
-
-def uv_binary() -> str:
-    uv = os.environ.get("UV") or shutil.which("uv")
-    if uv is None:
-        pytest.fail("uv is needed for this test (the README's set-up installs it: pip install uv)")
-    return uv
-
-
 def test_titan_parallel_installs_alone(tmp_path):
-    uv = uv_binary()
-    venv = tmp_path / "venv"
-    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True)
-    python = venv / "bin" / "python"
-    # symlinks into uv's cache: torch is not copied again.
-    subprocess.run(
-        [uv, "pip", "install", "-q", "--python", str(python), "--link-mode", "symlink",
-         str(REPO / "packages" / "titan-parallel")],
-        check=True,
-    )
-    report = json.loads(subprocess.run([str(python), "-c", CLOSURE], capture_output=True, text=True, check=True).stdout)
-    installed = set(report["installed"])
-    assert "titan-parallel" in installed
+    python = make_lone_venv(tmp_path, "titan-parallel")
+    installed, required = installed_and_required(python, "titan-parallel")
+    _, torch_closure = installed_and_required(python, "torch")
+    assert installed == required, f"installed beyond titan-parallel's requirements: {sorted(installed - required)}"
     assert not {d for d in installed if d.startswith("titan-") and d != "titan-parallel"}
     # numpy is declared by titan-parallel because torch.distributed.pipelining/DCP import it undeclared.
-    extra = installed - set(report["torch_closure"]) - {"titan-parallel", "numpy"}
-    assert not extra, f"titan-parallel pulled in more than torch needs: {sorted(extra)}"
+    assert required - torch_closure == {"titan-parallel", "numpy"} - torch_closure, sorted(required - torch_closure)
     smoke = (
-        "import titan_parallel.parallelize, titan_parallel.dims, titan_parallel.fsdp;"
-        "from titan_parallel.dims import ParallelDims;"
-        "print(ParallelDims(dp_shard=-1, tp=2, world_size=8).dp_shard)"
+        "import sys;"
+        "from titan_parallel import ParallelDims;"
+        "print(ParallelDims(dp_shard=-1, tp=2, world_size=8).dp_shard, 'torch' in sys.modules)"
     )
     out = subprocess.run([str(python), "-c", smoke], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "4"
+    assert out.split() == ["4", "False"]  # the layout rules need no torch
+    # Errors speak of the library's own arguments, never of Titan's config keys.
+    errors = r"""
+import json
+from titan_parallel import ParallelConfigError, ParallelDims, PipelineConfig, check_ac, check_cp, check_pipeline, ModelPlan
+plan = ModelPlan(blocks="layers", pp_first=("embed",), pp_last=("head",))
+calls = [
+    lambda: ParallelDims(dp_shard=2, tp=2, world_size=2),
+    lambda: check_cp(36, 4),
+    lambda: check_ac("selective", "every"),
+    lambda: check_pipeline(PipelineConfig(microbatch_size=3), pp=2, n_layers=4, local_batch_size=8, plan=plan),
+]
+out = []
+for call in calls:
+    try:
+        call()
+    except ParallelConfigError as e:
+        out.append([str(e), list(e.arguments)])
+print(json.dumps(out))
+"""
+    raised = json.loads(subprocess.run([str(python), "-c", errors], capture_output=True, text=True, check=True).stdout)
+    assert len(raised) == 4
+    for message, arguments in raised:
+        assert arguments and all(re.search(rf"(?<![\w.]){a}(?!\w)", message) for a in arguments), (message, arguments)
+        assert not titan_key_pattern().search(message), message
     # A model titan-models does not define, parallelized from the lone install: FSDP x TP and PP x FSDP.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-    env.pop("PYTHONPATH", None)
+    env = {**lone_env(), "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     example = REPO / "examples" / "parallelize_any_model.py"
     run = subprocess.run(
         [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(example)],

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
 import os
 import pty
+import re
+import struct
+import termios
 
 import pytest
 import torch
@@ -134,6 +138,24 @@ def test_throughput_meter_windows():
     assert meter.read()["throughput/tokens_per_s"] == pytest.approx(1000.0)  # new window: 500 / 0.5 s
 
 
+def test_throughput_meter_raises_a_measured_peak_that_was_beaten():
+    now, asked = [0.0], []
+
+    def raise_peak(achieved: float) -> float:
+        asked.append(achieved)
+        return 4e12  # what a fresh measurement would give
+
+    meter = ThroughputMeter(flops_per_token=1e9, peak_flops=1e12, clock=lambda: now[0], raise_peak=raise_peak)
+    meter.add_tokens(2000)
+    now[0] = 1.0
+    figures = meter.read()  # 2 TFLOP/s against a 1 TFLOP/s peak: MFU 200% is impossible
+    assert asked == [pytest.approx(2e12)]
+    assert meter.peak_flops == 4e12 and figures["throughput/mfu_pct"] == pytest.approx(50.0)
+    meter.add_tokens(1000)
+    now[0] = 2.0
+    assert meter.read()["throughput/mfu_pct"] == pytest.approx(25.0) and len(asked) == 1  # below the new peak
+
+
 # ---------------------------------------------------------------- logger
 
 STEP_12 = {
@@ -184,8 +206,20 @@ def test_logger_is_silent_on_other_ranks(tmp_path, caplog):
 
 
 def test_tensorboard_without_folder_is_an_error():
-    with pytest.raises(ValueError, match=r"metrics\.enable_tensorboard"):
+    with pytest.raises(ValueError, match=r"enable_tensorboard is true but log_dir is None"):
         MetricsLogger(None, enable_tensorboard=True, rank=0, total_steps=10, color=False)
+
+
+def test_logger_writes_one_json_record_per_logged_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLogger(None, enable_tensorboard=False, rank=0, total_steps=3, color=False, jsonl_path=path) as metrics:
+        metrics.log(1, {"loss/global_avg": 3.5, "throughput/mfu_pct": None})
+        metrics.log(1, {"validation/loss": 3.25})
+    with MetricsLogger(None, enable_tensorboard=False, rank=1, total_steps=3, color=False, jsonl_path=tmp_path / "r1") as metrics:
+        metrics.log(1, {"loss/global_avg": 3.5})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [{"step": 1, "loss/global_avg": 3.5, "throughput/mfu_pct": None}, {"step": 1, "validation/loss": 3.25}]
+    assert not (tmp_path / "r1").exists()  # rank 0 only
 
 
 def _log_three_steps(monkeypatch, stream, color):
@@ -212,11 +246,24 @@ def test_non_tty_output_has_plain_lines_only(monkeypatch):
 
 def test_tty_output_has_progress_bar_and_colour(monkeypatch):
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
     with os.fdopen(slave, "w", encoding="utf-8") as stream:
         _log_three_steps(monkeypatch, stream, color=True)
-    output = os.read(master, 1 << 16).decode()
+    output = b""
+    while chunk := _read_pty(master):
+        output += chunk
+    output = output.decode()
     os.close(master)
-    assert "\r\x1b[2K[" in output  # the bar is redrawn in place
-    assert "3/3 steps" in output and "steps/s" in output and "ETA 0:00:00" in output
-    assert "\x1b[32mloss 1.0000\x1b[0m" in output  # coloured loss
+    assert "\r" + "\u2588" * 24 + " 3/3 steps" in output  # tqdm redraws the bar in place
+    assert "steps/s" in output and "ETA 00:00" in output
+    # Each log line is printed above the bar: the bar is blanked, then the (coloured) line written.
+    assert re.search(r"\r +\r\x1b\[36mstep  3/3\x1b\[0m  \x1b\[32mloss 1\.0000\x1b\[0m", output), output
     assert output.endswith("\n")  # close() ends the bar's line
+
+
+def _read_pty(fd: int) -> bytes:
+    """What the terminal received, b"" once all is read (Linux raises EIO at the end)."""
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""

@@ -1,4 +1,4 @@
-"""Pipeline parallel (titan_parallel.pipeline): stage cuts worked out by hand, errors, and
+"""Pipeline parallel (titan_parallel.pipeline): stage cuts worked out by hand, errors naming their arguments, and
 parity with a single process for every schedule, over real torchrun processes (gloo, CPU).
 
 One 4-process launch carries all the multi-process checks (tests/workers/pp_worker.py):
@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 
 from titan_models.llama3 import llama3_plan
-from titan_parallel.dims import ParallelConfigError
-from titan_parallel.pipeline import (
-    SCHEDULE_NAMES,
+from titan_parallel import SCHEDULE_NAMES, ParallelConfigError, PipelineConfig, check_pipeline
+from titan_parallel.pipeline_layout import (
+    SCHEDULE_KINDS,
     available_schedules,
     check_module_names,
     count_microbatches,
     count_stages,
-    get_schedule_class,
     stage_indices,
     stage_module_names,
 )
@@ -104,31 +103,70 @@ def test_every_schedule_is_available():
     assert set(available_schedules()) == set(SCHEDULE_NAMES)
 
 
-# ---- errors: one line each, naming the key to change -----------------------------------
+def test_schedule_kinds_match_torchs_classes():
+    from torch.distributed.pipelining import schedules
+
+    for name, kind in SCHEDULE_KINDS.items():
+        cls = schedules.get_schedule_class(name)
+        assert (kind.placement == "single") == issubclass(cls, schedules.PipelineScheduleSingle), name
+        assert (kind.placement == "v") == issubclass(cls, (schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV)), name
+        assert kind.microbatch_per_stage == issubclass(cls, (schedules.Schedule1F1B, schedules.ScheduleDualPipeV)), name
+
+
+def test_check_pipeline_returns_the_stage_cut():
+    config = PipelineConfig(schedule="Interleaved1F1B", microbatch_size=2)
+    names = check_pipeline(config, pp=2, n_layers=6, local_batch_size=8, plan=llama3_plan)
+    assert names == stage_module_names(llama3_plan, 6, 4)
+    explicit = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    config = PipelineConfig(module_names_per_stage=explicit)
+    assert check_pipeline(config, pp=2, n_layers=2, local_batch_size=2, plan=llama3_plan) == explicit
+    # pp = 1: no pipeline; the schedule is still checked, nothing else.
+    whole = [["tok_embeddings", "layers.0", "layers.1", "norm", "output"]]
+    assert check_pipeline(PipelineConfig(microbatch_size=3), pp=1, n_layers=2, local_batch_size=8, plan=llama3_plan) == whole
+    with pytest.raises(ParallelConfigError, match="schedule='1f1b' is unknown"):
+        check_pipeline(PipelineConfig(schedule="1f1b"), pp=1, n_layers=2, local_batch_size=8, plan=llama3_plan)
+
+
+# ---- errors: one line each, naming the arguments to change -------------------------------
+
+
+TOO_FEW_UNITS = ("n_layers", "first_stage_less_layers", "last_stage_less_layers", "pp", "layers_per_stage")
+
+
+def pipeline(pp: int = 2, n_layers: int = 6, local_batch_size: int = 8, **config) -> list[list[str]]:
+    return check_pipeline(PipelineConfig(**config), pp=pp, n_layers=n_layers, local_batch_size=local_batch_size, plan=llama3_plan)
 
 
 @pytest.mark.parametrize(
-    "call, words",
+    "call, arguments, words",
     [
-        (lambda: stage_module_names(llama3_plan, 2, 5), ["5 pipeline stages", "4 units", "pipeline_parallel_degree"]),
-        (lambda: stage_module_names(llama3_plan, 6, 4, first_stage_less_layers=3), ["pipeline_parallel_first_stage_less_layers=3"]),
-        (lambda: stage_module_names(llama3_plan, 6, 4, last_stage_less_layers=3), ["pipeline_parallel_last_stage_less_layers=3"]),
-        (lambda: count_stages(6, 2, "1F1B", layers_per_stage=2), ["pipeline_parallel_layers_per_stage=2", "1 per rank"]),
-        (lambda: count_stages(6, 2, "Interleaved1F1B", layers_per_stage=3), ["pipeline_parallel_layers_per_stage=3", "multiple"]),
-        (lambda: count_stages(6, 2, "ZBVZeroBubble", layers_per_stage=1), ["exactly 2 per rank"]),
-        (lambda: count_stages(6, 2, "Interleaved1F1B", layers_per_stage=4), [">= 2 per rank"]),
-        (lambda: get_schedule_class("Looped"), ["parallelism.pipeline_parallel_schedule='Looped'", "GPipe", "DualPipeV"]),
-        (lambda: stage_indices(0, 2, 2, "ZBVZeroBubble"), ["needs >= 2 stages per rank"]),
-        (lambda: count_microbatches(8, 3, 2, "1F1B"), ["training.local_batch_size=8", "pipeline_parallel_microbatch_size=3"]),
-        (lambda: count_microbatches(8, 4, 4, "DualPipeV"), ["needs >= 4 microbatches, got 2"]),
-        (lambda: count_microbatches(4, 1, 2, "Bogus"), ["'Bogus' is unknown"]),
+        (lambda: stage_module_names(llama3_plan, 2, 5), TOO_FEW_UNITS, ["5 stages but only 4 units"]),
+        (lambda: pipeline(pp=8, n_layers=2, schedule="1F1B"), TOO_FEW_UNITS, ["8 stages but only 4 units"]),
+        (lambda: stage_module_names(llama3_plan, 6, 4, first_stage_less_layers=3), ("first_stage_less_layers",), ["first_stage_less_layers=3 exceeds"]),
+        (lambda: stage_module_names(llama3_plan, 6, 4, last_stage_less_layers=3), ("last_stage_less_layers",), ["last_stage_less_layers=3 exceeds"]),
+        (lambda: count_stages(6, 2, "1F1B", layers_per_stage=2), ("schedule", "pp", "layers_per_stage"),
+         ["layers_per_stage=2 cuts 8 units into 4 stages = 2 per rank", "exactly 1 stage per rank", "Interleaved1F1B"]),
+        (lambda: count_stages(6, 2, "Interleaved1F1B", layers_per_stage=3), ("pp", "layers_per_stage"), ["do not divide over pp=2", "multiple of 2"]),
+        (lambda: count_stages(6, 2, "ZBVZeroBubble", layers_per_stage=1), ("schedule", "pp", "layers_per_stage"), ["exactly 2 stages per rank"]),
+        (lambda: count_stages(6, 2, "Interleaved1F1B", layers_per_stage=4), ("schedule", "pp", "layers_per_stage"), ["at least 2 stages per rank", "1F1B"]),
+        (lambda: count_stages(6, 2, "1F1B", layers_per_stage=0), ("layers_per_stage",), ["layers_per_stage=0 must be >= 1"]),
+        (lambda: pipeline(schedule="Looped"), ("schedule",), ["schedule='Looped' is unknown", "GPipe", "DualPipeV"]),
+        (lambda: stage_indices(0, 2, 2, "ZBVZeroBubble"), ("schedule", "pp"), ["exactly 2 stages per rank, but 2 stages = 1 per rank"]),
+        (lambda: pipeline(module_names_per_stage=[["tok_embeddings", *layers(0)], layers(1), [*layers(2, 3, 4, 5), "norm", "output"]]),
+         ("pp", "module_names_per_stage"), ["module_names_per_stage lists 3 stages"]),
+        (lambda: count_microbatches(8, 3, 2, "1F1B"), ("local_batch_size", "microbatch_size"), ["local_batch_size=8", "microbatch_size=3"]),
+        (lambda: pipeline(local_batch_size=8, microbatch_size=3), ("local_batch_size", "microbatch_size"), ["not divisible"]),
+        (lambda: count_microbatches(8, 4, 4, "DualPipeV"), ("schedule", "local_batch_size", "microbatch_size"), ["needs >= 4 microbatches per step", "gives 2"]),
+        (lambda: count_microbatches(4, 1, 2, "Bogus"), ("schedule",), ["'Bogus' is unknown"]),
+        (lambda: pipeline(schedule_csv="/no/such.csv"), ("schedule_csv",), ["schedule_csv='/no/such.csv' is not a file"]),
     ],
 )
-def test_config_errors(call, words):
+def test_config_errors(call, arguments, words):
     with pytest.raises(ParallelConfigError) as info:
         call()
     message = str(info.value)
     assert "\n" not in message
+    assert info.value.arguments == arguments, (info.value.arguments, message)
     for word in words:
         assert word in message, message
 
@@ -147,7 +185,8 @@ def test_module_name_errors(names, words):
     with pytest.raises(ParallelConfigError) as info:
         check_module_names(llama3_plan, 2, names)
     message = str(info.value)
-    assert "\n" not in message and "parallelism.module_fqns_per_model_part" in message
+    assert "\n" not in message and message.startswith("module_names_per_stage: ")
+    assert info.value.arguments == ("module_names_per_stage",)
     for word in words:
         assert word in message, message
 
@@ -214,7 +253,7 @@ def test_pp2_csv_schedule(runs):
 def test_weight_tied_across_stages_is_refused(runs):
     message = runs.get("errors", {}).get("tied")
     assert message is not None and "\n" not in message
-    assert "'tok_embeddings.weight' and 'output.weight'" in message and "stages 0 and 1" in message and "module_fqns_per_model_part" in message
+    assert "'tok_embeddings.weight' and 'output.weight'" in message and "stages 0 and 1" in message and "module_names_per_stage" in message
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])

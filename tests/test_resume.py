@@ -4,7 +4,7 @@ keep_latest_k, a bf16 model-only last save, and a seed checkpoint started on 2 F
 
 Every run is the same tiny job (debugmodel, fp32, seq_len 32, global batch 4, 6 steps,
 warmup 2 then linear decay, so the LR differs at every step); the uninterrupted one-process
-run is the reference. Runs are real processes (`python -m titan_core.train`, torchrun for
+run is the reference. Runs are real processes (`python -m titan_core.launch`, torchrun for
 several ranks); crashes are SIGKILLs sent to the run's process group at points that
 tests/workers/ckpt_train.py makes deterministic.
 """
@@ -47,8 +47,8 @@ def env() -> dict[str, str]:
 
 
 def command(run: Path, args: tuple[str, ...], nproc: int, hook: tuple[str, int] | None) -> list[str]:
-    """`python -m titan_core.train` (or the hook worker), under torchrun for several ranks."""
-    target = [str(WORKER), hook[0], str(hook[1])] if hook else ["-m", "titan_core.train"]
+    """`python -m titan_core.launch` (or the hook worker), under torchrun for several ranks."""
+    target = [str(WORKER), hook[0], str(hook[1])] if hook else ["-m", "titan_core.launch"]
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     batch = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
     return [*launcher, *target, *TINY, *batch, "--job.dump_folder", str(run), *args]
@@ -203,7 +203,7 @@ def test_truncated_shard_is_detected_and_named(reference, tmp_path):
     assert proc.returncode == 2
     error = output.strip().splitlines()[-1]
     assert error.startswith("titan: error: checkpoint file") and str(shard) in error, error
-    assert "truncated" in error and "--checkpoint.load_step 4" in error, error
+    assert "truncated" in error and "checkpoint.load_step=4" in error, error  # titan-ckpt's load_step=4, as its config key
 
 
 def test_load_step_and_exclude_from_loading(reference, tmp_path):

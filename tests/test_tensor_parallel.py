@@ -19,9 +19,7 @@ import pytest
 import torch
 
 from titan_models.llama3 import ModelArgs, Transformer, llama3_flavors, llama3_plan
-from titan_parallel.dims import ParallelConfigError
-from titan_parallel.plan import ModelPlan
-from titan_parallel.tensor_parallel import apply_tp, check_async_tp, check_tp
+from titan_parallel import ModelPlan, ParallelConfigError, apply_tp, check_async_tp, check_tp
 
 WORKER = Path(__file__).parent / "workers" / "tp_cp_worker.py"
 TOL = 1e-5
@@ -64,10 +62,11 @@ def test_check_tp_accepts_divisible_degrees():
 
 def test_check_tp_names_the_head_count_that_does_not_divide():
     model = meta_model()
-    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 3 does not divide n_heads 16;"):
+    with pytest.raises(ParallelConfigError, match=r"^tp=3 does not divide n_heads=16; choose a tp that divides it$") as err:
         check_tp(model, llama3_plan, 3)
+    assert err.value.arguments == ("tp",)
     # 16 divides n_heads 16 but not n_kv_heads 8.
-    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 16 does not divide n_kv_heads 8;"):
+    with pytest.raises(ParallelConfigError, match=r"^tp=16 does not divide n_kv_heads=8;"):
         check_tp(model, llama3_plan, 16)
 
 
@@ -75,16 +74,17 @@ def test_check_tp_names_ffn_hidden_dim_and_vocab_size():
     # FFN hidden: int(2 * 4 * 64 / 3) = 170, rounded up to multiple_of: 32 -> 192, 5 -> 170 (= 2 x 85).
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=96, multiple_of=32, max_seq_len=16)
     check_tp(meta_transformer(args), llama3_plan, 4)
-    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 4 does not divide ffn_hidden_dim 170;"):
+    with pytest.raises(ParallelConfigError, match=r"^tp=4 does not divide ffn_hidden_dim=170;"):
         check_tp(meta_transformer(dataclasses.replace(args, multiple_of=5)), llama3_plan, 4)
-    with pytest.raises(ParallelConfigError, match=r"^parallelism\.tensor_parallel_degree 2 does not divide vocab_size 97;"):
+    with pytest.raises(ParallelConfigError, match=r"^tp=2 does not divide vocab_size=97;"):
         check_tp(meta_transformer(dataclasses.replace(args, vocab_size=97)), llama3_plan, 2)
 
 
 def test_check_tp_refuses_a_model_without_a_plan():
     with pytest.raises(ParallelConfigError) as err:
         check_tp(meta_model(), ModelPlan(blocks="layers"), 2)
-    assert str(err.value) == "model Transformer has no tensor-parallel plan; set parallelism.tensor_parallel_degree = 1"
+    assert str(err.value) == "model Transformer has no tensor-parallel plan (ModelPlan.tp, ModelPlan.block_tp); set tp=1"
+    assert err.value.arguments == ("tp",)
     check_tp(meta_model(), ModelPlan(blocks="layers"), 1)  # degree 1 needs no plan
 
 
@@ -92,16 +92,19 @@ def test_apply_tp_validates_before_touching_the_model():
     model = meta_model()
     before = {n: type(p) for n, p in model.named_parameters()}
     mesh_of_three = types.SimpleNamespace(size=lambda: 3, device_type="cpu")  # validation reads only the size
-    with pytest.raises(ParallelConfigError, match="does not divide n_heads 16"):
+    with pytest.raises(ParallelConfigError, match="does not divide n_heads=16"):
         apply_tp(model, llama3_plan, mesh_of_three)
     assert {n: type(p) for n, p in model.named_parameters()} == before
 
 
-def test_async_tp_needs_cuda_and_compile():
-    with pytest.raises(ParallelConfigError, match=r"^parallelism\.enable_async_tensor_parallel needs a CUDA device \(the mesh is on 'cpu'\); "):
-        check_async_tp("cpu", compile_enabled=True)
-    with pytest.raises(ParallelConfigError, match=r"needs a CUDA device .* and compiled blocks \(compile\.enable = true\)"):
-        check_async_tp("cpu", compile_enabled=False)
+def test_async_tp_needs_tp_cuda_and_compile():
+    check_async_tp(2, "cuda", compile=True)
+    with pytest.raises(ParallelConfigError, match=r"^async_tp needs a CUDA device \(device_type is 'cpu'\): ") as err:
+        check_async_tp(2, "cpu", compile=True)
+    assert err.value.arguments == ("async_tp", "device_type")
+    with pytest.raises(ParallelConfigError, match=r"needs tp > 1 \(got tp=1\) and compile=True and a CUDA device") as err:
+        check_async_tp(1, "cpu", compile=False)
+    assert err.value.arguments == ("async_tp", "tp", "compile", "device_type")
 
 
 def test_parallelize_passes_the_compile_flag_to_async_tp(tp_results):

@@ -1,4 +1,4 @@
-"""`python -m titan_core.train` with a crash point or a stop injected, for tests/test_resume.py.
+"""`python -m titan_core.launch` with a crash point or a stop injected, for tests/test_resume.py.
 
     python tests/workers/ckpt_train.py HOOK N [titan train args ...]          # one process
     python -m torch.distributed.run --nproc-per-node K tests/workers/ckpt_train.py HOOK N [...]
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 from titan_ckpt import dcp_io
 from titan_ckpt.manager import CheckpointManager
-from titan_core.train import main
+from titan_core.launch import main
 
 HOOKS = ("hang-after-step", "hang-in-async-write", "stop-after-step")
 

@@ -26,9 +26,7 @@ from titan_core.converters import Converters
 from titan_core.model_setup import build_model_parts
 from titan_models import get_model_spec
 from titan_models.llama3 import llama3_flavors
-from titan_parallel.dims import ParallelDims
-from titan_parallel.float8 import Float8Options, apply_float8
-from titan_parallel.parallelize import ParallelOptions
+from titan_parallel import Float8Options, ParallelDims, ParallelOptions, apply_float8
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, vocab_size=512)
 SEED, BS, SEQ = 3, 4, 32

@@ -27,19 +27,20 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
-from titan_parallel.dims import ParallelDims
-from titan_parallel.materialize import canonical_name, copy_full_state
-from titan_parallel.parallelize import ParallelOptions, parallelize
-from titan_parallel.pipeline import (
-    available_schedules,
-    build_schedule,
-    build_stages,
-    count_microbatches,
-    count_stages,
+from titan_parallel import (
+    ParallelDims,
+    ParallelOptions,
+    PipelineConfig,
+    build_pipeline,
+    canonical_name,
+    check_pipeline,
+    copy_full_state,
+    parallelize,
     pipeline_step,
     split_model,
-    stage_module_names,
 )
+from titan_parallel.pipeline import build_schedule, build_stages
+from titan_parallel.pipeline_layout import available_schedules, stage_module_names
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=64)
 GLOBAL_BS, SEQ, STEPS, LR = 8, 32, 3, 0.5
@@ -93,32 +94,41 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
     dims = ParallelDims(pp=pp, dp_replicate=world // (pp * dp_shard), dp_shard=dp_shard, world_size=world)
     mesh = dims.build_mesh("cpu")
     pp_mesh = mesh["pp"]
-    n_stages = count_stages(ARGS.n_layers, pp, schedule_name, layers_per_stage=case.get("layers_per_stage"))
-    names = case.get("names") or stage_module_names(llama3_plan, ARGS.n_layers, n_stages)
+    local_bs = GLOBAL_BS // dp_shard
+    csv_path = os.path.join(csv_dir, f"{case['csv_from']}.csv") if case.get("csv_from") else None
+    config = PipelineConfig(
+        schedule=schedule_name, microbatch_size=1, layers_per_stage=case.get("layers_per_stage"),
+        module_names_per_stage=case.get("names"), schedule_csv=csv_path,
+    )
+    names = check_pipeline(  # the CSV is written below: checked without it
+        dataclasses.replace(config, schedule_csv=None), pp=pp, n_layers=ARGS.n_layers, local_batch_size=local_bs, plan=llama3_plan
+    )
     with torch.device("meta"):
         whole = Transformer(ARGS)
     parts = split_model(whole, llama3_plan, names, pp_mesh, schedule_name)
-    for _, part in parts:
+    for part in parts:
         if dp_shard > 1:
-            parallelize(part, llama3_plan, mesh, ParallelOptions(pipeline_parallel=True))
-    if case.get("stages_on_meta"):  # PipelineStage wraps the meta modules; they are materialised after
+            parallelize(part.module, llama3_plan, mesh, ParallelOptions(pipeline_parallel=True))
+    if csv_path is not None:  # the compute-only actions of a built-in schedule, as a custom CSV schedule
         stages = build_stages(parts, len(names), pp_mesh, torch.device("cpu"))
-    for _, part in parts:
-        part.to_empty(device="cpu")
-        part.init_weights(buffer_device="cpu")
-        copy_full_state(part, state)
-    if not case.get("stages_on_meta"):
-        stages = build_stages(parts, len(names), pp_mesh, torch.device("cpu"))
-    local_bs = GLOBAL_BS // dp_shard
-    n_mb = count_microbatches(local_bs, 1, len(names), schedule_name)
-    csv_path = None
-    if case.get("csv_from"):
-        csv_path = os.path.join(csv_dir, f"{case['csv_from']}.csv")
-        if dist.get_rank() == 0:  # the compute-only actions of a built-in schedule, as a custom CSV schedule
-            build_schedule(stages, case["csv_from"], n_mb, loss_fn)._dump_csv(csv_path, format="compute_only")
+        if dist.get_rank() == 0:
+            build_schedule(stages, case["csv_from"], local_bs, loss_fn)._dump_csv(csv_path, format="compute_only")
         dist.barrier()
-    schedule = build_schedule(stages, schedule_name, n_mb, loss_fn, csv_path=csv_path)
-    params = [p for _, part in parts for p in part.parameters()]
+
+    def build():
+        return build_pipeline(parts, config, n_stages=len(names), pp_mesh=pp_mesh, device=torch.device("cpu"),
+                              local_batch_size=local_bs, loss_fn=loss_fn)
+
+    if case.get("stages_on_meta"):  # PipelineStage wraps the meta modules; they are materialised after
+        pipe = build()
+    for part in parts:
+        part.module.to_empty(device="cpu")
+        part.module.init_weights(buffer_device="cpu")
+        copy_full_state(part.module, state)
+    if not case.get("stages_on_meta"):
+        pipe = build()
+    schedule, stages = pipe.schedule, pipe.stages
+    params = [p for part in parts for p in part.module.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     dp_rank = mesh["dp_shard"].get_local_rank()
     losses = []
@@ -135,14 +145,14 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
     loss_diff = max(abs(l.item() - r) for l, r in zip(losses, ref["losses"])) if has_loss else 0.0
     param_diff = grad_diff = 0.0
     held = []
-    for _, part in parts:
-        for name, p in part.named_parameters():
+    for part in parts:
+        for name, p in part.module.named_parameters():
             key = canonical_name(name)
             held.append(key)
             param_diff = max(param_diff, (full(p.detach()) - ref["params"][key]).abs().max().item())
             grad_diff = max(grad_diff, (full(p.grad) - ref["grads"][key]).abs().max().item())
     return {"loss_diff": loss_diff, "param_diff": param_diff, "grad_diff": grad_diff, "has_loss": has_loss, "held": held,
-            "stages": [i for i, _ in parts], "pp_rank": pp_mesh.get_local_rank()}
+            "stages": [part.index for part in parts], "pp_rank": pp_mesh.get_local_rank()}
 
 
 def record_errors() -> dict:

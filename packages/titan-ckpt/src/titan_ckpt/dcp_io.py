@@ -1,4 +1,4 @@
-"""DCP storage reader and writer with Titan's two additions: checksums and a safe `.metadata`.
+"""DCP storage reader and writer with two additions: checksums and a safe `.metadata`.
 
 - `ChecksummingWriter` is DCP's `FileSystemWriter` that, once this rank's data files
   are written, records their sizes and CRC-32 for the manifest (`titan_ckpt.manifest`).
@@ -6,7 +6,7 @@
   DCP's format) is unpickled with an allow-list of DCP's own metadata classes, torch
   dtypes and sizes: a tampered `.metadata` cannot run code. Tensor data DCP already
   reads with `torch.load(weights_only=True)`; non-tensor items, which DCP would
-  unpickle freely, Titan never puts in DCP (they go to JSON files).
+  unpickle freely, the manager never puts in DCP (they go to JSON files).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from titan_ckpt.manifest import CheckpointError, write_rank_sums
+from titan_ckpt.errors import CheckpointError
+from titan_ckpt.manifest import write_rank_sums
 
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -60,11 +61,14 @@ def read_metadata_safely(path: Path) -> Metadata:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{path}: {err}; it is not plain DCP metadata, so it is not loaded (restore the checkpoint or pick another with checkpoint.load_step)") from None
+        raise CheckpointError(
+            f"{path}: {err}; it is not plain DCP metadata, so it is not loaded (restore the checkpoint or pick another with load_step)",
+            arguments=("load_step",),
+        ) from None
     except (EOFError, ValueError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{path} is damaged ({type(err).__name__}: {err}); pick another checkpoint with checkpoint.load_step") from None
+        raise CheckpointError(f"{path} is damaged ({type(err).__name__}: {err}); pick another checkpoint with load_step", arguments=("load_step",)) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; pick another checkpoint with checkpoint.load_step")
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; pick another checkpoint with load_step", arguments=("load_step",))
     return metadata
 
 

@@ -1,11 +1,11 @@
-"""Dtype names accepted on the command line and the cast applied when writing."""
+"""Dtype names (as in `config.json`'s `torch_dtype`) and the cast applied when writing."""
 
 from __future__ import annotations
 
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""Names for `--dtype` and `torch_dtype` in `config.json`."""
+"""The dtype names `parse_dtype` accepts (also `torch_dtype` in `config.json`)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -23,7 +23,11 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> "bfloat16"."""
+    """`torch.bfloat16` -> "bfloat16".
+
+    Args:
+        dtype: any torch dtype.
+    """
     return str(dtype).removeprefix("torch.")
 
 
@@ -49,7 +53,11 @@ def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
 
 
 def state_dict_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
-    """The dtype of the most bytes of floating-point weights (float32 for an empty dict)."""
+    """The dtype of the most bytes of floating-point weights (float32 for an empty dict).
+
+    Args:
+        state_dict: tensors by name.
+    """
     sizes: dict[torch.dtype, int] = {}
     for tensor in state_dict.values():
         if tensor.is_floating_point():

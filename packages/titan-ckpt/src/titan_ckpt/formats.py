@@ -48,12 +48,19 @@ def detect_format(path: str | Path) -> CheckpointFormat:
 
 
 def find_torch_files(folder: str | Path) -> list[Path]:
-    """The `.pt`/`.pth`/`.bin` files directly inside `folder`."""
+    """The `.pt`/`.pth`/`.bin` files directly inside `folder`.
+
+    Args:
+        folder: an existing folder.
+    """
     return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in TORCH_SUFFIXES)
 
 
 def torch_file_of(path: str | Path) -> Path:
     """The state-dict file of a "torch" checkpoint: `path` itself, or the one file in the folder.
+
+    Args:
+        path: a file, or a folder holding one `.pt`/`.bin` file.
 
     Raises:
         ValueError: a folder without exactly one `.pt`/`.bin` file.

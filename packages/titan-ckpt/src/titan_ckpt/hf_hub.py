@@ -7,6 +7,7 @@ is never printed: it is masked out of any error message.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -17,11 +18,15 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def looks_like_repo_id(source: str) -> bool:
-    """True for `org/name` strings that do not exist as a local path."""
+    """True for `org/name` strings that do not exist as a local path.
+
+    Args:
+        source: a path or a Hub repo id.
+    """
     return _REPO_ID.fullmatch(source) is not None and not Path(source).exists()
 
 
-def resolve_hf_source(source: str, revision: str | None = None) -> Path:
+def resolve_hf_source(source: str | os.PathLike, revision: str | None = None) -> Path:
     """A local path for `source`: the path itself, or the Hub snapshot of a repo id.
 
     Tries the Hub first, then the local cache (`local_files_only=True`) when the Hub
@@ -34,6 +39,7 @@ def resolve_hf_source(source: str, revision: str | None = None) -> Path:
     Raises:
         FileNotFoundError: neither a local path nor a reachable or cached repo.
     """
+    source = os.fspath(source)
     if Path(source).exists() or not looks_like_repo_id(source):
         return Path(source)
     from huggingface_hub import get_token, snapshot_download

@@ -5,7 +5,8 @@ Layout written (what `save_pretrained` writes): one `model.safetensors`, or
 `model-00001-of-0000N.safetensors` shards plus `model.safetensors.index.json`
 (`{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}`), `config.json`,
 and copies of `HF_EXTRA_FILES` found in the source. The writers fill a new folder;
-wrap them in `titan_ckpt.staging.staged_output` for an all-or-nothing result.
+wrap them in `titan_ckpt.atomic_output` for an all-or-nothing result. Transfers of
+1 GiB or more show a tqdm progress bar (bytes) on stderr.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from titan_ckpt.dtypes import cast_floating, dtype_name, state_dict_dtype
-from titan_ckpt.progress import ProgressBar
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,6 +36,8 @@ HF_EXTRA_FILES = (
     "tokenizer.model",
 )
 """Files copied unchanged from a source folder to a converted one when present."""
+PROGRESS_FROM_BYTES = 1 << 30
+"""Transfers of at least this many bytes (1 GiB) show a progress bar unless told otherwise."""
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -56,8 +60,23 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
+def progress_bar(label: str, total_bytes: int, enabled: bool | None) -> tqdm:
+    """A tqdm bar counting bytes on stderr, shown when `enabled`, or (None) from `PROGRESS_FROM_BYTES` up.
+
+    Args:
+        label: what is moving ("reading Llama-3.2-1B").
+        total_bytes: size of the whole transfer.
+        enabled: force the bar on or off; None decides by size.
+    """
+    show = total_bytes >= PROGRESS_FROM_BYTES if enabled is None else enabled
+    return tqdm(total=total_bytes, desc=label, unit="B", unit_scale=True, file=sys.stderr, disable=not show)
+
+
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """Parse `folder/config.json`.
+
+    Args:
+        folder: a Hugging Face checkpoint folder.
 
     Raises:
         FileNotFoundError: no config.json; ValueError: not valid JSON.
@@ -71,8 +90,23 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({err}); restore the file from the original checkpoint") from None
 
 
+def write_hf_config(folder: str | Path, config: dict[str, Any]) -> Path:
+    """Write `folder/config.json` (indented, as `save_pretrained` does); returns its path.
+
+    Args:
+        folder: an existing folder.
+        config: the JSON content.
+    """
+    path = Path(folder) / CONFIG_FILE
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
 def list_hf_shards(folder: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: the index's shards, or `model.safetensors`.
+
+    Args:
+        folder: a Hugging Face checkpoint folder.
 
     Raises:
         FileNotFoundError: no weights, or a shard the index names is missing.
@@ -108,17 +142,16 @@ def read_hf_state_dict(folder: str | Path, progress: bool | None = None) -> dict
         ValueError: a shard is truncated or corrupt (the message names it).
     """
     shards = list_hf_shards(folder)
-    bar = ProgressBar(f"reading {Path(folder).name}", sum(s.stat().st_size for s in shards), progress)
     state_dict: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():
-                    state_dict[name] = f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as err:
-            raise ValueError(f"{shard} is truncated or corrupt ({err}); download or export this file again") from None
-        bar.update(shard.stat().st_size)
-    bar.close()
+    with progress_bar(f"reading {Path(folder).name}", sum(s.stat().st_size for s in shards), progress) as bar:
+        for shard in shards:
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    for name in f.keys():
+                        state_dict[name] = f.get_tensor(name)
+            except (SafetensorError, OSError, RuntimeError) as err:
+                raise ValueError(f"{shard} is truncated or corrupt ({err}); download or export this file again") from None
+            bar.update(shard.stat().st_size)
     return state_dict
 
 
@@ -153,7 +186,7 @@ def write_hf_checkpoint(
     """Write a Hugging Face checkpoint folder (weights, index, config, tokenizer files).
 
     Args:
-        folder: the folder to fill (created if missing); use `staged_output` around
+        folder: the folder to fill (created if missing); use `atomic_output` around
             this for atomicity.
         state_dict: Hugging Face names -> tensors; tensors must not share storage.
         config: the `config.json` content; `torch_dtype` is set to the weights' dtype.
@@ -171,24 +204,27 @@ def write_hf_checkpoint(
     sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
     groups = plan_shards(sizes, parse_size(max_shard_size))
     names = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
-    bar = ProgressBar(f"writing {folder.name}", sum(sizes.values()), progress)
-    for group, name in zip(groups, names):
-        save_file({k: state_dict[k].contiguous() for k in group}, str(folder / name), metadata={"format": "pt"})
-        bar.update(sum(sizes[k] for k in group))
-    bar.close()
+    with progress_bar(f"writing {folder.name}", sum(sizes.values()), progress) as bar:
+        for group, name in zip(groups, names):
+            save_file({k: state_dict[k].contiguous() for k in group}, str(folder / name), metadata={"format": "pt"})
+            bar.update(sum(sizes[k] for k in group))
     if len(groups) > 1:
         weight_map = {k: name for group, name in zip(groups, names) for k in group}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = {**config, "torch_dtype": dtype_name(state_dict_dtype(state_dict))}
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    write_hf_config(folder, {**config, "torch_dtype": dtype_name(state_dict_dtype(state_dict))})
     if extra_files_from is not None:
         copy_extra_files(extra_files_from, folder)
     return [folder / name for name in names]
 
 
 def copy_extra_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the `HF_EXTRA_FILES` present in `src` into `dst`; returns their names."""
+    """Copy the `HF_EXTRA_FILES` (tokenizer, generation config) present in `src` into `dst`; returns their names.
+
+    Args:
+        src: a Hugging Face checkpoint folder.
+        dst: an existing folder.
+    """
     copied = []
     for name in HF_EXTRA_FILES:
         if (Path(src) / name).is_file():

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from titan_ckpt.manifest import CheckpointError, write_json_durably
+from titan_ckpt.errors import CheckpointError
+from titan_ckpt.manifest import write_json_durably
 
 
 class JsonStateful(Protocol):
@@ -57,6 +58,10 @@ def write_json_state(folder: Path, name: str, text: str) -> None:
 def read_json_state(folder: Path, name: str) -> Any:
     """Read `folder/<name>.json`.
 
+    Args:
+        folder: the step folder.
+        name: the state's name.
+
     Raises:
         CheckpointError: missing or not JSON.
     """
@@ -64,9 +69,12 @@ def read_json_state(folder: Path, name: str) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; pick another checkpoint with checkpoint.load_step or exclude '{name}' with checkpoint.exclude_from_loading") from None
+        raise CheckpointError(
+            f"{path} is missing; pick another checkpoint with load_step, or leave '{name}' out with exclude_from_loading",
+            arguments=("load_step", "exclude_from_loading"),
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); pick another checkpoint with checkpoint.load_step") from None
+        raise CheckpointError(f"{path} is not valid JSON ({err}); pick another checkpoint with load_step", arguments=("load_step",)) from None
 
 
 def _encode(state: torch.Tensor) -> str:

@@ -35,19 +35,17 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from titan_ckpt import model_state as ms
+from titan_ckpt.argument_checks import RESERVED_STATES, AsyncMode, check_arguments
 from titan_ckpt.dcp_io import ChecksummingWriter, SafeFileSystemReader, read_metadata_safely
+from titan_ckpt.errors import CheckpointError
 from titan_ckpt.json_states import JsonStateful, load_rng_state, read_json_state, rng_state_dict, to_json_text, write_json_state
-from titan_ckpt.manifest import CheckpointError, find_damaged_file, read_manifest, write_manifest
+from titan_ckpt.manifest import MANIFEST_FILE, find_damaged_file, read_manifest, write_manifest
 from titan_ckpt.step_folders import list_complete_steps, prune, publish, remove_tmp_folders, step_folder, tmp_folder
 
 logger = logging.getLogger("titan")
 
-ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
-RESERVED_STATES = ("model", "optimizer", "rng")
-"""State names the manager itself saves; the JSON states are named by the caller."""
-
 LoadModelFn = Callable[[Path], Mapping[str, torch.Tensor]]
-"""Reads full model weights (Titan names, unsharded) from a checkpoint in another format."""
+"""Reads full model weights (the model's own parameter names, unsharded) from a checkpoint in another format."""
 SaveModelFn = Callable[[Path, Mapping[str, torch.Tensor]], None]
 """Writes the last model-only save in another format into a folder; called on every rank with its
 parts' full weights (under pipeline parallel, only its stages')."""
@@ -60,7 +58,7 @@ class CheckpointManager:
     at the same points.
 
     Args:
-        folder: the run's checkpoint folder (`<run>/<checkpoint.folder>`).
+        folder: the run's checkpoint folder; it holds the `step-N` folders.
         model_parts: the model, or this rank's pipeline stages (FSDP/TP-sharded or not).
         optimizers: one per model part.
         states: JSON states by name, e.g. {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}:
@@ -82,6 +80,10 @@ class CheckpointManager:
             for formats other than DCP (e.g. Hugging Face safetensors).
         save_model_fn: writes the last model-only save in another format instead of DCP.
         checksums: record and check CRC-32 of every file (else sizes only).
+
+    Raises:
+        CheckpointError: an argument that cannot work; `arguments` names it.
+        RuntimeError: torch.distributed is not initialised.
     """
 
     def __init__(
@@ -95,7 +97,7 @@ class CheckpointManager:
         enable: bool = True,
         interval: int = 500,
         keep_latest_k: int = 10,
-        async_mode: str = "disabled",
+        async_mode: AsyncMode = "disabled",
         last_save_model_only: bool = False,
         export_dtype: torch.dtype = torch.float32,
         load_step: int = -1,
@@ -107,19 +109,15 @@ class CheckpointManager:
         checksums: bool = True,
     ):
         self.states = dict(states or {})
-        clash = sorted(set(self.states) & set(RESERVED_STATES))
-        if clash:
-            raise ValueError(f"state name '{clash[0]}' is reserved by the checkpoint manager; rename that state")
-        known = (*RESERVED_STATES, *self.states)
-        unknown = [name for name in exclude_from_loading if name not in known]
-        if unknown:
-            raise ValueError(f"checkpoint.exclude_from_loading: unknown state '{unknown[0]}'; choose from {', '.join(known)}")
-        if async_mode not in ASYNC_MODES:
-            raise ValueError(f"checkpoint.async_mode: unknown '{async_mode}'; choose one of {', '.join(ASYNC_MODES)}")
-        if interval < 1 or keep_latest_k < 0 or load_step < -1:
-            raise ValueError("checkpoint.interval must be >= 1, checkpoint.keep_latest_k >= 0 and checkpoint.load_step >= -1")
+        check_arguments(
+            model_parts, optimizers, self.states, interval=interval, keep_latest_k=keep_latest_k,
+            async_mode=async_mode, load_step=load_step, exclude_from_loading=exclude_from_loading,
+        )
         if not dist.is_initialized():
-            raise RuntimeError("CheckpointManager needs torch.distributed initialised; call titan_parallel.distributed.init_distributed first")
+            raise RuntimeError(
+                "CheckpointManager needs torch.distributed initialised; call torch.distributed.init_process_group first "
+                '(one process: init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1))'
+            )
         self.folder = Path(folder)
         self.model_parts, self.optimizers = list(model_parts), list(optimizers)
         self.device, self.enable = device, enable
@@ -131,9 +129,9 @@ class CheckpointManager:
         self.load_model_fn, self.save_model_fn = load_model_fn, save_model_fn
         self.checksums = checksums
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.async_mode = async_mode
+        self.async_mode: AsyncMode = async_mode
         if enable and async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
-            logger.warning("checkpoint.async_mode = 'async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'")
+            logger.warning("checkpoint: async_mode='async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'")
             self.async_mode = "async"
         self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
         self._pending: tuple[int, object, Path, dict] | None = None  # (step, future, tmp folder, manifest info)
@@ -166,18 +164,26 @@ class CheckpointManager:
         return True
 
     def save_seed(self) -> Path:
-        """Save the freshly initialised model alone as `step-0` (for `create_seed_checkpoint`);
-        every layout can start from it. Returns the folder."""
+        """Save the freshly initialised model alone as `step-0` (a seed checkpoint, written by one
+        process); every layout can start from it. Returns the folder.
+
+        Raises:
+            CheckpointError: the manager is disabled, or `folder` already holds checkpoints.
+        """
         if not self.enable:
-            raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+            raise CheckpointError("a seed checkpoint needs a manager with enable=True", arguments=("enable",))
         if list_complete_steps(self.folder):
-            raise FileExistsError(f"{self.folder} already holds checkpoints; a seed checkpoint needs an empty checkpoint folder (choose another job.dump_folder)")
+            raise CheckpointError(
+                f"{self.folder} already holds checkpoints; a seed checkpoint goes into an empty one: pick another folder",
+                arguments=("folder",),
+            )
         remove_tmp_folders(self.folder)  # one process: no other rank is writing
         self._save(0, model_only=True, dtype=None, background=False, with_json=False, external=False)
         return step_folder(self.folder, 0)
 
     def wait(self) -> None:
-        """Block until a background save is on disk and its folder completed."""
+        """Block until a background save is on disk and its folder completed (rank 0 completes it:
+        other ranks that read the folder afterwards wait for rank 0 first, e.g. with a barrier)."""
         self._complete_pending(block=True)
 
     def close(self) -> None:
@@ -317,8 +323,9 @@ class CheckpointManager:
         if choice[1]:
             steps = list_complete_steps(self.folder)
             raise CheckpointError(
-                f"checkpoint.load_step = {self.load_step} but {self.folder} has no complete step-{self.load_step}; "
-                f"complete checkpoints: {steps or 'none'}; set checkpoint.load_step to one of them, or -1 for the newest"
+                f"load_step={self.load_step} but {self.folder} has no complete step-{self.load_step}; "
+                f"complete checkpoints: {steps or 'none'}; set load_step to one of them, or -1 for the newest",
+                arguments=("load_step",),
             )
         return None if choice[0] < 0 else int(choice[0])
 
@@ -332,14 +339,18 @@ class CheckpointManager:
             return
         if not (path / ".metadata").is_file():
             raise CheckpointError(
-                f"checkpoint.initial_load_path {path} is not a DCP checkpoint folder (no .metadata); point it to a step-N folder, "
-                "or set checkpoint.initial_load_in_hf for Hugging Face safetensors"
+                f"initial_load_path={path} is not a DCP checkpoint folder (no .metadata); point it to a step-N folder, "
+                "or set load_model_fn to read another format (e.g. Hugging Face safetensors)",
+                arguments=("initial_load_path", "load_model_fn"),
             )
-        verified = (path / "manifest.json").is_file()
+        verified = (path / MANIFEST_FILE).is_file()
         if not verified and names != {"model"}:
-            raise CheckpointError(f"checkpoint.initial_load_path {path} has no manifest.json, so only its model weights can be loaded; set checkpoint.initial_load_model_only = true")
+            raise CheckpointError(
+                f"initial_load_path={path} has no {MANIFEST_FILE}, so only its model weights can be loaded; set initial_load_model_only=True",
+                arguments=("initial_load_path", "initial_load_model_only"),
+            )
         if not verified and self.rank == 0:
-            logger.warning("checkpoint: %s has no manifest.json; its files are not verified", path)
+            logger.warning("checkpoint: %s has no %s; its files are not verified", path, MANIFEST_FILE)
         self._restore(path, names, verified=verified)
 
     def _restore(self, folder: Path, names: set[str], verified: bool) -> None:
@@ -359,7 +370,10 @@ class CheckpointManager:
         part_states = opt_states = None
         if "model" in names and external:
             if self.load_model_fn is None:
-                raise CheckpointError(f"{folder} holds its model weights in another format; resume from a DCP checkpoint with checkpoint.load_step")
+                raise CheckpointError(
+                    f"{folder} holds its model weights in another format; set load_model_fn to read them, or pick a DCP checkpoint with load_step",
+                    arguments=("load_model_fn", "load_step"),
+                )
             ms.set_full_model_state(self.model_parts, dict(self.load_model_fn(folder)), str(folder))
         elif "model" in names:
             part_states = ms.get_part_states(self.model_parts)
@@ -373,7 +387,9 @@ class CheckpointManager:
                 dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), process_group=self.pg)
             except Exception as err:  # DCP wraps per-rank failures in CheckpointException
                 first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                raise CheckpointError(f"{folder}: DCP could not load the checkpoint ({first[:300]}); pick another with checkpoint.load_step") from err
+                raise CheckpointError(
+                    f"{folder}: DCP could not load the checkpoint ({first[:300]}); pick another with load_step", arguments=("load_step",)
+                ) from err
         if part_states is not None:
             ms.set_part_states(self.model_parts, part_states)
         if opt_states is not None:
@@ -392,9 +408,8 @@ class CheckpointManager:
         if damaged is None:
             return
         older = [s for s in list_complete_steps(self.folder) if s < manifest.get("step", -1) and step_folder(self.folder, s) != folder]
-        fix = (
-            f"resume from an older checkpoint with --checkpoint.load_step {older[-1]} (complete: {older})"
-            if older
-            else "no older complete checkpoint exists here; restore the file or start a new run folder"
-        )
-        raise CheckpointError(f"checkpoint file {folder / damaged[0]} {damaged[1]}; {fix}")
+        if older:
+            fix, arguments = f"resume from an older checkpoint with load_step={older[-1]} (complete: {older})", ("load_step",)
+        else:
+            fix, arguments = "no older complete checkpoint exists here; restore the file, or start afresh in another folder", ("folder",)
+        raise CheckpointError(f"checkpoint file {folder / damaged[0]} {damaged[1]}; {fix}", arguments=arguments)

@@ -23,14 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ckpt.errors import CheckpointError
+
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 SUMS_PREFIX = ".sums-rank"
 _CHUNK = 16 << 20  # bytes read at a time when checksumming
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
 
 
 def file_crc32(path: str | os.PathLike) -> int:
@@ -129,18 +127,21 @@ def write_manifest(folder: Path, info: dict[str, Any], checksums: bool) -> dict[
 def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a step folder.
 
+    Args:
+        folder: the step folder.
+
     Raises:
-        CheckpointError: no manifest (an unfinished save), or not a Titan manifest.
+        CheckpointError: no manifest (an unfinished save), or not a titan-ckpt manifest.
     """
     path = folder / MANIFEST_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: {folder} is not a complete checkpoint; pick another with checkpoint.load_step")
+        raise CheckpointError(f"{path} not found: {folder} is not a complete checkpoint; pick another with load_step", arguments=("load_step",))
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); pick another checkpoint with checkpoint.load_step") from None
+        raise CheckpointError(f"{path} is not valid JSON ({err}); pick another checkpoint with load_step", arguments=("load_step",)) from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path} is not a Titan checkpoint manifest (no 'files' table); pick another checkpoint with checkpoint.load_step")
+        raise CheckpointError(f"{path} is not a titan-ckpt manifest (no 'files' table); pick another checkpoint with load_step", arguments=("load_step",))
     return manifest
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_ckpt.manifest import CheckpointError
+from titan_ckpt.errors import CheckpointError
 
 OPTIMIZER_PREFIX = "optimizer.state."
 
@@ -37,7 +37,11 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     dtype (torchao's float8 / MXFP8 training weights), also as a DTensor's local shard. DCP would pickle
     such a wrapper (a checkpoint that `weights_only` loading, or a run without torchao, then refuses)
     and safetensors cannot write one; the inner tensor is the parameter's own storage, so loading into
-    it in place still fills the parameter."""
+    it in place still fills the parameter.
+
+    Args:
+        value: a tensor, DTensor or wrapper subclass.
+    """
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -58,6 +62,9 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
 def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
     """Each part's model state dict (DTensors where sharded; they share the parameters' storage).
 
+    Args:
+        model_parts: the model, or this rank's pipeline stages.
+
     Raises:
         CheckpointError: a non-tensor entry (a module's `get_extra_state`), which DCP would pickle.
     """
@@ -69,13 +76,18 @@ def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Te
             else:
                 raise CheckpointError(
                     f"model state '{key}' is a {type(value).__name__}, not a tensor; DCP would pickle it, "
-                    "so Titan checkpoints refuse it: keep module extra state in tensors or buffers"
+                    "so the checkpoint manager refuses it: keep module extra state in tensors or buffers"
                 )
     return states
 
 
 def set_part_states(model_parts: Sequence[nn.Module], states: Sequence[dict[str, torch.Tensor]]) -> None:
-    """Load each part's state dict (from `get_part_states`, filled by DCP) into the part."""
+    """Load each part's state dict (from `get_part_states`, filled by DCP) into the part.
+
+    Args:
+        model_parts: the model parts.
+        states: one state dict per part.
+    """
     for part, state in zip(model_parts, states, strict=True):
         set_model_state_dict(part, state)
 
@@ -84,19 +96,27 @@ def get_optimizer_states(model_parts: Sequence[nn.Module], optimizers: Sequence[
     """`get_optimizer_state_dict` of each (part, optimizer) pair; an empty optimizer state is
     initialised first (a zero-lr step), so a fresh optimizer gives the tensors to load into.
 
+    Args:
+        model_parts: the model parts.
+        optimizers: one per part.
+
     Raises:
-        ValueError: not one optimizer per model part.
+        CheckpointError: not one optimizer per model part.
     """
     if len(optimizers) != len(model_parts):
-        raise ValueError(
-            f"the checkpoint manager got {len(optimizers)} optimizers for {len(model_parts)} model parts; "
-            "build one optimizer per model part (pipeline stage)"
+        raise CheckpointError(
+            f"optimizers has {len(optimizers)} entries for {len(model_parts)} model parts; "
+            "pass one optimizer per model part (pipeline stage)",
+            arguments=("optimizers",),
         )
     return [get_optimizer_state_dict(part, optim) for part, optim in zip(model_parts, optimizers)]
 
 
 def flatten_optimizer_tensors(states: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """The tensors of optimizer state dicts under `optimizer.state.<param>.<name>` keys (same objects, no copy).
+
+    Args:
+        states: the optimizer state dicts (`get_optimizer_states`).
 
     Raises:
         CheckpointError: a non-tensor value in the per-parameter state.
@@ -107,15 +127,20 @@ def flatten_optimizer_tensors(states: Sequence[dict[str, Any]]) -> dict[str, tor
             for name, value in per_param.items():
                 if not isinstance(value, torch.Tensor):
                     raise CheckpointError(
-                        f"optimizer state '{fqn}.{name}' is a {type(value).__name__}, not a tensor; "
-                        "Titan checkpoints hold tensor optimizer state only (use a torch.optim optimizer that keeps tensors)"
+                        f"optimizer state '{fqn}.{name}' is a {type(value).__name__}, not a tensor; the checkpoint manager "
+                        "saves tensor optimizer state only: pass optimizers that keep tensors (torch.optim's do)",
+                        arguments=("optimizers",),
                     )
                 flat[f"{OPTIMIZER_PREFIX}{fqn}.{name}"] = value
     return flat
 
 
 def param_group_settings(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The hyperparameters of each param group (everything but the parameter list)."""
+    """The hyperparameters of each param group (everything but the parameter list).
+
+    Args:
+        state: an optimizer state dict.
+    """
     return [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
 
 
@@ -142,7 +167,8 @@ def set_optimizer_states(
             if len(settings) != len(groups):
                 raise CheckpointError(
                     f"the checkpoint's optimizer has {len(settings)} param groups, this one {len(groups)}; "
-                    "resume with the same optimizer, or add 'optimizer' to checkpoint.exclude_from_loading"
+                    "resume with the same optimizer, or add 'optimizer' to exclude_from_loading",
+                    arguments=("exclude_from_loading",),
                 )
             groups = [
                 {**group, **{k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}}
@@ -167,20 +193,27 @@ def check_against_metadata(wanted: dict[str, torch.Tensor], metadata: Metadata, 
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"{where} has no tensor '{missing[0]}'{more}; it was saved from another model (check model.name / model.flavor), "
-            "or exclude that state with checkpoint.exclude_from_loading"
+            f"{where} has no tensor '{missing[0]}'{more}; it was saved from another model: pick model_parts of the model "
+            "it was saved from, or leave that state out with exclude_from_loading",
+            arguments=("model_parts", "exclude_from_loading"),
         )
     for key, tensor in wanted.items():
         if tuple(stored[key].size) != tuple(tensor.shape):
             raise CheckpointError(
                 f"{where}: '{key}' has shape {tuple(stored[key].size)} in the checkpoint but {tuple(tensor.shape)} in this run; "
-                "resume with the model.flavor it was saved with"
+                "pick model_parts of the shape it was saved with",
+                arguments=("model_parts",),
             )
 
 
 def get_full_model_state(model_parts: Sequence[nn.Module], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """This rank's parts as full (unsharded) CPU tensors, floating ones cast to `dtype` (a collective
-    over each part's mesh: every rank calls it)."""
+    over each part's mesh: every rank calls it).
+
+    Args:
+        model_parts: the model parts.
+        dtype: cast floating-point tensors to this; None keeps them.
+    """
     out = {}
     for part in model_parts:
         for key, value in get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)).items():
@@ -205,5 +238,9 @@ def set_full_model_state(model_parts: Sequence[nn.Module], full: dict[str, torch
         keys = list(get_model_state_dict(part))
         missing = [k for k in keys if k not in full]
         if missing:
-            raise CheckpointError(f"{where} lacks '{missing[0]}' ({len(missing)} of {len(keys)} model tensors missing); load weights of this model.name / model.flavor")
+            raise CheckpointError(
+                f"{where} lacks '{missing[0]}' ({len(missing)} of {len(keys)} model tensors missing); "
+                "load weights of the model in model_parts",
+                arguments=("model_parts",),
+            )
         set_model_state_dict(part, {k: full[k] for k in keys}, options=StateDictOptions(full_state_dict=True))

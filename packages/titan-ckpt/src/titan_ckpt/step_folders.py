@@ -26,12 +26,22 @@ TMP_SUFFIX = ".tmp"
 
 
 def step_folder(root: Path, step: int) -> Path:
-    """`root/step-N`."""
+    """`root/step-N`.
+
+    Args:
+        root: the run's checkpoint folder.
+        step: the step.
+    """
     return root / f"step-{step}"
 
 
 def tmp_folder(root: Path, step: int) -> Path:
-    """`root/step-N.tmp`, where step N is written."""
+    """`root/step-N.tmp`, where step N is written.
+
+    Args:
+        root: the run's checkpoint folder.
+        step: the step.
+    """
     return root / f"step-{step}{TMP_SUFFIX}"
 
 
@@ -70,7 +80,11 @@ def remove_tmp_folders(root: Path) -> list[Path]:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened).
+
+    Args:
+        path: the folder the rename happened in.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -90,7 +104,7 @@ def publish(tmp: Path, final: Path) -> None:
         tmp: the finished folder (its manifest written).
         final: the `step-N` name it takes.
     """
-    if final.exists():  # e.g. resumed with checkpoint.load_step from before it: the new step N wins
+    if final.exists():  # e.g. resumed with load_step from before it: the new step N wins
         old = final.with_name(final.name + ".replaced" + TMP_SUFFIX)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)

@@ -35,7 +35,7 @@ def write_torch_state_dict(path: str | Path, state_dict: dict[str, torch.Tensor]
     """`torch.save` a state dict (shared tensors stay shared).
 
     Args:
-        path: the file to create; use `staged_output` around this for atomicity.
+        path: the file to create; use `atomic_output` around this for atomicity.
         state_dict: tensors by name.
     """
     torch.save(dict(state_dict), path)

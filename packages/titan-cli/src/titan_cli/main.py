@@ -6,9 +6,6 @@ command that needs them, so `titan --help` answers at once.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import typer
 
 app = typer.Typer(
@@ -68,26 +65,9 @@ def train(
         forwarded = ["--config", config, *forwarded]
     if print_config:
         forwarded.append("--print-config")
-    if nproc_per_node < 1:
-        typer.echo("titan: error: --nproc-per-node must be >= 1", err=True)
-        raise typer.Exit(2)
-    if nproc_per_node == 1 and nnodes == "1" or print_config:
-        from titan_core.train import main
+    from titan_core.launch import launch  # torch loads only once a job is checked or started
 
-        raise typer.Exit(main(forwarded))
-    from titan_core.train import check_before_launch  # pydantic only; torch just if a rule needs CUDA's presence
-
-    if code := check_before_launch(forwarded):
-        raise typer.Exit(code)
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
-    if rdzv_endpoint:
-        launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-    elif nnodes == "1":
-        launcher.append("--standalone")
-    else:
-        typer.echo("titan: error: --nnodes > 1 needs --rdzv-endpoint host:port", err=True)
-        raise typer.Exit(2)
-    raise typer.Exit(subprocess.call([*launcher, "-m", "titan_core.train", *forwarded]))
+    raise typer.Exit(launch(forwarded, nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint))
 
 
 from titan_cli.convert_cmd import convert; app.command()(convert)  # noqa: E402, E702  (`titan convert`; typer only at import)

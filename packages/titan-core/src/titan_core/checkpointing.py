@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from titan_ckpt.dtypes import parse_dtype
-from titan_ckpt.manager import CheckpointManager, LoadModelFn, SaveModelFn
+from titan_ckpt import CheckpointManager, LoadModelFn, SaveModelFn, parse_dtype
 
 from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
@@ -121,7 +120,7 @@ def hf_checkpoint_hooks(
 
     Args:
         ckpt: the `checkpoint` config section.
-        model_name: the registered model family (`model.name`), for its state-dict adapter.
+        model_name: the registered model family (`model.name`), for its Hugging Face adapter.
         model_args: the model's shape.
         hf_source: the resolved Hugging Face source of `initial_load_path`, or None (then the path itself).
         rank: this process's rank (rank 0 writes the export).

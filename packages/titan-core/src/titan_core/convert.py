@@ -3,7 +3,7 @@ torch files, then prove the result with a logits parity check against transforme
 
 Titan-side formats (DCP, torch) hold Titan parameter names (`tok_embeddings.weight`,
 `layers.0.attention.wq.weight`, ...) in Meta's RoPE layout; the model's
-`state_dict_adapter` renames and permutes to and from Hugging Face. The shape of a
+`ModelSpec.hf_adapter` renames and permutes to and from Hugging Face. The shape of a
 Titan-side source comes from `--flavor`, a `config.json` beside it, or the run's
 `config.toml` above a trainer checkpoint (`<run>/checkpoint/step-N`). Every output is
 written to a hidden sibling folder and renamed into place only once complete and,
@@ -12,7 +12,6 @@ when Hugging Face is involved, once the parity check passed.
 
 from __future__ import annotations
 
-import json
 import math
 import tomllib
 from collections.abc import Callable
@@ -21,18 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes, write_dcp_state_dict
+from titan_ckpt.atomic import atomic_output
+from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes, write_dcp_checkpoint
 from titan_ckpt.dtypes import cast_floating, dtype_name, parse_dtype, state_dict_dtype
 from titan_ckpt.formats import FORMATS, detect_format, torch_file_of
 from titan_ckpt.hf_hub import resolve_hf_source
-from titan_ckpt.hf_safetensors import CONFIG_FILE, copy_extra_files, read_hf_config, read_hf_state_dict, write_hf_checkpoint
-from titan_ckpt.staging import staged_output
+from titan_ckpt.hf_safetensors import CONFIG_FILE, copy_extra_files, read_hf_config, read_hf_state_dict, write_hf_checkpoint, write_hf_config
 from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_torch_state_dict
-from titan_models import get_model_args, get_model_spec
+from titan_models import HFAdapter, get_model_args, get_model_spec
 
-DCP_MODEL_PREFIX = ""
-"""Prefix of the model's keys in DCP folders this writes (torchtitan's layout: none).
-Reading accepts both no prefix and `model.`, so trainer checkpoints of either layout load."""
 PARITY_TOKENS = 256
 """Sequence length of the parity check."""
 PARITY_MAX_KL = 1e-4
@@ -147,22 +143,22 @@ def convert_checkpoint(
     state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected)
     check_state_dict(state_dict, expected, src_path)
     written = cast_floating(state_dict, out_dtype)
-    hf_config = {**{k: v for k, v in base_config.items() if k not in _STALE_CONFIG_KEYS}, **adapter.hf_config_from_args(args)}
-    hf_config["torch_dtype"] = dtype_name(state_dict_dtype(written))
+    stable_config = {k: v for k, v in base_config.items() if k not in _STALE_CONFIG_KEYS}
+    hf_config = {**stable_config, **adapter.hf_config_from_args(args, dtype_name(state_dict_dtype(written)))}
     parity = None
-    with staged_output(dst) as tmp:
+    with atomic_output(dst) as tmp:
         log(f"writing {to} checkpoint {dst}")
         if to == "hf":
             write_hf_checkpoint(tmp, adapter.to_hf(written, args), hf_config, max_shard_size, extra_files_from=extras_dir)
         elif to == "dcp":
-            write_dcp_state_dict(tmp, {DCP_MODEL_PREFIX + k: v for k, v in written.items()})
-            write_beside(tmp, hf_config, extras_dir)
+            write_dcp_checkpoint(tmp, written, hf_config, extra_files_from=extras_dir)
         elif dst.suffix in TORCH_SUFFIXES:
             write_torch_state_dict(tmp, written)
         else:
             tmp.mkdir()
             write_torch_state_dict(tmp / TORCH_FILE_NAME, written)
-            write_beside(tmp, hf_config, extras_dir)
+            write_hf_config(tmp, hf_config)
+            copy_extra_files(extras_dir, tmp)
         if parity_check and "hf" in (src_format, to):
             log("checking parity with transformers")
             if to == "hf":  # HF side: the files just written; Titan side: the source weights
@@ -208,19 +204,20 @@ def write_hf_weights(
         max_shard_size: shard size limit.
     """
     adapter = _hf_adapter(model_name)
-    write_hf_checkpoint(folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args), max_shard_size, dtype)
+    # write_hf_checkpoint records the dtype of the weights it writes as torch_dtype
+    write_hf_checkpoint(folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args, "float32"), max_shard_size, dtype)
 
 
-def _hf_adapter(model_name: str) -> Any:
-    """The registry's state-dict adapter of `model_name`, or a one-line error."""
-    adapter = get_model_spec(model_name).state_dict_adapter
+def _hf_adapter(model_name: str) -> HFAdapter[Any]:
+    """The registry's Hugging Face adapter of `model_name`, or a one-line error."""
+    adapter = get_model_spec(model_name).hf_adapter
     if adapter is None:
-        raise ValueError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.state_dict_adapter")
+        raise ValueError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.hf_adapter")
     return adapter
 
 
 def resolve_source_args(
-    src: Path, src_format: str, adapter: Any, model_name: str, flavor: str | None
+    src: Path, src_format: str, adapter: HFAdapter[Any], model_name: str, flavor: str | None
 ) -> tuple[Any, dict[str, Any], Path]:
     """The model's args for a source checkpoint, the config.json to build on, and the
     folder whose tokenizer files travel along.
@@ -231,7 +228,7 @@ def resolve_source_args(
     Args:
         src: source path (local).
         src_format: "hf", "dcp" or "torch".
-        adapter: the model's state-dict adapter.
+        adapter: the model's Hugging Face adapter.
         model_name: registry name.
         flavor: named shape, or None.
 
@@ -264,14 +261,14 @@ def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[
         return {k: v.shape for k, v in build(args).state_dict().items()}
 
 
-def load_titan_state_dict(path: Path, fmt: str, args: Any, adapter: Any, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def load_titan_state_dict(path: Path, fmt: str, args: Any, adapter: HFAdapter[Any], expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Read a checkpoint of any format as a Titan-named full state dict on CPU.
 
     Args:
         path: the checkpoint (local).
         fmt: "hf", "dcp" or "torch".
         args: the model's args (for the RoPE permutation and tied embeddings).
-        adapter: the model's state-dict adapter.
+        adapter: the model's Hugging Face adapter.
         expected: the model's names and shapes (`expected_shapes`); a DCP folder is read for these only.
     """
     if fmt == "hf":
@@ -289,7 +286,7 @@ def read_dcp_model(folder: Path, args: Any, expected: dict[str, torch.Size]) -> 
     prefix that holds the most expected names wins); optimizer, data loader and train
     state entries are not read."""
     stored = read_dcp_tensor_shapes(folder)
-    prefix = max((DCP_MODEL_PREFIX, "", "model."), key=lambda p: sum(p + k in stored for k in expected))
+    prefix = max(("", "model."), key=lambda p: sum(p + k in stored for k in expected))
     names = [prefix + k for k in expected if prefix + k in stored]
     if not names:
         raise ValueError(f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint")
@@ -326,12 +323,6 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, to
     for name in state_dict:
         if name not in expected:
             raise ValueError(f"{src} has '{name}', which the model does not; {hint}")
-
-
-def write_beside(folder: Path, hf_config: dict[str, Any], extras_dir: Path) -> None:
-    """Put `config.json` (the model's shape) and the tokenizer files into a Titan-side output folder."""
-    (folder / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    copy_extra_files(extras_dir, folder)
 
 
 @torch.no_grad()

@@ -1,17 +1,16 @@
 """`model.converters` and the `[float8]` / `[mx]` sections -> titan_parallel's float8 options.
 
 The trainer passes the result to `build_model_parts`, which converts the meta model
-before the pipeline split and parallelism (`titan_parallel.float8`).
+before the pipeline split and parallelism (`titan_parallel.float8`). Whether the
+options can run is checked once, by `titan_core.job_check` (rule "converters").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from titan_parallel.float8 import Float8Options, MXOptions, needs_emulation
 
-from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig
 
 
@@ -23,25 +22,30 @@ class Converters:
     mx: MXOptions | None = None
 
 
-def build_converters(cfg: JobConfig, device: torch.device) -> Converters:
-    """Resolve `model.converters` for `device` (`float8.emulate = 'auto'` emulates off float8 GPUs).
+def float8_options(cfg: JobConfig, device_type: str) -> Float8Options:
+    """The `[float8]` section for a run on `device_type` (`emulate = 'auto'` emulates off float8 GPUs)."""
+    import torch
 
-    Raises:
-        ConfigError: both 'float8' and 'mx' asked for (a linear is converted once).
-    """
+    f = cfg.float8
+    return Float8Options(
+        recipe_name=f.recipe_name,
+        enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather,
+        precompute_float8_dynamic_scale_for_fsdp=f.precompute_float8_dynamic_scale_for_fsdp,
+        filter_fqns=tuple(f.filter_fqns),
+        auto_filter_small_kn=f.auto_filter_small_kn,
+        emulate=needs_emulation(torch.device(device_type)) if f.emulate == "auto" else f.emulate,
+    )
+
+
+def mx_options(cfg: JobConfig) -> MXOptions:
+    """The `[mx]` section."""
+    return MXOptions(recipe_name=cfg.mx.recipe_name, filter_fqns=tuple(cfg.mx.filter_fqns))
+
+
+def build_converters(cfg: JobConfig, device_type: str) -> Converters:
+    """The converters `model.converters` asks for, on `device_type`."""
     names = cfg.model.converters
-    if "float8" in names and "mx" in names:
-        raise ConfigError("model.converters lists both 'float8' and 'mx'; a linear is converted once: keep one")
-    f, m = cfg.float8, cfg.mx
-    float8 = None
-    if "float8" in names:
-        float8 = Float8Options(
-            recipe_name=f.recipe_name,
-            enable_fsdp_float8_all_gather=f.enable_fsdp_float8_all_gather,
-            precompute_float8_dynamic_scale_for_fsdp=f.precompute_float8_dynamic_scale_for_fsdp,
-            filter_fqns=tuple(f.filter_fqns),
-            auto_filter_small_kn=f.auto_filter_small_kn,
-            emulate=needs_emulation(device) if f.emulate == "auto" else f.emulate,
-        )
-    mx = MXOptions(recipe_name=m.recipe_name, filter_fqns=tuple(m.filter_fqns)) if "mx" in names else None
-    return Converters(float8=float8, mx=mx)
+    return Converters(
+        float8=float8_options(cfg, device_type) if "float8" in names else None,
+        mx=mx_options(cfg) if "mx" in names else None,
+    )

@@ -10,31 +10,20 @@ pipeline stage it runs; every part keeps the full model's parameter names.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from titan_models import ModelSpec
-from titan_parallel.dims import ParallelDims, ParallelMesh
-from titan_parallel.materialize import copy_full_state
-from titan_parallel.parallelize import ParallelOptions, parallelize, uses_fsdp
+from titan_parallel import ParallelDims, ParallelMesh, ParallelOptions, PipelineConfig, copy_full_state, parallelize, uses_fsdp
+from titan_parallel.pipeline import LossFn, StageModule
 
 from titan_core.converters import Converters
 
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """The `parallelism.pipeline_*` keys, as plain values."""
-
-    schedule: str = "1F1B"
-    schedule_csv: str | None = None
-    microbatch_size: int = 1
-    layers_per_stage: int | None = None
-    first_stage_less_layers: int = 1
-    last_stage_less_layers: int = 1
-    module_names_per_stage: list[list[str]] | None = None
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 @dataclass
@@ -42,8 +31,8 @@ class ModelParts:
     """What one rank trains: its model parts, and under pipeline parallel the stages and schedule."""
 
     parts: list[nn.Module]
-    schedule: Any | None = None
-    stages: list[Any] | None = None
+    schedule: _PipelineSchedule | None = None
+    stages: list[PipelineStage] | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -62,9 +51,9 @@ def build_model_parts(
     device: torch.device,
     seed: int,
     *,
-    pipeline: PipelineOptions = PipelineOptions(),
+    pipeline: PipelineConfig = PipelineConfig(),
     local_batch_size: int = 1,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     converters: Converters = Converters(),
 ) -> ModelParts:
     """Build, split, parallelize and initialise this rank's share of the model.
@@ -77,7 +66,7 @@ def build_model_parts(
         options: what `parallelize` applies to each part.
         device: where parameters live.
         seed: the init seed, the same on every rank.
-        pipeline: how to cut and schedule stages (used when dims.pp > 1).
+        pipeline: how to cut and schedule stages (used when dims.pp > 1; checked by `check_pipeline`).
         local_batch_size: sequences per micro-batch on this rank (split into pipeline micro-batches).
         loss_fn: `(logits, labels) -> loss` for the pipeline's last stage.
         converters: float8 / MXFP8 linears, swapped in on the meta model before anything is split.
@@ -86,48 +75,39 @@ def build_model_parts(
         model = spec.build(model_args)
     plan = spec.plan
     if converters.float8 is not None:
-        from titan_parallel.float8 import apply_float8
+        from titan_parallel import apply_float8
 
         fsdp_shards = mesh["dp_shard_cp"].size() if uses_fsdp(mesh, options) else 1
         apply_float8(model, converters.float8, fsdp_shards=fsdp_shards)
     if converters.mx is not None:
-        from titan_parallel.float8 import apply_mx
+        from titan_parallel import apply_mx
 
-        apply_mx(model, converters.mx)
+        apply_mx(model, converters.mx, device.type)
     if dims.pp > 1:
-        from titan_parallel import pipeline as pp
+        from titan_parallel import build_pipeline, check_pipeline, split_model
 
-        n_layers = len(getattr(model, plan.blocks))
-        names = pipeline.module_names_per_stage
-        if names is None:
-            n_stages = pp.count_stages(
-                n_layers, dims.pp, pipeline.schedule,
-                layers_per_stage=pipeline.layers_per_stage,
-                first_stage_less_layers=pipeline.first_stage_less_layers,
-                last_stage_less_layers=pipeline.last_stage_less_layers,
-            )
-            names = pp.stage_module_names(
-                plan, n_layers, n_stages,
-                first_stage_less_layers=pipeline.first_stage_less_layers,
-                last_stage_less_layers=pipeline.last_stage_less_layers,
-            )
-        indexed = pp.split_model(model, plan, names, mesh["pp"], pipeline.schedule)
+        n_layers = len(model.get_submodule(plan.blocks))
+        names = check_pipeline(pipeline, pp=dims.pp, n_layers=n_layers, local_batch_size=local_batch_size, plan=plan)
+        stage_modules = split_model(model, plan, names, mesh["pp"], pipeline.schedule)
     else:
-        indexed = [(0, model)]
-    parts = [part for _, part in indexed]
+        stage_modules = [StageModule(0, model)]
     if options.dp_mode == "ddp":
         # DDP buckets the gradients of real parameters: materialise first, then wrap.
-        init_weights(parts, spec, model_args, device, seed)
-        parts = [parallelize(part, plan, mesh, options) for part in parts]
+        init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
+        stage_modules = [StageModule(i, parallelize(m, plan, mesh, options)) for i, m in stage_modules]
     else:
-        parts = [parallelize(part, plan, mesh, options) for part in parts]
-        init_weights(parts, spec, model_args, device, seed)
+        stage_modules = [StageModule(i, parallelize(m, plan, mesh, options)) for i, m in stage_modules]
+        init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
+    parts = [s.module for s in stage_modules]
     if dims.pp == 1:
         return ModelParts(parts)
-    stages = pp.build_stages([(i, part) for (i, _), part in zip(indexed, parts)], len(names), mesh["pp"], device)
-    n_micro = pp.count_microbatches(local_batch_size, pipeline.microbatch_size, len(names), pipeline.schedule)
-    schedule = pp.build_schedule(stages, pipeline.schedule, n_micro, loss_fn, csv_path=pipeline.schedule_csv)
-    return ModelParts(parts, schedule, stages)
+    if loss_fn is None:
+        raise ValueError("build_model_parts needs loss_fn under pipeline parallel: the last stage computes the loss")
+    pipe = build_pipeline(
+        stage_modules, pipeline, n_stages=len(names), pp_mesh=mesh["pp"], device=device,
+        local_batch_size=local_batch_size, loss_fn=loss_fn,
+    )
+    return ModelParts(parts, pipe.schedule, pipe.stages)
 
 
 @torch.no_grad()
@@ -136,7 +116,7 @@ def init_weights(parts: list[nn.Module], spec: ModelSpec, model_args: Any, devic
 
     On CUDA each part initialises its own shards (DTensor's RNG slices one global
     stream). Elsewhere each rank initialises a full copy from the seed and keeps
-    its shards (`titan_parallel.materialize`).
+    its shards (`titan_parallel.copy_full_state`).
     """
     for part in parts:
         part.to_empty(device=device)

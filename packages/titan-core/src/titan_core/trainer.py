@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import functools
 import logging
 import os
 import warnings
@@ -21,21 +21,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from titan_ckpt.dtypes import parse_dtype
-from titan_models import get_model_args, get_model_spec
-from titan_parallel.dims import ParallelDims
-from titan_parallel.distributed import init_distributed
+from titan_parallel.distributed import init_distributed, resolve_device
 from titan_parallel.grad_clip import clip_grad_norm_
-from titan_parallel.context_parallel import check_cp, shard_sequence
-from titan_parallel.parallelize import ParallelOptions, uses_fsdp
+from titan_parallel.context_parallel import shard_sequence
+from titan_parallel import ParallelOptions, uses_fsdp
 from titan_parallel.precision import mixed_precision_context, resolve_param_dtype
 from titan_parallel.pipeline import pipeline_step
 
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
-from titan_core.config import JobConfig, check_combinations, dump_toml
+from titan_core.config import JobConfig, dump_toml
 from titan_core.data import PackedLoader, build_source, build_tokenizer
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.converters import build_converters
-from titan_core.model_setup import PipelineOptions, build_model_parts
+from titan_core.job_check import check_job, pipeline_config
+from titan_core.model_setup import build_model_parts
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.optim import build_optimizer
@@ -56,15 +55,6 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device for `training.device`: "auto" takes this rank's GPU when there is one."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("training.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def set_determinism(seed: int | None, deterministic: bool) -> int:
@@ -95,70 +85,28 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        t = cfg.training
+        t, p = cfg.training, cfg.parallelism
         self.device = resolve_device(t.device)
-        check_combinations(cfg, cuda_available=lambda: self.device.type == "cuda")
         self.rank, self.world_size = init_distributed(self.device, cfg.comm.init_timeout_seconds)
-        p = cfg.parallelism
-        self.dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree,
-            dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree,
-            tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-            world_size=self.world_size,
-        )
+        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
+        # Every rule of a valid job, checked again here for `torchrun -m titan_core.launch` users.
+        job = check_job(cfg, self.world_size, tokenizer_vocab_size=self.tokenizer.vocab_size)
+        self.dims, self.spec, self.model_args = job.dims, job.spec, job.model_args
+        self.global_batch, self.accum_steps = job.global_batch, job.accum_steps  # micro-batches per step
         self.mesh = self.dims.build_mesh(self.device.type)
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         self.run_folder = Path(cfg.job.dump_folder)
-
-        # Batch: accumulate micro-batches until the global batch is reached.
-        per_step = t.local_batch_size * self.dims.dp
-        global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
-        if global_batch % per_step:
-            raise ValueError(
-                f"training.global_batch_size {global_batch} must be a multiple of local_batch_size x data-parallel "
-                f"degree = {t.local_batch_size} x {self.dims.dp} = {per_step}"
-            )
-        self.accum_steps = global_batch // per_step
-        self.global_batch = global_batch
-
-        # Data.
-        self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-        source = build_source(t.dataset, t.dataset_path, t.dataset_text_field)
         self.loader = PackedLoader(
-            source,
+            build_source(t.dataset, t.dataset_path, t.dataset_text_field),
             self.tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
             dp_rank=self.mesh["dp"].get_local_rank(),
             dp_world=self.dims.dp,
         )
-
-        # Model: build on meta, parallelize, then materialise.
-        self.spec = get_model_spec(cfg.model.name)
-        args = get_model_args(cfg.model.name, cfg.model.flavor)
-        hf_source = None
-        if cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path:
-            # Any Llama-architecture checkpoint: the shape comes from its own config.json, not model.flavor.
-            from titan_ckpt.hf_hub import resolve_hf_source
-            from titan_ckpt.hf_safetensors import read_hf_config
-
-            hf_source = resolve_hf_source(cfg.checkpoint.initial_load_path)
-            args = self.spec.args_from_hf_config(read_hf_config(hf_source))
-        if self.tokenizer.vocab_size > args.vocab_size:
-            if hf_source is not None:
-                raise ValueError(
-                    f"the tokenizer in model.hf_assets_path has {self.tokenizer.vocab_size} tokens but the checkpoint "
-                    f"{cfg.checkpoint.initial_load_path} only {args.vocab_size}; use the checkpoint's own tokenizer"
-                )
-            # A flavor's vocab is a default: a larger tokenizer (e.g. Llama 3's on a small flavor) widens it.
-            logger.info("model vocab %d widened to the tokenizer's %d tokens", args.vocab_size, self.tokenizer.vocab_size)
-            args = dataclasses.replace(args, vocab_size=self.tokenizer.vocab_size)
-        self.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, t.seq_len))
+        if self.rank == 0 and job.vocab_widened_from:
+            logger.info("model vocab %d widened to the tokenizer's %d tokens", job.vocab_widened_from, self.model_args.vocab_size)
         self.n_params = self.spec.count_params(self.model_args)
-        if self.dims.cp > 1:
-            check_cp(t.seq_len, self.dims.cp)
         with warnings.catch_warnings():
             if self.rank != 0:  # the slow-bf16 warning is said once, by rank 0
                 warnings.simplefilter("ignore", UserWarning)
@@ -199,18 +147,10 @@ class Trainer:
             self.options,
             self.device,
             self.seed,
-            pipeline=PipelineOptions(
-                schedule=p.pipeline_parallel_schedule,
-                schedule_csv=p.pipeline_parallel_schedule_csv,
-                microbatch_size=p.pipeline_parallel_microbatch_size,
-                layers_per_stage=p.pipeline_parallel_layers_per_stage,
-                first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                module_names_per_stage=p.module_fqns_per_model_part,
-            ),
+            pipeline=pipeline_config(cfg),
             local_batch_size=t.local_batch_size,
             loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
-            converters=build_converters(cfg, self.device),  # [float8] / [mx]: swapped in on the meta model
+            converters=build_converters(cfg, self.device.type),  # [float8] / [mx]: swapped in on the meta model
         )
         self.precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
         # One optimizer and LR schedule per model part (pipeline stage), so that
@@ -252,7 +192,7 @@ class Trainer:
             device=self.device,
             world_size=self.world_size,
             **hf_checkpoint_hooks(
-                cfg.checkpoint, cfg.model.name, self.model_args, hf_source,
+                cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source,
                 rank=self.rank, pipeline_parallel=self.dims.pp > 1,
             ),
         )
@@ -273,20 +213,19 @@ class Trainer:
         v, t = self.cfg.validation, self.cfg.training
         if not v.enable:
             return None
-        if self.dims.pp > 1:
-            raise ValueError("validation.enable is not supported with pipeline parallel yet; set it to false")
-
         def prepare(inputs, labels):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.dims.cp > 1:
                 inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
             return inputs, labels
 
+        source = build_source(v.dataset, v.dataset_path, t.dataset_text_field)
         return Validator(
-            v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer,
-            seq_len=t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size, steps=v.steps,
-            dp_rank=self.mesh["dp"].get_local_rank(), dp_world=self.dims.dp,
-            loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._forward_context,
+            functools.partial(
+                PackedLoader, source, self.tokenizer, seq_len=t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size,
+                dp_rank=self.mesh["dp"].get_local_rank(), dp_world=self.dims.dp,
+            ),
+            steps=v.steps, loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._forward_context,
         )
 
     @contextlib.contextmanager
@@ -359,13 +298,13 @@ class Trainer:
         self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
         flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
-        self._measured_cpu_peak = self.device.type == "cpu" and cfg.metrics.peak_tflops is None
         metrics = MetricsLogger(
             self.run_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None,
             enable_tensorboard=cfg.metrics.enable_tensorboard,
             rank=self.rank,
             total_steps=t.steps,
             color=not cfg.metrics.disable_color_printing,
+            jsonl_path=self.run_folder / "metrics.jsonl",
         )
         if self.rank == 0:
             logger.info(
@@ -387,9 +326,11 @@ class Trainer:
             flops_per_token=flops_per_token,
             peak_flops=peak,
             non_data_parallel_size=self.dims.tp * self.dims.cp * self.dims.pp,
+            # A CPU peak measured while the machine was busy can be beaten: measure again then.
+            raise_peak=(lambda achieved: raise_cpu_peak(self.options.param_dtype, achieved))
+            if self.device.type == "cpu" and cfg.metrics.peak_tflops is None else None,
         )
         data = iter(self.loader)
-        jsonl = open(self.run_folder / "metrics.jsonl", "a") if self.rank == 0 else None
         profiler = self._build_profiler()
         validator = self._build_validator()
         try:
@@ -406,8 +347,6 @@ class Trainer:
                 if validator is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps):
                     val_loss = validator.validate(self.model.parts[0], self.loss_fn)
                     metrics.log(self.state.step, {"validation/loss": val_loss})
-                    if jsonl is not None:
-                        jsonl.write(json.dumps({"step": self.state.step, "validation/loss": val_loss}) + "\n")
                     meter.reset()  # validation time is not training throughput
                 if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps:
                     continue
@@ -420,19 +359,11 @@ class Trainer:
                     **meter.read(),
                     **memory_stats(self.device),
                 }
-                if values["throughput/mfu_pct"] and values["throughput/mfu_pct"] > 100 and self._measured_cpu_peak:
-                    meter.peak_flops = raise_cpu_peak(self.options.param_dtype, values["throughput/tflops"] * 1e12)
-                    values["throughput/mfu_pct"] = 100 * values["throughput/tflops"] * 1e12 / meter.peak_flops
                 losses.append(avg)
                 metrics.log(self.state.step, values)
-                if jsonl is not None:
-                    jsonl.write(json.dumps({"step": self.state.step, **values}) + "\n")
-                    jsonl.flush()
         finally:
             if profiler is not None:
                 profiler.close()
             self.checkpointer.close()  # [checkpoint] waits for a background save
             metrics.close()
-            if jsonl is not None:
-                jsonl.close()
         return losses

@@ -1,6 +1,6 @@
 """Activation checkpointing: recompute a block's activations in backward instead of storing them.
 
-Modes (`activation_checkpoint.mode`):
+Modes (`apply_ac`'s `ac_mode`, checked by `titan_parallel.layout.check_ac`):
 - "full": every block is recomputed.
 - "selective" with an int N: every Nth block is recomputed.
 - "selective" with "op": every block, but the outputs of matmuls and attention
@@ -17,9 +17,9 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titan_parallel.layout import check_ac
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan
-
 
 
 def _ops(*names: str) -> set:
@@ -65,32 +65,29 @@ def _op_policy():
     return make_contexts
 
 
-def apply_ac(model: nn.Module, plan: ModelPlan, mode: Literal["none", "selective", "full"], selective_option: str = "2") -> nn.Module:
+def apply_ac(
+    model: nn.Module, plan: ModelPlan, ac_mode: Literal["none", "selective", "full"], ac_selective_option: str = "2"
+) -> nn.Module:
     """Wrap the blocks of `model` for activation checkpointing, in place.
 
     Args:
         model: the model or pipeline stage.
         plan: names the blocks.
-        mode: "none", "selective" or "full" (`activation_checkpoint.mode`).
-        selective_option: "op", or a positive int N as a string: every Nth block
-            (`activation_checkpoint.selective_ac_option`).
+        ac_mode: "none", "selective" or "full".
+        ac_selective_option: under "selective", "op" or a positive int N as a string: every Nth block.
     """
-    if mode == "none":
+    check_ac(ac_mode, ac_selective_option)
+    if ac_mode == "none":
         return model
-    if mode == "selective" and selective_option != "op":
-        if not selective_option.isdigit() or int(selective_option) < 1:
-            raise ValueError(
-                f"activation_checkpoint.selective_ac_option must be a positive int or 'op', got {selective_option!r}"
-            )
     container = get_submodule_or_none(model, plan.blocks)
     if container is None:
         return model
     for i, (name, block) in enumerate(list(container.named_children())):
-        if mode == "full":
+        if ac_mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif selective_option == "op":
+        elif ac_selective_option == "op":
             wrapped = checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False)
-        elif i % int(selective_option) == 0:
+        elif i % int(ac_selective_option) == 0:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
             continue

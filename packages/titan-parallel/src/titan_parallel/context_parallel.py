@@ -25,28 +25,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titan_parallel.dims import ParallelConfigError
+from titan_parallel.layout import check_cp, check_rotate_method
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
 from titan_parallel.ring_attention import RingAttention, RotateMethod, cp_positions
 
-__all__ = ["apply_cp", "check_cp", "cp_positions", "shard_sequence", "unshard_sequence"]
-
-
-def check_cp(seq_len: int, degree: int) -> None:
-    """Raise `ParallelConfigError` unless `seq_len` splits into `2 * degree` equal chunks.
-
-    Args:
-        seq_len: the global sequence length (`training.seq_len`).
-        degree: the context-parallel degree (`parallelism.context_parallel_degree`).
-    """
-    if degree < 1:
-        raise ParallelConfigError(f"parallelism.context_parallel_degree must be >= 1, got {degree}")
-    if degree > 1 and seq_len % (2 * degree):
-        raise ParallelConfigError(
-            f"training.seq_len {seq_len} is not divisible by 2 x parallelism.context_parallel_degree = {2 * degree}; "
-            "change one of them"
-        )
+__all__ = ["apply_cp", "cp_positions", "shard_sequence", "unshard_sequence"]
 
 
 def shard_sequence(*tensors: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1) -> tuple[torch.Tensor, ...]:
@@ -64,7 +48,7 @@ def shard_sequence(*tensors: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1
     shards = []
     for tensor in tensors:
         seq_len = tensor.size(seq_dim)
-        check_cp(seq_len, size)
+        check_cp(seq_len, size)  # (bs, seqlen) -> 2 * cp equal chunks
         index = cp_positions(seq_len // size, rank, size, device=tensor.device)
         shards.append(tensor.index_select(seq_dim, index))
     return tuple(shards)
@@ -99,7 +83,7 @@ def apply_cp(
     plan: ModelPlan,
     cp_mesh: DeviceMesh,
     *,
-    rotate_method: RotateMethod = "allgather",
+    cp_rotate_method: RotateMethod = "allgather",
 ) -> nn.Module:
     """Make `model` run on head-tail sequence shards over `cp_mesh`, in place.
 
@@ -113,29 +97,26 @@ def apply_cp(
         model: the model or pipeline stage (meta or real).
         plan: names the attention core inside each block.
         cp_mesh: the 1-D context-parallel mesh, e.g. `mesh["cp"]`.
-        rotate_method: K/V exchange, "allgather" or "rotate" (`parallelism.context_parallel_rotate_method`).
+        cp_rotate_method: K/V exchange, "allgather" or "rotate" (see `check_rotate_method`).
 
     Returns:
         `model`, changed in place.
     """
-    if rotate_method not in ("allgather", "rotate"):
-        raise ParallelConfigError(
-            f"parallelism.context_parallel_rotate_method must be 'allgather' or 'rotate', got {rotate_method!r}"
-        )
+    check_rotate_method(cp_rotate_method)
     if plan.attention is None:
-        raise ParallelConfigError(
+        raise ValueError(
             f"model {type(model).__name__} names no attention core (ModelPlan.attention); "
-            "set parallelism.context_parallel_degree = 1"
+            "give its plan one, or run it without context parallel"
         )
     group = cp_mesh.get_group()
     parent_path, _, name = plan.attention.rpartition(".")
     for block in iter_blocks(model, plan):
         parent = get_submodule_or_none(block, parent_path) if parent_path else block
         if parent is None or not isinstance(getattr(parent, name, None), nn.Module):
-            raise ParallelConfigError(
+            raise ValueError(
                 f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; fix the model's plan"
             )
-        setattr(parent, name, RingAttention(group, rotate_method))
+        setattr(parent, name, RingAttention(group, cp_rotate_method))
     hook = functools.partial(
         _supply_positions,
         cp_rank=cp_mesh.get_local_rank(),

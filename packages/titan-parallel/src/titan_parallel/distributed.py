@@ -1,7 +1,7 @@
-"""Starting and ending the process group, the same way for 1 process or N.
+"""Choosing the device, starting and ending the process group, the same way for 1 process or N.
 
 A lone process (no `RANK` in the environment) still gets a world of size 1 on
-an in-memory store, so every collective in Titan runs on the same code path.
+an in-memory store, so every collective runs on the same code path.
 """
 
 from __future__ import annotations
@@ -12,6 +12,26 @@ import os
 import torch
 import torch.distributed as dist
 
+from titan_parallel.layout import ParallelConfigError
+
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """The device this process computes on: `cuda:LOCAL_RANK`, or the CPU.
+
+    Args:
+        device: "auto" (this rank's GPU when CUDA is available, else the CPU),
+            "cuda" (refused when no GPU is visible) or "cpu".
+    """
+    if device not in DEVICES:
+        raise ParallelConfigError(f"device={device!r} is unknown; choose 'auto', 'cuda' or 'cpu'", arguments=("device",))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ParallelConfigError("device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'", arguments=("device",))
+    if device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
 
 def init_distributed(device: torch.device, timeout_s: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group for `device`; returns (rank, world_size).
@@ -20,8 +40,8 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> tuple[in
     Under torchrun the env:// rendezvous is used; alone, a size-1 world on a HashStore.
 
     Args:
-        device: the device this process computes on.
-        timeout_s: collective timeout in seconds (`comm.init_timeout_seconds`).
+        device: the device this process computes on (see `resolve_device`).
+        timeout_s: timeout of the rendezvous and of every collective, in seconds.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from titan_parallel.dims import ParallelConfigError
+from titan_parallel.layout import ParallelConfigError
 
 logger = logging.getLogger("titan")
 
@@ -48,7 +48,7 @@ MX_HARDWARE = "an NVIDIA GPU with compute capability 10.0+ (B200/GB200)"
 
 @dataclass(frozen=True)
 class Float8Options:
-    """Which linears become float8 and how (the `[float8]` config section, resolved).
+    """Which linears become float8 and how; errors name these field names.
 
     Args:
         recipe_name: torchao's scaling recipe: "tensorwise" (one scale per tensor, fastest;
@@ -72,12 +72,12 @@ class Float8Options:
 
 @dataclass(frozen=True)
 class MXOptions:
-    """MXFP8 linears (the `[mx]` config section).
+    """Which linears get MXFP8 matmuls; errors name these field names.
 
     Args:
         recipe_name: torchao's `MXFP8TrainingRecipe`: "mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp"
             (weight gradients in high precision), or "mxfp8_emulated_rceil" (torchao's
-            hardware-agnostic debug recipe; not offered in the config).
+            hardware-agnostic debug recipe, for tests).
         filter_fqns: linears whose name contains any of these stay in high precision.
     """
 
@@ -85,11 +85,14 @@ class MXOptions:
     filter_fqns: tuple[str, ...] = ("output",)
 
 
-def import_torchao(module: str, key: str = "model.converters"):
-    """Import a torchao module, or raise one line naming `key` and the install command.
+def import_torchao(module: str):
+    """Import a torchao module, or raise one line naming the install command.
 
     torchao registers its enums with torch on import and torch logs a deprecation
     warning for each; those lines are silenced here.
+
+    Args:
+        module: the dotted module name, e.g. "torchao.float8".
     """
     pytree_log = logging.getLogger("torch.utils._pytree")
     level = pytree_log.level
@@ -97,13 +100,17 @@ def import_torchao(module: str, key: str = "model.converters"):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{key} asks for torchao, which is not installed; {INSTALL_HINT}") from None
+        raise ImportError(f"float8 and MXFP8 training need torchao, which is not installed; {INSTALL_HINT}") from None
     finally:
         pytree_log.setLevel(level)
 
 
 def needs_emulation(device: torch.device) -> bool:
-    """Whether float8 matmuls must be emulated on `device`: anything but a CUDA GPU of compute capability 8.9+."""
+    """Whether float8 matmuls must be emulated on `device`: anything but a CUDA GPU of compute capability 8.9+.
+
+    Args:
+        device: the training device.
+    """
     return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
@@ -115,6 +122,11 @@ def gains_from_float8(in_features: int, out_features: int, recipe: str) -> bool:
     N = out_features. "rowwise_with_gw_hp" keeps one of its three GEMMs in bf16 and so
     gains less: rowwise's thresholds are a lower bound for it. Reimplemented rather than
     calling torchao's private `_auto_filter_for_recipe`, which lacks that recipe.
+
+    Args:
+        in_features: the linear's K.
+        out_features: the linear's N.
+        recipe: the float8 recipe name.
     """
     k, n = in_features, out_features
     if recipe == "tensorwise":
@@ -128,6 +140,9 @@ def float8_filter(options: Float8Options) -> Callable[[nn.Module, str], bool]:
     A linear is converted when both its dims are multiples of 16 (float8 tensor-core
     GEMMs need it), its name contains none of `filter_fqns`, and, with
     `auto_filter_small_kn`, its GEMM `gains_from_float8`.
+
+    Args:
+        options: the selection (`filter_fqns`, `auto_filter_small_kn`, `recipe_name`).
     """
 
     def keep(module: nn.Module, fqn: str) -> bool:
@@ -141,20 +156,27 @@ def float8_filter(options: Float8Options) -> Callable[[nn.Module, str], bool]:
 
 
 def check_float8(options: Float8Options) -> None:
-    """Raise `ParallelConfigError` (one line naming the key) for options that cannot work; needs no torchao."""
+    """Raise `ParallelConfigError` for options that cannot work together or here; needs no torchao.
+
+    Args:
+        options: the float8 options; errors name their field names.
+    """
     if options.enable_fsdp_float8_all_gather and options.recipe_name != "tensorwise":
         raise ParallelConfigError(
-            f"float8.enable_fsdp_float8_all_gather works with float8.recipe_name = 'tensorwise' only, not "
-            f"'{options.recipe_name}' (torchao all-gathers tensorwise-scaled weights); set one of them"
+            f"enable_fsdp_float8_all_gather=True works with recipe_name='tensorwise' only, not "
+            f"'{options.recipe_name}' (torchao all-gathers tensorwise-scaled weights); change one of them",
+            arguments=("enable_fsdp_float8_all_gather", "recipe_name"),
         )
     if options.precompute_float8_dynamic_scale_for_fsdp and not options.enable_fsdp_float8_all_gather:
         raise ParallelConfigError(
-            "float8.precompute_float8_dynamic_scale_for_fsdp needs float8.enable_fsdp_float8_all_gather = true; set both or neither"
+            "precompute_float8_dynamic_scale_for_fsdp=True needs enable_fsdp_float8_all_gather=True; set both or neither",
+            arguments=("precompute_float8_dynamic_scale_for_fsdp", "enable_fsdp_float8_all_gather"),
         )
     if not options.emulate and needs_emulation(torch.device("cuda")):
         raise ParallelConfigError(
-            "float8.emulate = false needs an NVIDIA GPU with compute capability 8.9+ (H100, L4, RTX 4090); "
-            "set float8.emulate = 'auto' to emulate the float8 matmuls in fp32"
+            "emulate=False needs an NVIDIA GPU with compute capability 8.9+ (H100, L4, RTX 4090); "
+            "set emulate=True to emulate the float8 matmuls in fp32",
+            arguments=("emulate",),
         )
 
 
@@ -195,13 +217,17 @@ def apply_float8(model: nn.Module, options: Float8Options, *, fsdp_shards: int =
     else:
         logger.warning(
             "float8: none of the %d linears converted (all filtered, or below the size float8 gains at); "
-            "set float8.auto_filter_small_kn = false or shorten float8.filter_fqns to convert them", n_linear,
+            "set auto_filter_small_kn=False or shorten filter_fqns to convert them", n_linear,
         )
     return chosen
 
 
 def precompute_float8_scales(parts: Sequence[nn.Module]) -> None:
-    """After the optimizer step: every float8-all-gathered weight's scale in one all-reduce (no-op for others)."""
+    """After the optimizer step: every float8-all-gathered weight's scale in one all-reduce (no-op for others).
+
+    Args:
+        parts: this rank's model parts.
+    """
     f8 = import_torchao("torchao.float8")
     for part in parts:
         f8.precompute_float8_dynamic_scale_for_fsdp(part)
@@ -209,7 +235,11 @@ def precompute_float8_scales(parts: Sequence[nn.Module]) -> None:
 
 def is_tensorwise_float8(module: nn.Module) -> bool:
     """Whether `module` is a `Float8Linear` whose activations and gradients are scaled per tensor, as
-    torchao's float8 TP styles require. Imports nothing: without torchao loaded there is none."""
+    torchao's float8 TP styles require. Imports nothing: without torchao loaded there is none.
+
+    Args:
+        module: any module.
+    """
     ao_linear = sys.modules.get("torchao.float8.float8_linear")
     if ao_linear is None or not isinstance(module, ao_linear.Float8Linear):
         return False
@@ -261,23 +291,37 @@ def has_mx_hardware() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
 
 
-def check_mx(options: MXOptions) -> None:
-    """Raise `ParallelConfigError` in one line naming the hardware MXFP8 needs, when this machine lacks it."""
-    if options.recipe_name == "mxfp8_emulated_rceil" or has_mx_hardware():
+def check_mx(options: MXOptions, device_type: str) -> None:
+    """Raise `ParallelConfigError` in one line naming the hardware MXFP8 needs, where the run lacks it.
+
+    Args:
+        options: the MXFP8 options (torchao's emulated recipe runs anywhere).
+        device_type: the device type the model runs on, e.g. "cuda".
+    """
+    if options.recipe_name == "mxfp8_emulated_rceil":
         return
-    here = f"this GPU is {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "this machine has no GPU"
-    raise ParallelConfigError(
-        f"model.converters = ['mx'] (MXFP8) needs {MX_HARDWARE}; {here}: use 'float8' or remove 'mx'"
-    )
+    if device_type != "cuda":
+        raise ParallelConfigError(
+            f"MXFP8 needs {MX_HARDWARE}, but device_type is {device_type!r}; use float8 linears instead",
+            arguments=("device_type",),
+        )
+    if not has_mx_hardware():
+        here = f"this GPU is {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "this machine has no GPU"
+        raise ParallelConfigError(f"MXFP8 needs {MX_HARDWARE}; {here}: use float8 linears instead")
 
 
-def apply_mx(model: nn.Module, options: MXOptions) -> list[str]:
+def apply_mx(model: nn.Module, options: MXOptions, device_type: str = "cuda") -> list[str]:
     """Give the selected linears of `model` MXFP8 matmuls (torchao wraps their weights), in place; returns their names.
 
     A linear is converted when both dims are multiples of 32 (the MX block) and its
     name contains none of `filter_fqns`. Refuses first without the hardware (`check_mx`).
+
+    Args:
+        model: the whole model (before the pipeline split) or one part.
+        options: recipe and selection.
+        device_type: the device type the model will run on.
     """
-    check_mx(options)
+    check_mx(options, device_type)
     config_mod = import_torchao("torchao.prototype.moe_training.config")
     quantize_ = import_torchao("torchao.quantization").quantize_
     config = config_mod.MXFP8TrainingOpConfig.from_recipe(config_mod.MXFP8TrainingRecipe(options.recipe_name))

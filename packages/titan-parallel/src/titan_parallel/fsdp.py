@@ -80,6 +80,10 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
     Mixed precision is not applied here: under DDP, parameters stay in their own
     dtype (use FSDP for bf16 compute through `MixedPrecisionPolicy`).
+
+    Args:
+        model: the materialised model (DDP buckets real gradients).
+        mesh: the data-parallel replicate mesh, e.g. `mesh["dp_replicate"]`.
     """
     from torch.distributed._composable.replicate import replicate
 

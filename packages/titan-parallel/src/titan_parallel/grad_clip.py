@@ -27,7 +27,7 @@ def clip_grad_norm_(
 
     Args:
         parameters: the parameters of this rank's model (or pipeline stages).
-        max_norm: the largest allowed norm (`training.max_norm`); <= 0 measures only.
+        max_norm: the largest allowed norm; <= 0 measures only.
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         foreach: use the multi-tensor kernels (None = torch's choice).
     """

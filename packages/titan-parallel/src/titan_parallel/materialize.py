@@ -20,7 +20,11 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 
 def canonical_name(name: str) -> str:
-    """A parameter name with wrapper levels (activation checkpoint, compile) removed."""
+    """A parameter name with wrapper levels (activation checkpoint, compile) removed.
+
+    Args:
+        name: a parameter or buffer name of a wrapped model.
+    """
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name

@@ -47,7 +47,7 @@ def resolve_param_dtype(name: str, device: torch.device) -> tuple[torch.dtype, s
     device without native bf16 is kept, with a warning that it will be many times slower.
 
     Args:
-        name: the requested dtype (`training.mixed_precision_param`).
+        name: the requested dtype, "auto", "bfloat16" or "float32".
         device: the training device.
     """
     fast, why = native_bf16(device)
@@ -59,7 +59,7 @@ def resolve_param_dtype(name: str, device: torch.device) -> tuple[torch.dtype, s
     if dtype is torch.bfloat16 and not fast:
         warnings.warn(
             f"bfloat16 compute requested but {why}: training will be many times slower than in float32 "
-            "(set training.mixed_precision_param = 'auto' or 'float32')",
+            "(ask for 'auto' or 'float32' instead)",
             stacklevel=2,
         )
         return dtype, f"bfloat16 as requested, without native support ({why})"

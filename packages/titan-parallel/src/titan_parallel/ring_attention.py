@@ -13,7 +13,7 @@ rank does the same causal work. Two ways to exchange K/V:
 Written here rather than taken from `torch.distributed.tensor.experimental.context_parallel`
 because that one swaps SDPA kernels behind a context manager, rings only the CUDA
 kernels (flash, efficient, cuDNN), and shards buffers itself with its own load
-balancer; Titan needs a plain module in place of `ModelPlan.attention` that runs
+balancer; titan-parallel needs a plain module in place of `ModelPlan.attention` that runs
 on CPU (gloo) and GPU alike, under TP.
 The partial attentions are plain matmuls in float32 (exact, not a fused kernel).
 """
@@ -29,6 +29,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_parallel.layout import check_cp, check_rotate_method
+
 RotateMethod = Literal["allgather", "rotate"]
 
 # `all_gather_single_autograd` in newer torch, `all_gather_tensor_autograd` (now deprecated) before.
@@ -43,7 +45,7 @@ def cp_positions(seqlen: int, cp_rank: int, cp_size: int, device: torch.device |
     E.g. seqlen 4, cp_size 2: rank 0 -> [0, 1, 6, 7], rank 1 -> [2, 3, 4, 5].
 
     Args:
-        seqlen: the local (per-rank) sequence length; even.
+        seqlen: the local (per-rank) sequence length; even when `cp_size > 1` (see `check_cp`).
         cp_rank: this rank's index in the context-parallel group.
         cp_size: the context-parallel degree.
         device: where to put the result.
@@ -51,11 +53,9 @@ def cp_positions(seqlen: int, cp_rank: int, cp_size: int, device: torch.device |
     Returns:
         `(seqlen,)` int64.
     """
-    if seqlen % 2:
-        raise ValueError(
-            f"local sequence length {seqlen} is odd; training.seq_len must be divisible by "
-            f"2 x parallelism.context_parallel_degree = {2 * cp_size}"
-        )
+    if cp_size == 1:
+        return torch.arange(seqlen, device=device)
+    check_cp(seqlen * cp_size, cp_size)
     chunk = seqlen // 2
     head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     tail_start = (2 * cp_size - 1 - cp_rank) * chunk
@@ -253,10 +253,9 @@ def ring_attention(
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     if dist.get_world_size(group) == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    check_rotate_method(rotate_method)
     if rotate_method == "allgather":
         return _allgather_attention(q, k, v, group, scale)
-    if rotate_method != "rotate":
-        raise ValueError(f"parallelism.context_parallel_rotate_method must be 'allgather' or 'rotate', got {rotate_method!r}")
     qg, kg, vg = _to_groups(q, k, v)
     out = _RingAttention.apply(qg, kg, vg, group, scale)  # (bs, n_kv_heads, n_rep, seqlen/cp, head_dim)
     return out.reshape(q.shape).to(q.dtype)
@@ -272,10 +271,7 @@ class RingAttention(nn.Module):
 
     def __init__(self, group: dist.ProcessGroup, rotate_method: RotateMethod = "allgather"):
         super().__init__()
-        if rotate_method not in ("allgather", "rotate"):
-            raise ValueError(
-                f"parallelism.context_parallel_rotate_method must be 'allgather' or 'rotate', got {rotate_method!r}"
-            )
+        check_rotate_method(rotate_method)
         self.group = group
         self.rotate_method = rotate_method
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -31,11 +30,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_parallel.dims import ParallelConfigError
+from titan_parallel.layout import check_async_tp
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
-
-_DEGREE_KEY = "parallelism.tensor_parallel_degree"
+from titan_parallel.tensor_parallel_layout import check_tp
 
 
 def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False) -> ParallelStyle:
@@ -74,104 +72,6 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
     raise ValueError(f"unknown TPStyle {style!r}; add it to titan_parallel.tensor_parallel.build_tp_style")
 
 
-def _model_args(model: nn.Module) -> object | None:
-    """The model's ModelArgs-like object (`model.args`, `model.model_args` or `model.config`), if any."""
-    for name in ("args", "model_args", "config"):
-        args = getattr(model, name, None)
-        if args is not None and hasattr(args, "n_heads"):
-            return args
-    return None
-
-
-def _named_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
-    """(name, size) of every dimension tensor parallel divides: head counts, FFN hidden dim, vocab size."""
-    sizes: list[tuple[str, int]] = []
-    args = _model_args(model)
-    if args is not None:
-        n_heads = args.n_heads
-        n_kv_heads = getattr(args, "kv_heads", None) or getattr(args, "n_kv_heads", None) or n_heads
-        sizes += [("n_heads", n_heads), ("n_kv_heads", n_kv_heads)]
-        for name in ("ffn_hidden_dim", "vocab_size"):
-            if isinstance(getattr(args, name, None), int):
-                sizes.append((name, getattr(args, name)))
-    for block in iter_blocks(model, plan):
-        for path, attrs in plan.head_counts:
-            module = get_submodule_or_none(block, path)
-            for attr in attrs:
-                if module is not None and isinstance(getattr(module, attr, None), int):
-                    sizes.append((attr, getattr(module, attr)))
-    return sizes
-
-
-def _split_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
-    """(name, size) of the weight dimension each planned module shards, found on the modules themselves."""
-    sizes: list[tuple[str, int]] = []
-    container = get_submodule_or_none(model, plan.blocks)
-    first_block = next(iter(container.named_children()), None) if container is not None else None
-    tables = [(model, "", plan.tp)]
-    if first_block is not None:  # every block has the same shapes
-        tables.append((first_block[1], f"{plan.blocks}.{first_block[0]}.", plan.block_tp))
-    for root, prefix, table in tables:
-        for path, style in table:
-            module = get_submodule_or_none(root, path)
-            if isinstance(module, nn.Linear) and style in (TPStyle.COLWISE, TPStyle.OUTPUT):
-                sizes.append((f"{prefix}{path}.out_features", module.out_features))
-            elif isinstance(module, nn.Linear) and style is TPStyle.ROWWISE:
-                sizes.append((f"{prefix}{path}.in_features", module.in_features))
-            elif isinstance(module, nn.Embedding) and style is TPStyle.EMBEDDING:
-                sizes.append((f"{prefix}{path}.num_embeddings", module.num_embeddings))
-    return sizes
-
-
-def check_tp(model: nn.Module, plan: ModelPlan, degree: int) -> None:
-    """Raise `ParallelConfigError` (one line naming the key and the fix) if `model` cannot be split `degree` ways.
-
-    Checks that the plan has tensor-parallel entries and that the degree divides the
-    head counts, the FFN hidden dim and the vocab size (read from `model.args` or the
-    plan's `head_counts`), and every dimension a planned linear or embedding shards.
-    Cheap and communication-free; works on the meta device, so a trainer can call it first.
-
-    Args:
-        model: the model or pipeline stage to split.
-        plan: its plan.
-        degree: the tensor-parallel degree.
-    """
-    if degree < 1:
-        raise ParallelConfigError(f"{_DEGREE_KEY} must be >= 1, got {degree}")
-    if degree == 1:
-        return
-    if not plan.tp and not plan.block_tp:
-        raise ParallelConfigError(
-            f"model {type(model).__name__} has no tensor-parallel plan; set {_DEGREE_KEY} = 1"
-        )
-    for name, size in _named_sizes(model, plan) + _split_sizes(model, plan):
-        if size % degree:
-            raise ParallelConfigError(
-                f"{_DEGREE_KEY} {degree} does not divide {name} {size}; choose a degree that divides it"
-            )
-
-
-def check_async_tp(device_type: str, compile_enabled: bool) -> None:
-    """Raise `ParallelConfigError` unless async TP can run: on CUDA, with the blocks compiled.
-
-    The message names what is missing (the device, compile, or both).
-
-    Args:
-        device_type: the mesh's device type, e.g. "cuda".
-        compile_enabled: whether the model is compiled (`compile.enable`).
-    """
-    on_cuda = device_type == "cuda" and torch.cuda.is_available()
-    missing = [what for what, lacking in (
-        (f"a CUDA device (the mesh is on {device_type!r})", not on_cuda),
-        ("compiled blocks (compile.enable = true)", not compile_enabled),
-    ) if lacking]
-    if missing:
-        raise ParallelConfigError(
-            f"parallelism.enable_async_tensor_parallel needs {' and '.join(missing)}; "
-            "provide them or set it to false"
-        )
-
-
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Let Inductor overlap TP collectives with matmuls (micro-pipeline TP on symmetric memory).
 
@@ -194,12 +94,12 @@ def apply_tp(
     *,
     loss_parallel: bool = True,
     async_tp: bool = False,
-    compile_enabled: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """Split `model` in place over `tp_mesh` as `plan.tp` / `plan.block_tp` say (with sequence parallel).
 
     Modules the plan names but the model lacks (dropped by a pipeline stage) are
-    skipped. Validates first (`check_tp`; `check_async_tp` when `async_tp`).
+    skipped. Validates first (`check_tp`; `layout.check_async_tp` when `async_tp`).
 
     Args:
         model: the model or pipeline stage, on the meta device or real.
@@ -209,14 +109,14 @@ def apply_tp(
             (`Shard(-1)`) for a cross-entropy under `loss_parallel()`; else replicated
             plain-tensor logits.
         async_tp: overlap TP communication with compute (needs CUDA and torch.compile).
-        compile_enabled: whether the model will be compiled (required by `async_tp`).
+        compile: whether the blocks will be compiled (required by `async_tp`).
 
     Returns:
         `model`, changed in place.
     """
     check_tp(model, plan, tp_mesh.size())
     if async_tp:
-        check_async_tp(tp_mesh.device_type, compile_enabled)
+        check_async_tp(tp_mesh.size(), tp_mesh.device_type, compile)
     tied = _tied_output_embedding(model, plan)
     parallelize_module(model, tp_mesh, planned_styles(model, plan.tp, loss_parallel))
     for block in iter_blocks(model, plan):
@@ -237,6 +137,11 @@ def planned_styles(root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss
     is a tensorwise `Float8Linear`, and a BLOCK_INPUT whose colwise linears all are (its
     input then all-gathers once, in float8). Rowwise-scaled float8 linears get the plain
     styles: torchao's float8 TP is tensorwise-only, so they all-gather in high precision.
+
+    Args:
+        root: the module the table's paths are relative to (the model, or one block).
+        table: (module path, style) entries, e.g. `plan.block_tp`.
+        loss_parallel: see `build_tp_style`.
     """
     from titan_parallel.float8 import is_tensorwise_float8
 

@@ -4,7 +4,6 @@
     print(dump_toml(cfg))
 """
 
-from titan_core.config.combinations import check_combinations
 from titan_core.config.describe import config_help
 from titan_core.config.errors import ConfigError
 from titan_core.config.load import (
@@ -13,7 +12,6 @@ from titan_core.config.load import (
     resolve_config_file,
 )
 from titan_core.config.schema import (
-    PIPELINE_SCHEDULES,
     ActivationCheckpoint,
     Checkpoint,
     Comm,
@@ -33,7 +31,6 @@ from titan_core.config.schema import (
 from titan_core.config.toml_dump import dump_toml
 
 __all__ = [
-    "PIPELINE_SCHEDULES",
     "ActivationCheckpoint",
     "Checkpoint",
     "Comm",
@@ -50,7 +47,6 @@ __all__ = [
     "Profiling",
     "Training",
     "Validation",
-    "check_combinations",
     "config_help",
     "dump_toml",
     "list_shipped_configs",

@@ -1,4 +1,4 @@
-"""`MetricsLogger`: the console line, TensorBoard scalars and the progress bar.
+"""`MetricsLogger`: the console line, `metrics.jsonl`, TensorBoard scalars and the progress bar.
 
 Metrics arrive as a dict keyed by TensorBoard tag; `None` values are skipped.
 The console line shows the keys below when present (any other key goes to
@@ -15,22 +15,23 @@ TensorBoard only):
 
 Only rank 0 writes. Text goes through the `logging` logger "titan"; if nothing
 has configured a handler for it, the logger adds one that prints to stdout
-while it is open. When stdout is a terminal a progress bar (steps done/total,
-rate, ETA) sits on the last line, rewritten in place with `\\r` and cleared
-before each log line; when stdout is not a terminal there is no bar and no
-`\\r` or colour codes.
-
-Written here rather than taken from rich/tqdm to keep titan-core's
-dependencies to torch, pydantic and tensorboard.
+while it is open. When stdout is a terminal a tqdm progress bar (steps
+done/total, rate, ETA) sits on the last line, and console log lines are printed
+above it (`tqdm.contrib.logging.logging_redirect_tqdm`); when stdout is not a
+terminal there is no bar and no colour codes. Every logged step is also one JSON
+line in `metrics.jsonl`, the record scripts and tests read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import sys
-import time
 from pathlib import Path
-from typing import TextIO
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 __all__ = ["MetricsLogger", "format_metrics_line"]
 
@@ -47,9 +48,7 @@ _COLORS = {
     "mfu": "\033[35m",  # magenta
     "mem": "\033[33m",  # yellow
 }
-_CLEAR_LINE = "\r\033[2K"
-_BAR_WIDTH = 24
-_BAR_MIN_INTERVAL_S = 0.1  # redraw the bar at most this often
+_BAR_FORMAT = "{bar:24} {n_fmt}/{total_fmt} steps  {rate_fmt}  ETA {remaining}"  # rate: "1.23 steps/s"
 
 
 def _paint(text: str, label: str, color: bool) -> str:
@@ -98,81 +97,20 @@ def format_metrics_line(step: int, total_steps: int, metrics: dict[str, float | 
     return "  ".join(fields)
 
 
-def _format_duration(seconds: float) -> str:
-    """`H:MM:SS` for a duration in seconds."""
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class _ProgressBar:
-    """One terminal line, rewritten in place: `[####....] 12/60 steps  1.23 steps/s  ETA 0:00:39`."""
-
-    def __init__(self, stream: TextIO, total_steps: int) -> None:
-        self.stream = stream
-        self.total_steps = total_steps
-        self.text = ""  # what is on the line now; "" = nothing drawn
-        self._first: tuple[int, float] | None = None  # (step, time) of the first update
-        self._last_draw = 0.0
-
-    def update(self, step: int) -> None:
-        """Redraw for `step` steps done (throttled, except for the last step)."""
-        now = time.perf_counter()
-        if self._first is None:
-            self._first = (step, now)
-        if step < self.total_steps and now - self._last_draw < _BAR_MIN_INTERVAL_S:
-            return
-        first_step, first_time = self._first
-        elapsed = now - first_time
-        rate = (step - first_step) / elapsed if elapsed > 0 and step > first_step else None
-        done = min(step, self.total_steps)
-        filled = _BAR_WIDTH * done // max(self.total_steps, 1)
-        text = f"[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done}/{self.total_steps} steps"
-        if rate is not None:
-            text += f"  {rate:.2f} steps/s  ETA {_format_duration((self.total_steps - done) / rate)}"
-        self.text = text
-        self._last_draw = now
-        self.redraw()
-
-    def clear(self) -> None:
-        """Blank the line (before other text is printed)."""
-        if self.text:
-            self.stream.write(_CLEAR_LINE)
-            self.stream.flush()
-
-    def redraw(self) -> None:
-        """Write the current bar on the (blank) line."""
-        if self.text:
-            self.stream.write(f"{_CLEAR_LINE}{self.text}")
-            self.stream.flush()
-
-
-class _BarAwareHandler(logging.StreamHandler):
-    """A stdout handler that clears the progress bar before a record and redraws it after."""
-
-    def __init__(self, stream: TextIO, bar: _ProgressBar | None) -> None:
-        super().__init__(stream)
-        self.bar = bar
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.bar is not None:
-            self.bar.clear()
-        super().emit(record)
-        if self.bar is not None:
-            self.bar.redraw()
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
 
 
 class MetricsLogger:
-    """Writes each logged step to the console and TensorBoard, on rank 0 only.
+    """Writes each logged step to the console, `metrics.jsonl` and TensorBoard, on rank 0 only.
 
     Args:
-        log_dir: TensorBoard folder (e.g. `job.dump_folder / metrics.save_tb_folder`);
-            may be None when TensorBoard is off.
-        enable_tensorboard: write TensorBoard event files (`metrics.enable_tensorboard`).
+        log_dir: TensorBoard folder; None when TensorBoard is off.
+        enable_tensorboard: write TensorBoard event files.
         rank: this process's rank; only rank 0 prints and writes.
-        total_steps: steps the run will take (`training.steps`), for the line and bar.
-        color: colour the console line (`not metrics.disable_color_printing`);
-            ignored when stdout is not a terminal.
+        total_steps: steps the run will take, for the line and bar.
+        color: colour the console line; ignored when stdout is not a terminal.
+        jsonl_path: append one JSON record per logged step to this file; None writes none.
     """
 
     def __init__(
@@ -182,6 +120,7 @@ class MetricsLogger:
         rank: int,
         total_steps: int,
         color: bool,
+        jsonl_path: str | Path | None = None,
     ) -> None:
         self.rank = rank
         self.total_steps = total_steps
@@ -189,68 +128,72 @@ class MetricsLogger:
         is_tty = self._stream.isatty()
         self.color = color and is_tty
         self._writer = None
-        self._bar: _ProgressBar | None = None
-        self._handler: _BarAwareHandler | None = None
+        self._jsonl = None
+        self._bar: tqdm | None = None
+        self._handler: logging.Handler | None = None
         self._saved_level: int | None = None
+        self._redirect = contextlib.ExitStack()
         if rank != 0:
             return
         if enable_tensorboard:
             if log_dir is None:
-                raise ValueError(
-                    "metrics.enable_tensorboard is true but no TensorBoard folder was given; "
-                    "set job.dump_folder or set metrics.enable_tensorboard = false"
-                )
+                raise ValueError("enable_tensorboard is true but log_dir is None; give a TensorBoard folder or turn it off")
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(log_dir))
-        if is_tty:
-            self._bar = _ProgressBar(self._stream, total_steps)
+        if jsonl_path is not None:
+            self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if not logger.hasHandlers():
-            self._handler = _BarAwareHandler(self._stream, self._bar)
+            self._handler = logging.StreamHandler(self._stream)
+            self._handler.setFormatter(logging.Formatter("%(message)s"))
             logger.addHandler(self._handler)
             if logger.getEffectiveLevel() > logging.INFO:
                 self._saved_level = logger.level
                 logger.setLevel(logging.INFO)
+        if is_tty:
+            # Console handlers (ours, or the root's from logging.basicConfig) print above the bar.
+            consoles = [lg for lg in (logging.root, logger) if any(_is_console(h) for h in lg.handlers)]
+            self._redirect.enter_context(logging_redirect_tqdm(loggers=consoles))
+            self._bar = tqdm(total=total_steps, file=self._stream, bar_format=_BAR_FORMAT, unit=" steps")
 
     def update_progress(self, step: int) -> None:
         """Advance the progress bar to `step` steps done (call every step; cheap)."""
-        if self._bar is not None:
-            self._bar.update(step)
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(min(step, self.total_steps) - self._bar.n)
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
-        """Print the console line and write the TensorBoard scalars for `step`.
+        """Print the console line and write the JSON record and TensorBoard scalars for `step`.
 
         Args:
             step: the step just finished (1-based).
             metrics: values keyed by TensorBoard tag (see the module docstring);
-                None values are skipped.
+                None values are skipped on the console and in TensorBoard, null in the JSON record.
         """
         if self.rank != 0:
             return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._jsonl.flush()
         values = {key: float(v) for key, v in metrics.items() if v is not None}
         if self._writer is not None:
             for tag, v in values.items():
                 self._writer.add_scalar(tag, v, step)
-        line = format_metrics_line(step, self.total_steps, values, color=self.color)
-        if self._bar is not None and self._handler is None:
-            self._bar.clear()  # someone else's handler: clear around the record ourselves
-            logger.info(line)
-            self._bar.redraw()
-        else:
-            logger.info(line)
+        logger.info(format_metrics_line(step, self.total_steps, values, color=self.color))
         self.update_progress(step)
 
     def close(self) -> None:
-        """Flush and close TensorBoard, end the bar's line and remove the added handler."""
+        """Flush and close the files, end the bar and remove what was added to logging."""
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
             self._writer = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
         if self._bar is not None:
-            if self._bar.text:
-                self._stream.write("\n")
-                self._stream.flush()
+            self._bar.close()
             self._bar = None
+        self._redirect.close()
         if self._handler is not None:
             logger.removeHandler(self._handler)
             self._handler.flush()

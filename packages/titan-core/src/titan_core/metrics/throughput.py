@@ -59,6 +59,9 @@ class ThroughputMeter:
         peak_flops: the device's peak FLOP/s (see `device_peak_flops`), or None.
         non_data_parallel_size: devices that share each token (tp x cp x pp).
         clock: seconds as a float; `time.perf_counter` unless a test swaps it.
+        raise_peak: called with the achieved FLOP/s when a window beats `peak_flops` (MFU > 100%),
+            returns the corrected peak; for a peak that was measured, not read from a datasheet
+            (see `titan_core.metrics.peak_flops.raise_cpu_peak`). None leaves the peak as given.
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class ThroughputMeter:
         peak_flops: float | None,
         non_data_parallel_size: int = 1,
         clock: Callable[[], float] = time.perf_counter,
+        raise_peak: Callable[[float], float] | None = None,
     ) -> None:
         self.flops_per_token = flops_per_token
+        self.raise_peak = raise_peak
         self.peak_flops = peak_flops
         self.non_data_parallel_size = non_data_parallel_size
         self._clock = clock
@@ -104,6 +109,10 @@ class ThroughputMeter:
                 peak_flops=self.peak_flops,
                 non_data_parallel_size=self.non_data_parallel_size,
             )
+            mfu, tflops = figures["throughput/mfu_pct"], figures["throughput/tflops"]
+            if mfu is not None and mfu > 100 and self.raise_peak is not None:
+                self.peak_flops = self.raise_peak(tflops * 1e12)
+                figures["throughput/mfu_pct"] = 100 * tflops * 1e12 / self.peak_flops
         self._tokens = 0
         self._window_start = now
         return figures

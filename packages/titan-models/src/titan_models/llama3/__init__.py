@@ -2,12 +2,7 @@
 
 from titan_models.llama3.flavors import llama3_flavors
 from titan_models.llama3.flops import count_params, flops_per_token
-from titan_models.llama3.hf_adapter import (
-    Llama3StateDictAdapter,
-    args_from_hf_config,
-    hf_config_from_args,
-    llama3_state_dict_adapter,
-)
+from titan_models.llama3.hf_adapter import args_from_hf_config, hf_config_from_args, llama3_hf_adapter
 from titan_models.llama3.model import (
     Attention,
     FeedForward,
@@ -25,7 +20,6 @@ from titan_models.llama3.plan import llama3_plan
 __all__ = [
     "Attention",
     "FeedForward",
-    "Llama3StateDictAdapter",
     "ModelArgs",
     "RopeScaling",
     "ScaledDotProductAttention",
@@ -39,6 +33,6 @@ __all__ = [
     "hf_config_from_args",
     "llama3_flavors",
     "llama3_plan",
-    "llama3_state_dict_adapter",
+    "llama3_hf_adapter",
     "precompute_rope_cache",
 ]

@@ -1,5 +1,5 @@
 """Llama 3 <-> Hugging Face `LlamaForCausalLM`: parameter names, the RoPE layout of
-`wq`/`wk`, and `config.json`.
+`wq`/`wk`, and `config.json`, bundled as `llama3_hf_adapter`.
 
 Titan keeps Meta's interleaved RoPE layout (pairs `(2i, 2i+1)` of a head rotate
 together); Hugging Face rotates halves (`i` with `i + head_dim/2`). The query and key
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from titan_models.llama3.model import ModelArgs, RopeScaling
+from titan_models.spec import HFAdapter
 
 # Titan name template -> Hugging Face name template; `{i}` is the layer index.
 _LAYER_NAMES: dict[str, str] = {
@@ -248,34 +249,11 @@ def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict[str, An
     }
 
 
-class Llama3StateDictAdapter:
-    """The Hugging Face adapter the model registry stores in `ModelSpec.state_dict_adapter`.
-
-    Stateless: every method takes the model's args, so one instance serves all flavors.
-    """
-
-    hf_architecture = "LlamaForCausalLM"
-    """transformers class the converted files load into."""
-
-    @staticmethod
-    def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        """See `to_hf_state_dict`."""
-        return to_hf_state_dict(state_dict, args)
-
-    @staticmethod
-    def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        """See `from_hf_state_dict`."""
-        return from_hf_state_dict(hf_state_dict, args)
-
-    @staticmethod
-    def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
-        """See `args_from_hf_config`."""
-        return args_from_hf_config(config)
-
-    @staticmethod
-    def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict[str, Any]:
-        """See `hf_config_from_args`."""
-        return hf_config_from_args(args, dtype)
-
-
-llama3_state_dict_adapter = Llama3StateDictAdapter()
+llama3_hf_adapter: HFAdapter[ModelArgs] = HFAdapter(
+    hf_architecture="LlamaForCausalLM",
+    to_hf=to_hf_state_dict,
+    from_hf=from_hf_state_dict,
+    args_from_hf_config=args_from_hf_config,
+    hf_config_from_args=hf_config_from_args,
+)
+"""The Llama 3 family's `ModelSpec.hf_adapter`."""

@@ -283,6 +283,10 @@ class Transformer(nn.Module):
 
     def _compute_rope_cache(self) -> torch.Tensor:
         a = self.args
+        if torch.get_default_device().type == "meta":
+            # A meta model holds no values (`init_weights` computes them once materialised);
+            # computing on meta would only cost the first use of torch's meta kernels.
+            return torch.empty(a.max_seq_len, a.attention_head_dim)  # (max_seq_len, head_dim)
         return precompute_rope_cache(a.attention_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

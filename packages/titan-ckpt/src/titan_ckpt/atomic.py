@@ -1,7 +1,8 @@
-"""All-or-nothing outputs: write into a hidden sibling, rename onto the destination at the end.
+"""All-or-nothing file output: write into a hidden sibling, rename onto the destination at the end.
 
 A crash, a bad input or a failed check leaves no half-written checkpoint behind:
-the destination either does not exist or is complete.
+the destination either does not exist or is complete. (Not to be confused with DCP's
+async "staging", the copy of tensors into CPU buffers that `CheckpointManager` does.)
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from pathlib import Path
 
 
 @contextmanager
-def staged_output(dst: str | os.PathLike) -> Iterator[Path]:
+def atomic_output(dst: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `dst`; rename it to `dst` when the block succeeds,
     delete it when the block raises.
 
     The temporary path does not exist yet: create a folder or a file there.
+
+        with atomic_output("out/model-dcp") as tmp:
+            write_dcp_state_dict(tmp, state_dict)   # out/model-dcp appears only now, complete
 
     Args:
         dst: the final file or folder; it must not exist (nothing is overwritten).

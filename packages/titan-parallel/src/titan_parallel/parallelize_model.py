@@ -6,8 +6,8 @@ TP first, because it changes parameters into DTensors on the `tp` mesh that FSDP
 then shards further; CP swaps the attention core; AC and compile wrap the
 blocks TP and CP produced; FSDP last, so its units are the finished blocks.
 Pipeline parallel is outermost: the caller cuts the model into stages with
-`titan_parallel.pipeline.split_model` first, then calls `parallelize` on each
-stage (as `titan_core.model_setup` does).
+`titan_parallel.pipeline.split_model` first, then calls `parallelize` on each stage.
+Every option is checked before the model is touched (`titan_parallel.layout`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan_parallel.activation_checkpoint import apply_ac
 from titan_parallel.compile import apply_compile, compile_backend
 from titan_parallel.fsdp import apply_ddp, apply_fsdp
+from titan_parallel.layout import check_ac, check_async_tp, check_data_parallel, check_rotate_method
+from titan_parallel.mesh import ParallelMesh
 from titan_parallel.plan import ModelPlan
 
 
@@ -34,12 +35,12 @@ class ParallelOptions:
         reduce_dtype: gradient reduction dtype under FSDP.
         reshard_after_forward: FSDP policy, "default" | "always" | "never".
         cpu_offload: FSDP keeps parameters and optimizer state on the CPU.
-        dp_mode: "fsdp" (also HSDP when the mesh has replicas) or "ddp".
+        dp_mode: "fsdp" (also HSDP when the mesh has replicas) or "ddp" (see `check_data_parallel`).
         loss_parallel: under TP, keep logits sharded on the vocab dim for a sharded cross-entropy.
-        async_tp: overlap TP communication with matmuls (CUDA + compile only).
+        async_tp: overlap TP communication with matmuls (tp > 1, CUDA and compile; see `check_async_tp`).
         cp_rotate_method: how context parallel exchanges K/V, "allgather" | "rotate".
         ac_mode: activation checkpointing, "none" | "selective" | "full".
-        ac_selective_option: "op" or every Nth block.
+        ac_selective_option: "op" or every Nth block (a positive int as a string).
         compile: compile each block.
         pipeline_parallel: the model is one pipeline stage.
     """
@@ -58,7 +59,7 @@ class ParallelOptions:
     pipeline_parallel: bool = False
 
 
-def uses_fsdp(mesh: DeviceMesh, options: ParallelOptions) -> bool:
+def uses_fsdp(mesh: ParallelMesh, options: ParallelOptions) -> bool:
     """Whether `parallelize` wraps the model with FSDP for this mesh and options.
 
     FSDP runs when the data-parallel mesh (`dp_replicate` x `dp_shard_cp`) has more than
@@ -77,26 +78,41 @@ def uses_fsdp(mesh: DeviceMesh, options: ParallelOptions) -> bool:
     return options.cpu_offload or mesh["dp_replicate"].size() * mesh["dp_shard_cp"].size() > 1
 
 
-def parallelize(model: nn.Module, plan: ModelPlan, mesh: DeviceMesh, options: ParallelOptions = ParallelOptions()) -> nn.Module:
+def check_options(mesh: ParallelMesh, options: ParallelOptions) -> None:
+    """Raise `ParallelConfigError` for options that cannot run on `mesh` (what `parallelize` checks first).
+
+    Args:
+        mesh: the parallel mesh.
+        options: the parallel options; errors name their field names.
+    """
+    check_data_parallel(mesh.dims, options.dp_mode)
+    check_rotate_method(options.cp_rotate_method)
+    check_ac(options.ac_mode, options.ac_selective_option)
+    if options.async_tp:
+        check_async_tp(mesh.dims.tp, mesh.device_type, options.compile)
+
+
+def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: ParallelOptions = ParallelOptions()) -> nn.Module:
     """Apply TP, CP, AC, compile and data parallel to `model` in place, as `mesh`'s degrees ask.
 
     Args:
         model: the model (or one pipeline stage), on the meta device or real.
         plan: how the model may be split.
         mesh: the mesh from `ParallelDims.build_mesh` (dims pp, dp_replicate, dp_shard, cp, tp).
-        options: dtypes and the optional features.
+        options: dtypes and the optional features (checked first, `check_options`).
     """
+    check_options(mesh, options)
     if mesh["tp"].size() > 1:
         from titan_parallel.tensor_parallel import apply_tp
 
         apply_tp(
             model, plan, mesh["tp"],
-            loss_parallel=options.loss_parallel, async_tp=options.async_tp, compile_enabled=options.compile,
+            loss_parallel=options.loss_parallel, async_tp=options.async_tp, compile=options.compile,
         )
     if mesh["cp"].size() > 1:
         from titan_parallel.context_parallel import apply_cp
 
-        apply_cp(model, plan, mesh["cp"], rotate_method=options.cp_rotate_method)
+        apply_cp(model, plan, mesh["cp"], cp_rotate_method=options.cp_rotate_method)
     apply_ac(model, plan, options.ac_mode, options.ac_selective_option)
     if options.compile:
         # Ring attention runs eager (its collectives are not traceable): under CP each block
@@ -107,11 +123,6 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: DeviceMesh, options: Pa
             model, plan, fullgraph=mesh["cp"].size() == 1, per_child=tp > 1, backend=compile_backend(mesh["tp"].device_type, tp)
         )
     if options.dp_mode == "ddp":
-        if mesh["dp_shard"].size() > 1 or mesh["cp"].size() > 1 or mesh["tp"].size() > 1:
-            raise ValueError(
-                "parallelism.dp_mode = 'ddp' replicates whole models: set data_parallel_shard_degree = 1 and use "
-                "data_parallel_replicate_degree for DDP (it does not combine with TP or CP; use 'fsdp' for those)"
-            )
         return apply_ddp(model, mesh["dp_replicate"]) if mesh["dp_replicate"].size() > 1 else model
     if not uses_fsdp(mesh, options):
         return model

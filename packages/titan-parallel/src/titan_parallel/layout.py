@@ -1,0 +1,237 @@
+"""The arithmetic of a valid parallel layout: degrees, and the rule each parallelism sets.
+
+Nothing here imports torch at module level, so a launcher can check a whole
+layout before it starts any process; the `apply_*` functions call the same rules
+again, so each rule is written once. Every rule raises `ParallelConfigError`,
+whose `arguments` name the parameters at fault as the rule's signature names
+them, each a whole word of the message, so a caller can rewrite them into its
+own terms (a launcher into its config keys).
+
+The pipeline's rules (schedules, stage counts, cuts, microbatches) are in
+`titan_parallel.pipeline_layout`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titan_parallel.mesh import ParallelMesh
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work: one line naming the arguments at fault and the fix.
+
+    Args:
+        message: the explanation; names each of `arguments` as a whole word.
+        arguments: the parameter names at fault, as the raising function's signature names them.
+    """
+
+    def __init__(self, message: str, *, arguments: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.arguments: tuple[str, ...] = tuple(arguments)
+
+    def __reduce__(self):  # keep `arguments` across pickling (e.g. from a worker process)
+        return (self.__class__, (str(self),), {"arguments": self.arguments})
+
+
+def at_least(minimum: int, **values: int) -> None:
+    """Raise `ParallelConfigError` naming the first of `values` below `minimum`.
+
+    Args:
+        minimum: the smallest value allowed.
+        values: argument name -> value.
+    """
+    for name, value in values.items():
+        if value < minimum:
+            raise ParallelConfigError(f"{name}={value} must be >= {minimum}", arguments=(name,))
+
+
+def _product(named: Sequence[tuple[str, int]]) -> str:
+    """`"cp=2 x tp=4 = 8"` for the given (name, value) pairs; `"tp=4"` for one."""
+    text = " x ".join(f"{n}={v}" for n, v in named)
+    return text if len(named) == 1 else f"{text} = {math.prod(v for _, v in named)}"
+
+
+# ---- degrees -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel dimension; their product is the world size.
+
+    Args:
+        dp_replicate: data-parallel replicas (HSDP's replicate dim, or DDP).
+        dp_shard: FSDP shards; -1 takes what the other degrees leave of the world size.
+        cp: context parallel degree (each sequence split over this many ranks).
+        tp: tensor parallel degree (with sequence parallel).
+        pp: pipeline parallel degree (ranks in one pipeline).
+        world_size: number of processes.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        at_least(1, dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, pp=self.pp, world_size=self.world_size)
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ParallelConfigError(
+                f"dp_shard={self.dp_shard} must be >= 1, or -1 for what the other degrees leave of the world size",
+                arguments=("dp_shard",),
+            )
+        others = [(n, getattr(self, n)) for n in ("dp_replicate", "cp", "tp", "pp") if getattr(self, n) > 1]
+        product = math.prod(v for _, v in others)
+        if self.dp_shard == -1:
+            if self.world_size % product:
+                raise ParallelConfigError(
+                    f"the world size {self.world_size} is not divisible by {_product(others)}; "
+                    "change these degrees or the number of processes",
+                    arguments=tuple(n for n, _ in others),
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // product)
+        named = [("dp_shard", self.dp_shard), *others]
+        if product * self.dp_shard != self.world_size:
+            raise ParallelConfigError(
+                f"{_product(named)} but the world size is {self.world_size}; "
+                f"set dp_shard=-1 (the rest) or launch {product * self.dp_shard} processes",
+                arguments=tuple(n for n, _ in named),
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are read per step."""
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """Create the 5-D mesh `(pp, dp_replicate, dp_shard, cp, tp)` and its flattened views.
+
+        Args:
+            device_type: "cuda" or "cpu"; the process group must be initialised.
+        """
+        from titan_parallel.mesh import init_parallel_mesh
+
+        return init_parallel_mesh(self, device_type)
+
+
+# ---- data parallel, context parallel, activation checkpointing, async TP ----------------------
+
+DP_MODES = ("fsdp", "ddp")
+ROTATE_METHODS = ("allgather", "rotate")
+AC_MODES = ("none", "selective", "full")
+
+
+def check_data_parallel(dims: ParallelDims, dp_mode: str) -> None:
+    """Raise unless `dp_mode` is known and, for DDP, the model is not sharded.
+
+    DDP replicates whole models: it does not combine with FSDP shards, CP or TP.
+
+    Args:
+        dims: the parallel degrees (named by their field names in errors).
+        dp_mode: "fsdp" (HSDP when `dims.dp_replicate > 1`) or "ddp".
+    """
+    if dp_mode not in DP_MODES:
+        raise ParallelConfigError(f"dp_mode={dp_mode!r} is unknown; choose 'fsdp' or 'ddp'", arguments=("dp_mode",))
+    sharded = [(n, getattr(dims, n)) for n in ("dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+    if dp_mode == "ddp" and sharded:
+        raise ParallelConfigError(
+            f"dp_mode='ddp' replicates whole models and does not combine with "
+            f"{', '.join(f'{n}={v}' for n, v in sharded)}; set {' and '.join(n for n, _ in sharded)} to 1 "
+            "and replicate with dp_replicate, or use dp_mode='fsdp'",
+            arguments=("dp_mode", *(n for n, _ in sharded), "dp_replicate"),
+        )
+
+
+def check_cp(seq_len: int, cp: int, tp: int = 1) -> None:
+    """Raise unless sequences of `seq_len` tokens split over context and sequence parallel.
+
+    Context parallel cuts each sequence into `2 * cp` equal chunks (the head-tail
+    layout), so `seq_len % (2 * cp) == 0`. Sequence parallel (on whenever tp > 1)
+    then splits each rank's `seq_len / cp` tokens between the blocks into tp equal
+    pieces, so `seq_len % (cp * tp) == 0`: DTensor does not pad an uneven sequence
+    shard, and the next collective fails (seq_len 15 at tp 2 aborts in gloo,
+    "Received data size doesn't match expected size").
+
+    Args:
+        seq_len: tokens per sequence, as the model sees them.
+        cp: context parallel degree.
+        tp: tensor parallel degree.
+    """
+    at_least(1, seq_len=seq_len, cp=cp, tp=tp)
+    if cp > 1 and seq_len % (2 * cp):
+        raise ParallelConfigError(
+            f"seq_len={seq_len} is not divisible by 2 x cp={cp} = {2 * cp}: context parallel cuts each sequence "
+            "into 2 chunks per rank; change seq_len or cp",
+            arguments=("seq_len", "cp"),
+        )
+    if tp > 1 and seq_len % (cp * tp):
+        named = [("cp", cp), ("tp", tp)] if cp > 1 else [("tp", tp)]
+        raise ParallelConfigError(
+            f"seq_len={seq_len} is not divisible by {_product(named)}: sequence parallel splits each sequence "
+            f"into one piece per tensor-parallel rank; change seq_len or {' or '.join(n for n, _ in named)}",
+            arguments=("seq_len", *(n for n, _ in named)),
+        )
+
+
+def check_rotate_method(cp_rotate_method: str) -> None:
+    """Raise unless `cp_rotate_method` is a known way for context parallel to exchange K/V.
+
+    Args:
+        cp_rotate_method: "allgather" (gather K/V once) or "rotate" (pass K/V around a ring).
+    """
+    if cp_rotate_method not in ROTATE_METHODS:
+        raise ParallelConfigError(
+            f"cp_rotate_method={cp_rotate_method!r} is unknown; choose 'allgather' or 'rotate'",
+            arguments=("cp_rotate_method",),
+        )
+
+
+def check_ac(ac_mode: str, ac_selective_option: str = "2") -> None:
+    """Raise unless the activation checkpointing mode and its selective option are known.
+
+    Args:
+        ac_mode: "none", "selective" or "full".
+        ac_selective_option: "op" (keep the outputs of costly ops) or a positive int N
+            as a string (checkpoint every Nth block); read under "selective" only,
+            but checked always.
+    """
+    if ac_mode not in AC_MODES:
+        raise ParallelConfigError(
+            f"ac_mode={ac_mode!r} is unknown; choose 'none', 'selective' or 'full'", arguments=("ac_mode",)
+        )
+    option = str(ac_selective_option)
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ParallelConfigError(
+            f"ac_selective_option={ac_selective_option!r} is neither 'op' nor a positive int (every Nth block)",
+            arguments=("ac_selective_option",),
+        )
+
+
+def check_async_tp(tp: int, device_type: str, compile: bool) -> None:
+    """Raise unless async tensor parallel (`async_tp`) can run: tp > 1, on CUDA, with the blocks compiled.
+
+    It overlaps TP collectives with matmuls inside compiled graphs on CUDA symmetric
+    memory; the message names every requirement that is missing, and `async_tp`.
+
+    Args:
+        tp: tensor parallel degree.
+        device_type: the device type the model runs on, e.g. "cuda".
+        compile: whether the blocks are compiled.
+    """
+    missing = [(what, name) for what, name, lacking in (
+        (f"tp > 1 (got tp={tp})", "tp", tp < 2),
+        ("compile=True", "compile", not compile),
+        (f"a CUDA device (device_type is {device_type!r})", "device_type", device_type != "cuda"),
+    ) if lacking]
+    if missing:
+        raise ParallelConfigError(
+            f"async_tp needs {' and '.join(w for w, _ in missing)}: it overlaps TP collectives with matmuls "
+            "inside compiled graphs on CUDA; provide them or set async_tp=False",
+            arguments=("async_tp", *(n for _, n in missing)),
+        )

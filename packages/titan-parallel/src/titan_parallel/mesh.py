@@ -1,0 +1,68 @@
+"""The one device mesh every parallelism lives on.
+
+Mesh dims, outermost first: `pp, dp_replicate, dp_shard, cp, tp`. Every dim is
+always present (size 1 when unused), so one code path serves one process and
+thousands. Flattened views:
+
+- `dp`          = dp_replicate x dp_shard: ranks that read different data.
+- `dp_shard_cp` = dp_shard x cp: ranks FSDP shards parameters over.
+- `dp_cp`       = dp_replicate x dp_shard x cp: ranks a loss is averaged over.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_parallel.layout import ParallelDims
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+class ParallelMesh:
+    """The root mesh plus its flattened views, looked up by name: `mesh["tp"]`, `mesh["dp_cp"]`,
+    `mesh["dp_replicate", "dp_shard_cp"]` (the HSDP mesh).
+
+    Args:
+        root: the 5-D mesh `(pp, dp_replicate, dp_shard, cp, tp)`.
+        flattened: the views of `FLATTENED`, by name.
+        dims: the degrees the mesh was built from.
+    """
+
+    def __init__(self, root: DeviceMesh, flattened: dict[str, DeviceMesh], dims: ParallelDims):
+        self.root = root
+        self.flattened = flattened
+        self.dims = dims
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names in self.flattened:
+            return self.flattened[names]
+        return self.root[names]
+
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+    def size(self) -> int:
+        return self.root.size()
+
+    def __repr__(self) -> str:
+        return f"ParallelMesh({self.root})"
+
+
+def init_parallel_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """Create the 5-D mesh of `dims` and its flattened views (what `ParallelDims.build_mesh` does).
+
+    Args:
+        dims: the parallel degrees; their product must be the process group's size.
+        device_type: "cuda" or "cpu".
+    """
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    flat = {name: root[names]._flatten(name) for name, names in FLATTENED.items()}
+    return ParallelMesh(root, flat, dims)
