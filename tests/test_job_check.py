@@ -57,7 +57,7 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule):
         (["--parallelism.dp_mode", "ddp", "--parallelism.data_parallel_shard_degree", "2"], ["parallelism.dp_mode"]),
         (["--parallelism.enable_async_tensor_parallel", "true"], ["parallelism.enable_async_tensor_parallel"]),
         (["--parallelism.enable_async_tensor_parallel", "true", "--parallelism.tensor_parallel_degree", "2"], ["compile.enable"]),
-        (["--model.converters", "mx"], ["B200"]),
+        (["--model.converters", "mx"], ["model.converters", "B200"]),
         (["--model.converters", "float8", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather", "true"],
          ["float8.enable_fsdp_float8_all_gather", "float8.recipe_name"]),
         (["--validation.enable", "true", "--parallelism.pipeline_parallel_degree", "2"], ["validation.enable"]),

@@ -88,7 +88,10 @@ def as_config_error(error: Exception, keys: Mapping[str, str] | None = None) -> 
     message = str(error)
     for argument in getattr(error, "arguments", ()):
         if argument in table:
-            message = re.sub(rf"(?<![\w./]){re.escape(argument)}(?![\w/])", table[argument], message)
+            key = table[argument]
+            message = re.sub(rf"(?<![\w./]){re.escape(argument)}(?![\w/])", key, message)
+            # Python's True/False as the config writes them.
+            message = re.sub(rf"{re.escape(key)}=(True|False)\b", lambda m: f"{key}={m.group(1).lower()}", message)
     return ConfigError(message)
 
 
@@ -310,17 +313,17 @@ def _converters(job: CheckedJob) -> None:
         from titan_parallel.float8 import check_mx
 
         _translated(check_mx, {"recipe_name": "mx.recipe_name", "filter_fqns": "mx.filter_fqns", "device_type": "training.device"},
-                    mx_options(job.cfg), job.device_type)
+                    mx_options(job.cfg), job.device_type, prefix="model.converters = ['mx']: ")
 
 
-def _translated(rule: Callable[..., None], keys: Mapping[str, str], *args: Any) -> None:
-    """Call a library rule, naming config keys (`keys` over `ARGUMENT_KEYS`) in its error."""
+def _translated(rule: Callable[..., None], keys: Mapping[str, str], *args: Any, prefix: str = "") -> None:
+    """Call a library rule, naming config keys (`keys` over `ARGUMENT_KEYS`) in its error, after `prefix`."""
     from titan_parallel import ParallelConfigError
 
     try:
         rule(*args)
     except ParallelConfigError as e:
-        raise as_config_error(e, keys) from None
+        raise ConfigError(prefix + str(as_config_error(e, keys))) from None
 
 
 RULES: tuple[tuple[str, Rule], ...] = (
