@@ -28,6 +28,8 @@ BROKEN = {
                   "--parallelism.pipeline_parallel_microbatch_size", "2"], 2,
                  ["training.local_batch_size", "parallelism.pipeline_parallel_microbatch_size"]),
     "converters": (["--model.converters", "float8,mx"], 1, ["model.converters"]),
+    "checkpoint": (["--checkpoint.last_save_in_hf", "true"], 1, ["checkpoint.last_save_in_hf", "checkpoint.enable"]),
+    "profiling": (["--profiling.enable_profiling", "true", "--profiling.profile_freq", "1"], 1, ["profiling.profile_freq", ">= 2"]),
 }
 
 
@@ -61,6 +63,12 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule):
         (["--model.converters", "float8", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather", "true"],
          ["float8.enable_fsdp_float8_all_gather", "float8.recipe_name"]),
         (["--validation.enable", "true", "--parallelism.pipeline_parallel_degree", "2"], ["validation.enable"]),
+        (["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "2"],
+         ["checkpoint.create_seed_checkpoint", "not 2"]),
+        (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], ["checkpoint.last_save_model_only"]),
+        (["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+          "--parallelism.pipeline_parallel_degree", "2"], ["checkpoint.last_save_in_hf", "pipeline stages"]),
+        (["--profiling.enable_memory_snapshot", "true"], ["profiling.enable_memory_snapshot", "CUDA"]),
     ],
 )
 def test_more_broken_jobs(overrides, expected):

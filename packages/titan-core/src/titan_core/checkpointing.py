@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 from titan_ckpt import CheckpointManager, LoadModelFn, SaveModelFn, parse_dtype
 
-from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
 
 __all__ = ["SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
@@ -58,7 +57,6 @@ def build_checkpointer(
     dataloader: Any,
     train_state: Any,
     device: torch.device,
-    world_size: int,
     load_model_fn: LoadModelFn | None = None,
     save_model_fn: SaveModelFn | None = None,
 ) -> CheckpointManager:
@@ -73,25 +71,11 @@ def build_checkpointer(
         dataloader: the `PackedLoader` (its JSON state is the global stream position).
         train_state: the `TrainState` (step, tokens seen).
         device: the device the run computes on.
-        world_size: number of processes (a seed checkpoint needs exactly one).
         load_model_fn: reads `initial_load_path` in Hugging Face format (for `initial_load_in_hf`).
         save_model_fn: writes the last save in Hugging Face format (for `last_save_in_hf`).
 
-    Raises:
-        ConfigError: a combination of `checkpoint.*` keys that cannot work.
+    The rules across the `checkpoint` keys are checked with the whole job (`titan_core.job_check`).
     """
-    if not ckpt.enable:
-        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
-            if getattr(ckpt, key):
-                raise ConfigError(f"checkpoint.{key} is set but checkpoint.enable is false; add --checkpoint.enable")
-    if ckpt.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; launch it with --nproc-per-node 1")
-    if ckpt.initial_load_in_hf and load_model_fn is None:
-        raise ConfigError("checkpoint.initial_load_in_hf: no Hugging Face reader is wired into this trainer; convert with `titan convert --to dcp` and load that")
-    if ckpt.last_save_in_hf and save_model_fn is None:
-        raise ConfigError("checkpoint.last_save_in_hf: no Hugging Face writer is wired into this trainer; save in DCP and run `titan convert --to hf`")
-    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
-        raise ConfigError("checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true")
     return CheckpointManager(
         run_folder / ckpt.folder,
         model_parts=model_parts,
@@ -113,9 +97,7 @@ def build_checkpointer(
     )
 
 
-def hf_checkpoint_hooks(
-    ckpt: Checkpoint, model_name: str, model_args: Any, hf_source: Any, *, rank: int, pipeline_parallel: bool
-) -> dict[str, Any]:
+def hf_checkpoint_hooks(ckpt: Checkpoint, model_name: str, model_args: Any, hf_source: Any, *, rank: int) -> dict[str, Any]:
     """`build_checkpointer`'s readers/writers for `checkpoint.initial_load_in_hf` / `last_save_in_hf`.
 
     Args:
@@ -124,7 +106,6 @@ def hf_checkpoint_hooks(
         model_args: the model's shape.
         hf_source: the resolved Hugging Face source of `initial_load_path`, or None (then the path itself).
         rank: this process's rank (rank 0 writes the export).
-        pipeline_parallel: whether the model is cut into stages (the HF export cannot gather them yet).
     """
     hooks: dict[str, Any] = {}
     if ckpt.initial_load_in_hf:
@@ -132,12 +113,6 @@ def hf_checkpoint_hooks(
 
         hooks["load_model_fn"] = lambda path: read_hf_weights(hf_source or path, model_name, model_args)
     if ckpt.last_save_in_hf:
-        if pipeline_parallel:
-            raise ValueError(
-                "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
-                "`titan convert <run>/checkpoint/step-N OUT --to hf`"
-            )
-
         from titan_core.convert import write_hf_weights
 
         def save_hf(folder, state_dict):

@@ -297,6 +297,40 @@ def _pipeline(job: CheckedJob) -> None:
         raise ConfigError("validation.enable is not supported with pipeline parallel yet; set it to false")
 
 
+def _checkpoint(job: CheckedJob) -> None:
+    """[checkpoint] keys that need checkpoint.enable; a seed checkpoint on one process; a Hugging Face
+    export of the model only, from an unpipelined model."""
+    ckpt = job.cfg.checkpoint
+    if not ckpt.enable:
+        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
+            if getattr(ckpt, key):
+                raise ConfigError(f"checkpoint.{key} is set but checkpoint.enable is false; add --checkpoint.enable")
+    if ckpt.create_seed_checkpoint and job.world_size not in (None, 1):
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint runs on one process, not {job.world_size}; launch it with --nproc-per-node 1"
+        )
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ConfigError("checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true")
+    if ckpt.last_save_in_hf and job.cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
+            "`titan convert <run>/checkpoint/step-N OUT --to hf`"
+        )
+
+
+def _profiling(job: CheckedJob) -> None:
+    """A profiled step has a warm-up step before it; memory snapshots record CUDA's allocator."""
+    from titan_core.profiling import MIN_FREQ
+
+    pr = job.cfg.profiling
+    if (pr.enable_profiling or pr.enable_memory_snapshot) and pr.profile_freq < MIN_FREQ:
+        raise ConfigError(f"profiling.profile_freq must be >= {MIN_FREQ}, got {pr.profile_freq}")
+    if pr.enable_memory_snapshot and job.device_type != "cuda":
+        raise ConfigError(
+            "profiling.enable_memory_snapshot records the CUDA caching allocator and needs a CUDA device; set it to false on CPU"
+        )
+
+
 def _converters(job: CheckedJob) -> None:
     """One converter per linear; [float8] options that work together; MXFP8 only on hardware that has it."""
     from titan_core.converters import float8_options, mx_options
@@ -336,6 +370,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("activation_checkpoint", _activation_checkpoint),
     ("pipeline", _pipeline),
     ("converters", _converters),
+    ("checkpoint", _checkpoint),
+    ("profiling", _profiling),
 )
 """Every rule of a valid job, by name, in the order `check_job` runs them (later rules use earlier results)."""
 

@@ -17,6 +17,8 @@ import torch
 logger = logging.getLogger("titan")
 
 _WARMUP, _ACTIVE = 1, 1
+MIN_FREQ = _WARMUP + _ACTIVE
+"""The smallest `freq`: a profiled step needs a warm-up step before it (checked by `titan_core.job_check`)."""
 
 
 class Profiler:
@@ -31,13 +33,6 @@ class Profiler:
     """
 
     def __init__(self, folder: Path | None, memory_folder: Path | None, freq: int, rank: int, device: torch.device):
-        if freq < _WARMUP + _ACTIVE:
-            raise ValueError(f"profiling.profile_freq must be >= {_WARMUP + _ACTIVE}, got {freq}")
-        if memory_folder is not None and device.type != "cuda":
-            raise ValueError(
-                "profiling.enable_memory_snapshot records the CUDA caching allocator and needs a CUDA device; "
-                "set it to false on CPU"
-            )
         self.rank, self.freq = rank, freq
         self.folder, self.memory_folder = folder, memory_folder
         self._step = 0
@@ -48,7 +43,7 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._torch_profiler = torch.profiler.profile(
                 activities=activities,
-                schedule=torch.profiler.schedule(wait=freq - _WARMUP - _ACTIVE, warmup=_WARMUP, active=_ACTIVE),
+                schedule=torch.profiler.schedule(wait=freq - MIN_FREQ, warmup=_WARMUP, active=_ACTIVE),
                 on_trace_ready=self._save_trace,
                 record_shapes=True,
             )

@@ -190,11 +190,7 @@ class Trainer:
             dataloader=self.loader,
             train_state=self.state,
             device=self.device,
-            world_size=self.world_size,
-            **hf_checkpoint_hooks(
-                cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source,
-                rank=self.rank, pipeline_parallel=self.dims.pp > 1,
-            ),
+            **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
         )
 
     def _build_profiler(self) -> Profiler | None:
