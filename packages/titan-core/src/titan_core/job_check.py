@@ -102,7 +102,9 @@ class CheckedJob:
     Args:
         cfg: the job config.
         world_size: number of processes; None when not known yet (an elastic `--nnodes` range).
-        device_type: "cuda" or "cpu", as `training.device` resolves here.
+        device_type: "cuda" or "cpu", as `training.device` resolves here (or the target device of an estimate).
+        target_device: the device type the job is checked for without running here ("cuda" or "cpu"), as
+            `titan estimate-memory` and `titan plan` do on a host without the GPUs; None = this host's device.
         dims: the parallel degrees (`dp_shard = -1` resolved); None until the world size is known.
         spec: the model family.
         model_args: the model's shape (flavor, widened to the tokenizer's vocab and `training.seq_len`).
@@ -117,6 +119,7 @@ class CheckedJob:
     cfg: JobConfig
     world_size: int | None
     device_type: str = "cpu"
+    target_device: str | None = None
     dims: ParallelDims | None = None
     spec: ModelSpec | None = None
     model_args: Any = None  # the family's args dataclass (`ModelSpec[ArgsT]`)
@@ -131,11 +134,25 @@ class CheckedJob:
     def meta_model(self) -> nn.Module:
         """The whole model on the meta device (built once, costs no memory), for its structure and shapes."""
         if self._meta_model is None:
-            import torch
-
-            with torch.device("meta"), _skip_init():
-                self._meta_model = self.spec.build(self.model_args)
+            self._meta_model = _build_meta_model(self.spec, self.model_args)
         return self._meta_model
+
+
+_META_MODELS: dict[tuple[str, Any], nn.Module] = {}
+
+
+def _build_meta_model(spec: ModelSpec, model_args: Any) -> nn.Module:
+    """`spec.build(model_args)` on the meta device, built once per shape (the last few kept):
+    `titan plan` checks hundreds of layouts of one model, and the rules only read the structure."""
+    import torch
+
+    key = (spec.name, model_args)
+    if key not in _META_MODELS:
+        if len(_META_MODELS) >= 4:
+            _META_MODELS.pop(next(iter(_META_MODELS)))
+        with torch.device("meta"), _skip_init():
+            _META_MODELS[key] = spec.build(model_args)
+    return _META_MODELS[key]
 
 
 @contextlib.contextmanager
@@ -165,6 +182,9 @@ def _device(job: CheckedJob) -> None:
     """`training.device = 'cuda'` needs a visible GPU; fixes the device type every later rule sees."""
     from titan_parallel import resolve_device
 
+    if job.target_device is not None:  # checked for another host: `training.device` is not looked up here
+        job.device_type = job.target_device
+        return
     job.device_type = resolve_device(job.cfg.training.device).type
 
 
@@ -376,13 +396,16 @@ RULES: tuple[tuple[str, Rule], ...] = (
 """Every rule of a valid job, by name, in the order `check_job` runs them (later rules use earlier results)."""
 
 
-def check_job(cfg: JobConfig, world_size: int | None, *, tokenizer_vocab_size: int = 0) -> CheckedJob:
+def check_job(
+    cfg: JobConfig, world_size: int | None, *, tokenizer_vocab_size: int = 0, target_device: str | None = None
+) -> CheckedJob:
     """Run every rule of `RULES` on `cfg`; raise `ConfigError` (one line naming the keys) at the first broken one.
 
     Args:
         cfg: the job config.
         world_size: the number of processes; None skips the rules that need it (an elastic range).
         tokenizer_vocab_size: the tokenizer's size when the caller has built it already (0: build it).
+        target_device: check the job for this device type ("cuda" / "cpu") instead of this host's.
 
     Returns:
         The checked job: degrees, model shape, pipeline stages and batch arithmetic.
@@ -390,7 +413,7 @@ def check_job(cfg: JobConfig, world_size: int | None, *, tokenizer_vocab_size: i
     from titan_ckpt import CheckpointError
     from titan_parallel import ParallelConfigError
 
-    job = CheckedJob(cfg, world_size, tokenizer_vocab_size=tokenizer_vocab_size)
+    job = CheckedJob(cfg, world_size, tokenizer_vocab_size=tokenizer_vocab_size, target_device=target_device)
     for _, rule in RULES:
         try:
             rule(job)

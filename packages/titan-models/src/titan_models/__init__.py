@@ -5,6 +5,6 @@
 """
 
 from titan_models.registry import get_model_args, get_model_spec, register_model_spec
-from titan_models.spec import HFAdapter, ModelSpec
+from titan_models.spec import ActivationBytes, ActivationLayout, HFAdapter, ModelSpec
 
-__all__ = ["HFAdapter", "ModelSpec", "get_model_args", "get_model_spec", "register_model_spec"]
+__all__ = ["ActivationBytes", "ActivationLayout", "HFAdapter", "ModelSpec", "get_model_args", "get_model_spec", "register_model_spec"]

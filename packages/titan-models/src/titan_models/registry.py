@@ -73,5 +73,6 @@ register_model_spec(
         flops_per_token=llama3.flops_per_token,
         count_params=llama3.count_params,
         hf_adapter=llama3.llama3_hf_adapter,
+        activation_bytes=llama3.activation_bytes,
     )
 )

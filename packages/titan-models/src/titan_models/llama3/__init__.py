@@ -15,6 +15,7 @@ from titan_models.llama3.model import (
     compute_rope_inv_freq,
     precompute_rope_cache,
 )
+from titan_models.llama3.memory import activation_bytes
 from titan_models.llama3.plan import llama3_plan
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RopeScaling",
     "ScaledDotProductAttention",
     "Transformer",
+    "activation_bytes",
     "TransformerBlock",
     "apply_rotary_emb",
     "args_from_hf_config",

@@ -1,0 +1,305 @@
+"""The analytic tier of `titan estimate-memory`: per-rank peak memory from formulas, for any size.
+
+Instant for any model size and world size: parameters are counted on the meta
+model (exact, after TP and FSDP sharding with FSDP2's padding), activations come
+from the model family's saved-tensor formulas (`ModelSpec.activation_bytes`),
+and the peak is the largest of the moments a training step passes through
+(`_moments`): the loss's backward, the output projection's backward, the last
+block's backward, and the optimizer step. `docs/memory.md` writes every term out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titan_core.config.errors import ConfigError
+from titan_core.config.schema import JobConfig
+from titan_core.job_check import CheckedJob
+from titan_core.memory.report import MemoryEstimate, RankMemory
+from titan_core.memory.target_job import check_target_job
+
+_DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+_SHARDED_STYLES = {"colwise", "rowwise", "embedding", "output"}
+
+
+@dataclass
+class _StageParams:
+    """Element counts of the parameters one rank holds for one set of modules."""
+
+    sharded: int = 0  # local shard (after TP and FSDP), what the optimizer steps
+    unsharded_blocks: list[int] | None = None  # per block, after TP only: what FSDP all-gathers
+    unsharded_root: dict[str, int] | None = None  # per root unit (embedding, output, rest), after TP
+    matmul: int = 0  # after TP: the weights autocast copies to the compute dtype
+    buffers: int = 0  # bytes
+
+
+def estimate_analytic(cfg: JobConfig, world_size: int, *, device_type: str | None = None) -> MemoryEstimate:
+    """Per-rank peak memory of `cfg` on `world_size` ranks, by formula.
+
+    Args:
+        cfg: the job config.
+        world_size: number of ranks.
+        device_type: the target device ("cuda" / "cpu"); None = 'cpu' when `training.device`
+            says so, else 'cuda'.
+
+    Raises:
+        ConfigError: the layout breaks a rule of `titan_core.job_check`, or the model family has
+            no activation formulas (`ModelSpec.activation_bytes`).
+    """
+    job, notes = check_target_job(cfg, world_size, device_type)
+    if job.spec.activation_bytes is None:
+        raise ConfigError(f"model.name={cfg.model.name!r} has no activation formulas for the analytic tier; use --traced")
+    return _estimate(job, notes)
+
+
+def compute_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
+    """Bytes of the compute dtype `training.mixed_precision_param` resolves to on `device_type`."""
+    name = cfg.training.mixed_precision_param
+    if name != "auto":
+        return _DTYPE_BYTES[name]
+    if device_type == "cuda":
+        return 2
+    import torch
+    from titan_parallel.precision import native_bf16
+
+    return 2 if native_bf16(torch.device("cpu"))[0] else 4
+
+
+def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
+    from titan_models import ActivationLayout
+
+    cfg, dims = job.cfg, job.dims
+    t, p = cfg.training, cfg.parallelism
+    b = compute_dtype_bytes(cfg, job.device_type)
+    fsdp = p.dp_mode == "fsdp" and (dims.dp_replicate * dims.dp_shard * dims.cp > 1 or t.enable_cpu_offload)
+    shards = dims.dp_shard * dims.cp if fsdp else 1
+    reduce_b = _DTYPE_BYTES[t.mixed_precision_reduce] if fsdp else 4
+    layout = ActivationLayout(
+        compute_bytes=b, tp=dims.tp, cp=dims.cp, cp_rotate_method=p.context_parallel_rotate_method,
+        seq_len=t.seq_len, device_type=job.device_type, loss_parallel=not p.disable_loss_parallel,
+    )
+    act = job.spec.activation_bytes(job.model_args, layout)
+    stages = _stage_names(job)
+    microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
+    tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
+    ranks = []
+    for pp_rank in range(dims.pp):
+        ranks.append(_rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens))
+    if "float8" in cfg.model.converters:
+        notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
+    if cfg.compile.enable:
+        notes.append("compile: eager memory is estimated; compiled blocks and loss usually need less (an upper bound)")
+    layout_text = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "1 rank"
+    extras = [f"{'bf16' if b == 2 else 'fp32'} compute", f"AC {cfg.activation_checkpoint.mode}"]
+    if cfg.activation_checkpoint.mode == "selective":
+        extras[-1] += f" ({cfg.activation_checkpoint.selective_ac_option})"
+    if dims.pp > 1:
+        extras.append(f"{p.pipeline_parallel_schedule}, microbatch {p.pipeline_parallel_microbatch_size}")
+    extras.append(f"local batch {t.local_batch_size} x seq {t.seq_len}")
+    if job.accum_steps > 1:
+        extras.append(f"{job.accum_steps} accumulation steps")
+    return MemoryEstimate("analytic", job.world_size, f"{layout_text} ({'; '.join(extras)})", ranks, notes=notes)
+
+
+def _degrees(dims) -> dict[str, int]:
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    return {n: getattr(dims, n) for n in names if getattr(dims, n) > 1}
+
+
+def _stage_names(job: CheckedJob) -> list[list[str]]:
+    """Module names of each stage; one stage holding everything without pipeline parallel."""
+    if job.names_per_stage:
+        return job.names_per_stage
+    return [[name for name, _ in job.meta_model().named_children()]]
+
+
+def _tp_styles(job: CheckedJob) -> tuple[dict[str, str], dict[str, str]]:
+    plan = job.spec.plan
+    return {m: s.value for m, s in plan.tp}, {m: s.value for m, s in plan.block_tp}
+
+
+def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _StageParams:
+    """Parameters of the modules `module_names` (top-level names or `blocks.i`) on one rank."""
+    model = job.meta_model()
+    plan = job.spec.plan
+    tp = job.dims.tp
+    root_styles, block_styles = _tp_styles(job)
+    out = _StageParams(unsharded_blocks=[], unsharded_root={})
+    seen: set[int] = set()
+    for name in module_names:
+        module = model.get_submodule(name)
+        in_block = name.startswith(plan.blocks + ".")
+        block_total = 0
+        for pname, param in module.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            owner = pname.rsplit(".", 1)[0] if "." in pname else ""
+            style = block_styles.get(owner) if in_block else root_styles.get(name if not owner else f"{name}.{owner}")
+            shape = list(param.shape)
+            if tp > 1 and style in _SHARDED_STYLES:
+                dim = 0 if style in ("colwise", "embedding", "output") else len(shape) - 1
+                shape[dim] = math.ceil(shape[dim] / tp)
+            local = math.prod(shape)
+            rows = shape[0] if shape else 1
+            sharded = math.ceil(rows / shards) * (local // max(rows, 1)) if shards > 1 else local
+            out.sharded += sharded
+            if param.dim() == 2 and style != "embedding" and not name.endswith("embeddings"):
+                out.matmul += local
+            if in_block:
+                block_total += local
+            else:
+                out.unsharded_root[name] = out.unsharded_root.get(name, 0) + local
+        if in_block:
+            out.unsharded_blocks.append(block_total)
+    return out
+
+
+def _buffer_bytes(job: CheckedJob) -> int:
+    """Buffers every stage holds (the root's, e.g. the RoPE table), in bytes."""
+    return sum(buf.numel() * buf.element_size() for buf in job.meta_model().buffers())
+
+
+def _inflight_microbatches(job: CheckedJob, pp_rank: int, n_local_stages: int, n_microbatches: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of its whole set of stages.
+
+    1F1B warms up `pp - 1 - rank` forwards, then keeps one more: `pp - rank`. GPipe runs every
+    forward first: all micro-batches. Schedules with v stages per rank (interleaved, zero-bubble
+    V) warm up `(v - 1) pp + 2 (pp - 1 - rank)` stage-forwards plus one, each holding 1/v of the
+    rank's activations. Never more than all micro-batches.
+    """
+    pp = job.dims.pp
+    schedule = job.cfg.parallelism.pipeline_parallel_schedule
+    if pp == 1:
+        return 1.0
+    if schedule == "GPipe":
+        return float(n_microbatches)
+    if n_local_stages == 1:
+        return float(min(n_microbatches, pp - pp_rank))
+    v = n_local_stages
+    chunks = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
+    return min(chunks, n_microbatches * v) / v
+
+
+def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens) -> RankMemory:
+    from titan_parallel.pipeline_layout import stage_indices
+
+    cfg, dims = job.cfg, job.dims
+    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    plan = job.spec.plan
+    if dims.pp > 1:
+        indices = stage_indices(pp_rank, dims.pp, len(stages), p.pipeline_parallel_schedule)
+    else:
+        indices = (0,)
+    names = [name for i in indices for name in stages[i]]
+    params = _count_params(job, [n for n in _expand_blocks(job, names)], shards)
+    blocks = params.unsharded_blocks
+    n_blocks = len(blocks)
+    has_head = any(n in plan.pp_last for n in names) or dims.pp == 1
+    buffers = _buffer_bytes(job) * len(indices)
+
+    # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments.
+    param_bytes = 4 * params.sharded
+    grad_bytes = 4 * params.sharded
+    opt_bytes = 8 * params.sharded
+    if p.dp_mode == "ddp" and dims.dp_replicate > 1:
+        grad_bytes *= 2  # DDP's gradient buckets hold a second copy
+
+    # Activations kept for backward, per micro-batch on this rank's stages.
+    per_block = _saved_per_block(act, ac.mode, ac.selective_ac_option, n_blocks)
+    n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
+    inflight = _inflight_microbatches(job, pp_rank, len(indices), n_micro)
+    saved_blocks = tokens * sum(per_block)
+    saved_head = tokens * (act.head + act.logits_saved) if has_head else 0
+    activations = inflight * saved_blocks + saved_head
+    # What a block's backward adds: its recompute under AC, the gradients of its activations.
+    recompute = tokens * (act.block if ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op") else 0)
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        recompute = tokens * (act.block - act.block_op)
+    block_bwd = tokens * act.block_backward + recompute
+
+    # FSDP's gathered (unsharded) parameters and gradient buffers, in the compute dtype.
+    biggest_block = max(blocks, default=0)
+    root = params.unsharded_root
+    output_weight = sum(v for k, v in root.items() if k in plan.pp_last and k != "norm")
+    reshard = {"always": True, "never": False, "default": dims.pp == 1}[p.fsdp_reshard_after_forward]
+    if fsdp:
+        gathered_fwd = 2 * b * biggest_block if reshard else b * sum(blocks) + b * sum(root.values())
+        # backward: this block and the prefetched next gathered, its gradient in b bytes and the
+        # reduce-scatter input in the reduce dtype
+        block_comm_bwd = (b * biggest_block if reshard else 0) + gathered_fwd + (b + reduce_b) * biggest_block
+        output_comm_bwd = (b if reshard else 0) * output_weight + (b + reduce_b) * output_weight + b * biggest_block
+    else:
+        gathered_fwd = block_comm_bwd = output_comm_bwd = 0
+    cast_copies = b * params.matmul if (not fsdp and b != 4) else 0  # autocast's compute-dtype weights
+
+    offload = t.enable_cpu_offload  # parameters, gradients and optimizer state live in host memory
+    grads_during_bwd = grad_bytes if job.accum_steps > 1 and not offload else 0
+    opt_temp = {"foreach": 4 * params.sharded, "fused": 0}.get(cfg.optimizer.implementation, 0)
+    if cfg.optimizer.implementation == "for-loop":
+        opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)
+    logits_now = tokens * act.logits if has_head else 0
+    grad_logits = tokens * (act.logits // 6) if has_head else 0  # fp32 gradient of the logits, 2/12 of the peak
+
+    moments = {
+        # The loss's backward: every activation saved, the log-softmax and its gradients.
+        "loss backward": (activations + logits_now + (gathered_fwd if not reshard else 0), grads_during_bwd),
+        # The output projection's backward: its weight gathered, its gradient and reduce-scatter buffers.
+        "output backward": (activations + grad_logits + output_comm_bwd, grads_during_bwd),
+        # The last block's backward: recompute (under AC), the gradients of its activations, FSDP buffers.
+        "block backward": (activations - (saved_head if has_head else 0) + block_bwd + block_comm_bwd, grads_during_bwd),
+        # The optimizer step: every gradient, the optimizer's temporaries.
+        "optimizer step": (0, 0) if offload else (opt_temp, grad_bytes),  # offloaded: the step runs on the host
+    }
+    name, (transient, grads) = max(moments.items(), key=lambda kv: kv[1][0] + kv[1][1])
+    comm = {"loss backward": gathered_fwd if not reshard else 0, "output backward": output_comm_bwd,
+            "block backward": block_comm_bwd, "optimizer step": 0}[name]
+    act_at_peak = 0 if name == "optimizer step" else (activations - (saved_head if name == "block backward" else 0))
+    temporary = transient - comm - act_at_peak + cast_copies
+    detail = {
+        "peak_moment_" + name.replace(" ", "_"): 0,
+        "saved_activations_per_microbatch": int(saved_blocks + saved_head),
+        "microbatches_in_flight_x1000": int(inflight * 1000),
+        "block_backward_transient": int(block_bwd),
+        "logits_transient": int(logits_now),
+        "fsdp_gathered_forward": int(gathered_fwd),
+        "autocast_weight_copies": int(cast_copies),
+        "optimizer_temporaries": int(opt_temp),
+        "buffers": int(buffers),
+    }
+    return RankMemory(
+        stage=pp_rank,
+        parameters=0 if offload else param_bytes + buffers,
+        gradients=int(grads),
+        optimizer=0 if offload else opt_bytes,
+        activations=int(act_at_peak),
+        communication=int(comm),
+        temporary=int(temporary),
+        cpu_offloaded=(param_bytes + grad_bytes + opt_bytes) if offload else 0,
+        detail=detail,
+    )
+
+
+def _expand_blocks(job: CheckedJob, names: list[str]) -> list[str]:
+    """Stage module names with the block container (`layers`) spelled out block by block."""
+    blocks = job.spec.plan.blocks
+    out = []
+    for name in names:
+        if name == blocks:
+            out.extend(f"{blocks}.{child}" for child, _ in job.meta_model().get_submodule(blocks).named_children())
+        else:
+            out.append(name)
+    return out
+
+
+def _saved_per_block(act, mode: str, option: str, n_blocks: int) -> list[int]:
+    """Bytes per token each block keeps for backward under the activation checkpointing mode."""
+    if mode == "full":
+        return [act.block_input] * n_blocks
+    if mode == "selective" and option == "op":
+        return [act.block_op] * n_blocks
+    if mode == "selective":
+        every = int(option)
+        return [act.block_input if i % every == 0 else act.block for i in range(n_blocks)]
+    return [act.block] * n_blocks

@@ -1,0 +1,128 @@
+"""`titan estimate-memory`: the analytic tier's terms against hand-derived values, the command on every
+shipped config, the verdict and its fix, and an impossible layout as one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from titan_cli.main import app
+from titan_core.config import ConfigError, load_config
+from titan_core.memory import estimate_memory
+from titan_core.memory.analytic import estimate_analytic
+from titan_core.memory.budget import parse_gpu_memory, usable_bytes
+
+LLAMA31_8B_PARAMS = 8_030_261_248  # Meta's published count
+ROPE_8B = 131072 * 128 * 4  # the fp32 RoPE table (max_seq_len x head_dim) every rank holds
+
+runner = CliRunner()
+
+
+def _cli(*args: str):
+    return runner.invoke(app, ["estimate-memory", *args])
+
+
+def test_8b_fsdp8_model_states_are_the_published_count_over_8():
+    est = estimate_analytic(load_config("llama3_8b"), 8)
+    (rank,) = est.ranks
+    shard = LLAMA31_8B_PARAMS // 8  # every 8B weight's rows divide by 8: no FSDP padding
+    assert rank.parameters == 4 * shard + ROPE_8B
+    assert rank.optimizer == 8 * shard
+    # the 8B config: selective op AC, seq 8192, batch 1; 12 x V x T fp32 bytes at the loss's backward
+    assert rank.detail["logits_transient"] == 12 * 128256 * 8192
+
+
+def test_activations_scale_with_tokens_and_tp_divides_them():
+    base = ["--training.device", "cuda", "--training.mixed_precision_param", "bfloat16", "--training.seq_len", "4096",
+            "--activation_checkpoint.mode", "none"]
+    one = estimate_analytic(load_config("llama3_8b", base), 8).ranks[0].detail["saved_activations_per_microbatch"]
+    double = estimate_analytic(load_config("llama3_8b", [*base, "--training.local_batch_size", "2"]), 8)
+    assert double.ranks[0].detail["saved_activations_per_microbatch"] == pytest.approx(2 * one, rel=1e-6)
+    tp = estimate_analytic(load_config("llama3_8b", [*base, "--parallelism.tensor_parallel_degree", "2"]), 8)
+    # TP with SP splits every saved tensor except the gathered linear inputs (b d per norm, 2 per block)
+    assert 0.5 * one < tp.ranks[0].detail["saved_activations_per_microbatch"] < 0.65 * one
+
+
+def test_ac_modes_order_and_full_keeps_one_input_per_block():
+    def saved(mode: str, option: str = "2") -> int:
+        cfg = load_config("llama3_8b", ["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option])
+        return estimate_analytic(cfg, 8).ranks[0].detail["saved_activations_per_microbatch"]
+
+    none, op, every2, full = saved("none"), saved("selective", "op"), saved("selective", "2"), saved("full")
+    assert full < op < every2 < none
+    head = saved("full") - 32 * 8192 * 2 * 4096  # 32 blocks x T x b x d of block inputs
+    assert 0 < head < none / 10  # what is left is the final norm and the log-softmax output
+
+
+def test_pipeline_1f1b_first_stage_holds_pp_microbatches():
+    cfg = load_config("llama3_8b", [
+        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B",
+        "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full",
+    ])
+    est = estimate_analytic(cfg, 8)
+    assert [r.detail["microbatches_in_flight_x1000"] for r in est.ranks] == [4000, 3000, 2000, 1000]
+
+
+def test_budget_parsing_and_usable_part():
+    assert parse_gpu_memory("80GiB")[0] == 80 * 2**30
+    assert parse_gpu_memory("80GB")[0] == 80 * 10**9
+    assert parse_gpu_memory("h100")[0] == 80 * 2**30
+    assert usable_bytes(80 * 2**30) == int((80 - 2.5) * 2**30 * 0.95)
+    with pytest.raises(ValueError, match="--gpu-memory 'eighty'"):
+        parse_gpu_memory("eighty")
+
+
+@pytest.mark.parametrize(
+    "config, ranks",
+    [("llama3_debugmodel", ["--nproc-per-node", "1"]), ("llama3_10m", ["--nproc-per-node", "2"]),
+     ("llama3_110m", ["--nproc-per-node", "4"]), ("llama3_8b", ["--nproc-per-node", "8"]),
+     ("llama3_70b", ["--nproc-per-node", "8", "--nnodes", "32"]), ("llama3_405b", ["--nproc-per-node", "8", "--nnodes", "64"])],
+)
+def test_every_shipped_config_prints_its_table(config, ranks):
+    result = _cli("--config", config, *ranks, "--gpu-memory", "H100")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for component in ("parameters", "gradients", "optimizer", "activations", "communication", "temporary", "total"):
+        assert any(line.startswith(component) for line in lines), component
+    assert "fits" in result.output and "does NOT fit" not in result.output
+
+
+def test_json_totals_are_the_sum_of_components_per_stage():
+    result = _cli("--config", "llama3_405b", "--nproc-per-node", "8", "--nnodes", "64", "--json")
+    data = json.loads(result.output)
+    assert len(data["ranks"]) == 8  # one entry per pipeline stage
+    for rank in data["ranks"]:
+        parts = ("parameters", "gradients", "optimizer", "activations", "communication", "temporary")
+        assert rank["total"] == sum(rank[p] for p in parts)
+    assert data["peak"] == max(r["total"] for r in data["ranks"])
+
+
+def test_does_not_fit_names_a_fix_that_fits():
+    result = _cli("--config", "llama3_8b", "--nproc-per-node", "8", "--gpu-memory", "40GiB",
+                  "--activation_checkpoint.mode", "none")
+    assert result.exit_code == 1, result.output
+    assert "does NOT fit" in result.output
+    fix = next(line for line in result.output.splitlines() if line.startswith("cheapest fix: "))
+    flags = fix.removeprefix("cheapest fix: ").split(" (")[0].split(":")[0].split()
+    fixed = estimate_memory(load_config("llama3_8b", ["--activation_checkpoint.mode", "none", *flags]), 8, gpu_memory="40GiB")
+    assert fixed.fits
+
+
+def test_impossible_layout_is_one_line_naming_the_key():
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_cli", "estimate-memory", "--config", "llama3_8b", "--nproc-per-node", "8",
+         "--parallelism.tensor_parallel_degree", "3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "parallelism.tensor_parallel_degree" in proc.stderr and proc.stderr.startswith("titan: error: ")
+
+
+def test_rules_are_the_trainers():
+    with pytest.raises(ConfigError, match="training.global_batch_size"):
+        estimate_analytic(load_config("llama3_8b", ["--training.global_batch_size", "12"]), 8)
