@@ -81,9 +81,13 @@ class Trainer:
 
     Args:
         cfg: the resolved job config.
+        tensor_context: entered around what `__init__` builds after the process group, the mesh and the
+            seed (data loader, model, optimizers, checkpointer), e.g. a `FakeTensorMode` that builds the
+            model without memory (`titan_core.memory.traced`); the mesh is built outside it because
+            `DeviceMesh` reads real rank tensors. None: nothing is entered (training).
     """
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, *, tensor_context: contextlib.AbstractContextManager | None = None):
         self.cfg = cfg
         t, p = cfg.training, cfg.parallelism
         self.device = resolve_device(t.device)
@@ -95,103 +99,106 @@ class Trainer:
         self.global_batch, self.accum_steps = job.global_batch, job.accum_steps  # micro-batches per step
         self.mesh = self.dims.build_mesh(self.device.type)
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
-        self.run_folder = Path(cfg.job.dump_folder)
-        self.loader = PackedLoader(
-            build_source(t.dataset, t.dataset_path, t.dataset_text_field),
-            self.tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=self.mesh["dp"].get_local_rank(),
-            dp_world=self.dims.dp,
-        )
-        if self.rank == 0 and job.vocab_widened_from:
-            logger.info("model vocab %d widened to the tokenizer's %d tokens", job.vocab_widened_from, self.model_args.vocab_size)
-        self.n_params = self.spec.count_params(self.model_args)
-        with warnings.catch_warnings():
-            if self.rank != 0:  # the slow-bf16 warning is said once, by rank 0
-                warnings.simplefilter("ignore", UserWarning)
-            param_dtype, dtype_reason = resolve_param_dtype(t.mixed_precision_param, self.device)
-        if self.rank == 0:
-            logger.info("compute dtype %s", dtype_reason)
-        self.options = ParallelOptions(
-            param_dtype=param_dtype,
-            reduce_dtype=parse_dtype(t.mixed_precision_reduce),
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            cpu_offload=t.enable_cpu_offload,
-            dp_mode=p.dp_mode,
-            loss_parallel=not p.disable_loss_parallel,
-            async_tp=p.enable_async_tensor_parallel,
-            cp_rotate_method=p.context_parallel_rotate_method,
-            ac_mode=cfg.activation_checkpoint.mode,
-            ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
-            compile=cfg.compile.enable and "model" in cfg.compile.components,
-            pipeline_parallel=self.dims.pp > 1,
-        )
-        fsdp_casts = uses_fsdp(self.mesh, self.options)  # else autocast applies the compute dtype
-        self._mixed_precision = lambda: mixed_precision_context(self.device.type, param_dtype, fsdp=fsdp_casts)
-        self.loss_fn = cross_entropy_loss
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            if self.dims.tp > 1 and self.options.loss_parallel:
-                # A compiled cross-entropy does not see loss_parallel()'s DTensor rules: on vocab-sharded
-                # logits it silently returned 0 (torch 2.15). The loss stays eager under loss parallel.
-                if self.rank == 0:
-                    logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
-            else:
-                self.loss_fn = torch.compile(cross_entropy_loss)
-        accum = self.accum_steps
-        self.model = build_model_parts(
-            self.spec,
-            self.model_args,
-            self.mesh,
-            self.dims,
-            self.options,
-            self.device,
-            self.seed,
-            pipeline=pipeline_config(cfg),
-            local_batch_size=t.local_batch_size,
-            loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
-            converters=build_converters(cfg, self.device.type),  # [float8] / [mx]: swapped in on the meta model
-        )
-        self.precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
-        # One optimizer and LR schedule per model part (pipeline stage), so that
-        # checkpoints key optimizer state by the full model's parameter names.
-        self.optimizers = [
-            build_optimizer(
-                part.parameters(),
-                name=cfg.optimizer.name,
-                lr=cfg.optimizer.lr,
-                betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
-                eps=cfg.optimizer.eps,
-                weight_decay=cfg.optimizer.weight_decay,
-                implementation=cfg.optimizer.implementation,
-                device_type=self.device.type,
+        # Everything below allocates tensors: a caller's context (e.g. the traced memory estimate's
+        # FakeTensorMode) wraps it, after the process group and mesh are real.
+        with tensor_context if tensor_context is not None else contextlib.nullcontext():
+            self.run_folder = Path(cfg.job.dump_folder)
+            self.loader = PackedLoader(
+                build_source(t.dataset, t.dataset_path, t.dataset_text_field),
+                self.tokenizer,
+                seq_len=t.seq_len,
+                local_batch_size=t.local_batch_size,
+                dp_rank=self.mesh["dp"].get_local_rank(),
+                dp_world=self.dims.dp,
             )
-            for part in self.model.parts
-        ]
-        self.lr_schedulers = [
-            build_lr_scheduler(
-                optimizer,
-                steps=t.steps,
-                warmup_steps=cfg.lr_scheduler.warmup_steps,
-                decay_ratio=cfg.lr_scheduler.decay_ratio,
-                decay_type=cfg.lr_scheduler.decay_type,
-                min_lr_factor=cfg.lr_scheduler.min_lr_factor,
+            if self.rank == 0 and job.vocab_widened_from:
+                logger.info("model vocab %d widened to the tokenizer's %d tokens", job.vocab_widened_from, self.model_args.vocab_size)
+            self.n_params = self.spec.count_params(self.model_args)
+            with warnings.catch_warnings():
+                if self.rank != 0:  # the slow-bf16 warning is said once, by rank 0
+                    warnings.simplefilter("ignore", UserWarning)
+                param_dtype, dtype_reason = resolve_param_dtype(t.mixed_precision_param, self.device)
+            if self.rank == 0:
+                logger.info("compute dtype %s", dtype_reason)
+            self.options = ParallelOptions(
+                param_dtype=param_dtype,
+                reduce_dtype=parse_dtype(t.mixed_precision_reduce),
+                reshard_after_forward=p.fsdp_reshard_after_forward,
+                cpu_offload=t.enable_cpu_offload,
+                dp_mode=p.dp_mode,
+                loss_parallel=not p.disable_loss_parallel,
+                async_tp=p.enable_async_tensor_parallel,
+                cp_rotate_method=p.context_parallel_rotate_method,
+                ac_mode=cfg.activation_checkpoint.mode,
+                ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
+                compile=cfg.compile.enable and "model" in cfg.compile.components,
+                pipeline_parallel=self.dims.pp > 1,
             )
-            for optimizer in self.optimizers
-        ]
-        self.state = TrainState()
-        # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG (titan_core.checkpointing)
-        self.checkpointer = build_checkpointer(
-            cfg.checkpoint,
-            run_folder=self.run_folder,
-            model_parts=self.model.parts,
-            optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers,
-            dataloader=self.loader,
-            train_state=self.state,
-            device=self.device,
-            **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
-        )
+            fsdp_casts = uses_fsdp(self.mesh, self.options)  # else autocast applies the compute dtype
+            self._mixed_precision = lambda: mixed_precision_context(self.device.type, param_dtype, fsdp=fsdp_casts)
+            self.loss_fn = cross_entropy_loss
+            if cfg.compile.enable and "loss" in cfg.compile.components:
+                if self.dims.tp > 1 and self.options.loss_parallel:
+                    # A compiled cross-entropy does not see loss_parallel()'s DTensor rules: on vocab-sharded
+                    # logits it silently returned 0 (torch 2.15). The loss stays eager under loss parallel.
+                    if self.rank == 0:
+                        logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
+                else:
+                    self.loss_fn = torch.compile(cross_entropy_loss)
+            accum = self.accum_steps
+            self.model = build_model_parts(
+                self.spec,
+                self.model_args,
+                self.mesh,
+                self.dims,
+                self.options,
+                self.device,
+                self.seed,
+                pipeline=pipeline_config(cfg),
+                local_batch_size=t.local_batch_size,
+                loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
+                converters=build_converters(cfg, self.device.type),  # [float8] / [mx]: swapped in on the meta model
+            )
+            self.precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+            # One optimizer and LR schedule per model part (pipeline stage), so that
+            # checkpoints key optimizer state by the full model's parameter names.
+            self.optimizers = [
+                build_optimizer(
+                    part.parameters(),
+                    name=cfg.optimizer.name,
+                    lr=cfg.optimizer.lr,
+                    betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+                    eps=cfg.optimizer.eps,
+                    weight_decay=cfg.optimizer.weight_decay,
+                    implementation=cfg.optimizer.implementation,
+                    device_type=self.device.type,
+                )
+                for part in self.model.parts
+            ]
+            self.lr_schedulers = [
+                build_lr_scheduler(
+                    optimizer,
+                    steps=t.steps,
+                    warmup_steps=cfg.lr_scheduler.warmup_steps,
+                    decay_ratio=cfg.lr_scheduler.decay_ratio,
+                    decay_type=cfg.lr_scheduler.decay_type,
+                    min_lr_factor=cfg.lr_scheduler.min_lr_factor,
+                )
+                for optimizer in self.optimizers
+            ]
+            self.state = TrainState()
+            # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG (titan_core.checkpointing)
+            self.checkpointer = build_checkpointer(
+                cfg.checkpoint,
+                run_folder=self.run_folder,
+                model_parts=self.model.parts,
+                optimizers=self.optimizers,
+                lr_schedulers=self.lr_schedulers,
+                dataloader=self.loader,
+                train_state=self.state,
+                device=self.device,
+                **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
+            )
 
     def _build_profiler(self) -> Profiler | None:
         p = self.cfg.profiling

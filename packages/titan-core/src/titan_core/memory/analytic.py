@@ -235,7 +235,8 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens) -
     cast_copies = b * params.matmul if (not fsdp and b != 4) else 0  # autocast's compute-dtype weights
 
     offload = t.enable_cpu_offload  # parameters, gradients and optimizer state live in host memory
-    grads_during_bwd = grad_bytes if job.accum_steps > 1 and not offload else 0
+    # Gradients of earlier micro-batches (accumulation steps, or pipeline micro-batches) live through a backward.
+    grads_during_bwd = grad_bytes if (job.accum_steps > 1 or n_micro > 1) and not offload else 0
     opt_temp = {"foreach": 4 * params.sharded, "fused": 0}.get(cfg.optimizer.implementation, 0)
     if cfg.optimizer.implementation == "for-loop":
         opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)

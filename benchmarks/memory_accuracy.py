@@ -1,0 +1,281 @@
+"""Estimated against measured peak memory per rank, over a matrix of layouts: the accuracy table of docs/memory.md.
+
+    uv run python benchmarks/memory_accuracy.py                      # prints the table (markdown)
+    uv run python benchmarks/memory_accuracy.py --json OUT.json      # and writes every figure
+    uv run python benchmarks/memory_accuracy.py --rows fsdp2,tp2     # some rows only
+
+Every row is a real job on the CPU: `titan_core.trainer.Trainer` built and run for
+`STEPS` train steps under torchrun (gloo), one launch per world size. What is
+measured on each rank is the peak of the bytes the CPU allocator holds, as the
+allocator reports them itself: with `torch.profiler.profile(profile_memory=True)`,
+c10's CPU allocator reports every allocation and free to the profiler along with
+its running total (`total_allocated` of each allocation event). That total is what
+a device allocator would have to hold: every tensor storage, the temporaries inside
+kernels (which a dispatch-level tracker does not see), and nothing of Python's own
+objects. The CPU allocator does not cache, so there is no reserved-but-free memory
+to tell apart. The profile starts before the trainer is built, so the total counts
+everything the job holds; the peak is taken over the train steps only.
+
+The estimates are made for the same config in this process: the analytic tier
+(`estimate_analytic`) and, where torch can trace the layout, the traced tier
+(`estimate_traced`). A row's error is the largest over its pipeline stages of
+(estimate - measured) / measured, the measured figure of a stage being its largest
+rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEPS = 2
+"""Train steps measured per row: the first allocates the optimizer state, the second runs with it."""
+
+BASE = [
+    "--model.flavor", "debugmodel",
+    "--training.seq_len", "256",
+    "--training.local_batch_size", "4",
+    "--training.mixed_precision_param", "float32",
+    "--training.dataset", "stdlib",
+    "--checkpoint.enable", "false",
+    "--metrics.enable_tensorboard", "false",
+    "--debug.seed", "7",
+]
+"""The job every row starts from: Llama 3 debugmodel (dim 256, 6 blocks, vocab 2048), fp32, 4 x 256 tokens."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One layout of the matrix.
+
+    Args:
+        name: short name, for `--rows`.
+        world: ranks.
+        tokens: config overrides on top of `BASE`.
+    """
+
+    name: str
+    world: int
+    tokens: tuple[str, ...] = ()
+
+
+def _row(name: str, world: int, *tokens: str) -> Row:
+    return Row(name, world, tokens)
+
+
+_AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
+_AC_FULL = ("--activation_checkpoint.mode", "full")
+_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1")
+
+ROWS: tuple[Row, ...] = (
+    _row("single", 1),
+    _row("single-ac-op", 1, *_AC_OP),
+    _row("single-ac-full", 1, *_AC_FULL),
+    _row("single-bf16", 1, "--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "2"),
+    _row("single-accum2", 1, "--training.global_batch_size", "8"),
+    _row("fsdp2", 2),
+    _row("fsdp2-ac-full", 2, *_AC_FULL),
+    _row("fsdp2-no-reshard", 2, "--parallelism.fsdp_reshard_after_forward", "never"),
+    _row("fsdp2-accum2", 2, "--training.global_batch_size", "16"),
+    _row("ddp2", 2, "--parallelism.dp_mode", "ddp", "--parallelism.data_parallel_replicate_degree", "2",
+         "--parallelism.data_parallel_shard_degree", "1"),
+    _row("tp2", 2, "--parallelism.tensor_parallel_degree", "2"),
+    _row("cp2", 2, "--parallelism.context_parallel_degree", "2"),
+    _row("pp2-1f1b", 2, *_PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"),
+    _row("pp2-gpipe", 2, *_PP2, "--parallelism.pipeline_parallel_schedule", "GPipe"),
+    _row("pp2-interleaved", 2, *_PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+    _row("hsdp2x2", 4, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"),
+    _row("fsdp2-tp2", 4, "--parallelism.tensor_parallel_degree", "2", *_AC_OP),
+    _row("fsdp2-pp2", 4, *_PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"),
+)
+"""The matrix: FSDP, HSDP, DDP, TP, CP, PP schedules, AC modes, fp32 and bf16, gradient accumulation."""
+
+
+@dataclass
+class Result:
+    """One row's figures (bytes).
+
+    Args:
+        row: the layout.
+        measured: the reference per rank: the peak of live tensor bytes (`MemTracker` on the real run), or under
+            pipeline parallel, where that tracker cannot run, the allocator's peak.
+        allocator: the CPU allocator's peak per rank (the profiler's running total).
+        stages: pipeline degree.
+        analytic: the analytic tier's total per stage.
+        traced: the traced tier's total per stage, empty where it cannot trace the layout.
+        traced_note: why the row is not traced, if it is not.
+        measured_by: "live" or "allocator": which figure `measured` holds.
+    """
+
+    row: Row
+    measured: list[int]
+    allocator: list[int]
+    stages: int = 1
+    analytic: list[int] = field(default_factory=list)
+    traced: list[int] = field(default_factory=list)
+    traced_note: str = ""
+    measured_by: str = "live"
+
+    def per_stage(self, per_rank: list[int]) -> list[int]:
+        """The largest rank's figure of each pipeline stage (ranks are stage-major on the mesh)."""
+        per = len(per_rank) // self.stages
+        return [max(per_rank[s * per:(s + 1) * per]) for s in range(self.stages)]
+
+    def error(self, estimate: list[int]) -> float:
+        """The stage error of largest magnitude, (estimate - measured) / measured."""
+        errors = [(e - m) / m for e, m in zip(estimate, self.per_stage(self.measured))]
+        return max(errors, key=abs)
+
+
+def measure_rows(rows: list[Row]) -> dict[str, list[tuple[int, int]]]:
+    """Run `rows` of one world size for real under torchrun; (allocator peak, live-tensor peak) per rank, by row."""
+    world = rows[0].world
+    with tempfile.TemporaryDirectory(prefix="titan-memacc-") as folder:
+        spec, out = Path(folder) / "rows.json", Path(folder) / "out.json"
+        spec.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               __file__, "--worker", str(spec), str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def worker(spec: str, out: str) -> None:
+    """One rank of a measurement launch: each row's trainer built and stepped under the profiler."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from titan_core.config import load_config
+    from titan_core.memory.traced import _allow_repeated_forwards
+    from titan_core.trainer import Trainer
+
+    results: dict[str, list[int]] = {}
+    for item in json.loads(Path(spec).read_text()):
+        row = Row(item["name"], item["world"], tuple(item["tokens"]))
+        cfg = load_config(None, [*BASE, *row.tokens])
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer = Trainer(cfg)
+            t = cfg.training
+            batches = [(torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),) * 2] * trainer.accum_steps
+            # MemTracker's module hooks fail inside torch's pipeline backward (autograd.grad): not under PP.
+            tracker = MemTracker() if trainer.dims.pp == 1 else None
+            if tracker is not None:
+                _allow_repeated_forwards(tracker, trainer.model.parts)
+                tracker.track_external(*trainer.model.parts, *trainer.optimizers)
+            with record_function("memory_accuracy::steps"), tracker or contextlib.nullcontext():
+                for _ in range(STEPS):
+                    trainer.train_step(batches)
+                    if tracker is not None:
+                        tracker.reset_mod_stats()
+        live = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]) if tracker is not None else 0
+        del trainer, tracker
+        start, allocations = None, []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation:
+                allocations.append(node)
+            elif node.name == "memory_accuracy::steps":
+                start = node.start_time_ns
+            stack.extend(node.children)
+        # The allocator's total runs on across profiles (bytes a previous row freed while no profile ran are
+        # never taken off it): this profile's figures are counted from the total before its first allocation.
+        first = min(allocations, key=lambda a: a.start_time_ns).extra_fields
+        baseline = first.total_allocated - first.alloc_size
+        peak = max(a.extra_fields.total_allocated for a in allocations if a.start_time_ns >= start) - baseline
+        peaks: list[tuple[int, int]] = [(0, 0)] * dist.get_world_size()
+        dist.all_gather_object(peaks, (int(peak), live))
+        results[row.name] = peaks
+        del prof
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def estimate_row(row: Row, peaks: list[tuple[int, int]]) -> Result:
+    """The analytic and traced estimates of `row` for the CPU, beside its measured (allocator, live) peaks per rank."""
+    from titan_core.config import load_config
+    from titan_core.memory.analytic import estimate_analytic
+    from titan_core.memory.traced import TraceUnsupported, estimate_traced
+
+    cfg = load_config(None, [*BASE, *row.tokens])
+    analytic = estimate_analytic(cfg, row.world, device_type="cpu")
+    live = [live for _, live in peaks]
+    allocator = [total for total, _ in peaks]
+    result = Result(row, measured=live if all(live) else allocator, allocator=allocator, measured_by="live" if all(live) else "allocator",
+                    stages=len(analytic.ranks), analytic=[r.total for r in analytic.ranks])
+    try:
+        result.traced = [r.total for r in estimate_traced(cfg, row.world, device_type="cpu").ranks]
+    except TraceUnsupported as e:
+        result.traced_note = str(e).split(";")[0]
+    return result
+
+
+def run(names: list[str] | None = None) -> list[Result]:
+    """Measure and estimate the rows named (default: all of `ROWS`), one torchrun launch per world size."""
+    rows = [r for r in ROWS if names is None or r.name in names]
+    unknown = set(names or ()) - {r.name for r in rows}
+    if unknown:
+        raise SystemExit(f"unknown rows {sorted(unknown)}; rows: {', '.join(r.name for r in ROWS)}")
+    measured: dict[str, list[tuple[int, int]]] = {}
+    for world in sorted({r.world for r in rows}):
+        measured.update(measure_rows([r for r in rows if r.world == world]))
+    return [estimate_row(r, measured[r.name]) for r in rows]
+
+
+def table(results: list[Result]) -> str:
+    """The results as the markdown table docs/memory.md publishes (MiB; "a / b" = pipeline stages)."""
+    def mib(values: list[int]) -> str:
+        return " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+    lines = ["| row | ranks | overrides | measured: live tensors | CPU allocator | analytic | error | traced | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        traced = mib(r.traced) if r.traced else "not traced"
+        traced_err = f"{r.error(r.traced):+.1%}" if r.traced else r.traced_note
+        overrides = " ".join(r.row.tokens).replace("--parallelism.", "").replace("--activation_checkpoint.", "ac.")
+        overrides = overrides.replace("--training.", "") or "(base)"
+        live = mib(r.per_stage(r.measured)) if r.measured_by == "live" else "n/a (PP)"
+        lines.append(f"| {r.row.name} | {r.row.world} | `{overrides}` | {live} | "
+                     f"{mib(r.per_stage(r.allocator))} | {mib(r.analytic)} | {r.error(r.analytic):+.1%} | {traced} | {traced_err} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", help="comma-separated row names (default: all)")
+    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        sys.stdout.flush()
+        os._exit(0)  # gloo's threads can abort interpreter teardown on multi-rank runs
+    results = run(args.rows.split(",") if args.rows else None)
+    print(table(results))
+    if args.json:
+        data = [{**dataclasses.asdict(r), "measured_per_stage": r.per_stage(r.measured),
+                 "analytic_error": r.error(r.analytic), "traced_error": r.error(r.traced) if r.traced else None}
+                for r in results]
+        Path(args.json).write_text(json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    main()

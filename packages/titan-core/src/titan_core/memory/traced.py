@@ -1,0 +1,344 @@
+"""The traced tier: the real `Trainer` and train step on fake tensors, measured by torch's memory tracker.
+
+One CPU process stands in for one rank of each pipeline stage. It starts a fake
+process group of `world_size` ranks (collectives return at once, moving
+nothing), builds the real `Trainer` with the mesh made outside and everything
+else inside `FakeTensorMode` (tensors with shapes, dtypes and storages but no
+memory), and runs two train steps (the second with the optimizer state)
+under `torch.distributed._tools.mem_tracker.MemTracker`, which counts each live
+tensor storage once, by category. The peak it saw is the estimate.
+
+Where torch cannot run a layout on fake tensors in one process, `TraceUnsupported`
+says which feature, and `titan_core.memory.estimate_memory` uses the analytic tier.
+The kernels traced are the CPU ones, even for a CUDA job: CUDA kernels' workspaces
+and NCCL's buffers are not seen. Why not a `torch.cuda.memory` snapshot: it needs
+the GPUs; this runs on any host, in seconds for an 8B model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from titan_core.config.schema import JobConfig
+from titan_core.memory.report import MemoryEstimate, RankMemory
+from titan_core.memory.target_job import check_target_job, target_device
+
+STEPS = 2
+"""Train steps traced: the first allocates the optimizer state, the second runs with it."""
+
+
+class TraceUnsupported(Exception):
+    """The layout uses a feature torch cannot trace on fake tensors in one process; the analytic tier is used instead."""
+
+
+def untraceable_feature(cfg: JobConfig) -> str | None:
+    """The first feature of `cfg` the traced tier cannot run, as a sentence naming its config key; None if all can.
+
+    Args:
+        cfg: the job config.
+    """
+    p, t = cfg.parallelism, cfg.training
+    if p.pipeline_parallel_degree > 1:
+        return ("pipeline parallel (parallelism.pipeline_parallel_degree > 1): torch's pipeline schedules learn each "
+                "stage's shapes by exchanging them with the peer stages, which a fake process group cannot")
+    if p.context_parallel_degree > 1:
+        return "context parallel (parallelism.context_parallel_degree > 1): its ring attention exchanges K/V with real peers"
+    if t.enable_cpu_offload:
+        return "CPU offload (training.enable_cpu_offload): the tracker cannot tell host from device memory on a CPU trace"
+    if cfg.model.converters:
+        return f"model.converters = {list(cfg.model.converters)}: float8 / MXFP8 kernels need a GPU"
+    if p.enable_async_tensor_parallel:
+        return "async tensor parallel (parallelism.enable_async_tensor_parallel): its symmetric-memory kernels need a GPU"
+    if p.dp_mode == "ddp" and p.data_parallel_replicate_degree > 1:
+        return "DDP (parallelism.dp_mode = 'ddp'): its reducer buckets need real gradients"
+    if cfg.checkpoint.initial_load_in_hf:
+        return "checkpoint.initial_load_in_hf: the model's shape comes from the checkpoint, which the trace does not load"
+    return None
+
+
+def trace_config(cfg: JobConfig, device_type: str) -> JobConfig:
+    """`cfg` as the trace runs it: on the CPU, eager, on the offline corpus, without checkpoints or logs.
+
+    None of the changes moves device memory of the train step: the data source, the
+    tokenizer file when it is not on this host (the flavor's vocab is kept), checkpoints,
+    metrics and profiling live outside it. Compile is dropped (eager is traced); a
+    compute dtype of 'auto' becomes the one the target device resolves it to.
+
+    Args:
+        cfg: the job config.
+        device_type: the target device, "cuda" or "cpu".
+    """
+    from pathlib import Path
+
+    out = cfg.model_copy(deep=True)
+    t = out.training
+    t.device = "cpu"
+    t.dataset, t.dataset_path = "stdlib", None
+    if t.mixed_precision_param == "auto":
+        from titan_core.memory.analytic import compute_dtype_bytes
+
+        t.mixed_precision_param = "bfloat16" if compute_dtype_bytes(cfg, device_type) == 2 else "float32"
+    assets = out.model.hf_assets_path
+    if assets is not None and not Path(assets).expanduser().exists():
+        out.model.hf_assets_path = None  # the byte tokenizer keeps the flavor's vocab, as `check_target_job` assumed
+    out.checkpoint.enable = False
+    out.checkpoint.initial_load_path = None
+    out.checkpoint.last_save_in_hf = False
+    out.checkpoint.create_seed_checkpoint = False
+    out.compile.enable = False
+    out.profiling.enable_profiling = False
+    out.profiling.enable_memory_snapshot = False
+    out.metrics.enable_tensorboard = False
+    out.validation.enable = False
+    out.debug.deterministic = False
+    if out.debug.seed is None:
+        out.debug.seed = 0
+    return out
+
+
+def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None = None) -> MemoryEstimate:
+    """Per-rank peak memory of `cfg` on `world_size` ranks, from two traced train steps per pipeline stage.
+
+    Args:
+        cfg: the job config.
+        world_size: number of ranks (`--nproc-per-node` x `--nnodes`).
+        device_type: the target device; None = 'cpu' when `training.device` says so, else 'cuda'.
+
+    Returns:
+        A `MemoryEstimate` with tier "traced": one `RankMemory` per pipeline rank, whose total is
+        the tracker's peak; the tracker's own categories are in each `detail`.
+
+    Raises:
+        ConfigError: the layout breaks a rule of `titan_core.job_check`.
+        TraceUnsupported: the layout uses a feature the trace cannot run (`untraceable_feature`).
+        RuntimeError: this process already has a process group (run the estimate in its own process).
+    """
+    import torch.distributed as dist
+
+    device_type = device_type or target_device(cfg)
+    job, notes = check_target_job(cfg, world_size, device_type)
+    feature = untraceable_feature(cfg)
+    if feature is not None:
+        raise TraceUnsupported(f"{feature}; the analytic tier is used instead")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate_traced starts its own fake process group, but this process already has one; "
+            "call it from a process without torch.distributed (e.g. `titan estimate-memory --traced`)"
+        )
+    traced_cfg = trace_config(cfg, device_type)
+    ranks_per_stage = world_size // job.dims.pp
+    ranks = []
+    for pp_rank in range(job.dims.pp):
+        peaks, sharded = trace_rank(traced_cfg, world_size, pp_rank * ranks_per_stage, job.model_args)
+        ranks.append(rank_memory(pp_rank, peaks, sharded))
+    if device_type == "cuda":
+        notes.append(
+            "traced with CPU kernels on fake tensors: CUDA kernels' workspaces (cuBLAS, attention) and NCCL buffers "
+            "are not counted; the budget's headroom covers them and the allocator's rounding"
+        )
+    if cfg.compile.enable:
+        notes.append("compile: the eager train step was traced; compiled blocks and loss usually need less (an upper bound)")
+    if job.dims.pp > 1:
+        notes.append(f"pipeline: rank {ranks_per_stage} x s traced for pipeline rank s")
+    return MemoryEstimate("traced", world_size, layout_text(job), ranks, notes=notes)
+
+
+def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> tuple[dict[str, int], int]:
+    """Build the `Trainer` of `rank` on fake tensors and trace `STEPS` train steps.
+
+    Args:
+        cfg: the config to run (`trace_config`'s).
+        world_size: ranks of the fake process group.
+        rank: the rank this process plays.
+        model_args: the checked job's model shape; the trainer's must match it.
+
+    Returns:
+        The tracker's peak bytes by category (its names: 'Parameter', 'Buffer', 'Gradient',
+        'Activation', 'Temp', 'Optstate', 'Other', 'Total'), and the bytes of the rank's own
+        (sharded) parameters.
+    """
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titan_core.trainer import Trainer
+
+    rng = torch.random.get_rng_state()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            trainer = Trainer(cfg, tensor_context=_building(mode))
+            if model_args is not None and trainer.model_args != model_args:
+                raise RuntimeError(
+                    f"the traced model's shape {trainer.model_args} differs from the checked job's {model_args}; "
+                    "report this as a bug of titan_core.memory.traced"
+                )
+            t = cfg.training
+            with mode, _own_propagation_mode():
+                batches = [
+                    (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),) * 2  # (bs, seqlen) inputs, labels
+                    for _ in range(trainer.accum_steps)
+                ]
+                tracker = MemTracker()
+                _allow_repeated_forwards(tracker, trainer.model.parts)
+                tracker.track_external(*trainer.model.parts, *trainer.optimizers)
+                with tracker:
+                    for _ in range(STEPS):
+                        trainer.train_step(batches)
+                        tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            sharded = _storage_bytes(p for part in trainer.model.parts for p in part.parameters())
+        return {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}, sharded
+    finally:
+        dist.destroy_process_group()
+        torch.random.set_rng_state(rng)
+
+
+def rank_memory(stage: int, peaks: dict[str, int], sharded_params: int) -> RankMemory:
+    """A `RankMemory` from the tracker's peak categories; its total is the tracker's 'Total'.
+
+    The tracker counts FSDP's all-gathered (unsharded) parameters as parameters: what
+    exceeds the rank's own shards is reported as communication.
+
+    Args:
+        stage: the pipeline rank.
+        peaks: the tracker's peak bytes by category (`trace_rank`).
+        sharded_params: bytes of the rank's own parameter shards.
+    """
+    gathered = max(0, peaks["Parameter"] - sharded_params)
+    memory = RankMemory(
+        stage=stage,
+        parameters=peaks["Parameter"] - gathered + peaks["Buffer"],
+        gradients=peaks["Gradient"],
+        optimizer=peaks["Optstate"],
+        activations=peaks["Activation"],
+        communication=gathered,
+        temporary=peaks["Temp"] + peaks.get("Other", 0),
+        detail={f"tracker_{name.lower()}": value for name, value in peaks.items()},
+    )
+    if memory.total != peaks["Total"]:
+        raise RuntimeError(f"the traced components sum to {memory.total}, not the tracker's peak {peaks['Total']}")
+    return memory
+
+
+def layout_text(job) -> str:
+    """The layout as the analytic tier writes it: degrees above 1, then the run's shape."""
+    dims, cfg = job.dims, job.cfg
+    degrees = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, n) > 1]
+    ac = cfg.activation_checkpoint
+    extras = [f"{cfg.training.mixed_precision_param} compute", f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")]
+    if dims.pp > 1:
+        extras.append(f"{cfg.parallelism.pipeline_parallel_schedule}, microbatch {cfg.parallelism.pipeline_parallel_microbatch_size}")
+    extras.append(f"local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}")
+    if job.accum_steps > 1:
+        extras.append(f"{job.accum_steps} accumulation steps")
+    return f"{', '.join(degrees) or '1 rank'} ({'; '.join(extras)})"
+
+
+@contextlib.contextmanager
+def _building(mode) -> Iterator[None]:
+    """`mode` while the trainer builds, with two of torch's fake-tensor habits undone for that time.
+
+    `nn.init`'s initialisers are skipped (their values do not matter, and `trunc_normal_`
+    asks a fake tensor for a Python bool); device meshes are built from real tensors
+    (`_real_device_meshes`); a deep copy of a fake tensor (pipeline stages) shares the
+    mode instead of copying it. The fake mode memoises every tensor it makes in a
+    weak-value dict, and `Module.to_empty` refuses to swap a parameter that has a weak
+    reference: while building, the memo is a plain dict (dropped after, nothing is tracked yet).
+    """
+    from titan_core.job_check import _skip_init
+
+    converter = mode.fake_tensor_converter.meta_converter
+    memo = converter.tensor_memo
+    converter.tensor_memo = {}
+    # Pipeline parallel deep-copies the model per stage; a fake tensor's copy must share its mode,
+    # not copy the mode (and its memo, which the copy itself changes).
+    mode.__deepcopy__ = lambda _memo: mode
+    try:
+        with mode, _skip_init(), _real_device_meshes():
+            yield
+    finally:
+        converter.tensor_memo = memo
+        del mode.__deepcopy__
+
+
+@contextlib.contextmanager
+def _real_device_meshes() -> Iterator[None]:
+    """Build every `DeviceMesh` from real tensors, outside the fake mode.
+
+    FSDP2 over a TP-sharded model joins the two meshes into a new `DeviceMesh`, whose
+    constructor finds this rank's coordinates with `nonzero` on its rank tensor: an
+    output shape a fake tensor cannot know. A mesh is a few integers, not memory of the step.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
+
+
+def _allow_repeated_forwards(tracker, roots) -> None:
+    """Let `tracker` see a model part's forward more than once per step (micro-batches, pipeline schedules).
+
+    `MemTracker` keeps per-module statistics and refuses a second forward of a root module
+    ("multiple iterative calls"); the trace needs only its global peak, so the module
+    statistics are cleared whenever a root module starts its forward again.
+    """
+    roots = {id(module) for module in roots}
+    track = tracker._pre_fw_hook
+
+    def pre_forward(module, inputs):
+        if id(module) in roots and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+        track(module, inputs)
+
+    tracker._pre_fw_hook = pre_forward  # read when the tracker is entered and registers its hooks
+
+
+@contextlib.contextmanager
+def _own_propagation_mode() -> Iterator[None]:
+    """Give DTensor's sharding propagation its own fake mode, as it has outside a fake mode.
+
+    DTensor works out each op's output shape by running it on global-shape fake tensors in
+    the active fake mode; the tracker skips ops of a fake mode other than the one it was
+    entered in, but under the trace's own mode it would count those tensors (an unsharded
+    copy of every argument of every optimizer op).
+    """
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    own = FakeTensorMode()
+    saved = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *args: own
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = saved
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
