@@ -134,7 +134,7 @@ class Parallelism(Section):
     data_parallel_shard_degree: int = -1
     """FSDP shards; -1 = the rest of the world after the other degrees."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: 'default' = yes, except for the last (pipeline) stage."""
+    """Free gathered parameters after forward: 'default' = yes, except under pipeline parallel (kept for the micro-batches)."""
     dp_mode: str = "fsdp"
     """Data parallelism flavour: 'fsdp' (FSDP2 sharding, HSDP with replicas) or 'ddp' (replication)."""
     tensor_parallel_degree: Degree = 1

@@ -157,8 +157,14 @@ def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _Sta
 
 
 def _buffer_bytes(job: CheckedJob) -> int:
-    """Buffers every stage holds (the root's, e.g. the RoPE table), in bytes."""
-    return sum(buf.numel() * buf.element_size() for buf in job.meta_model().buffers())
+    """Buffers every stage holds (the root's, e.g. the RoPE table), in bytes (counted once per model shape)."""
+    key = (job.spec.name, job.model_args)
+    if key not in _BUFFER_BYTES:
+        _BUFFER_BYTES[key] = sum(buf.numel() * buf.element_size() for buf in job.meta_model().buffers())
+    return _BUFFER_BYTES[key]
+
+
+_BUFFER_BYTES: dict[tuple, int] = {}
 
 
 def _inflight_microbatches(job: CheckedJob, pp_rank: int, n_local_stages: int, n_microbatches: int) -> float:
@@ -237,6 +243,10 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens) -
     offload = t.enable_cpu_offload  # parameters, gradients and optimizer state live in host memory
     # Gradients of earlier micro-batches (accumulation steps, or pipeline micro-batches) live through a backward.
     grads_during_bwd = grad_bytes if (job.accum_steps > 1 or n_micro > 1) and not offload else 0
+    if fsdp and dims.pp > 1:
+        # Under pipeline parallel FSDP reduces once, after the last micro-batch: until then it keeps the
+        # stage's unsharded gradients, in the reduce dtype (torch.distributed.pipelining turns the sync off).
+        grads_during_bwd += max(b, reduce_b) * (sum(blocks) + sum(root.values()))
     opt_temp = {"foreach": 4 * params.sharded, "fused": 0}.get(cfg.optimizer.implementation, 0)
     if cfg.optimizer.implementation == "for-loop":
         opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)

@@ -4,8 +4,8 @@ One CPU process stands in for one rank of each pipeline stage. It starts a fake
 process group of `world_size` ranks (collectives return at once, moving
 nothing), builds the real `Trainer` with the mesh made outside and everything
 else inside `FakeTensorMode` (tensors with shapes, dtypes and storages but no
-memory), and runs two train steps (the second with the optimizer state)
-under `torch.distributed._tools.mem_tracker.MemTracker`, which counts each live
+memory), and runs two train steps, the second (with the optimizer state the first
+made) under `torch.distributed._tools.mem_tracker.MemTracker`, which counts each live
 tensor storage once, by category. The peak it saw is the estimate.
 
 Where torch cannot run a layout on fake tensors in one process, `TraceUnsupported`
@@ -26,9 +26,6 @@ import torch
 from titan_core.config.schema import JobConfig
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job, target_device
-
-STEPS = 2
-"""Train steps traced: the first allocates the optimizer state, the second runs with it."""
 
 
 class TraceUnsupported(Exception):
@@ -148,7 +145,7 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
 
 
 def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> tuple[dict[str, int], int]:
-    """Build the `Trainer` of `rank` on fake tensors and trace `STEPS` train steps.
+    """Build the `Trainer` of `rank` on fake tensors, run one train step, and trace the second.
 
     Args:
         cfg: the config to run (`trace_config`'s).
@@ -186,13 +183,14 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
                     (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),) * 2  # (bs, seqlen) inputs, labels
                     for _ in range(trainer.accum_steps)
                 ]
+                # The first step allocates the optimizer state; its peak is below the second's, which runs with
+                # that state: only the second is tracked (the tracker's bookkeeping is most of the cost).
+                trainer.train_step(batches)
                 tracker = MemTracker()
                 _allow_repeated_forwards(tracker, trainer.model.parts)
                 tracker.track_external(*trainer.model.parts, *trainer.optimizers)
                 with tracker:
-                    for _ in range(STEPS):
-                        trainer.train_step(batches)
-                        tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                    trainer.train_step(batches)
                 peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
             sharded = _storage_bytes(p for part in trainer.model.parts for p in part.parameters())
         return {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}, sharded

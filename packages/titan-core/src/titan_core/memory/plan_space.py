@@ -1,0 +1,144 @@
+"""What `titan plan` searches: every layout of a job on N GPUs, the overrides that set one, and the torch-free rules.
+
+A layout (`titan_core.memory.step_cost.Layout`) is the parallel degrees, the pipeline
+schedule and micro-batch, the batch split, activation checkpointing and CPU offload.
+`candidate_layouts` lists those whose degrees multiply to the GPU count and whose batch
+split gives the global batch exactly; `refuse_by_rule` runs on each the rules of
+titan-parallel that need no model (the same rules `titan_core.job_check` runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from titan_core.config import JobConfig
+from titan_core.memory.step_cost import Layout
+
+PLAN_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+"""Pipeline schedules searched, one per bubble family of the cost model: flush, interleaved, zero-bubble
+(GPipe keeps every micro-batch's activations; InterleavedZeroBubble and DualPipeV cost as ZBVZeroBubble)."""
+
+MICROBATCH_SIZES = (1, 2, 4)
+"""Pipeline micro-batch sizes searched (sequences)."""
+
+AC_MODES = ("none", "op", "full")
+"""Activation checkpointing searched: none, selective "op", full."""
+
+MIN_TOKENS_PER_CP_RANK = 2048
+"""Context parallel is searched while each rank keeps at least this many tokens of a sequence."""
+
+AC_TOKENS = {
+    "none": ["--activation_checkpoint.mode", "none"],
+    "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "full": ["--activation_checkpoint.mode", "full"],
+}
+"""Config overrides of each searched checkpointing mode."""
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, schedules: tuple[str, ...]
+) -> Iterator[Layout]:
+    """Every layout whose degrees multiply to `gpus` and whose batch split is exactly `global_batch`.
+
+    HSDP (dp_replicate > 1) is searched only with shard groups of whole nodes; CP while each
+    rank keeps `MIN_TOKENS_PER_CP_RANK` tokens; CPU offload only where FSDP shards; pipeline
+    micro-batches in whole multiples of the pipeline degree.
+
+    Args:
+        gpus: GPUs in the job.
+        gpus_per_node: GPUs per node.
+        seq_len: tokens per sequence.
+        global_batch: sequences per optimizer step.
+        schedules: pipeline schedules to search.
+    """
+    for tp in divisors(gpus):
+        for cp in (c for c in divisors(gpus // tp) if c == 1 or seq_len // c >= MIN_TOKENS_PER_CP_RANK):
+            for pp in divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                for rep in divisors(dp):
+                    shard = dp // rep
+                    if rep > 1 and (shard * cp * tp) % gpus_per_node:
+                        continue
+                    degrees = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp}
+                    yield from _batch_layouts(degrees, global_batch // dp, schedules)
+
+
+def _batch_layouts(degrees: dict[str, int], seqs_per_rank: int, schedules: tuple[str, ...]) -> Iterator[Layout]:
+    """The batch splits, pipelines, checkpointing modes and offload choices of one set of degrees."""
+    pp = degrees["pp"]
+    pipelines = [("1F1B", 1, None)] if pp == 1 else [
+        (s, 1 if s in ("GPipe", "1F1B") else 2, mbs) for s in schedules for mbs in MICROBATCH_SIZES
+    ]
+    offloads = (False, True) if degrees["dp_shard"] * degrees["cp"] > 1 else (False,)
+    for local in divisors(seqs_per_rank):
+        for schedule, per_rank, mbs in pipelines:
+            if mbs is not None and (local % mbs or (local // mbs) % pp):
+                continue
+            for ac in AC_MODES:
+                for offload in offloads:
+                    yield Layout(**degrees, schedule=schedule, stages_per_rank=per_rank, local_batch=local,
+                                 microbatch=mbs or local, accum=seqs_per_rank // local, ac=ac, offload=offload)
+
+
+def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
+    """The `--section.key value` tokens that set `layout` on top of a config."""
+    t = layout
+    return [
+        "--parallelism.dp_mode", "fsdp",
+        "--parallelism.data_parallel_replicate_degree", str(t.dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(t.dp_shard),
+        "--parallelism.context_parallel_degree", str(t.cp),
+        "--parallelism.tensor_parallel_degree", str(t.tp),
+        "--parallelism.pipeline_parallel_degree", str(t.pp),
+        "--parallelism.pipeline_parallel_schedule", t.schedule,
+        "--parallelism.pipeline_parallel_schedule_csv", "none",
+        "--parallelism.pipeline_parallel_microbatch_size", str(t.microbatch if t.pp > 1 else 1),
+        "--parallelism.pipeline_parallel_layers_per_stage", "none",
+        "--parallelism.module_fqns_per_model_part", "none",
+        "--training.local_batch_size", str(t.local_batch),
+        "--training.global_batch_size", str(global_batch),
+        "--training.enable_cpu_offload", "true" if t.offload else "false",
+        *AC_TOKENS[t.ac],
+    ]
+
+
+def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> str | None:
+    """The message of the first torch-free layout rule `layout` breaks, or None.
+
+    Args:
+        layout: the layout (its tp, cp, pp, schedule, local batch and micro-batch are read).
+        args: the model's args (`n_heads`, `kv_heads`, `ffn_hidden_dim`, `vocab_size`, `n_layers`).
+        cfg: the job config, for the model's plan and the pipeline's first / last stage weights.
+        seq_len: tokens per sequence.
+    """
+    from titan_models import get_model_spec
+    from titan_parallel import ParallelConfigError
+    from titan_parallel.layout import check_cp
+    from titan_parallel.pipeline_layout import count_microbatches, count_stages, stage_module_names
+
+    from titan_core.job_check import as_config_error
+
+    t, p = layout, cfg.parallelism
+    for name in ("n_heads", "kv_heads", "ffn_hidden_dim", "vocab_size"):
+        size = getattr(args, name, None)
+        if isinstance(size, int) and size % t.tp:
+            return f"parallelism.tensor_parallel_degree={t.tp} does not divide {name}={size}"
+    try:
+        check_cp(seq_len, t.cp, t.tp)
+        if t.pp > 1:
+            less = {"first_stage_less_layers": p.pipeline_parallel_first_stage_less_layers,
+                    "last_stage_less_layers": p.pipeline_parallel_last_stage_less_layers}
+            n_stages = count_stages(args.n_layers, t.pp, t.schedule, **less)
+            stage_module_names(get_model_spec(cfg.model.name).plan, args.n_layers, n_stages, **less)
+            count_microbatches(t.local_batch, t.microbatch, n_stages, t.schedule)
+    except ParallelConfigError as e:
+        return str(as_config_error(e))
+    return None

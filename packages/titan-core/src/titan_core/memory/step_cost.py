@@ -1,0 +1,386 @@
+"""How long one optimizer step of a layout takes, by an explicit cost model: what `titan plan` ranks by.
+
+Pure arithmetic, no torch: the planner scores tens of thousands of layouts with it.
+Every figure it assumes is a named constant below, and the `titan plan` section of
+`docs/memory.md` writes out each formula and where each figure comes from. The
+terms, per rank and per optimizer step:
+
+- compute: `flops_per_token x tokens / gpus / (peak x MFU_EFFICIENCY)`;
+- recompute: activation checkpointing's extra forward (full: +1/3 of the training
+  FLOPs; selective "op": the matmuls it does not keep, `op_recompute_flops_per_token`);
+- tp, cp, pp_p2p: tensor parallel's all-gathers / reduce-scatters of activations,
+  context parallel's K/V exchange and the pipeline's activation sends, times the share
+  of each on the critical path (`TP_EXPOSED`, `CP_EXPOSED`, `PP_P2P_EXPOSED`);
+- bubble: the pipeline's idle share of a step (`bubble_fraction`);
+- fsdp: parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduce), of
+  which `FSDP_OVERLAP` hides behind compute as long as compute is longer;
+- offload, optimizer: CPU offload's host <-> device copies, and the AdamW step.
+
+A collective's time is the ring algorithm's `(n - 1) / n x bytes / bandwidth`: at
+NVLink bandwidth when its group lies inside one node, else at the per-GPU network
+bandwidth. The mesh is `(pp, dp_replicate, dp_shard, cp, tp)`, tp innermost, so a
+dimension's group holds ranks `stride` apart (`group_strides`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MFU_EFFICIENCY = 0.45
+"""Share of the GPU's dense bf16 peak the matmuls reach when nothing waits on communication. torchtitan's
+H100 benchmarks (2024-12) reach 39% end to end for Llama 3.1 8B FSDP on 8 GPUs with compile, selective AC
+and exposed FSDP traffic included (6,667 tokens/s/GPU x 57.9 GFLOP/token / 989 TFLOP/s)."""
+
+NVLINK_BYTES_PER_S = 360e9
+"""Bus bandwidth per GPU of a ring collective inside a node: H100 SXM NVLink 4 carries 450 GB/s each way
+(900 GB/s both ways); NCCL's all-gather / reduce-scatter reach about 80% of it on large messages."""
+
+NETWORK_BYTES_PER_S = 45e9
+"""Bus bandwidth per GPU across nodes: one 400 Gb/s (50 GB/s) InfiniBand NDR or RoCE NIC per GPU, of which
+NCCL's rings reach about 90%."""
+
+PCIE_BYTES_PER_S = 25e9
+"""Host <-> GPU bandwidth per GPU under CPU offload: PCIe Gen5 x16 (~50 GB/s achieved each way), halved
+because two GPUs share one PCIe switch's uplink on an HGX H100 board."""
+
+HOST_ADAM_BYTES_PER_S = 25e9
+"""Host memory bandwidth per GPU for the CPU AdamW step under offload: ~200 GB/s for a two-socket host,
+shared by its 8 GPUs' optimizer steps."""
+
+HBM_BYTES_PER_S = 3.35e12
+"""GPU memory bandwidth for the (memory-bound) AdamW step: H100 SXM HBM3."""
+
+ADAM_BYTES_PER_PARAM = 28
+"""Bytes AdamW moves per parameter: it reads the fp32 parameter, gradient and two moments (16) and writes
+the parameter and the moments (12)."""
+
+FSDP_OVERLAP = 0.8
+"""Share of FSDP's all-gathers / reduce-scatters hidden behind compute by prefetching. The first all-gather of
+the forward and the last reduce-scatter of the backward cannot hide, and the collectives' kernels slow the
+matmuls they overlap; traffic longer than the compute is exposed in full beyond it."""
+
+TP_EXPOSED = 0.9
+"""Share of tensor parallel's collectives on the critical path: each matmul waits for its all-gather and each
+reduce-scatter waits for its matmul (async TP, which the planner does not turn on, would hide most of it)."""
+
+CP_EXPOSED = {"allgather": 1.0, "rotate": 0.5}
+"""Share of context parallel's K/V exchange exposed: 'allgather' waits for the whole K/V before attention;
+'rotate' passes shards around the ring while attending to the previous one."""
+
+PP_P2P_EXPOSED = 0.5
+"""Share of the pipeline's activation sends exposed: sends are asynchronous; a stage waits only for a receive
+that has not landed when it is free for the next micro-batch."""
+
+ZERO_BUBBLE_RESIDUAL = 0.1
+"""The share of 1F1B's bubble that zero-bubble schedules leave: they fill it with deferred weight-gradient work
+(ZB-V reaches ~0 with enough micro-batches; the warm-up's first forwards cannot be filled)."""
+
+BUBBLE_KINDS = {
+    "GPipe": "flush",
+    "1F1B": "flush",
+    "Interleaved1F1B": "interleaved",
+    "InterleavedZeroBubble": "zero",
+    "ZBVZeroBubble": "zero",
+    "DualPipeV": "zero",
+}
+"""How each pipeline schedule's bubble is modelled (see `bubble_fraction`)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job runs on.
+
+    Args:
+        gpus: GPUs in the job.
+        gpus_per_node: GPUs that share one NVLink domain.
+        peak_flops: dense bf16 peak FLOP/s of one GPU.
+        intra_node_bw: bus bandwidth per GPU (bytes/s) of a collective inside a node.
+        inter_node_bw: bus bandwidth per GPU (bytes/s) of a collective across nodes.
+        mfu: share of `peak_flops` the matmuls reach.
+    """
+
+    gpus: int
+    gpus_per_node: int
+    peak_flops: float
+    intra_node_bw: float = NVLINK_BYTES_PER_S
+    inter_node_bw: float = NETWORK_BYTES_PER_S
+    mfu: float = MFU_EFFICIENCY
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch a step processes, as plain numbers.
+
+    Args:
+        n_params: parameters of the whole model.
+        n_layers: transformer blocks.
+        dim: width of the residual stream.
+        kv_dim: width of K (= of V): kv heads x head dim.
+        flops_per_token: training FLOPs (forward + backward) per token at `seq_len`.
+        op_recompute_flops_per_token: FLOPs per token that selective "op" checkpointing recomputes.
+        seq_len: tokens per sequence.
+        global_batch: sequences per optimizer step.
+        gather_bytes: bytes per parameter FSDP all-gathers (2 for bf16).
+        reduce_bytes: bytes per gradient element FSDP reduces (4 for float32).
+        act_bytes: bytes per activation element (2 for bf16).
+        fsdp_reshard: `parallelism.fsdp_reshard_after_forward`: "default", "always" or "never".
+        cp_rotate_method: "allgather" or "rotate".
+    """
+
+    n_params: int
+    n_layers: int
+    dim: int
+    kv_dim: int
+    flops_per_token: float
+    op_recompute_flops_per_token: float
+    seq_len: int
+    global_batch: int
+    gather_bytes: int = 2
+    reduce_bytes: int = 4
+    act_bytes: int = 2
+    fsdp_reshard: str = "default"
+    cp_rotate_method: str = "allgather"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a job: what `titan plan` searches over.
+
+    Args:
+        dp_replicate: HSDP replicas.
+        dp_shard: FSDP shards.
+        cp: context parallel degree.
+        tp: tensor parallel degree.
+        pp: pipeline parallel degree.
+        schedule: pipeline schedule (read when pp > 1).
+        stages_per_rank: pipeline stages on each rank (2 for interleaved and V schedules).
+        local_batch: sequences per data-parallel rank per micro-step.
+        microbatch: sequences per pipeline micro-batch (= local_batch without pipeline parallel).
+        accum: gradient-accumulation steps per optimizer step.
+        ac: activation checkpointing: "none", "op" (selective op) or "full".
+        offload: CPU offload of parameters, gradients and optimizer states.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    local_batch: int = 1
+    microbatch: int = 1
+    accum: int = 1
+    ac: str = "none"
+    offload: bool = False
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: batches read per micro-step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per micro-step (1 without pipeline parallel)."""
+        return self.local_batch // self.microbatch if self.pp > 1 else 1
+
+    def describe(self) -> str:
+        """The degrees above 1, e.g. 'dp_shard=8 tp=8 pp=8'."""
+        names = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        return " ".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) > 1) or "1 GPU"
+
+
+@dataclass
+class StepCost:
+    """Seconds one optimizer step takes, by term.
+
+    Args:
+        terms: seconds per term (compute, recompute, tp, cp, pp_p2p, bubble, fsdp, offload, optimizer).
+        notes: the link each communication term ran over ("NVLink" or "network"), e.g. {"tp": "NVLink"}.
+    """
+
+    terms: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        """The step time: the sum of the terms."""
+        return sum(self.terms.values())
+
+    def dominant(self, n: int = 3) -> str:
+        """The `n` largest terms of 1% of the step or more, e.g. 'compute 71%, tp 12% (NVLink), bubble 9%'."""
+        total = self.seconds or 1.0
+        top = sorted(((v, k) for k, v in self.terms.items() if v / total >= 0.005), reverse=True)[:n]
+        return ", ".join(f"{k} {v / total:.0%}" + (f" ({self.notes[k]})" if k in self.notes else "") for v, k in top)
+
+
+def ring_seconds(n: int, nbytes: float, bandwidth: float) -> float:
+    """Time of a ring all-gather or reduce-scatter over `n` ranks whose whole (unsharded) buffer is `nbytes`.
+
+    Each rank sends and receives `(n - 1) / n` of the buffer; an all-reduce is two of these.
+
+    Args:
+        n: ranks in the group.
+        nbytes: size of the gathered result (or of the reduce-scatter's input).
+        bandwidth: bus bandwidth per GPU (bytes/s) of the slowest link of the ring.
+    """
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bandwidth
+
+
+def group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
+    """(stride, size) of each communication group on the mesh `(pp, dp_replicate, dp_shard, cp, tp)`.
+
+    "fsdp" is the flattened (dp_shard, cp) group FSDP shards over; "replicate" is HSDP's.
+    """
+    t = layout
+    return {
+        "tp": (1, t.tp),
+        "cp": (t.tp, t.cp),
+        "fsdp": (t.tp, t.dp_shard * t.cp),
+        "replicate": (t.dp_shard * t.cp * t.tp, t.dp_replicate),
+        "pp": (t.dp_replicate * t.dp_shard * t.cp * t.tp, t.pp),
+    }
+
+
+def within_node(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether every group of `size` ranks `stride` apart lies inside one node of `gpus_per_node` GPUs.
+
+    A group spans `stride x size` consecutive ranks; it stays in one node when that span is at
+    most a node and divides it (otherwise some groups straddle two nodes).
+    """
+    span = stride * size
+    return size <= 1 or (span <= gpus_per_node and gpus_per_node % span == 0)
+
+
+def group_bandwidth(name: str, layout: Layout, cluster: Cluster) -> tuple[float, str]:
+    """Bus bandwidth per GPU (bytes/s) of group `name` (a key of `group_strides`), and 'NVLink' or 'network'."""
+    stride, size = group_strides(layout)[name]
+    if within_node(stride, size, cluster.gpus_per_node):
+        return cluster.intra_node_bw, "NVLink"
+    return cluster.inter_node_bw, "network"
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Share of a pipeline run each rank is idle.
+
+    flush (GPipe, 1F1B): `(pp - 1) / (m + pp - 1)`: m micro-batches plus pp - 1 slots to fill and drain;
+    interleaved: `(pp - 1) / (v m + pp - 1)`, v stages per rank (Megatron-LM: the bubble shrinks v times);
+    zero-bubble: `ZERO_BUBBLE_RESIDUAL` x the flush fraction.
+
+    Args:
+        schedule: a key of `BUBBLE_KINDS`.
+        pp: pipeline degree.
+        microbatches: micro-batches per pipeline run (m).
+        stages_per_rank: v.
+    """
+    if pp <= 1:
+        return 0.0
+    kind = BUBBLE_KINDS[schedule]
+    if kind == "interleaved":
+        return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+    flush = (pp - 1) / (microbatches + pp - 1)
+    return flush * (ZERO_BUBBLE_RESIDUAL if kind == "zero" else 1.0)
+
+
+def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> float:
+    """FLOPs per token that selective "op" checkpointing recomputes in a Llama block.
+
+    It keeps every other matmul's output (`titan_parallel.activation_checkpoint`); in a
+    block's forward order wq, wk, wv, wo, w1, w3, w2 it recomputes the 2nd, 4th and 6th:
+    wk (dim x kv_dim), wo (q_dim x dim) and w3 (dim x ffn_dim), 2 FLOPs per weight each.
+
+    Args:
+        n_layers: blocks.
+        dim: residual width.
+        q_dim: query heads x head dim.
+        kv_dim: kv heads x head dim.
+        ffn_dim: feed-forward hidden width.
+    """
+    return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
+
+
+def recompute_flops_per_token(ac: str, work: Workload) -> float:
+    """FLOPs per token activation checkpointing adds: full = the forward again (1/3 of the training FLOPs)."""
+    return {"none": 0.0, "op": work.op_recompute_flops_per_token, "full": work.flops_per_token / 3}[ac]
+
+
+def tp_collectives_per_block(ac: str) -> int:
+    """Sequence-parallel collectives per block per micro-batch: 2 all-gathers + 2 reduce-scatters forward, as
+    many backward, and the recomputed forward's again (full), or its 2 all-gathers ("op" keeps reduce-scatters)."""
+    return 8 + {"none": 0, "op": 2, "full": 4}[ac]
+
+
+def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> StepCost:
+    """Seconds per optimizer step of `layout`, by term (see the module docstring).
+
+    Args:
+        layout: the degrees, schedule, batch split, checkpointing and offload.
+        work: the model and batch.
+        cluster: the GPUs and links.
+    """
+    t, w, c = layout, work, cluster
+    cost = StepCost()
+
+    def bandwidth(group: str, term: str) -> float:
+        """`group`'s bandwidth; notes the link `term` ran over (the network if any of its groups leaves the node)."""
+        bw, where = group_bandwidth(group, t, c)
+        if cost.notes.get(term) != "network":
+            cost.notes[term] = where
+        return bw
+
+    tokens = w.global_batch * w.seq_len  # per step, all ranks
+    rate = c.peak_flops * c.mfu
+    compute = w.flops_per_token * tokens / c.gpus / rate
+    recompute = recompute_flops_per_token(t.ac, w) * tokens / c.gpus / rate
+    seqs = w.global_batch / t.dp  # sequences each data-parallel rank (its cp x tp x pp group) runs per step
+    layers = w.n_layers / t.pp  # blocks per pipeline rank
+
+    tp = cp = pp_p2p = 0.0
+    if t.tp > 1:  # each collective moves the step's whole (seqs, seq_len / cp, dim) activation
+        act = w.act_bytes * seqs * w.seq_len / t.cp * w.dim
+        tp = TP_EXPOSED * tp_collectives_per_block(t.ac) * layers * ring_seconds(t.tp, act, bandwidth("tp", "tp"))
+    if t.cp > 1:  # K and V of whole sequences (tp-sharded heads): gathered forward, reduce-scattered backward
+        kv = 2 * w.act_bytes * seqs * w.seq_len * w.kv_dim / t.tp
+        passes = 3 if t.ac == "full" else 2  # full AC gathers again in the recomputed forward
+        cp = CP_EXPOSED[w.cp_rotate_method] * passes * layers * ring_seconds(t.cp, kv, bandwidth("cp", "cp"))
+    if t.pp > 1:  # each micro-batch crosses each of a rank's stage boundaries, forward and backward
+        act = w.act_bytes * t.microbatch * w.seq_len / t.cp * w.dim / t.tp  # (mbs, seq / cp / tp, dim) under SP
+        sends = 2 * t.stages_per_rank * seqs / t.microbatch
+        pp_p2p = PP_P2P_EXPOSED * sends * act / bandwidth("pp", "pp_p2p")
+    busy = compute + recompute + tp + cp + pp_p2p
+    f = bubble_fraction(t.schedule, t.pp, t.microbatches, t.stages_per_rank)
+    bubble = busy * f / (1 - f)  # idle = f of (busy + idle)
+
+    shard = t.dp_shard * t.cp
+    rank_params = w.n_params / (t.tp * t.pp)  # what this rank's FSDP group shards
+    reshard = {"always": True, "never": False, "default": t.pp == 1}[w.fsdp_reshard]
+    gathers = t.accum * (2 * t.microbatches if reshard else 1)  # unresharded weights stay gathered over a run
+    reduces = t.accum  # each micro-step reduce-scatters (under PP once per run, after its last micro-batch)
+    fsdp = 0.0
+    if shard > 1:
+        bw = bandwidth("fsdp", "fsdp")
+        fsdp += gathers * ring_seconds(shard, w.gather_bytes * rank_params, bw)
+        fsdp += reduces * ring_seconds(shard, w.reduce_bytes * rank_params, bw)
+    if t.dp_replicate > 1:  # HSDP: all-reduce (= reduce-scatter + all-gather) of each gradient shard
+        bw = bandwidth("replicate", "fsdp")
+        fsdp += reduces * 2 * ring_seconds(t.dp_replicate, w.reduce_bytes * rank_params / shard, bw)
+    window = compute + recompute
+    fsdp_exposed = max((1 - FSDP_OVERLAP) * fsdp, fsdp - window)
+
+    shard_params = rank_params / shard
+    offload = 0.0
+    if t.offload:  # fp32 shards copied in before each all-gather, gradients out after each reduce-scatter
+        pcie = (gathers + reduces) * 4 * shard_params / PCIE_BYTES_PER_S
+        offload = max((1 - FSDP_OVERLAP) * pcie, pcie - window)
+    optimizer = ADAM_BYTES_PER_PARAM * shard_params / (HOST_ADAM_BYTES_PER_S if t.offload else HBM_BYTES_PER_S)
+
+    cost.terms = {
+        "compute": compute, "recompute": recompute, "tp": tp, "cp": cp, "pp_p2p": pp_p2p,
+        "bubble": bubble, "fsdp": fsdp_exposed, "offload": offload, "optimizer": optimizer,
+    }
+    return cost
+
+
+def tokens_per_second_per_gpu(cost: StepCost, work: Workload, cluster: Cluster) -> float:
+    """Training throughput per GPU: `global_batch x seq_len / step time / gpus`."""
+    return work.global_batch * work.seq_len / cost.seconds / cluster.gpus
