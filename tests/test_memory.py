@@ -71,7 +71,7 @@ def test_budget_parsing_and_usable_part():
     assert parse_gpu_memory("80GiB")[0] == 80 * 2**30
     assert parse_gpu_memory("80GB")[0] == 80 * 10**9
     assert parse_gpu_memory("h100")[0] == 80 * 2**30
-    assert usable_bytes(80 * 2**30) == int((80 - 2.5) * 2**30 * 0.95)
+    assert usable_bytes(80 * 2**30) == int((80 - 2.5) * 2**30 * 0.90)
     with pytest.raises(ValueError, match="--gpu-memory 'eighty'"):
         parse_gpu_memory("eighty")
 
@@ -126,3 +126,19 @@ def test_impossible_layout_is_one_line_naming_the_key():
 def test_rules_are_the_trainers():
     with pytest.raises(ConfigError, match="training.global_batch_size"):
         estimate_analytic(load_config("llama3_8b", ["--training.global_batch_size", "12"]), 8)
+
+
+def test_traced_tier_runs_the_step_and_falls_back_naming_what_it_cannot_trace():
+    traced = _cli("--config", "llama3_debugmodel", "--nproc-per-node", "2", "--traced", "--json")
+    assert traced.exit_code == 0, traced.output
+    data = json.loads(traced.output[traced.output.index("{"):])
+    assert data["tier"] == "traced" and data["world_size"] == 2
+    (rank,) = data["ranks"]
+    assert rank["total"] == rank["detail"]["tracker_total"]  # the components add up to the tracker's peak
+    shard = rank["parameters"] - rank["detail"]["tracker_buffer"]  # the rank's fp32 parameter shards
+    assert 0 <= rank["optimizer"] - 2 * shard < 4096  # AdamW's two fp32 moments, and a scalar step per parameter
+    pipeline = _cli("--config", "llama3_debugmodel", "--nproc-per-node", "2", "--traced",
+                    "--parallelism.pipeline_parallel_degree", "2")
+    assert pipeline.exit_code == 0, pipeline.output
+    assert "analytic estimate, 2 ranks" in pipeline.output
+    assert "note: not traced: pipeline parallel (parallelism.pipeline_parallel_degree > 1)" in pipeline.output

@@ -1,8 +1,9 @@
 """The verdict and the cheapest fix: what to change when a layout does not fit.
 
 `CHANGES` lists single changes from the cheapest in step time to the dearest: keep
-gathered weights less, recompute more, smaller micro-batches (same global batch),
-CPU offload, then more model parallelism. The first whose analytic estimate fits
+gathered weights less, recompute the cheap half of each block (selective "op"),
+smaller micro-batches (same global batch), recompute everything, CPU offload, then
+more model parallelism. The first whose analytic estimate fits
 is the one `titan estimate-memory` suggests.
 """
 
@@ -62,8 +63,9 @@ def _more_tp(cfg: JobConfig, global_batch: int):
             {"parallelism.tensor_parallel_degree": 2 * p.tensor_parallel_degree})
 
 
-CHANGES: tuple[Change, ...] = (_reshard, _selective_op, _full_ac, _smaller_batch(2), _smaller_batch(4), _cpu_offload, _more_tp)
-"""Single changes, cheapest in step time first."""
+CHANGES: tuple[Change, ...] = (_reshard, _selective_op, _smaller_batch(2), _smaller_batch(4), _full_ac, _cpu_offload, _more_tp)
+"""Single changes, cheapest in step time first: a smaller micro-batch with gradient accumulation keeps the global
+batch and costs only the per-micro-batch overheads, full recomputation costs a third more compute."""
 
 def cheapest_fix(cfg: JobConfig, world_size: int, budget: int, global_batch: int, device_type: str | None = None) -> str | None:
     """The first change of `CHANGES` after which the analytic estimate fits `budget`, or None.

@@ -299,7 +299,7 @@ SIMPLICITY_MARGIN = 0.02
 """Step time a layout is charged per model-parallel dimension it uses (tp, cp, pp > 1), for ranking only: the
 cost model does not see the per-micro-batch and per-collective overheads of each, and cannot tell layouts
 within a few percent apart; among those, the simpler layout ranks first (e.g. FSDP alone over pp=4 x cp=2
-for an 8B model on 8 GPUs, 2.20 s against 2.19 s)."""
+for an 8B model on 8 GPUs of 96 GiB, 2.20 s against 2.19 s)."""
 
 
 def rank_key(ranked: Ranked) -> tuple[float, int]:

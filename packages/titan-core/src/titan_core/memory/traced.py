@@ -160,7 +160,6 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
     """
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from titan_core.trainer import Trainer
@@ -186,7 +185,7 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
                 # The first step allocates the optimizer state; its peak is below the second's, which runs with
                 # that state: only the second is tracked (the tracker's bookkeeping is most of the cost).
                 trainer.train_step(batches)
-                tracker = MemTracker()
+                tracker = peak_tracker()
                 _allow_repeated_forwards(tracker, trainer.model.parts)
                 tracker.track_external(*trainer.model.parts, *trainer.optimizers)
                 with tracker:
@@ -289,6 +288,33 @@ def _real_device_meshes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = init
+
+
+def peak_tracker():
+    """A `MemTracker` that keeps the global peak (by category) and not its per-module peaks.
+
+    After every op `MemTracker` walks every module it has seen to update their own peaks:
+    for an 8B model that is most of the trace's time (hundreds of modules x tens of thousands
+    of ops). The estimate needs only the global peak, which this keeps exactly as
+    `MemTracker` does; where this torch's tracker lacks the fields it reads, the tracker is
+    torch's own, unchanged.
+    """
+    from copy import deepcopy
+
+    from torch.distributed._tools import mem_tracker
+
+    class PeakTracker(mem_tracker.MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot[mem_tracker._TOTAL_KEY]:
+                    self._peak_mem[device] = snapshot[mem_tracker._TOTAL_KEY]
+                    self._peak_mem_snap[device] = deepcopy(snapshot)
+
+    tracker = PeakTracker()
+    fields = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+    if not hasattr(mem_tracker, "_TOTAL_KEY") or not all(hasattr(tracker, f) for f in fields):
+        return mem_tracker.MemTracker()
+    return tracker
 
 
 def _allow_repeated_forwards(tracker, roots) -> None:
