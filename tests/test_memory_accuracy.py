@@ -75,6 +75,6 @@ def test_every_row_is_within_its_target(results, tier):
     assert not misses, misses
 
 
-def test_traced_rows_cover_fsdp_tp_and_accumulation(results):
+def test_traced_rows_cover_fsdp_tp_cp_and_accumulation(results):
     traced = {name for name, r in results.items() if r["traced"]}
-    assert {"single", "fsdp2", "hsdp2x2", "tp2", "fsdp2-tp2", "fsdp2-accum2", "single-ac-full"} <= traced
+    assert {"single", "fsdp2", "hsdp2x2", "tp2", "fsdp2-tp2", "cp2", "cp2-rotate", "fsdp2-accum2", "single-ac-full"} <= traced

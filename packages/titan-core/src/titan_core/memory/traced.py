@@ -42,8 +42,6 @@ def untraceable_feature(cfg: JobConfig) -> str | None:
     if p.pipeline_parallel_degree > 1:
         return ("pipeline parallel (parallelism.pipeline_parallel_degree > 1): torch's pipeline schedules learn each "
                 "stage's shapes by exchanging them with the peer stages, which a fake process group cannot")
-    if p.context_parallel_degree > 1:
-        return "context parallel (parallelism.context_parallel_degree > 1): its ring attention exchanges K/V with real peers"
     if t.enable_cpu_offload:
         return "CPU offload (training.enable_cpu_offload): the tracker cannot tell host from device memory on a CPU trace"
     if cfg.model.converters:
