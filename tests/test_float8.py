@@ -296,10 +296,12 @@ def test_pipeline_parallel_with_op_sac_and_rowwise(tmp_path, single_runs):
 
 def test_tp2_all_gathers_in_float8(tmp_path):
     """Tensorwise float8 TP: every watched linear computes on a float8 DTensor, the colwise ones on one
-    all-gathered (replicated) in float8. Its scales move continuously with amax, so TP's different fp32
-    summation order flips some float8 roundings: perturbing the embeddings by 1e-7 in one process moves
-    the logits by 3.7e-4 and layer 0's weight gradients by up to 7%, what TP shows here. Rowwise (power-of-
-    two scales, high-precision all-gathers) matches its single process to fp32 rounding."""
+    all-gathered (replicated) in float8. TP's different fp32 summation order can flip float8 roundings, and
+    where it does depends on the CPU's kernels: perturbing the embeddings by 1e-7 in one process moved the
+    logits by 3.7e-4 and layer 0's tensorwise gradients by up to 7% on an Intel Xeon (AMX), while on an
+    AMD EPYC (AVX-512, no AMX) tensorwise matched to 4e-7 and rowwise's early-layer gradients moved by up
+    to 7.2e-4. So the gradients are held to a share of float8's own error against fp32, not to fp32
+    rounding; the logits of rowwise (power-of-two scales, high-precision all-gathers) stay within 1e-5."""
     out = tmp_path / "tp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)]
@@ -316,7 +318,8 @@ def test_tp2_all_gathers_in_float8(tmp_path):
     assert all(seen["local_type"] == "Tensor" for seen in rw["inputs"].values())
     assert tw["logits_rel_vs_float8_alone"] < 0.05 * tw["logits_rel_float8_alone_vs_unconverted"]
     assert all(tp < alone for tp, alone in tw["grad_rel"].values()), tw["grad_rel"]
-    assert rw["logits_rel_vs_float8_alone"] < 1e-5 and max(tp for tp, _ in rw["grad_rel"].values()) < 1e-4
+    assert rw["logits_rel_vs_float8_alone"] < 1e-5
+    assert all(tp < 0.05 * alone for tp, alone in rw["grad_rel"].values()), rw["grad_rel"]
 
 
 def test_mx_refuses_in_one_line_off_blackwell(tmp_path):
