@@ -165,7 +165,7 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
     rng = torch.random.get_rng_state()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             trainer = Trainer(cfg, tensor_context=_building(mode))
@@ -286,6 +286,21 @@ def _real_device_meshes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = init
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Keep torch's logged warnings about the traced step (e.g. DTensor's advice on redistributions) out of
+    the estimate's output: they are about the run, which the user sees when it runs."""
+    import logging
+
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_logger.setLevel(level)
 
 
 def peak_tracker():
