@@ -14,7 +14,8 @@ The search, in order:
    `plan_bounds.host_lower_bound` those whose CPU-offloaded states exceed the host's
    memory: no estimate of them can fit.
 4. The rest are scored by the cost model (`titan_core.memory.step_cost`) and estimated in
-   order of step time, fastest first: a `JobConfig` from the user's config and overrides
+   order of `rank_key` (step time, plus `SIMPLICITY_MARGIN` per model-parallel dimension),
+   fastest first: a `JobConfig` from the user's config and overrides
    plus the layout's override tokens, through `estimate_analytic` (every rule of
    `job_check.RULES`, then the memory; offloaded bytes count against the host's). A layout
    is not estimated when a faster batch split of the same row already fits, or when it
