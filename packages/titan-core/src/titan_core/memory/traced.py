@@ -118,7 +118,7 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
     job, notes = check_target_job(cfg, world_size, device_type)
     feature = untraceable_feature(cfg)
     if feature is not None:
-        raise TraceUnsupported(f"{feature}; the analytic tier is used instead")
+        raise TraceUnsupported(feature)
     if dist.is_initialized():
         raise RuntimeError(
             "estimate_traced starts its own fake process group, but this process already has one; "
