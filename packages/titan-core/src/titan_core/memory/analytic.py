@@ -19,7 +19,8 @@ from titan_core.job_check import CheckedJob
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job
 
-_DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+"""Bytes per element of the dtypes a config names (`training.mixed_precision_param` / `_reduce`)."""
 _SHARDED_STYLES = {"colwise", "rowwise", "embedding", "output"}
 
 
@@ -57,7 +58,7 @@ def compute_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
     """Bytes of the compute dtype `training.mixed_precision_param` resolves to on `device_type`."""
     name = cfg.training.mixed_precision_param
     if name != "auto":
-        return _DTYPE_BYTES[name]
+        return DTYPE_BYTES[name]
     if device_type == "cuda":
         return 2
     import torch
@@ -74,7 +75,7 @@ def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
     b = compute_dtype_bytes(cfg, job.device_type)
     fsdp = p.dp_mode == "fsdp" and (dims.dp_replicate * dims.dp_shard * dims.cp > 1 or t.enable_cpu_offload)
     shards = dims.dp_shard * dims.cp if fsdp else 1
-    reduce_b = _DTYPE_BYTES[t.mixed_precision_reduce] if fsdp else 4
+    reduce_b = DTYPE_BYTES[t.mixed_precision_reduce] if fsdp else 4
     layout = ActivationLayout(
         compute_bytes=b, tp=dims.tp, cp=dims.cp, cp_rotate_method=p.context_parallel_rotate_method,
         seq_len=t.seq_len, device_type=job.device_type, loss_parallel=not p.disable_loss_parallel,
@@ -83,23 +84,29 @@ def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
     stages = _stage_names(job)
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
-    ranks = []
-    for pp_rank in range(dims.pp):
-        ranks.append(_rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens))
+    buffers = _buffer_bytes(job)  # counted once: every stage holds the root's buffers
+    ranks = [_rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, buffers) for pp_rank in range(dims.pp)]
     if "float8" in cfg.model.converters:
         notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
     if cfg.compile.enable:
         notes.append("compile: eager memory is estimated; compiled blocks and loss usually need less (an upper bound)")
-    layout_text = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "1 rank"
-    extras = [f"{'bf16' if b == 2 else 'fp32'} compute", f"AC {cfg.activation_checkpoint.mode}"]
-    if cfg.activation_checkpoint.mode == "selective":
-        extras[-1] += f" ({cfg.activation_checkpoint.selective_ac_option})"
+    return MemoryEstimate("analytic", job.world_size, describe_layout(job, b), ranks, notes=notes)
+
+
+def describe_layout(job: CheckedJob, compute_bytes: int) -> str:
+    """The layout as both tiers print it: the degrees above 1, then the run's shape, e.g.
+    'dp_shard=8 (bf16 compute; AC selective (op); local batch 1 x seq 8192)'."""
+    cfg, dims = job.cfg, job.dims
+    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    degrees = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "1 rank"
+    extras = [f"{'bf16' if compute_bytes == 2 else 'fp32'} compute",
+              f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")]
     if dims.pp > 1:
         extras.append(f"{p.pipeline_parallel_schedule}, microbatch {p.pipeline_parallel_microbatch_size}")
     extras.append(f"local batch {t.local_batch_size} x seq {t.seq_len}")
     if job.accum_steps > 1:
         extras.append(f"{job.accum_steps} accumulation steps")
-    return MemoryEstimate("analytic", job.world_size, f"{layout_text} ({'; '.join(extras)})", ranks, notes=notes)
+    return f"{degrees} ({'; '.join(extras)})"
 
 
 def _degrees(dims) -> dict[str, int]:
@@ -157,38 +164,37 @@ def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _Sta
 
 
 def _buffer_bytes(job: CheckedJob) -> int:
-    """Buffers every stage holds (the root's, e.g. the RoPE table), in bytes (counted once per model shape)."""
-    key = (job.spec.name, job.model_args)
-    if key not in _BUFFER_BYTES:
-        _BUFFER_BYTES[key] = sum(buf.numel() * buf.element_size() for buf in job.meta_model().buffers())
-    return _BUFFER_BYTES[key]
+    """Buffers every stage holds (the root's, e.g. the RoPE table), in bytes."""
+    return sum(buf.numel() * buf.element_size() for buf in job.meta_model().buffers())
 
 
-_BUFFER_BYTES: dict[tuple, int] = {}
-
-
-def _inflight_microbatches(job: CheckedJob, pp_rank: int, n_local_stages: int, n_microbatches: int) -> float:
+def inflight_microbatches(schedule: str, pp: int, pp_rank: int, stages_per_rank: int, microbatches: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of its whole set of stages.
 
     1F1B warms up `pp - 1 - rank` forwards, then keeps one more: `pp - rank`. GPipe runs every
     forward first: all micro-batches. Schedules with v stages per rank (interleaved, zero-bubble
     V) warm up `(v - 1) pp + 2 (pp - 1 - rank)` stage-forwards plus one, each holding 1/v of the
     rank's activations. Never more than all micro-batches.
+
+    Args:
+        schedule: the pipeline schedule's name.
+        pp: pipeline degree (1: no pipeline, one micro-batch).
+        pp_rank: the rank's place in the pipeline.
+        stages_per_rank: v.
+        microbatches: micro-batches per pipeline run.
     """
-    pp = job.dims.pp
-    schedule = job.cfg.parallelism.pipeline_parallel_schedule
     if pp == 1:
         return 1.0
     if schedule == "GPipe":
-        return float(n_microbatches)
-    if n_local_stages == 1:
-        return float(min(n_microbatches, pp - pp_rank))
-    v = n_local_stages
+        return float(microbatches)
+    if stages_per_rank == 1:
+        return float(min(microbatches, pp - pp_rank))
+    v = stages_per_rank
     chunks = (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1
-    return min(chunks, n_microbatches * v) / v
+    return min(chunks, microbatches * v) / v
 
 
-def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens) -> RankMemory:
+def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, stage_buffers) -> RankMemory:
     from titan_parallel.pipeline_layout import stage_indices
 
     cfg, dims = job.cfg, job.dims
@@ -203,7 +209,7 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens) -
     blocks = params.unsharded_blocks
     n_blocks = len(blocks)
     has_head = any(n in plan.pp_last for n in names) or dims.pp == 1
-    buffers = _buffer_bytes(job) * len(indices)
+    buffers = stage_buffers * len(indices)
 
     # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments.
     param_bytes = 4 * params.sharded
@@ -215,7 +221,7 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens) -
     # Activations kept for backward, per micro-batch on this rank's stages.
     per_block = _saved_per_block(act, ac.mode, ac.selective_ac_option, n_blocks)
     n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
-    inflight = _inflight_microbatches(job, pp_rank, len(indices), n_micro)
+    inflight = inflight_microbatches(p.pipeline_parallel_schedule, dims.pp, pp_rank, len(indices), n_micro)
     saved_blocks = tokens * sum(per_block)
     saved_head = tokens * (act.head + act.logits_saved) if has_head else 0
     activations = inflight * saved_blocks + saved_head

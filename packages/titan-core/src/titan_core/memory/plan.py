@@ -189,16 +189,19 @@ def _cluster(request: PlanRequest, cfg: JobConfig) -> Cluster:
 
 def workload(cfg: JobConfig) -> Workload:
     """The model and batch of `cfg` as the cost model's numbers (a Llama-shaped family's args)."""
+    from titan_core.memory.analytic import DTYPE_BYTES, compute_dtype_bytes
+
     spec, a = _model(cfg)
     q_dim, kv_dim = a.n_heads * a.attention_head_dim, a.kv_heads * a.attention_head_dim
+    compute_bytes = compute_dtype_bytes(cfg, "cuda")
     return Workload(
         n_params=spec.count_params(a), n_layers=a.n_layers, dim=a.dim, kv_dim=kv_dim,
         flops_per_token=spec.flops_per_token(a, cfg.training.seq_len),
         op_recompute_flops_per_token=op_recompute_flops_per_token(a.n_layers, a.dim, q_dim, kv_dim, a.ffn_hidden_dim),
         seq_len=cfg.training.seq_len, global_batch=cfg.training.global_batch_size,
-        gather_bytes=4 if cfg.training.mixed_precision_param == "float32" else 2,
-        reduce_bytes=4 if cfg.training.mixed_precision_reduce == "float32" else 2,
-        act_bytes=4 if cfg.training.mixed_precision_param == "float32" else 2,
+        gather_bytes=compute_bytes,
+        reduce_bytes=DTYPE_BYTES[cfg.training.mixed_precision_reduce],
+        act_bytes=compute_bytes,
         fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,
         cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
     )

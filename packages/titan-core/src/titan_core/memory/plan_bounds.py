@@ -83,11 +83,11 @@ def _pipeline_ranks(layout: Layout, n_layers: int, end_weights: tuple[int, int])
     Stages get `units // stages` units or one more, units = blocks + the first and the last
     stage's `end_weights`, which those stages hold fewer blocks by; rank 0 holds the first
     stage (and under V schedules the last), rank 1 the last when pp = 2.
-    In flight, as `titan_core.memory.analytic` counts them: 1F1B's rank r runs `pp - r`
-    forwards before its first backward, v-stage schedules `(v - 1) pp + 2 (pp - 1 - r) + 1`
-    stage-forwards of 1/v of the rank's blocks each.
+    In flight: `titan_core.memory.analytic.inflight_microbatches`, as the estimate counts them.
     """
     from titan_parallel.pipeline_layout import schedule_kind
+
+    from titan_core.memory.analytic import inflight_microbatches
 
     t = layout
     if t.pp == 1:
@@ -100,8 +100,7 @@ def _pipeline_ranks(layout: Layout, n_layers: int, end_weights: tuple[int, int])
     for r in (0, 1):
         ends = first + (last if v_shaped else 0) if r == 0 else (last if t.pp == 2 and not v_shaped else 0)
         blocks = max(0, v * per_stage - ends)
-        in_flight = min(m, t.pp - r) if v == 1 else min((v - 1) * t.pp + 2 * (t.pp - 1 - r) + 1, m * v) / v
-        ranks.append((blocks, in_flight))
+        ranks.append((blocks, inflight_microbatches(t.schedule, t.pp, r, v, m)))
     return ranks
 
 

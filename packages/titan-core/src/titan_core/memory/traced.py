@@ -1,6 +1,7 @@
 """The traced tier: the real `Trainer` and train step on fake tensors, measured by torch's memory tracker.
 
-One CPU process stands in for one rank of each pipeline stage. It starts a fake
+One CPU process stands in for rank 0 (every rank holds the same without pipeline
+parallel, which it does not trace). It starts a fake
 process group of `world_size` ranks (collectives return at once, moving
 nothing), builds the real `Trainer` with the mesh made outside and everything
 else inside `FakeTensorMode` (tensors with shapes, dtypes and storages but no
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from titan_core.config.schema import JobConfig
+from titan_core.memory.analytic import compute_dtype_bytes, describe_layout
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job, target_device
 
@@ -74,8 +76,6 @@ def trace_config(cfg: JobConfig, device_type: str) -> JobConfig:
     t.device = "cpu"
     t.dataset, t.dataset_path = "stdlib", None
     if t.mixed_precision_param == "auto":
-        from titan_core.memory.analytic import compute_dtype_bytes
-
         t.mixed_precision_param = "bfloat16" if compute_dtype_bytes(cfg, device_type) == 2 else "float32"
     assets = out.model.hf_assets_path
     if assets is not None and not Path(assets).expanduser().exists():
@@ -96,7 +96,9 @@ def trace_config(cfg: JobConfig, device_type: str) -> JobConfig:
 
 
 def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None = None) -> MemoryEstimate:
-    """Per-rank peak memory of `cfg` on `world_size` ranks, from two traced train steps per pipeline stage.
+    """Per-rank peak memory of `cfg` on `world_size` ranks, from a traced train step of rank 0.
+
+    Without pipeline parallel (`untraceable_feature`) every rank holds the same: rank 0 stands for all.
 
     Args:
         cfg: the job config.
@@ -104,8 +106,8 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
         device_type: the target device; None = 'cpu' when `training.device` says so, else 'cuda'.
 
     Returns:
-        A `MemoryEstimate` with tier "traced": one `RankMemory` per pipeline rank, whose total is
-        the tracker's peak; the tracker's own categories are in each `detail`.
+        A `MemoryEstimate` with tier "traced": one `RankMemory`, whose total is the tracker's
+        peak; the tracker's own categories are in its `detail`.
 
     Raises:
         ConfigError: the layout breaks a rule of `titan_core.job_check`.
@@ -124,12 +126,7 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
             "estimate_traced starts its own fake process group, but this process already has one; "
             "call it from a process without torch.distributed (e.g. `titan estimate-memory --traced`)"
         )
-    traced_cfg = trace_config(cfg, device_type)
-    ranks_per_stage = world_size // job.dims.pp
-    ranks = []
-    for pp_rank in range(job.dims.pp):
-        peaks, sharded = trace_rank(traced_cfg, world_size, pp_rank * ranks_per_stage, job.model_args)
-        ranks.append(rank_memory(pp_rank, peaks, sharded))
+    peaks, sharded = trace_rank(trace_config(cfg, device_type), world_size, 0, job.model_args)
     if device_type == "cuda":
         notes.append(
             "traced with CPU kernels on fake tensors: CUDA kernels' workspaces (cuBLAS, attention) and NCCL buffers "
@@ -137,9 +134,8 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
         )
     if cfg.compile.enable:
         notes.append("compile: the eager train step was traced; compiled blocks and loss usually need less (an upper bound)")
-    if job.dims.pp > 1:
-        notes.append(f"pipeline: rank {ranks_per_stage} x s traced for pipeline rank s")
-    return MemoryEstimate("traced", world_size, layout_text(job), ranks, notes=notes)
+    layout = describe_layout(job, compute_dtype_bytes(cfg, device_type))
+    return MemoryEstimate("traced", world_size, layout, [rank_memory(peaks, sharded)], notes=notes)
 
 
 def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> tuple[dict[str, int], int]:
@@ -196,20 +192,18 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
         torch.random.set_rng_state(rng)
 
 
-def rank_memory(stage: int, peaks: dict[str, int], sharded_params: int) -> RankMemory:
+def rank_memory(peaks: dict[str, int], sharded_params: int) -> RankMemory:
     """A `RankMemory` from the tracker's peak categories; its total is the tracker's 'Total'.
 
     The tracker counts FSDP's all-gathered (unsharded) parameters as parameters: what
     exceeds the rank's own shards is reported as communication.
 
     Args:
-        stage: the pipeline rank.
         peaks: the tracker's peak bytes by category (`trace_rank`).
         sharded_params: bytes of the rank's own parameter shards.
     """
     gathered = max(0, peaks["Parameter"] - sharded_params)
     memory = RankMemory(
-        stage=stage,
         parameters=peaks["Parameter"] - gathered + peaks["Buffer"],
         gradients=peaks["Gradient"],
         optimizer=peaks["Optstate"],
@@ -223,28 +217,13 @@ def rank_memory(stage: int, peaks: dict[str, int], sharded_params: int) -> RankM
     return memory
 
 
-def layout_text(job) -> str:
-    """The layout as the analytic tier writes it: degrees above 1, then the run's shape."""
-    dims, cfg = job.dims, job.cfg
-    degrees = [f"{n}={getattr(dims, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, n) > 1]
-    ac = cfg.activation_checkpoint
-    extras = [f"{cfg.training.mixed_precision_param} compute", f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")]
-    if dims.pp > 1:
-        extras.append(f"{cfg.parallelism.pipeline_parallel_schedule}, microbatch {cfg.parallelism.pipeline_parallel_microbatch_size}")
-    extras.append(f"local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}")
-    if job.accum_steps > 1:
-        extras.append(f"{job.accum_steps} accumulation steps")
-    return f"{', '.join(degrees) or '1 rank'} ({'; '.join(extras)})"
-
-
 @contextlib.contextmanager
 def _building(mode) -> Iterator[None]:
     """`mode` while the trainer builds, with two of torch's fake-tensor habits undone for that time.
 
     `nn.init`'s initialisers are skipped (their values do not matter, and `trunc_normal_`
     asks a fake tensor for a Python bool); device meshes are built from real tensors
-    (`_real_device_meshes`); a deep copy of a fake tensor (pipeline stages) shares the
-    mode instead of copying it. The fake mode memoises every tensor it makes in a
+    (`_real_device_meshes`). The fake mode memoises every tensor it makes in a
     weak-value dict, and `Module.to_empty` refuses to swap a parameter that has a weak
     reference: while building, the memo is a plain dict (dropped after, nothing is tracked yet).
     """
@@ -253,15 +232,11 @@ def _building(mode) -> Iterator[None]:
     converter = mode.fake_tensor_converter.meta_converter
     memo = converter.tensor_memo
     converter.tensor_memo = {}
-    # Pipeline parallel deep-copies the model per stage; a fake tensor's copy must share its mode,
-    # not copy the mode (and its memo, which the copy itself changes).
-    mode.__deepcopy__ = lambda _memo: mode
     try:
         with mode, _skip_init(), _real_device_meshes():
             yield
     finally:
         converter.tensor_memo = memo
-        del mode.__deepcopy__
 
 
 @contextlib.contextmanager
@@ -331,7 +306,7 @@ def peak_tracker():
 
 
 def _allow_repeated_forwards(tracker, roots) -> None:
-    """Let `tracker` see a model part's forward more than once per step (micro-batches, pipeline schedules).
+    """Let `tracker` see a model part's forward more than once per step (gradient-accumulation micro-batches).
 
     `MemTracker` keeps per-module statistics and refuses a second forward of a root module
     ("multiple iterative calls"); the trace needs only its global peak, so the module
