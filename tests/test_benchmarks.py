@@ -35,3 +35,12 @@ def test_gpu_suite_smoke_mode_writes_its_results(tmp_path):
     measured = [row for row in rows.values() if row.get("tokens_per_s")]
     assert measured, rows  # at least the eager rows measured something
     assert (tmp_path / "results.md").read_text().count("|") > 10
+
+
+def test_loader_scaling_times_both_loaders_and_the_data_wait():
+    out = run(sys.executable, "benchmarks/loader_scaling.py", "--max-world", "8", "--packed-max-world", "4", "--steps", "2",
+              "--min-tokens", "1000", "--max-files", "2", "--seq-len", "32", "--train-steps", "2", "--train-seq-len", "32")
+    assert "PackedLoader x" in out and "TokenShardLoader x" in out, out
+    assert "(skipped)" in out  # W=8 is past --packed-max-world
+    for label in ("token shards, prefetch off", "token shards, prefetch 2", "text tokenized on the fly"):
+        assert f"\n  {label} " in out, out

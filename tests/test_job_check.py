@@ -3,6 +3,8 @@ one line naming the config keys, before any process starts, and the same for an 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from titan_ckpt import CheckpointError
@@ -30,6 +32,7 @@ BROKEN = {
     "converters": (["--model.converters", "float8,mx"], 1, ["model.converters"]),
     "checkpoint": (["--checkpoint.last_save_in_hf", "true"], 1, ["checkpoint.last_save_in_hf", "checkpoint.enable"]),
     "profiling": (["--profiling.enable_profiling", "true", "--profiling.profile_freq", "1"], 1, ["profiling.profile_freq", ">= 2"]),
+    "metrics": (["--metrics.enable_wandb", "true"], 1, ["metrics.enable_wandb", "pip install 'titan-core[wandb]'"]),
 }
 
 
@@ -38,10 +41,12 @@ def test_every_rule_has_a_broken_example():
 
 
 @pytest.mark.parametrize("rule", list(BROKEN))
-def test_a_broken_rule_is_one_line_naming_the_keys(rule):
+def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
     overrides, world_size, expected = BROKEN[rule]
     if rule == "device" and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
+    if rule == "metrics":
+        monkeypatch.setitem(sys.modules, "wandb", None)  # as if the optional package were not installed
     with pytest.raises(ConfigError) as caught:
         check_job(load_config(None, overrides), world_size)
     message = str(caught.value)

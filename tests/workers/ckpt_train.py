@@ -48,7 +48,7 @@ def hang(folder: Path) -> None:
 def install(hook: str, n: int, folder: Path) -> None:
     save = CheckpointManager.save
 
-    def save_with_hook(self: CheckpointManager, step: int, *, last_step: bool = False) -> bool:
+    def save_with_hook(self: CheckpointManager, step: int, *, last_step: bool = False, **kwargs) -> bool:
         if step == n + 1 and hook == "hang-after-step" and self.rank == 0:
             hang(folder)
         if step == n + 1 and hook == "stop-after-step":
@@ -56,7 +56,7 @@ def install(hook: str, n: int, folder: Path) -> None:
             dist.barrier()
             dist.destroy_process_group()
             os._exit(0)
-        return save(self, step, last_step=last_step)
+        return save(self, step, last_step=last_step, **kwargs)
 
     CheckpointManager.save = save_with_hook
     if hook == "hang-in-async-write":

@@ -136,13 +136,14 @@ class CheckpointManager:
         self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
         self._pending: tuple[int, object, Path, dict] | None = None  # (step, future, tmp folder, manifest info)
         self.last_blocked_s = 0.0  # how long the last save held the training loop
+        self._saved_step: int | None = None  # the step of the newest save started
         # Checkpoint collectives get their own gloo group: the background writer's
         # collectives must not interleave with the training loop's on the default group.
         self.pg = dist.new_group(backend="gloo") if enable else None
 
     # ---- saving ---------------------------------------------------------------------------------
 
-    def save(self, step: int, *, last_step: bool = False) -> bool:
+    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
         """Call after every training step: saves when `step` is a multiple of `interval` or `last_step`.
 
         Also completes a finished background save. Returns whether a save started.
@@ -150,15 +151,19 @@ class CheckpointManager:
         Args:
             step: the step just finished (1-based).
             last_step: this is the run's last step (saved synchronously; model-only if asked).
+            force: save the full state now, synchronously, whatever the interval (e.g. before the
+                job is preempted); a step already saved is not saved again.
         """
         if not self.enable:
             return False
-        self._complete_pending(block=False)
-        if step % self.interval and not last_step:
+        self._complete_pending(block=force)
+        if force and self._saved_step == step:
             return False
-        model_only = last_step and self.last_save_model_only
+        if step % self.interval and not last_step and not force:
+            return False
+        model_only = last_step and self.last_save_model_only and not force
         dtype = self.export_dtype if model_only else None
-        background = self.async_mode != "disabled" and not last_step
+        background = self.async_mode != "disabled" and not last_step and not force
         external = model_only and self.save_model_fn is not None
         self._save(step, model_only=model_only, dtype=dtype, background=background, with_json=True, external=external)
         return True
@@ -197,6 +202,7 @@ class CheckpointManager:
     def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, background: bool, with_json: bool, external: bool) -> None:
         """Write `step-N.tmp` (DCP, in the background when asked; or the model through `save_model_fn`) and complete it."""
         self.wait()  # one save in flight at a time
+        self._saved_step = step
         start = time.perf_counter()
         tmp = tmp_folder(self.folder, step)
         tensors, texts = self._collect(model_only, dtype, with_dcp=not external, with_json=with_json)
@@ -305,18 +311,38 @@ class CheckpointManager:
         self._load_initial(self.initial_load_path)
         return 0
 
+    def restore_latest(self, *, exclude: Sequence[str] = ()) -> int | None:
+        """Reload the newest complete checkpoint into the live run now, e.g. to roll back a diverged
+        step; returns its step, or None when the folder holds none (nothing is changed then).
+
+        Args:
+            exclude: states not restored this time, on top of `exclude_from_loading` (e.g.
+                "dataloader", so that the run goes on with the data after the diverged step).
+        """
+        if not self.enable:
+            return None
+        self.wait()
+        dist.barrier(group=self.pg)  # rank 0 has completed (renamed) the folder of a background save
+        step = self._choose_step(load_step=-1)
+        if step is not None:
+            names = set(self._all_states()) - self.exclude - set(exclude)
+            self._restore(step_folder(self.folder, step), names, verified=True)
+        return step
+
     def _all_states(self) -> list[str]:
         return [*RESERVED_STATES, *self.states]
 
-    def _choose_step(self) -> int | None:
-        """Rank 0 picks the step (the ranks might list the folder at different moments); all get it."""
+    def _choose_step(self, load_step: int | None = None) -> int | None:
+        """Rank 0 picks the step (`load_step`, default the manager's; the ranks might list the folder
+        at different moments); all get it."""
+        load_step = self.load_step if load_step is None else load_step
         choice = torch.tensor([-1, 0], dtype=torch.int64)  # (step or -1, load_step not found)
         if self.rank == 0:
             steps = list_complete_steps(self.folder)
-            if self.load_step == -1:
+            if load_step == -1:
                 choice[0] = steps[-1] if steps else -1
-            elif self.load_step in steps:
-                choice[0] = self.load_step
+            elif load_step in steps:
+                choice[0] = load_step
             else:
                 choice[1] = 1
         dist.broadcast(choice, src=0, group=self.pg)
@@ -399,7 +425,8 @@ class CheckpointManager:
         if "rng" in names:
             load_rng_state(read_json_state(folder, "rng"), self.device)
         if self.rank == 0:
-            skipped = f"; not loaded: {', '.join(sorted(self.exclude))}" if self.exclude else ""
+            excluded = sorted(set(self._all_states()) - names - set(absent))
+            skipped = f"; not loaded: {', '.join(excluded)}" if excluded else ""
             logger.info("checkpoint: loaded %s (%s) in %.2f s%s", folder, ", ".join(sorted(names)), time.perf_counter() - start, skipped)
 
     def _verify(self, folder: Path, manifest: dict) -> None:

@@ -47,6 +47,9 @@ def train(
     rdzv_endpoint: str | None = typer.Option(
         None, "--rdzv-endpoint", help="host:port of the rendezvous, for multi-node jobs (same on every node)."
     ),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Restart all processes up to N times after one fails; they resume from the newest checkpoint."
+    ),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
     help_config: bool = typer.Option(False, "--help-config", help="List every config key with its type, default and meaning."),
 ) -> None:
@@ -67,12 +70,15 @@ def train(
         forwarded.append("--print-config")
     from titan_core.launch import launch  # torch loads only once a job is checked or started
 
-    raise typer.Exit(launch(forwarded, nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint))
+    raise typer.Exit(
+        launch(forwarded, nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)
+    )
 
 
 from titan_cli.convert_cmd import convert; app.command()(convert)  # noqa: E402, E702  (`titan convert`; typer only at import)
 from titan_cli.estimate_cmd import estimate_memory, _PASS_THROUGH as _EST; app.command("estimate-memory", context_settings=_EST)(estimate_memory)  # noqa: E402, E702
 from titan_cli.plan_cmd import plan, _PASS_THROUGH as _PLAN; app.command("plan", context_settings=_PLAN)(plan)  # noqa: E402, E702
+from titan_cli.tokenize_cmd import tokenize; app.command()(tokenize)  # noqa: E402, E702  (`titan tokenize`; typer only at import)
 
 if __name__ == "__main__":
     app()

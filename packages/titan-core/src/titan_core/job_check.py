@@ -318,7 +318,7 @@ def _pipeline(job: CheckedJob) -> None:
 
 
 def _checkpoint(job: CheckedJob) -> None:
-    """[checkpoint] keys that need checkpoint.enable; a seed checkpoint on one process; a Hugging Face
+    """[checkpoint] keys (and training.on_nonfinite='rollback') that need checkpoint.enable; a seed checkpoint on one process; a Hugging Face
     export of the model only, from an unpipelined model."""
     ckpt = job.cfg.checkpoint
     if not ckpt.enable:
@@ -331,6 +331,8 @@ def _checkpoint(job: CheckedJob) -> None:
         )
     if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
         raise ConfigError("checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true")
+    if job.cfg.training.on_nonfinite == "rollback" and not ckpt.enable:
+        raise ConfigError("training.on_nonfinite = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true")
     if ckpt.last_save_in_hf and job.cfg.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError(
             "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
@@ -380,6 +382,14 @@ def _translated(rule: Callable[..., None], keys: Mapping[str, str], *args: Any, 
         raise ConfigError(prefix + str(as_config_error(e, keys))) from None
 
 
+def _metrics(job: CheckedJob) -> None:
+    """`metrics.enable_wandb` needs the optional wandb package (`titan-core[wandb]`)."""
+    if job.cfg.metrics.enable_wandb:
+        from titan_core.metrics.wandb_sink import require_wandb
+
+        require_wandb()
+
+
 RULES: tuple[tuple[str, Rule], ...] = (
     ("device", _device),
     ("model_shape", _model_shape),
@@ -392,6 +402,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("converters", _converters),
     ("checkpoint", _checkpoint),
     ("profiling", _profiling),
+    ("metrics", _metrics),
 )
 """Every rule of a valid job, by name, in the order `check_job` runs them (later rules use earlier results)."""
 

@@ -9,12 +9,19 @@ runs `python -m titan_core.launch [--config X] [--section.key value ...]`, i.e.
 `torchrun --nproc-per-node N -m titan_core.launch ...`.
 
 A config or input error on any rank reaches the user as one line,
-`titan: error: ...`, naming the config keys; `TITAN_TRACEBACK=1` shows the
+`titan: error: ...`, naming the config keys, and so does a run stopped by a
+non-finite loss (`training.on_nonfinite`); `TITAN_TRACEBACK=1` shows the
 traceback instead. Other exceptions keep their traceback.
+
+Faults: SIGTERM or SIGUSR1 (to the launcher, which forwards it, or to the ranks)
+makes the ranks finish the step, save a checkpoint and exit 0 (`titan_core.run_guard`);
+`--max-restarts N` lets the agent restart every rank after one dies, and the ranks
+resume from the newest checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -30,6 +37,11 @@ USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, ImportError)
 
 ERROR_DIR_ENV = "TITAN_ERROR_DIR"
 """Set by `launch` for the processes it starts: each rank that fails on a user error writes its line there."""
+STOPPED_FILE = "stopped.txt"
+"""Rank 0 writes it into the error folder when a stop signal ended the run after a save."""
+STOP_GRACE_SECONDS = 120
+"""After forwarding SIGTERM/SIGUSR1, the agent waits this long for the ranks to save and exit, then kills them."""
+EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_COLLECTIVE = 2, 3, 4
 
 
 def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
@@ -70,7 +82,9 @@ def error_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train in this process (one rank of the job) with the config from `argv`; returns an exit code."""
+    """Train in this process (one rank of the job) with the config from `argv`; returns an exit code:
+    0 (done, or stopped by SIGTERM/SIGUSR1 after saving), 2 (config or input error), 3 (non-finite
+    loss or grad norm under `training.on_nonfinite`), 4 (a collective timed out or lost a rank)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         config, print_config, overrides = split_args(argv)
@@ -81,45 +95,82 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging()
         from titan_core.trainer import Trainer  # torch is imported here, not for --print-config
 
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        trainer.train()
+        if trainer.stopped_by:
+            _report_stop(trainer.stopped_by, trainer.state.step, saved=cfg.checkpoint.enable)
     except USER_ERRORS as e:
         if os.environ.get("TITAN_TRACEBACK"):
             raise
-        _report_rank_error(error_line(e))
-        return 2
+        _report_rank_error(error_line(e), EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
+    except Exception as e:
+        code = _fault_exit_code(e)
+        if code is None or os.environ.get("TITAN_TRACEBACK"):
+            raise  # a bug keeps its traceback
+        _report_rank_error(f"titan: error: {e}", code)
+        return code
     finally:
         if "titan_parallel.distributed" in sys.modules:
             sys.modules["titan_parallel.distributed"].shutdown_distributed()
     return 0
 
 
-def _report_rank_error(line: str) -> None:
+def _fault_exit_code(error: Exception) -> int | None:
+    """The exit code of a run fault told in one line (a non-finite loss, a hung or lost rank); None for a bug."""
+    run_guard, comm_watch = sys.modules.get("titan_core.run_guard"), sys.modules.get("titan_parallel.comm_watch")
+    if run_guard is not None and isinstance(error, run_guard.NonFiniteError):
+        return EXIT_NONFINITE
+    if comm_watch is not None and isinstance(error, comm_watch.CollectiveError):
+        return EXIT_COLLECTIVE
+    return None
+
+
+def _report_rank_error(line: str, code: int) -> None:
     """Under `launch`, leave the line for the launcher to print once; else print it (every rank: the
     failing one need not be rank 0, and torchrun stops the others)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     rank = int(os.environ.get("RANK", 0))
     if folder:
-        Path(folder, f"rank{rank}.txt").write_text(line + "\n")
+        Path(folder, f"rank{rank}.json").write_text(json.dumps({"code": code, "line": line}))
     else:
         print(line if rank == 0 else f"{line} (rank {rank})", file=sys.stderr)
 
 
-def check_job_here(argv: list[str], world_size: int | None) -> int:
+def _report_stop(signal_name: str, step: int, *, saved: bool) -> None:
+    """Rank 0 says once that the run stopped early on a signal, and how it goes on."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    how = "its checkpoint is saved: start the same command again to resume" if saved else "nothing saved (checkpoint.enable is off)"
+    line = f"titan: stopped by {signal_name} after step {step}; {how}"
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        Path(folder, STOPPED_FILE).write_text(line + "\n")
+    else:
+        print(line, file=sys.stderr)
+
+
+def check_job_here(argv: list[str], world_size: int | None, *, max_restarts: int = 0) -> int:
     """Check the whole job in this process; print one line and return 2 when it cannot run, else 0."""
     try:
         config, _, overrides = split_args(argv)
         from titan_core.job_check import check_job
 
-        check_job(load_config(config, overrides), world_size)
+        cfg = load_config(config, overrides)
+        check_job(cfg, world_size)
     except USER_ERRORS as e:
         if os.environ.get("TITAN_TRACEBACK"):
             raise
         print(error_line(e), file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    if max_restarts and not cfg.checkpoint.enable:
+        print("titan: warning: --max-restarts without checkpoint.enable restarts from step 0", file=sys.stderr)
     return 0
 
 
-def launch(argv: list[str], *, nproc_per_node: int = 1, nnodes: str = "1", rdzv_endpoint: str | None = None) -> int:
+def launch(
+    argv: list[str], *, nproc_per_node: int = 1, nnodes: str = "1", rdzv_endpoint: str | None = None, max_restarts: int = 0
+) -> int:
     """Check the job, then train: in this process for one, else under torchrun's elastic agent.
 
     Args:
@@ -127,24 +178,52 @@ def launch(argv: list[str], *, nproc_per_node: int = 1, nnodes: str = "1", rdzv_
         nproc_per_node: processes on this node.
         nnodes: nodes in the job, or a `MIN:MAX` range (elastic; the world size is then checked per process).
         rdzv_endpoint: `host:port` of the c10d rendezvous, for multi-node jobs.
+        max_restarts: times the agent restarts every rank after one fails (the ranks resume from the
+            newest checkpoint); > 0 runs even one process under the agent.
 
     Returns:
-        The exit code: 0, 2 for a config or input error (one line printed), else the failed rank's.
+        The exit code: 0 (also after SIGTERM/SIGUSR1 once the ranks saved), 2 for a config or input
+        error (one line printed), 3 for a non-finite loss, 4 for a hung or lost rank, else the failed rank's.
     """
     if nproc_per_node < 1:
         print("titan: error: --nproc-per-node must be >= 1", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    if max_restarts < 0:
+        print("titan: error: --max-restarts must be >= 0", file=sys.stderr)
+        return EXIT_USER_ERROR
     if nnodes != "1" and not rdzv_endpoint:
         print("titan: error: --nnodes > 1 needs --rdzv-endpoint host:port", file=sys.stderr)
-        return 2
-    if "--print-config" in argv or (nproc_per_node == 1 and nnodes == "1"):
+        return EXIT_USER_ERROR
+    if "--print-config" in argv or (nproc_per_node == 1 and nnodes == "1" and max_restarts == 0):
         return main(argv)  # one process: the trainer checks the job first thing
     world_size = nproc_per_node * int(nnodes) if nnodes.isdigit() else None
-    if code := check_job_here(argv, world_size):
+    if code := check_job_here(argv, world_size, max_restarts=max_restarts):
         return code
-    launcher = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
+    if max_restarts:
+        # torch 2.15's agent keeps one TCPStore across restarts without a per-attempt key prefix: the
+        # restarted ranks' gloo then dials the dead ranks' old addresses ("connectFullMesh failed ...
+        # Connection refused"). Opting out of the shared store gives each attempt a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    launcher = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else ["--standalone"]
     return _run_torchrun([*launcher, "--module", "titan_core.launch", *argv])
+
+
+def _agent_signal_args() -> list[str]:
+    """Make the agent forward SIGUSR1 too (Slurm's pre-kill signal) and wait `STOP_GRACE_SECONDS`
+    for the ranks to save before it kills them (torch >= 2.9 flags; older ones read the env)."""
+    from torch.distributed.run import get_args_parser
+
+    known = get_args_parser()._option_string_actions
+    signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    args = []
+    if "--signals-to-handle" in known:
+        args.append(f"--signals-to-handle={signals}")
+    else:
+        os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", signals)
+    if "--shutdown-timeout" in known:
+        args.append(f"--shutdown-timeout={STOP_GRACE_SECONDS}")
+    return args
 
 
 def _run_torchrun(args: list[str]) -> int:
@@ -157,21 +236,27 @@ def _run_torchrun(args: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="titan-errors-") as folder:
         os.environ[ERROR_DIR_ENV] = folder
+        stopped_file = Path(folder, STOPPED_FILE)
         try:
-            run(parse_args(args))
+            run(parse_args([*_agent_signal_args(), *args]))
         except ChildFailedError as failed:
-            lines = [p.read_text().strip() for p in sorted(Path(folder).glob("rank*.txt"), key=_rank_of)]
-            if lines:
-                print(lines[0], file=sys.stderr)
-                return 2
+            reports = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"), key=_rank_of)]
+            if reports:
+                print(reports[0]["line"], file=sys.stderr)
+                return reports[0]["code"]
             print(f"titan: error: {failed.format_msg()}", file=sys.stderr)
             _, first = failed.get_first_failure()
             return first.exitcode if first.exitcode > 0 else 1
-        except SignalException as stopped:  # Ctrl-C or a scheduler's SIGTERM: the agent stopped the ranks
+        except SignalException as stopped:  # Ctrl-C or a scheduler's signal: the agent forwarded it to the ranks
+            if stopped_file.is_file():  # ... which saved a checkpoint and exited
+                print(stopped_file.read_text().strip(), file=sys.stderr)
+                return 0
             print(f"titan: stopped by {stopped.sigval.name}", file=sys.stderr)
             return 128 + stopped.sigval.value
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
+        if stopped_file.is_file():  # the ranks themselves got the signal (e.g. Slurm signals every process)
+            print(stopped_file.read_text().strip(), file=sys.stderr)
     return 0
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from titan_ckpt.dtypes import parse_dtype
+from titan_ckpt.step_folders import list_complete_steps
+from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
 from titan_parallel.grad_clip import clip_grad_norm_
 from titan_parallel.context_parallel import shard_sequence
@@ -30,15 +33,17 @@ from titan_parallel.pipeline import pipeline_step
 
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
-from titan_core.data import PackedLoader, build_source, build_tokenizer
+from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.converters import build_converters
 from titan_core.job_check import check_job, pipeline_config
 from titan_core.model_setup import build_model_parts
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
+from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.optim import build_optimizer
 from titan_core.profiling import Profiler
+from titan_core.run_guard import NonFiniteError, RunGuard
 from titan_core.validation import Validator
 
 logger = logging.getLogger("titan")
@@ -91,7 +96,10 @@ class Trainer:
         self.cfg = cfg
         t, p = cfg.training, cfg.parallelism
         self.device = resolve_device(t.device)
-        self.rank, self.world_size = init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        self.rank, self.world_size = init_distributed(
+            self.device, cfg.comm.init_timeout_seconds,
+            trace_buf_size=cfg.comm.trace_buf_size, trace_folder=Path(cfg.job.dump_folder) / "comm_traces",
+        )
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
         # Every rule of a valid job, checked again here for `torchrun -m titan_core.launch` users.
         job = check_job(cfg, self.world_size, tokenizer_vocab_size=self.tokenizer.vocab_size)
@@ -103,13 +111,16 @@ class Trainer:
         # FakeTensorMode) wraps it, after the process group and mesh are real.
         with tensor_context if tensor_context is not None else contextlib.nullcontext():
             self.run_folder = Path(cfg.job.dump_folder)
-            self.loader = PackedLoader(
-                build_source(t.dataset, t.dataset_path, t.dataset_text_field),
+            self.loader = build_loader(  # token shards (`titan tokenize`) or on-the-fly tokenization
+                t.dataset,
+                t.dataset_path,
+                t.dataset_text_field,
                 self.tokenizer,
                 seq_len=t.seq_len,
                 local_batch_size=t.local_batch_size,
                 dp_rank=self.mesh["dp"].get_local_rank(),
                 dp_world=self.dims.dp,
+                prefetch=t.prefetch_batches,
             )
             if self.rank == 0 and job.vocab_widened_from:
                 logger.info("model vocab %d widened to the tokenizer's %d tokens", job.vocab_widened_from, self.model_args.vocab_size)
@@ -222,11 +233,11 @@ class Trainer:
                 inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
             return inputs, labels
 
-        source = build_source(v.dataset, v.dataset_path, t.dataset_text_field)
         return Validator(
-            functools.partial(
-                PackedLoader, source, self.tokenizer, seq_len=t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size,
-                dp_rank=self.mesh["dp"].get_local_rank(), dp_world=self.dims.dp,
+            loader_factory(
+                v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer, seq_len=t.seq_len,
+                local_batch_size=v.local_batch_size or t.local_batch_size, dp_rank=self.mesh["dp"].get_local_rank(),
+                dp_world=self.dims.dp, prefetch=t.prefetch_batches, section="validation",
             ),
             steps=v.steps, loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._forward_context,
         )
@@ -243,8 +254,17 @@ class Trainer:
                 stack.enter_context(loss_parallel())
             yield
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def train_step(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        verdict: Callable[[torch.Tensor | None, torch.Tensor], bool] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Forward and backward over the micro-batches, clip, step.
+
+        Args:
+            batches: the step's micro-batches, `(inputs, labels)` each `(local_batch_size, seq_len)`.
+            verdict: called with the loss and the grad norm before the optimizer steps; False drops
+                the update (optimizer, LR schedule and float8 scales untouched). None: always step.
 
         Returns the step's loss (None on pipeline ranks without the last stage) and the grad norm.
         """
@@ -268,6 +288,9 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             self.model.parameters(), self.cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None
         )
+        loss = loss_sum if self.model.has_last_stage else None
+        if verdict is not None and not verdict(loss, grad_norm):
+            return loss, grad_norm
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
             optimizer.step()
             scheduler.step()
@@ -275,7 +298,7 @@ class Trainer:
             from titan_parallel.float8 import precompute_float8_scales
 
             precompute_float8_scales(self.model.parts)
-        return (loss_sum if self.model.has_last_stage else None), grad_norm
+        return loss, grad_norm
 
     def _reduce_loss(self, loss: torch.Tensor | None) -> tuple[float, float]:
         """Global average and max of the step loss over data-parallel ranks (and from the last pipeline stage)."""
@@ -289,6 +312,65 @@ class Trainer:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
 
+    def _on_nonfinite(self, guard: RunGuard, bad_in_a_row: int) -> bool:
+        """Apply `training.on_nonfinite` to the step just dropped; True when the run rolled back.
+
+        Raises:
+            NonFiniteError: the policy is 'stop', too many bad steps came in a row, or there is no
+                checkpoint to roll back to.
+        """
+        t = self.cfg.training
+        what = guard.describe(self.state.step)
+        if t.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"{what}: stopped without applying it (training.on_nonfinite='stop'){self._checkpoint_note()}; "
+                "set training.on_nonfinite to 'skip_step' or 'rollback' to go on past it"
+            )
+        if bad_in_a_row > t.max_nonfinite_in_a_row:
+            raise NonFiniteError(
+                f"{what}, {bad_in_a_row} steps in a row (training.max_nonfinite_in_a_row={t.max_nonfinite_in_a_row}): "
+                f"stopped{self._checkpoint_note()}; the run diverged: lower optimizer.lr or raise lr_scheduler.warmup_steps"
+            )
+        if t.on_nonfinite == "skip_step":
+            self.skipped_steps += 1
+            if self.rank == 0:
+                logger.warning("%s: update skipped (training.on_nonfinite='skip_step')", what)
+            return False
+        bad_step = self.state.step
+        restored = self.checkpointer.restore_latest(exclude=("dataloader",))  # [checkpoint]
+        if restored is None:
+            raise NonFiniteError(
+                f"{what}: training.on_nonfinite='rollback' found no checkpoint to roll back to in "
+                f"{self.checkpointer.folder}; set checkpoint.enable = true and a checkpoint.interval the run reaches"
+            )
+        if self.rank == 0:
+            logger.warning("%s: rolled back to step-%d; training goes on with the data after step %d", what, restored, bad_step)
+        return True
+
+    def _checkpoint_note(self) -> str:
+        """`; the newest checkpoint step-5 is intact`, or why there is none."""
+        if not self.cfg.checkpoint.enable:
+            return "; no checkpoint was written (checkpoint.enable is off)"
+        self.checkpointer.wait()
+        steps = list_complete_steps(self.checkpointer.folder)
+        return f"; the newest checkpoint {self.checkpointer.folder / f'step-{steps[-1]}'} is intact" if steps else "; no checkpoint was written yet"
+
+    def _save_and_stop(self, signal_name: str | None) -> None:
+        """A stop signal reached some rank: save this step's full state, so that the next start resumes."""
+        self.stopped_by = signal_name or "a stop signal sent to another rank"
+        started = time.perf_counter()
+        self.checkpointer.save(self.state.step, force=True)  # [checkpoint] skipped if this step is already saved
+        self.checkpointer.wait()
+        if self.rank != 0:
+            return
+        if self.cfg.checkpoint.enable:
+            logger.info(
+                "stopped by %s after step %d: checkpoint step-%d saved (%.1f s); start the same command again to resume",
+                self.stopped_by, self.state.step, self.state.step, time.perf_counter() - started,
+            )
+        else:
+            logger.warning("stopped by %s after step %d: nothing saved (checkpoint.enable is off)", self.stopped_by, self.state.step)
+
     def train(self) -> list[float]:
         """Run `training.steps` steps; returns the global-average loss of each logged step."""
         cfg, t = self.cfg, self.cfg.training
@@ -298,7 +380,15 @@ class Trainer:
         if cfg.checkpoint.create_seed_checkpoint:  # [checkpoint] seed mode: save the initialised model as step-0, no training
             self.checkpointer.save_seed()
             return []
-        self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
+        self.stopped_by: str | None = None  # the stop signal that ended the run early, if one did
+        self.skipped_steps = 0  # updates dropped by training.on_nonfinite='skip_step'
+        resumed = self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if restarts and self.rank == 0:
+            logger.warning(
+                "restart %d of %s (titan train --max-restarts): %s", restarts, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+                f"resumed from step {resumed}" if resumed else "no checkpoint to resume from (checkpoint.enable), starting at step 0",
+            )
         flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
         metrics = MetricsLogger(
@@ -308,6 +398,8 @@ class Trainer:
             total_steps=t.steps,
             color=not cfg.metrics.disable_color_printing,
             jsonl_path=self.run_folder / "metrics.jsonl",
+            config_toml=dump_toml(cfg),
+            wandb=WandbOptions.from_config(cfg, self.run_folder) if cfg.metrics.enable_wandb else None,
         )
         if self.rank == 0:
             logger.info(
@@ -336,37 +428,62 @@ class Trainer:
         data = iter(self.loader)
         profiler = self._build_profiler()
         validator = self._build_validator()
-        try:
-            while self.state.step < t.steps:
-                batches = [next(data) for _ in range(self.accum_steps)]
-                loss, grad_norm = self.train_step(batches)
-                self.state.step += 1
-                self.state.tokens_seen += tokens_per_step
-                meter.add_tokens(tokens_per_step // self.dims.dp)
-                metrics.update_progress(self.state.step)
-                self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
+        guard = RunGuard(self.device)  # non-finite values and stop signals, agreed by every rank each step
+        watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
+            self.rank, self.world_size, init_timeout_s=cfg.comm.init_timeout_seconds,
+            train_timeout_s=cfg.comm.train_timeout_seconds, stack_folder=self.run_folder / "comm_stacks",
+            gloo_trace=self.device.type == "cpu" and cfg.comm.trace_buf_size > 0,
+        )
+        bad_in_a_row, data_wait_s, steps_since_log = 0, 0.0, 0
+        with guard:  # outside the try: a SIGTERM while a failure is explained below only sets the flag
+            try:
+                while self.state.step < t.steps and not guard.stop_requested:
+                    started = time.perf_counter()
+                    batches = [next(data) for _ in range(self.accum_steps)]
+                    data_wait_s += time.perf_counter() - started
+                    loss, grad_norm = self.train_step(batches, verdict=guard.check)
+                    self.state.step += 1
+                    watch.step_done(self.state.step)  # after this process's first step: the train timeout
+                    self.state.tokens_seen += tokens_per_step
+                    steps_since_log += 1
+                    meter.add_tokens(tokens_per_step // self.dims.dp)
+                    bad_in_a_row = bad_in_a_row + 1 if guard.nonfinite else 0
+                    if guard.nonfinite and self._on_nonfinite(guard, bad_in_a_row):
+                        continue  # rolled back: the step counter is the checkpoint's
+                    metrics.update_progress(self.state.step)
+                    self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
+                    if profiler is not None:
+                        profiler.step(self.state.step)
+                    if validator is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps):
+                        val_loss = validator.validate(self.model.parts[0], self.loss_fn)
+                        metrics.log(self.state.step, {"validation/loss": val_loss})
+                        meter.reset()  # validation time is not training throughput
+                    if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps and not guard.stop_requested:
+                        continue
+                    avg, mx = self._reduce_loss(loss)
+                    values = {
+                        "loss/global_avg": avg,
+                        "loss/global_max": mx,
+                        "optim/grad_norm": grad_norm.item(),
+                        "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
+                        **({"optim/skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
+                        "time/data_wait_ms": 1000 * data_wait_s / steps_since_log,
+                        **meter.read(),
+                        **memory_stats(self.device),
+                    }
+                    data_wait_s, steps_since_log = 0.0, 0
+                    losses.append(avg)
+                    metrics.log(self.state.step, values)
+                if guard.stop_requested and self.state.step < t.steps:
+                    self._save_and_stop(guard.signal_received)
+            except RuntimeError as error:  # a collective timed out or lost a peer: raise naming the rank at fault
+                watch.explain(error, self.state.step + 1)
+                raise
+            finally:
+                watch.close()
                 if profiler is not None:
-                    profiler.step(self.state.step)
-                if validator is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps):
-                    val_loss = validator.validate(self.model.parts[0], self.loss_fn)
-                    metrics.log(self.state.step, {"validation/loss": val_loss})
-                    meter.reset()  # validation time is not training throughput
-                if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps:
-                    continue
-                avg, mx = self._reduce_loss(loss)
-                values = {
-                    "loss/global_avg": avg,
-                    "loss/global_max": mx,
-                    "optim/grad_norm": grad_norm.item(),
-                    "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
-                    **meter.read(),
-                    **memory_stats(self.device),
-                }
-                losses.append(avg)
-                metrics.log(self.state.step, values)
-        finally:
-            if profiler is not None:
-                profiler.close()
-            self.checkpointer.close()  # [checkpoint] waits for a background save
-            metrics.close()
+                    profiler.close()
+                self.checkpointer.close()  # [checkpoint] waits for a background save
+                metrics.close()
+                self.loader.close()  # stops a prefetch thread
         return losses

@@ -39,6 +39,8 @@ __all__ = [
     "mixed_precision_context", "native_bf16", "resolve_param_dtype", "clip_grad_norm_", "canonical_name", "copy_full_state",
     # processes and devices
     "init_distributed", "resolve_device", "shutdown_distributed",
+    # hangs become errors: timeouts, the stuck rank's name, the flight recorder
+    "CollectiveError", "CommWatch", "set_collective_timeout",
 ]
 
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -60,6 +62,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "grad_clip": ("clip_grad_norm_",),
     "materialize": ("canonical_name", "copy_full_state"),
     "distributed": ("init_distributed", "resolve_device", "shutdown_distributed"),
+    "comm_watch": ("CollectiveError", "CommWatch", "set_collective_timeout"),
 }
 """The module each public name lives in, imported on first use."""
 
@@ -82,6 +85,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily above
     from titan_parallel.activation_checkpoint import apply_ac
+    from titan_parallel.comm_watch import CollectiveError, CommWatch, set_collective_timeout
     from titan_parallel.compile import apply_compile
     from titan_parallel.context_parallel import apply_cp, shard_sequence, unshard_sequence
     from titan_parallel.distributed import init_distributed, resolve_device, shutdown_distributed

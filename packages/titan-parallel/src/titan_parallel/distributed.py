@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from titan_parallel.flight_recorder import enable_flight_recorder, recorder_dump_file
 from titan_parallel.layout import ParallelConfigError
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -33,7 +35,9 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(device: torch.device, timeout_s: float = 300.0) -> tuple[int, int]:
+def init_distributed(
+    device: torch.device, timeout_s: float = 300.0, *, trace_buf_size: int = 0, trace_folder: Path | None = None
+) -> tuple[int, int]:
     """Initialise the default process group for `device`; returns (rank, world_size).
 
     Backends: NCCL for CUDA tensors with gloo beside it for CPU tensors, gloo on CPU.
@@ -41,10 +45,17 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> tuple[in
 
     Args:
         device: the device this process computes on (see `resolve_device`).
-        timeout_s: timeout of the rendezvous and of every collective, in seconds.
+        timeout_s: timeout of the rendezvous and of every collective, in seconds
+            (`titan_parallel.comm_watch.set_collective_timeout` changes it later).
+        trace_buf_size: collectives the flight recorder keeps; 0 = off.
+        trace_folder: where the flight recorder dumps (`rank_<N>`) on a timeout; None = the recorder is
+            left as the environment sets it. Variables the user set win (`flight_recorder_env`).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    if trace_folder is not None and enable_flight_recorder(trace_buf_size, trace_folder) and device.type == "cuda":
+        if (dump_file := recorder_dump_file(0)) is not None:
+            dump_file.parent.mkdir(parents=True, exist_ok=True)  # NCCL's dump does not create it
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":

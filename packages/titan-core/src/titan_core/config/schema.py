@@ -119,6 +119,12 @@ class Training(Section):
     """Where to train: 'auto' = CUDA when available, else CPU."""
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state on CPU."""
+    on_nonfinite: Literal["stop", "skip_step", "rollback"] = "stop"
+    """A NaN/inf loss or grad norm: 'stop' (exit naming the step; the last checkpoint stays intact), 'skip_step' (drop the update, go on), 'rollback' (reload the last checkpoint, go on with the next data)."""
+    max_nonfinite_in_a_row: PositiveInt = 3
+    """Consecutive non-finite steps tolerated by 'skip_step' / 'rollback' before the run stops."""
+    prefetch_batches: NonNegativeInt = 2
+    """Batches of pre-tokenized data read ahead in a background thread; 0 = read in the training step."""
 
     @field_validator("global_batch_size")
     @classmethod
@@ -270,6 +276,12 @@ class Metrics(Section):
     """Print logs without ANSI colours."""
     peak_tflops: PositiveFloat | None = None
     """The device's peak TFLOP/s for MFU; unset = the GPU table, or on CPU a figure measured once and cached."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (pip install 'titan-core[wandb]'; WANDB_MODE=offline works without an account)."""
+    wandb_project: str = "titan"
+    """W&B project name."""
+    wandb_run_name: str | None = None
+    """W&B run name; unset = job.description."""
 
 
 class Profiling(Section):
@@ -293,9 +305,9 @@ class Comm(Section):
     init_timeout_seconds: PositiveInt = 300
     """Collective timeout until the first step ends (start-up, compile)."""
     train_timeout_seconds: PositiveInt = 100
-    """Collective timeout after the first step."""
+    """Collective timeout after the first step: a rank that dies or stalls ends the job within it."""
     trace_buf_size: NonNegativeInt = 20000
-    """Entries in the NCCL flight recorder; 0 = off."""
+    """Entries in the NCCL flight recorder, dumped into the run folder on a timeout; 0 = off."""
 
 
 class Debug(Section):

@@ -75,6 +75,12 @@ class HFTokenizer:
         """
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def fingerprint(self) -> str:
+        """`hf-sha256:` + the sha256 of `tokenizer.json` and `tokenizer_config.json` (which picks BOS/EOS)."""
+        from titan_core.data.tokenizer import sha256_of_files
+
+        return "hf-sha256:" + sha256_of_files(self.path, self.path.parent / "tokenizer_config.json")
+
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 

@@ -148,6 +148,9 @@ class PackedLoader:
         document[-1] = self.tokenizer.eos_id
         return document
 
+    def close(self) -> None:
+        """Nothing to release: this loader reads in the training step, with no thread."""
+
     def state_dict(self) -> dict[str, Any]:
         """The stream position as plain ints (JSON-able, the same on every rank).
 

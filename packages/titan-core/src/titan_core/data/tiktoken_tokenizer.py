@@ -90,6 +90,7 @@ class TiktokenTokenizer:
                 f"reading the tiktoken tokenizer {path} needs the tiktoken package: pip install 'titan-core[tiktoken]'"
             ) from e
         self.path = Path(path)
+        self.pattern, self.n_special = pattern, n_special
         ranks = read_tiktoken_ranks(self.path)
         n_ranks = len(ranks)
         names = llama3_special_tokens(n_special)
@@ -122,6 +123,12 @@ class TiktokenTokenizer:
             ids: token ids < `vocab_size`.
         """
         return self._encoding.decode(list(ids))
+
+    def fingerprint(self) -> str:
+        """`tiktoken-sha256:` + the sha256 of the ranks file, the split pattern and the special-token count."""
+        from titan_core.data.tokenizer import sha256_of_files
+
+        return "tiktoken-sha256:" + sha256_of_files(self.path, extra=f"{self.pattern}\0{self.n_special}")
 
     def __repr__(self) -> str:
         return f"TiktokenTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"

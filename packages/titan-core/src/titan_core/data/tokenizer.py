@@ -12,12 +12,13 @@ Three implementations:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "build_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "build_tokenizer", "tokenizer_fingerprint", "sha256_of_files"]
 
 _CONFIG_KEY = "model.hf_assets_path"
 # A tiktoken ranks file: "<base64 token> <rank>" on every line.
@@ -70,6 +71,10 @@ class ByteTokenizer:
         """
         data = bytes(i for i in ids if i < 256)
         return data.decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        """A constant: the byte tokenizer never changes (see `tokenizer_fingerprint`)."""
+        return "byte-v1"
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -141,3 +146,46 @@ def load_tokenizer_file(file: Path) -> Tokenizer:
         f"{_CONFIG_KEY}: {file} is neither a Hugging Face tokenizer.json nor a tiktoken ranks file "
         "(e.g. a SentencePiece model); point the key at a folder holding tokenizer.json instead"
     )
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A stable string that changes whenever `tokenizer` would encode differently.
+
+    Pre-tokenized data records it (`titan tokenize`) and the loader compares it
+    with the run's tokenizer. Each tokenizer class supplies its own through a
+    `fingerprint()` method: a constant for `ByteTokenizer`, the sha256 of the
+    tokenizer file(s) for `HFTokenizer` and `TiktokenTokenizer`.
+
+    Args:
+        tokenizer: any tokenizer with a `fingerprint()` method.
+
+    Raises:
+        TypeError: the tokenizer has no `fingerprint()` method.
+    """
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    if fingerprint is None:
+        raise TypeError(
+            f"{tokenizer!r} has no fingerprint() method, so pre-tokenized data cannot be checked against it; "
+            "add one returning a string that changes whenever its encoding does"
+        )
+    return str(fingerprint())
+
+
+def sha256_of_files(*files: Path, extra: str = "") -> str:
+    """The hex sha256 of the files' contents, in order, then of `extra` (names and folders do not count).
+
+    Args:
+        files: files to hash; a missing one counts as absent (which differs from empty).
+        extra: settings that change the encoding but live outside the files.
+    """
+    digest = hashlib.sha256()
+    for file in files:
+        if not file.is_file():
+            digest.update(b"absent;")
+            continue
+        digest.update(f"{file.stat().st_size};".encode())  # each file's length keeps the boundaries
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    digest.update(extra.encode())
+    return digest.hexdigest()

@@ -3,7 +3,8 @@
 - `peak_flops.py`: `device_peak_flops` (GPU datasheet table; CPU measured once, cached).
 - `memory.py`: `memory_stats` (CUDA allocator peaks, or host RSS).
 - `throughput.py`: `ThroughputMeter` (tokens/s, TFLOP/s and MFU per device).
-- `logger.py`: `MetricsLogger` (console line, TensorBoard, progress bar; rank 0).
+- `logger.py`: `MetricsLogger` (console line, metrics.jsonl, TensorBoard, W&B, progress bar; rank 0).
+- `wandb_sink.py`: `WandbSink` (the optional Weights & Biases run; `wandb` imported only when on).
 
 All figures are dicts keyed by TensorBoard tag (`loss/global_avg`,
 `throughput/tokens_per_s`, `memory/max_reserved_gib`, ...), so the trainer

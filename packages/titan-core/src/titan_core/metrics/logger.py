@@ -1,4 +1,4 @@
-"""`MetricsLogger`: the console line, `metrics.jsonl`, TensorBoard scalars and the progress bar.
+"""`MetricsLogger`: the console line, `metrics.jsonl`, TensorBoard, W&B and the progress bar.
 
 Metrics arrive as a dict keyed by TensorBoard tag; `None` values are skipped.
 The console line shows the keys below when present (any other key goes to
@@ -20,6 +20,10 @@ done/total, rate, ETA) sits on the last line, and console log lines are printed
 above it (`tqdm.contrib.logging.logging_redirect_tqdm`); when stdout is not a
 terminal there is no bar and no colour codes. Every logged step is also one JSON
 line in `metrics.jsonl`, the record scripts and tests read.
+
+The resolved config is recorded once at the start: as TOML text (tag `config`)
+in TensorBoard, and as the run's config in Weights & Biases (`wandb_sink.py`,
+optional), which receives the same values as TensorBoard each step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+from titan_core.metrics.wandb_sink import WandbOptions, WandbSink
 
 __all__ = ["MetricsLogger", "format_metrics_line"]
 
@@ -102,7 +108,7 @@ def _is_console(handler: logging.Handler) -> bool:
 
 
 class MetricsLogger:
-    """Writes each logged step to the console, `metrics.jsonl` and TensorBoard, on rank 0 only.
+    """Writes each logged step to the console, `metrics.jsonl`, TensorBoard and W&B, on rank 0 only.
 
     Args:
         log_dir: TensorBoard folder; None when TensorBoard is off.
@@ -111,6 +117,8 @@ class MetricsLogger:
         total_steps: steps the run will take, for the line and bar.
         color: colour the console line; ignored when stdout is not a terminal.
         jsonl_path: append one JSON record per logged step to this file; None writes none.
+        config_toml: the resolved config as TOML, written once to TensorBoard as text; None writes none.
+        wandb: log to a Weights & Biases run made with these options; None = no W&B.
     """
 
     def __init__(
@@ -121,6 +129,8 @@ class MetricsLogger:
         total_steps: int,
         color: bool,
         jsonl_path: str | Path | None = None,
+        config_toml: str | None = None,
+        wandb: WandbOptions | None = None,
     ) -> None:
         self.rank = rank
         self.total_steps = total_steps
@@ -129,6 +139,7 @@ class MetricsLogger:
         self.color = color and is_tty
         self._writer = None
         self._jsonl = None
+        self._wandb: WandbSink | None = None
         self._bar: tqdm | None = None
         self._handler: logging.Handler | None = None
         self._saved_level: int | None = None
@@ -141,6 +152,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(log_dir))
+            if config_toml is not None:
+                self._writer.add_text("config", f"```toml\n{config_toml}```", global_step=0)
+        if wandb is not None:
+            self._wandb = WandbSink(wandb)
         if jsonl_path is not None:
             self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if not logger.hasHandlers():
@@ -178,6 +193,8 @@ class MetricsLogger:
         if self._writer is not None:
             for tag, v in values.items():
                 self._writer.add_scalar(tag, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, values)
         logger.info(format_metrics_line(step, self.total_steps, values, color=self.color))
         self.update_progress(step)
 
@@ -187,6 +204,9 @@ class MetricsLogger:
             self._writer.flush()
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
