@@ -19,7 +19,7 @@ import pytest
 
 from titan_run import REPO, TINY, read_metrics, run_titan, titan_env
 
-STEPS = 40
+STEPS = 20
 RUN = [*TINY, "--training.steps", str(STEPS), "--training.local_batch_size", "2", "--checkpoint.enable", "true"]
 
 

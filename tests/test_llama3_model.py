@@ -185,6 +185,17 @@ def test_rope_scaled_inverse_frequencies_match_meta():
     torch.testing.assert_close(compute_rope_inv_freq(128, 500000.0, None).double(), base)
 
 
+def test_rope_takes_a_bf16_cache_as_fsdp_mixed_precision_passes_it():
+    """FSDP's MixedPrecisionPolicy casts each block's float inputs, the RoPE cache included, to bf16."""
+    torch.manual_seed(0)
+    rope = precompute_rope_cache(8, 64, 10000.0)
+    x = torch.randn(2, 16, 3, 8, dtype=torch.bfloat16)
+    rotated = apply_rotary_emb(x, rope.bfloat16())
+    assert rotated.dtype == torch.bfloat16
+    # Only the cache's bf16 rounding (2^-8 relative) separates it from the fp32-cache rotation.
+    torch.testing.assert_close(rotated.float(), apply_rotary_emb(x, rope).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_rope_positions_rotate_like_the_full_sequence():
     torch.manual_seed(0)
     bs, T, heads, hd = 2, 16, 3, 8

@@ -43,13 +43,15 @@ def state_checksum(trainer) -> float:
 
 
 def install(bad_step: int, bad_rank: int) -> None:
-    Trainer = trainer_module.Trainer
-    init, train_step, on_nonfinite = Trainer.__init__, Trainer.train_step, Trainer._on_nonfinite
+    Trainer, Policy = trainer_module.Trainer, trainer_module.NonFinitePolicy
+    init, train_step, after_step = Trainer.__init__, Trainer.train_step, Policy.after_step
     injected = {"done": False}
     checksums: dict[int, float] = {}
+    trainers = []
 
     def init_with_poison(self, cfg, **kwargs):
         init(self, cfg, **kwargs)
+        trainers.append(self)
         loss_fn = self.loss_fn
 
         def poisoned(logits, labels):
@@ -67,21 +69,22 @@ def install(bad_step: int, bad_rank: int) -> None:
         checksums[self.state.step + 1] = state_checksum(self)
         return result
 
-    def on_nonfinite_checked(self, guard, bad_in_a_row):
-        step = self.state.step
-        rolled_back = on_nonfinite(self, guard, bad_in_a_row)
-        if rolled_back:
-            record = {"kind": "rollback", "from": step, "to": self.state.step,
-                      "same_as_restored": state_checksum(self) == checksums[self.state.step]}
-        else:
+    def after_step_checked(self, guard, step):
+        outcome = after_step(self, guard, step)
+        trainer = trainers[-1]
+        if outcome == "rolled back":
+            restored = trainer.state.step
+            record = {"kind": "rollback", "from": step, "to": restored,
+                      "same_as_restored": state_checksum(trainer) == checksums[restored]}
+        elif outcome == "skipped":
             record = {"kind": "skipped", "step": step, "same_as_previous": checksums[step] == checksums[step - 1]}
-        if self.rank == 0:
+        if outcome != "applied" and trainer.rank == 0:
             print("STATE-CHECK " + json.dumps(record), flush=True)
-        return rolled_back
+        return outcome
 
     Trainer.__init__ = init_with_poison
     Trainer.train_step = train_step_recording
-    Trainer._on_nonfinite = on_nonfinite_checked
+    Policy.after_step = after_step_checked
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
   all-or-nothing files, dtype names, Hub download (`resolve_hf_source`).
 
 Errors about a checkpoint or an argument are `CheckpointError`s naming the parameter
-to change (`.arguments`). `import titan_ckpt` is cheap: each name is imported from
+to change (`.arguments`); a missing one is a `CheckpointNotFoundError` (also a
+`FileNotFoundError`). `import titan_ckpt` is cheap: each name is imported from
 its module on first use.
 """
 
@@ -27,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "ASYNC_MODES": "argument_checks",
     "AsyncMode": "argument_checks",
     "CheckpointError": "errors",
+    "CheckpointNotFoundError": "errors",
     # Hugging Face safetensors
     "read_hf_config": "hf_safetensors",
     "read_hf_state_dict": "hf_safetensors",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from titan_ckpt.atomic import atomic_output
     from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes, write_dcp_checkpoint, write_dcp_state_dict
     from titan_ckpt.dtypes import cast_floating, parse_dtype
-    from titan_ckpt.errors import CheckpointError
+    from titan_ckpt.errors import CheckpointError, CheckpointNotFoundError
     from titan_ckpt.formats import detect_format
     from titan_ckpt.hf_hub import resolve_hf_source
     from titan_ckpt.hf_safetensors import copy_extra_files, read_hf_config, read_hf_state_dict, write_hf_checkpoint, write_hf_config

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from titan_ckpt.errors import CheckpointError
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtype names `parse_dtype` accepts (also `torch_dtype` in `config.json`)."""
 
@@ -18,7 +20,7 @@ def parse_dtype(name: str) -> torch.dtype:
         ValueError: unknown name; the message lists the valid ones.
     """
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; choose one of: {', '.join(DTYPES)}")
+        raise CheckpointError(f"unknown dtype '{name}'; choose one of: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 

@@ -21,3 +21,12 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, *, arguments: tuple[str, ...] = ()):
         super().__init__(message)
         self.arguments: tuple[str, ...] = tuple(arguments)
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint file or folder that does not exist (also a `FileNotFoundError`); the message names the path and the fix.
+
+    Args:
+        message: one line: what is missing and what to point to instead.
+        arguments: the parameters the fix concerns, as for `CheckpointError`.
+    """

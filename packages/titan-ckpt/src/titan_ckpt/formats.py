@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from titan_ckpt.dcp_files import METADATA_FILE
+from titan_ckpt.errors import CheckpointError, CheckpointNotFoundError
 from titan_ckpt.hf_safetensors import CONFIG_FILE
 from titan_ckpt.torch_files import TORCH_SUFFIXES
 
@@ -28,20 +29,20 @@ def detect_format(path: str | Path) -> CheckpointFormat:
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass an existing checkpoint file or folder")
+        raise CheckpointNotFoundError(f"{path} does not exist; pass an existing checkpoint file or folder")
     if path.is_file():
         if path.suffix in TORCH_SUFFIXES:
             return "torch"
-        raise ValueError(f"{path}: unknown checkpoint format; expected a .pt/.bin file or a Hugging Face / DCP folder")
+        raise CheckpointError(f"{path}: unknown checkpoint format; expected a .pt/.bin file or a Hugging Face / DCP folder")
     if (path / METADATA_FILE).is_file():
         return "dcp"
     if any(path.glob("*.safetensors")):
         if not (path / CONFIG_FILE).is_file():
-            raise ValueError(f"{path} has .safetensors weights but no config.json; add the model's config.json beside them")
+            raise CheckpointError(f"{path} has .safetensors weights but no config.json; add the model's config.json beside them")
         return "hf"
     if len(find_torch_files(path)) == 1:
         return "torch"
-    raise ValueError(
+    raise CheckpointError(
         f"{path}: unknown checkpoint format; expected a Hugging Face folder (config.json + *.safetensors), "
         "a DCP folder (.metadata) or a single .pt/.bin state dict"
     )
@@ -70,5 +71,5 @@ def torch_file_of(path: str | Path) -> Path:
         return path
     files = find_torch_files(path)
     if len(files) != 1:
-        raise ValueError(f"{path} holds {len(files)} .pt/.bin files; pass the path of the one state-dict file to convert")
+        raise CheckpointError(f"{path} holds {len(files)} .pt/.bin files; pass the path of the one state-dict file to convert")
     return files[0]

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from titan_ckpt.dtypes import cast_floating, dtype_name, state_dict_dtype
+from titan_ckpt.errors import CheckpointError, CheckpointNotFoundError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,7 +57,7 @@ def parse_size(size: int | str) -> int:
         return size
     match = _SIZE.fullmatch(size)
     if match is None:
-        raise ValueError(f"max shard size '{size}' is not a size; write it like 5GB, 500MB or 2GiB")
+        raise CheckpointError(f"max shard size '{size}' is not a size; write it like 5GB, 500MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
@@ -83,11 +84,11 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; a Hugging Face checkpoint folder needs its config.json")
+        raise CheckpointNotFoundError(f"{path} not found; a Hugging Face checkpoint folder needs its config.json")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); restore the file from the original checkpoint") from None
+        raise CheckpointError(f"{path} is not valid JSON ({err}); restore the file from the original checkpoint") from None
 
 
 def write_hf_config(folder: str | Path, config: dict[str, Any]) -> Path:
@@ -117,17 +118,17 @@ def list_hf_shards(folder: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
-            raise ValueError(f"{index} is not a safetensors index ({err!r}); restore it from the original checkpoint") from None
+            raise CheckpointError(f"{index} is not a safetensors index ({err!r}); restore it from the original checkpoint") from None
         shards = [folder / name for name in sorted(set(weight_map.values()))]
         for shard in shards:
             if not shard.is_file():
-                raise FileNotFoundError(f"{shard} is named in {INDEX_FILE} but missing; download or copy the whole checkpoint again")
+                raise CheckpointNotFoundError(f"{shard} is named in {INDEX_FILE} but missing; download or copy the whole checkpoint again")
         return shards
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     found = sorted(folder.glob("*.safetensors"))
     if not found:
-        raise FileNotFoundError(f"{folder} holds no .safetensors weights; point to a Hugging Face checkpoint folder")
+        raise CheckpointNotFoundError(f"{folder} holds no .safetensors weights; point to a Hugging Face checkpoint folder")
     return found
 
 
@@ -150,7 +151,7 @@ def read_hf_state_dict(folder: str | Path, progress: bool | None = None) -> dict
                     for name in f.keys():
                         state_dict[name] = f.get_tensor(name)
             except (SafetensorError, OSError, RuntimeError) as err:
-                raise ValueError(f"{shard} is truncated or corrupt ({err}); download or export this file again") from None
+                raise CheckpointError(f"{shard} is truncated or corrupt ({err}); download or export this file again") from None
             bar.update(shard.stat().st_size)
     return state_dict
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from titan_ckpt.errors import CheckpointError
+
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 """File endings recognised as one-file torch state dicts."""
 
@@ -23,11 +25,11 @@ def read_torch_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle with code, ...
-        raise ValueError(f"{path} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}); it is damaged or not a plain state dict") from None
+        raise CheckpointError(f"{path} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}); it is damaged or not a plain state dict") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path} does not hold a state dict (name -> tensor); save one with torch.save(model.state_dict(), path)")
+        raise CheckpointError(f"{path} does not hold a state dict (name -> tensor); save one with torch.save(model.state_dict(), path)")
     return obj
 
 

@@ -28,6 +28,7 @@ def convert(
     converted weights. Nothing is left on disk unless the conversion succeeds.
     """
     from titan_core.convert import ParityError, convert_checkpoint
+    from titan_core.launch import USER_ERRORS
 
     def log(message: str) -> None:
         typer.echo(message, err=True)
@@ -47,7 +48,7 @@ def convert(
     except ParityError as err:
         typer.echo(f"titan convert: error: {err}", err=True)
         raise typer.Exit(1) from None
-    except (ValueError, OSError) as err:
+    except (*USER_ERRORS, OSError) as err:  # a wrong input or an unreadable file; a bug keeps its traceback
         typer.echo(f"titan convert: error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(

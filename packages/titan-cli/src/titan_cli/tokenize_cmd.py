@@ -32,6 +32,7 @@ def tokenize(
     """
     from titan_core.data import build_tokenizer, write_token_shards
     from titan_core.data.token_shards import check_output
+    from titan_core.launch import USER_ERRORS
 
     def log(message: str) -> None:
         typer.echo(message, err=True)
@@ -51,7 +52,7 @@ def tokenize(
             force=force,
             log=log,
         )
-    except (ValueError, OSError, ImportError, TypeError) as err:
+    except (*USER_ERRORS, OSError) as err:  # a wrong input or an unreadable file; a bug keeps its traceback
         typer.echo(f"titan tokenize: error: {err}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:

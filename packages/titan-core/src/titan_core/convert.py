@@ -29,6 +29,8 @@ from titan_ckpt.hf_safetensors import CONFIG_FILE, copy_extra_files, read_hf_con
 from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_torch_state_dict
 from titan_models import HFAdapter, get_model_args, get_model_spec
 
+from titan_core.config.errors import ConfigError
+
 PARITY_TOKENS = 256
 """Sequence length of the parity check."""
 PARITY_MAX_KL = 1e-4
@@ -129,7 +131,7 @@ def convert_checkpoint(
         ParityError: the parity check failed; nothing was written.
     """
     if to not in FORMATS:
-        raise ValueError(f"--to '{to}' is not a format; choose one of: {', '.join(FORMATS)}")
+        raise ConfigError(f"--to '{to}' is not a format; choose one of: {', '.join(FORMATS)}")
     out_dtype = parse_dtype(dtype) if dtype is not None else None
     dst = Path(dst)
     if dst.exists():
@@ -212,7 +214,7 @@ def _hf_adapter(model_name: str) -> HFAdapter[Any]:
     """The registry's Hugging Face adapter of `model_name`, or a one-line error."""
     adapter = get_model_spec(model_name).hf_adapter
     if adapter is None:
-        raise ValueError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.hf_adapter")
+        raise ConfigError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.hf_adapter")
     return adapter
 
 
@@ -247,12 +249,15 @@ def resolve_source_args(
     for run_folder in [folder, *folder.parents][:4]:
         toml_path = run_folder / "config.toml"
         if toml_path.is_file():
-            model = tomllib.loads(toml_path.read_text()).get("model", {})
+            try:
+                model = tomllib.loads(toml_path.read_text()).get("model", {})
+            except tomllib.TOMLDecodeError as err:
+                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --flavor NAME") from None
             if model.get("name", model_name) != model_name:
-                raise ValueError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
+                raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
             if "flavor" in model:
                 return get_model_args(model_name, model["flavor"]), {}, folder
-    raise ValueError(f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it")
+    raise ConfigError(f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it")
 
 
 def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[str, torch.Size]:
@@ -289,7 +294,7 @@ def read_dcp_model(folder: Path, args: Any, expected: dict[str, torch.Size]) -> 
     prefix = max(("", "model."), key=lambda p: sum(p + k in stored for k in expected))
     names = [prefix + k for k in expected if prefix + k in stored]
     if not names:
-        raise ValueError(f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint")
+        raise ConfigError(f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint")
     loaded = read_dcp_state_dict(folder, names)
     return _with_tied_output({k[len(prefix) :]: v for k, v in loaded.items()}, args)
 
@@ -317,12 +322,12 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, to
     hint = "pass the right --flavor (or config.json) for this checkpoint"
     for name, shape in expected.items():
         if name not in state_dict:
-            raise ValueError(f"{src} lacks '{name}'; {hint}")
+            raise ConfigError(f"{src} lacks '{name}'; {hint}")
         if state_dict[name].shape != shape:
-            raise ValueError(f"{src}: '{name}' has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}; {hint}")
+            raise ConfigError(f"{src}: '{name}' has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}; {hint}")
     for name in state_dict:
         if name not in expected:
-            raise ValueError(f"{src} has '{name}', which the model does not; {hint}")
+            raise ConfigError(f"{src} has '{name}', which the model does not; {hint}")
 
 
 @torch.no_grad()

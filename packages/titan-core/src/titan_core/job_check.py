@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from titan_core.config.errors import ConfigError
+from titan_core.config.errors import ConfigError, MissingPackageError
 from titan_core.config.schema import JobConfig
 
 if TYPE_CHECKING:  # torch-heavy imports load inside the rules that need them
@@ -190,7 +191,7 @@ def _device(job: CheckedJob) -> None:
 
 def _model_shape(job: CheckedJob) -> None:
     """The model name and flavor exist; a tokenizer larger than a Hugging Face checkpoint's vocab is refused."""
-    from titan_models import get_model_args, get_model_spec
+    from titan_models import ModelConfigError, get_model_args, get_model_spec
 
     from titan_core.data import build_tokenizer
 
@@ -198,7 +199,7 @@ def _model_shape(job: CheckedJob) -> None:
     try:
         job.spec = get_model_spec(cfg.model.name)
         args = get_model_args(cfg.model.name, cfg.model.flavor)
-    except ValueError as e:  # unknown name or flavor: the message names model.name / model.flavor
+    except ModelConfigError as e:  # unknown name or flavor: the message names model.name / model.flavor
         raise ConfigError(str(e)) from None
     vocab = job.tokenizer_vocab_size or build_tokenizer(cfg.model.hf_assets_path).vocab_size
     ckpt = cfg.checkpoint
@@ -354,7 +355,7 @@ def _profiling(job: CheckedJob) -> None:
 
 
 def _converters(job: CheckedJob) -> None:
-    """One converter per linear; [float8] options that work together; MXFP8 only on hardware that has it."""
+    """One converter per linear; [float8] options that work together; MXFP8 only on hardware that has it; torchao installed."""
     from titan_core.converters import float8_options, mx_options
 
     names = job.cfg.model.converters
@@ -370,6 +371,10 @@ def _converters(job: CheckedJob) -> None:
 
         _translated(check_mx, {"recipe_name": "mx.recipe_name", "filter_fqns": "mx.filter_fqns", "device_type": "training.device"},
                     mx_options(job.cfg), job.device_type, prefix="model.converters = ['mx']: ")
+    if ("float8" in names or "mx" in names) and importlib.util.find_spec("torchao") is None:
+        from titan_parallel.float8 import INSTALL_HINT
+
+        raise MissingPackageError(f"model.converters = {list(names)} needs torchao, which is not installed; {INSTALL_HINT}")
 
 
 def _translated(rule: Callable[..., None], keys: Mapping[str, str], *args: Any, prefix: str = "") -> None:

@@ -28,12 +28,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+from titan_ckpt.errors import CheckpointError
+from titan_models.errors import ModelConfigError
+from titan_parallel.layout import ParallelConfigError
+
 from titan_core.config import ConfigError, dump_toml, load_config
 
-# Errors that mean "the input is wrong": shown as one line, no traceback
-# (set TITAN_TRACEBACK=1 to see it). The libraries' ParallelConfigError and
-# CheckpointError are ValueErrors; their argument names become config keys.
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, ImportError)
+# Errors that mean "the input is wrong": shown as one line, no traceback (set
+# TITAN_TRACEBACK=1 to see it). Each is the raising package's own type for the inputs
+# it checks (a missing file or optional package is a ConfigError / CheckpointError that
+# is also a FileNotFoundError / ImportError); ParallelConfigError's and CheckpointError's
+# argument names become config keys. Any other exception, a plain ValueError or
+# ImportError included, is a bug and keeps its traceback. Importing these costs no torch.
+USER_ERRORS = (ConfigError, ParallelConfigError, CheckpointError, ModelConfigError)
 
 ERROR_DIR_ENV = "TITAN_ERROR_DIR"
 """Set by `launch` for the processes it starts: each rank that fails on a user error writes its line there."""

@@ -21,15 +21,21 @@ device collective plus one host sync per step.
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
 from types import FrameType
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+from titan_ckpt import CheckpointManager
+from titan_ckpt.step_folders import list_complete_steps
 
-__all__ = ["NonFiniteError", "RunGuard", "STOP_SIGNALS"]
+__all__ = ["NonFiniteError", "NonFinitePolicy", "RunGuard", "STOP_SIGNALS"]
+
+logger = logging.getLogger("titan")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Signals that make the run save a checkpoint and exit 0 at the end of the current step."""
@@ -109,3 +115,69 @@ class RunGuard:
                 shown.append(f"the {name} ({value})")
         verb = "is" if len(shown) == 1 else "are"
         return f"step {step}: {' and '.join(shown)} {verb} not finite"
+
+
+class NonFinitePolicy:
+    """`training.on_nonfinite` applied after each step: what to do when `RunGuard` dropped its update.
+
+    Args:
+        policy: 'stop', 'skip_step' or 'rollback'.
+        max_in_a_row: consecutive dropped steps tolerated by 'skip_step' / 'rollback' before stopping.
+        checkpointer: the run's checkpoint manager (rolled back from; named when stopping).
+        rank: this process's rank (rank 0 logs).
+    """
+
+    def __init__(self, policy: str, max_in_a_row: int, checkpointer: CheckpointManager, *, rank: int):
+        self.policy, self.max_in_a_row = policy, max_in_a_row
+        self.checkpointer, self.rank = checkpointer, rank
+        self.in_a_row = 0  # dropped steps since the last applied one
+        self.skipped = 0  # steps dropped by 'skip_step' in this process
+
+    def after_step(self, guard: RunGuard, step: int) -> Literal["applied", "skipped", "rolled back"]:
+        """Apply the policy to `step` (just counted); the run state is the checkpoint's after a rollback.
+
+        Args:
+            guard: the guard that checked the step.
+            step: the step just finished (1-based).
+
+        Raises:
+            NonFiniteError: the policy is 'stop', too many dropped steps came in a row, or there is no
+                checkpoint to roll back to.
+        """
+        if not guard.nonfinite:
+            self.in_a_row = 0
+            return "applied"
+        self.in_a_row += 1
+        what = guard.describe(step)
+        if self.policy == "stop":
+            raise NonFiniteError(
+                f"{what}: stopped without applying it (training.on_nonfinite='stop'){self._checkpoint_note()}; "
+                "set training.on_nonfinite to 'skip_step' or 'rollback' to go on past it"
+            )
+        if self.in_a_row > self.max_in_a_row:
+            raise NonFiniteError(
+                f"{what}, {self.in_a_row} steps in a row (training.max_nonfinite_in_a_row={self.max_in_a_row}): "
+                f"stopped{self._checkpoint_note()}; the run diverged: lower optimizer.lr or raise lr_scheduler.warmup_steps"
+            )
+        if self.policy == "skip_step":
+            self.skipped += 1
+            if self.rank == 0:
+                logger.warning("%s: update skipped (training.on_nonfinite='skip_step')", what)
+            return "skipped"
+        restored = self.checkpointer.restore_latest(exclude=("dataloader",))  # go on with the next data
+        if restored is None:
+            raise NonFiniteError(
+                f"{what}: training.on_nonfinite='rollback' found no checkpoint to roll back to in "
+                f"{self.checkpointer.folder}; set a checkpoint.interval the run reaches before it diverges"
+            )
+        if self.rank == 0:
+            logger.warning("%s: rolled back to step-%d; training goes on with the data after step %d", what, restored, step)
+        return "rolled back"
+
+    def _checkpoint_note(self) -> str:
+        """`; the newest checkpoint .../step-4 is intact`, or why there is none."""
+        if not self.checkpointer.enable:
+            return "; no checkpoint was written (checkpoint.enable is off)"
+        self.checkpointer.wait()
+        steps = list_complete_steps(self.checkpointer.folder)
+        return f"; the newest checkpoint {self.checkpointer.folder / f'step-{steps[-1]}'} is intact" if steps else "; no checkpoint was written yet"

@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from titan_ckpt.dtypes import parse_dtype
-from titan_ckpt.step_folders import list_complete_steps
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
 from titan_parallel.grad_clip import clip_grad_norm_
@@ -43,7 +42,7 @@ from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.optim import build_optimizer
 from titan_core.profiling import Profiler
-from titan_core.run_guard import NonFiniteError, RunGuard
+from titan_core.run_guard import NonFinitePolicy, RunGuard
 from titan_core.validation import Validator
 
 logger = logging.getLogger("titan")
@@ -312,64 +311,16 @@ class Trainer:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
 
-    def _on_nonfinite(self, guard: RunGuard, bad_in_a_row: int) -> bool:
-        """Apply `training.on_nonfinite` to the step just dropped; True when the run rolled back.
-
-        Raises:
-            NonFiniteError: the policy is 'stop', too many bad steps came in a row, or there is no
-                checkpoint to roll back to.
-        """
-        t = self.cfg.training
-        what = guard.describe(self.state.step)
-        if t.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"{what}: stopped without applying it (training.on_nonfinite='stop'){self._checkpoint_note()}; "
-                "set training.on_nonfinite to 'skip_step' or 'rollback' to go on past it"
-            )
-        if bad_in_a_row > t.max_nonfinite_in_a_row:
-            raise NonFiniteError(
-                f"{what}, {bad_in_a_row} steps in a row (training.max_nonfinite_in_a_row={t.max_nonfinite_in_a_row}): "
-                f"stopped{self._checkpoint_note()}; the run diverged: lower optimizer.lr or raise lr_scheduler.warmup_steps"
-            )
-        if t.on_nonfinite == "skip_step":
-            self.skipped_steps += 1
-            if self.rank == 0:
-                logger.warning("%s: update skipped (training.on_nonfinite='skip_step')", what)
-            return False
-        bad_step = self.state.step
-        restored = self.checkpointer.restore_latest(exclude=("dataloader",))  # [checkpoint]
-        if restored is None:
-            raise NonFiniteError(
-                f"{what}: training.on_nonfinite='rollback' found no checkpoint to roll back to in "
-                f"{self.checkpointer.folder}; set checkpoint.enable = true and a checkpoint.interval the run reaches"
-            )
-        if self.rank == 0:
-            logger.warning("%s: rolled back to step-%d; training goes on with the data after step %d", what, restored, bad_step)
-        return True
-
-    def _checkpoint_note(self) -> str:
-        """`; the newest checkpoint step-5 is intact`, or why there is none."""
-        if not self.cfg.checkpoint.enable:
-            return "; no checkpoint was written (checkpoint.enable is off)"
-        self.checkpointer.wait()
-        steps = list_complete_steps(self.checkpointer.folder)
-        return f"; the newest checkpoint {self.checkpointer.folder / f'step-{steps[-1]}'} is intact" if steps else "; no checkpoint was written yet"
-
     def _save_and_stop(self, signal_name: str | None) -> None:
         """A stop signal reached some rank: save this step's full state, so that the next start resumes."""
         self.stopped_by = signal_name or "a stop signal sent to another rank"
         started = time.perf_counter()
         self.checkpointer.save(self.state.step, force=True)  # [checkpoint] skipped if this step is already saved
         self.checkpointer.wait()
-        if self.rank != 0:
-            return
-        if self.cfg.checkpoint.enable:
-            logger.info(
-                "stopped by %s after step %d: checkpoint step-%d saved (%.1f s); start the same command again to resume",
-                self.stopped_by, self.state.step, self.state.step, time.perf_counter() - started,
-            )
-        else:
-            logger.warning("stopped by %s after step %d: nothing saved (checkpoint.enable is off)", self.stopped_by, self.state.step)
+        if self.rank == 0:
+            saved = f"checkpoint step-{self.state.step} saved ({time.perf_counter() - started:.1f} s); start the same command again to resume"
+            logger.info("stopped by %s after step %d: %s", self.stopped_by, self.state.step,
+                        saved if self.cfg.checkpoint.enable else "nothing saved (checkpoint.enable is off)")
 
     def train(self) -> list[float]:
         """Run `training.steps` steps; returns the global-average loss of each logged step."""
@@ -381,7 +332,7 @@ class Trainer:
             self.checkpointer.save_seed()
             return []
         self.stopped_by: str | None = None  # the stop signal that ended the run early, if one did
-        self.skipped_steps = 0  # updates dropped by training.on_nonfinite='skip_step'
+        self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
         resumed = self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         if restarts and self.rank == 0:
@@ -434,7 +385,7 @@ class Trainer:
             train_timeout_s=cfg.comm.train_timeout_seconds, stack_folder=self.run_folder / "comm_stacks",
             gloo_trace=self.device.type == "cpu" and cfg.comm.trace_buf_size > 0,
         )
-        bad_in_a_row, data_wait_s, steps_since_log = 0, 0.0, 0
+        data_wait_s, steps_since_log = 0.0, 0
         with guard:  # outside the try: a SIGTERM while a failure is explained below only sets the flag
             try:
                 while self.state.step < t.steps and not guard.stop_requested:
@@ -447,9 +398,8 @@ class Trainer:
                     self.state.tokens_seen += tokens_per_step
                     steps_since_log += 1
                     meter.add_tokens(tokens_per_step // self.dims.dp)
-                    bad_in_a_row = bad_in_a_row + 1 if guard.nonfinite else 0
-                    if guard.nonfinite and self._on_nonfinite(guard, bad_in_a_row):
-                        continue  # rolled back: the step counter is the checkpoint's
+                    if self.nonfinite.after_step(guard, self.state.step) == "rolled back":
+                        continue  # the step counter is the checkpoint's now
                     metrics.update_progress(self.state.step)
                     self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
                     if profiler is not None:
@@ -466,7 +416,7 @@ class Trainer:
                         "loss/global_max": mx,
                         "optim/grad_norm": grad_norm.item(),
                         "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
-                        **({"optim/skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
+                        **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
                         "time/data_wait_ms": 1000 * data_wait_s / steps_since_log,
                         **meter.read(),
                         **memory_stats(self.device),

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from titan_models import llama3
+from titan_models.errors import ModelConfigError
 from titan_models.spec import ModelSpec
 
 _MODEL_SPECS: dict[str, ModelSpec[Any]] = {}
@@ -31,10 +32,10 @@ def get_model_spec(name: str) -> ModelSpec[Any]:
         name: the `model.name` config value.
 
     Raises:
-        ValueError: unknown name; the message lists the valid names, closest first.
+        ModelConfigError: unknown name; the message lists the valid names, closest first.
     """
     if name not in _MODEL_SPECS:
-        raise ValueError(f"unknown model.name '{name}'; choose one of: {', '.join(_rank_by_similarity(name, _MODEL_SPECS))}")
+        raise ModelConfigError(f"unknown model.name '{name}'; choose one of: {', '.join(_rank_by_similarity(name, _MODEL_SPECS))}")
     return _MODEL_SPECS[name]
 
 
@@ -46,12 +47,12 @@ def get_model_args(name: str, flavor: str) -> Any:
         flavor: the `model.flavor` config value.
 
     Raises:
-        ValueError: unknown name or flavor; the message lists the valid choices, closest first.
+        ModelConfigError: unknown name or flavor; the message lists the valid choices, closest first.
     """
     flavors = get_model_spec(name).flavors
     if flavor not in flavors:
         choices = ", ".join(_rank_by_similarity(flavor, flavors))
-        raise ValueError(f"unknown model.flavor '{flavor}' for model.name '{name}'; choose one of: {choices}")
+        raise ModelConfigError(f"unknown model.flavor '{flavor}' for model.name '{name}'; choose one of: {choices}")
     return flavors[flavor]
 
 

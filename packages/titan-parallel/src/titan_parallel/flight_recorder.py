@@ -80,9 +80,10 @@ def dump_gloo_trace(rank: int) -> Path | None:
         rank: this process's global rank.
     """
     path = recorder_dump_file(rank)
-    if path is None:
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # private: absent from some torch versions
+    if path is None or dump is None:
         return None
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    trace = pickle.loads(dump(True, True, False))  # torch's own in-memory bytes, not a file
     trace["pg_config"] = {
         pg.group_name: {"name": pg.group_name, "desc": pg.group_desc, "ranks": str(dist.get_process_group_ranks(pg))}
         for pg in dist.distributed_c10d._world.pg_map

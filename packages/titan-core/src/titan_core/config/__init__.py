@@ -5,7 +5,7 @@
 """
 
 from titan_core.config.describe import config_help
-from titan_core.config.errors import ConfigError
+from titan_core.config.errors import ConfigError, MissingFileError, MissingPackageError
 from titan_core.config.load import (
     list_shipped_configs,
     load_config,
@@ -41,6 +41,8 @@ __all__ = [
     "JobConfig",
     "LRScheduler",
     "Metrics",
+    "MissingFileError",
+    "MissingPackageError",
     "Model",
     "Optimizer",
     "Parallelism",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from titan_core.config.errors import ConfigError, MissingPackageError
+
 __all__ = ["HFDatasetSource"]
 
 
@@ -19,7 +21,7 @@ class HFDatasetSource:
         try:
             import datasets
         except ImportError as e:
-            raise ImportError(
+            raise MissingPackageError(
                 f"training.dataset: streaming {name!r} from the hub needs the datasets package: "
                 "pip install 'titan-core[hf]', or set training.dataset to 'stdlib' or a local path"
             ) from e
@@ -29,7 +31,7 @@ class HFDatasetSource:
             self._dataset = datasets.load_dataset(name, split="train", streaming=True)
         except Exception as e:
             reason = (str(e).splitlines() or [""])[0][:200]
-            raise ValueError(
+            raise ConfigError(
                 f"training.dataset: could not load {name!r} from the Hugging Face hub "
                 f"(hub unreachable, offline, or no such dataset: {type(e).__name__}: {reason}); "
                 "set training.dataset_path to local .txt/.jsonl/.parquet files, or training.dataset to 'stdlib'"
@@ -47,7 +49,7 @@ class HFDatasetSource:
         dataset = self._dataset.skip(n_docs) if n_docs > 0 else self._dataset
         for record in dataset:
             if self.text_field not in record:
-                raise ValueError(
+                raise ConfigError(
                     f"training.dataset: {self.name!r} records have no field {self.text_field!r} "
                     f"(have {list(record)}); set the dataset's text_field"
                 )

@@ -10,6 +10,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from titan_core.config.errors import ConfigError, MissingPackageError
+
 __all__ = ["HFTokenizer", "BOS_NAMES", "EOS_NAMES"]
 
 # Tried in order when tokenizer_config.json names no BOS/EOS found in the vocab.
@@ -28,14 +30,14 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as RustTokenizer
         except ImportError as e:
-            raise ImportError(
+            raise MissingPackageError(
                 f"reading the Hugging Face tokenizer {path} needs the tokenizers package: pip install 'titan-core[hf]'"
             ) from e
         self.path = Path(path)
         try:
             self._tokenizer = RustTokenizer.from_file(str(self.path))
         except Exception as e:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.path} is not a readable Hugging Face tokenizer.json ({e}); "
                 "point model.hf_assets_path at the model's tokenizer files"
             ) from e
@@ -54,7 +56,7 @@ class HFTokenizer:
             token_id = self._tokenizer.token_to_id(name)
             if token_id is not None:
                 return token_id
-        raise ValueError(
+        raise ConfigError(
             f"{self.path}: no {key} found (tried {', '.join(names)}); "
             f"set {key} in {self.path.parent / 'tokenizer_config.json'} to a token of the vocabulary"
         )
@@ -96,4 +98,4 @@ def read_tokenizer_config(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
+        raise ConfigError(f"{path} is not valid JSON ({e}); fix or delete it") from e

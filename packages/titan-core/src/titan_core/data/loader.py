@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titan_core.config.errors import ConfigError
 from titan_core.data.corpus import DocumentSource
 from titan_core.data.tokenizer import Tokenizer
 
@@ -54,9 +55,9 @@ class PackedLoader:
         dp_world: int = 1,
     ):
         if seq_len < 1:
-            raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+            raise ConfigError(f"training.seq_len must be >= 1, got {seq_len}")
         if local_batch_size < 1:
-            raise ValueError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
+            raise ConfigError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
         if not 0 <= dp_rank < dp_world:
             raise ValueError(
                 f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}; check the data-parallel mesh"
@@ -102,7 +103,7 @@ class PackedLoader:
             if self._document is None:
                 self._document = self.read_document()
                 if self.doc_offset >= len(self._document):
-                    raise ValueError(
+                    raise ConfigError(
                         f"loader state points at token {self.doc_offset} of document {self.doc_index}, "
                         f"which has {len(self._document)}; the dataset or tokenizer changed since the "
                         "checkpoint: resume with the same ones"
@@ -125,11 +126,11 @@ class PackedLoader:
         text = next(self._documents, None)
         if text is None:
             if self.doc_index == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"the dataset {self.source!r} has no documents; check training.dataset / training.dataset_path"
                 )
             if self.doc_offset:
-                raise ValueError(
+                raise ConfigError(
                     f"loader state points into document {self.doc_index}, past the dataset's end; "
                     "the dataset changed since the checkpoint: resume with the same one"
                 )
@@ -174,9 +175,9 @@ class PackedLoader:
         """
         missing = {"epoch", "doc_index", "doc_offset", "samples_consumed", "seq_len"} - set(state)
         if missing:
-            raise ValueError(f"loader state lacks {sorted(missing)}; it does not come from PackedLoader.state_dict()")
+            raise ConfigError(f"loader state lacks {sorted(missing)}; it does not come from PackedLoader.state_dict()")
         if state["seq_len"] != self.seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"loader state was saved with training.seq_len={state['seq_len']}, this run has {self.seq_len}; "
                 "resume with the same training.seq_len"
             )

@@ -12,6 +12,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from titan_core.config.errors import ConfigError, MissingFileError, MissingPackageError
+
 __all__ = ["LocalFileSource", "SUFFIXES", "expand_pattern", "count_documents", "read_documents"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -32,13 +34,13 @@ def expand_pattern(pattern: str, key: str) -> list[Path]:
         files = [p for p in Path(expanded).rglob("*") if p.is_file()]
     elif Path(expanded).is_file():
         if Path(expanded).suffix not in SUFFIXES:
-            raise ValueError(f"{key}: {pattern} is not a {_KINDS} file; convert it or point the key elsewhere")
+            raise ConfigError(f"{key}: {pattern} is not a {_KINDS} file; convert it or point the key elsewhere")
         files = [Path(expanded)]
     else:
-        raise FileNotFoundError(f"{key}: {pattern} does not exist; point it at a file, folder or glob of {_KINDS} files")
+        raise MissingFileError(f"{key}: {pattern} does not exist; point it at a file, folder or glob of {_KINDS} files")
     files = sorted((p for p in files if p.suffix in SUFFIXES), key=str)
     if not files:
-        raise FileNotFoundError(f"{key}: no {_KINDS} files match {pattern}; fix the path or pattern")
+        raise MissingFileError(f"{key}: no {_KINDS} files match {pattern}; fix the path or pattern")
     return files
 
 
@@ -87,10 +89,10 @@ def read_jsonl(path: Path, text_field: str, start: int) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({e}); fix the line or remove it") from e
+                raise ConfigError(f"{path}:{line_no} is not valid JSON ({e}); fix the line or remove it") from e
             if not isinstance(record, dict) or text_field not in record:
                 fields = list(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(
+                raise ConfigError(
                     f"{path}:{line_no} has no field {text_field!r} (has {fields}); set the dataset's text_field"
                 )
             yield str(record[text_field] or "")
@@ -100,7 +102,7 @@ def read_parquet(path: Path, text_field: str, start: int) -> Iterator[str]:
     """The `text_field` column of `path`, row group by row group, from row `start` on."""
     parquet_file = import_parquet().ParquetFile(path)
     if text_field not in parquet_file.schema_arrow.names:
-        raise ValueError(
+        raise ConfigError(
             f"{path} has no column {text_field!r} (has {parquet_file.schema_arrow.names}); set the dataset's text_field"
         )
     for group in range(parquet_file.num_row_groups):
@@ -119,7 +121,7 @@ def import_parquet():
     try:
         import pyarrow.parquet
     except ImportError as e:
-        raise ImportError("reading .parquet files needs pyarrow: pip install 'titan-core[hf]' (or pyarrow)") from e
+        raise MissingPackageError("reading .parquet files needs pyarrow: pip install 'titan-core[hf]' (or pyarrow)") from e
     return pyarrow.parquet
 
 

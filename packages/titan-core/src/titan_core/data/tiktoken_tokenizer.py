@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from titan_core.config.errors import ConfigError, MissingPackageError
+
 __all__ = ["TiktokenTokenizer", "LLAMA3_PATTERN", "GPT2_PATTERN", "llama3_special_tokens"]
 
 # Llama 3's pre-tokenizer split pattern (Meta's llama3 tokenizer.py).
@@ -65,7 +67,7 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except ValueError as e:
-                raise ValueError(
+                raise ConfigError(
                     f"{path}:{line_no} is not a '<base64 token> <rank>' line; "
                     "model.hf_assets_path must point at a tiktoken ranks file or a tokenizer.json"
                 ) from e
@@ -86,7 +88,7 @@ class TiktokenTokenizer:
         try:
             import tiktoken
         except ImportError as e:
-            raise ImportError(
+            raise MissingPackageError(
                 f"reading the tiktoken tokenizer {path} needs the tiktoken package: pip install 'titan-core[tiktoken]'"
             ) from e
         self.path = Path(path)

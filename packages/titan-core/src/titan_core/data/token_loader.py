@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from titan_core.config.errors import ConfigError
 from titan_core.data.token_shards import FORMAT, TokenShardManifest, read_manifest
 from titan_core.data.tokenizer import Tokenizer, tokenizer_fingerprint
 
@@ -179,13 +180,13 @@ class TokenShardLoader:
         key: str = "training.dataset_path",
     ):
         if seq_len < 1:
-            raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+            raise ConfigError(f"training.seq_len must be >= 1, got {seq_len}")
         if local_batch_size < 1:
-            raise ValueError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
+            raise ConfigError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}; check the data-parallel mesh")
         if prefetch < 0:
-            raise ValueError(f"training.prefetch_batches must be >= 0, got {prefetch}")
+            raise ConfigError(f"training.prefetch_batches must be >= 0, got {prefetch}")
         self.manifest = read_manifest(folder, key)
         self.key = key
         if tokenizer is not None:
@@ -244,18 +245,18 @@ class TokenShardLoader:
                 `seq_len`, or a folder with another number of tokens.
         """
         if state.get("format") != FORMAT or any(k not in state for k in _STATE_KEYS):
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint's dataloader state ({sorted(state)}) is not a token-shard loader's (it has "
                 f"{list(_STATE_KEYS)}), e.g. it was saved reading text on the fly; resume with the checkpoint's "
                 f"{self.key}, or skip the data position with checkpoint.exclude_from_loading=['dataloader']"
             )
         if state["seq_len"] != self.seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"loader state was saved with training.seq_len={state['seq_len']}, this run has {self.seq_len}; "
                 "resume with the same training.seq_len"
             )
         if state["total_tokens"] != self.stream.total:
-            raise ValueError(
+            raise ConfigError(
                 f"loader state was saved on {state['total_tokens']} tokens, {self.key}={self.manifest.folder} "
                 f"holds {self.stream.total}; resume with the same data, or skip the data position with "
                 "checkpoint.exclude_from_loading=['dataloader']"
@@ -282,7 +283,7 @@ def check_tokenizer(manifest: TokenShardManifest, tokenizer: Tokenizer, key: str
     ours = (tokenizer_fingerprint(tokenizer), tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size)
     theirs = (manifest.tokenizer, manifest.bos_id, manifest.eos_id, manifest.vocab_size)
     if ours != theirs:
-        raise ValueError(
+        raise ConfigError(
             f"{key}={manifest.folder} was tokenized with {manifest.tokenizer_description} "
             f"(fingerprint {manifest.tokenizer[:28]}), but model.hf_assets_path gives {tokenizer!r} "
             f"(fingerprint {ours[0][:28]}); set model.hf_assets_path to the tokenizer the data was made with, "

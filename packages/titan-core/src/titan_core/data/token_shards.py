@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from titan_core.config.errors import ConfigError
 from titan_core.data.tokenizer import Tokenizer, tokenizer_fingerprint
 
 __all__ = [
@@ -125,11 +126,11 @@ def read_manifest(folder: str | Path, key: str = "training.dataset_path") -> Tok
     try:
         raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{key}: cannot read {folder / MANIFEST} ({e}); {redo}") from e
+        raise ConfigError(f"{key}: cannot read {folder / MANIFEST} ({e}); {redo}") from e
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ValueError(f"{key}: {folder / MANIFEST} is not a {FORMAT} manifest; {redo}")
+        raise ConfigError(f"{key}: {folder / MANIFEST} is not a {FORMAT} manifest; {redo}")
     if raw.get("version") != VERSION:
-        raise ValueError(
+        raise ConfigError(
             f"{key}: {folder} is {FORMAT} version {raw.get('version')}, this Titan reads version {VERSION}; {redo}"
         )
     try:
@@ -141,18 +142,18 @@ def read_manifest(folder: str | Path, key: str = "training.dataset_path") -> Tok
             total_documents=int(raw["total_documents"]), shards=shards, source=raw.get("source"),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{key}: {folder / MANIFEST} lacks or garbles {e}; {redo}") from e
+        raise ConfigError(f"{key}: {folder / MANIFEST} lacks or garbles {e}; {redo}") from e
     if manifest.dtype not in ("uint16", "uint32") or token_dtype(manifest.vocab_size) != np.dtype(manifest.dtype):
-        raise ValueError(f"{key}: {folder / MANIFEST} has dtype {manifest.dtype} for vocab_size {manifest.vocab_size}; {redo}")
+        raise ConfigError(f"{key}: {folder / MANIFEST} has dtype {manifest.dtype} for vocab_size {manifest.vocab_size}; {redo}")
     if not shards or manifest.total_tokens != sum(s.n_tokens for s in shards) or manifest.total_tokens < 1:
-        raise ValueError(f"{key}: {folder / MANIFEST} has no tokens or its totals disagree with its shards; {redo}")
+        raise ConfigError(f"{key}: {folder / MANIFEST} has no tokens or its totals disagree with its shards; {redo}")
     itemsize = np.dtype(manifest.dtype).itemsize
     for shard in shards:
         for name, size in ((shard.tokens, shard.n_tokens * itemsize), (shard.index, (shard.n_documents + 1) * 8)):
             path = folder / name
             if not path.is_file() or path.stat().st_size != size:
                 found = path.stat().st_size if path.is_file() else "no file"
-                raise ValueError(f"{key}: {path} should hold {size} bytes, found {found}; the folder is damaged: {redo}")
+                raise ConfigError(f"{key}: {path} should hold {size} bytes, found {found}; the folder is damaged: {redo}")
     return manifest
 
 
@@ -187,7 +188,7 @@ def write_token_shards(
         ValueError: no documents, or a token id outside the tokenizer's vocabulary.
     """
     if shard_tokens < 1 or workers < 1:
-        raise ValueError(f"--shard-tokens and --workers must be >= 1, got {shard_tokens} and {workers}")
+        raise ConfigError(f"--shard-tokens and --workers must be >= 1, got {shard_tokens} and {workers}")
     output = Path(output).expanduser().absolute()
     check_output(output, force)
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -202,7 +203,7 @@ def write_token_shards(
             writer.add(wrapped)
         shards = writer.finish()
         if not shards:
-            raise ValueError(f"no documents in {source!r}; check the inputs")
+            raise ConfigError(f"no documents in {source!r}; check the inputs")
         manifest = {
             "format": FORMAT,
             "version": VERSION,

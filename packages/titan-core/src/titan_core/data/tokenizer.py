@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from titan_core.config.errors import ConfigError, MissingFileError
+
 __all__ = ["Tokenizer", "ByteTokenizer", "build_tokenizer", "tokenizer_fingerprint", "sha256_of_files"]
 
 _CONFIG_KEY = "model.hf_assets_path"
@@ -96,7 +98,7 @@ def build_tokenizer(path: str | Path | None) -> Tokenizer:
         return ByteTokenizer()
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{_CONFIG_KEY}: {path} does not exist; point it at a folder holding "
             "tokenizer.json or tokenizer.model (tiktoken), or leave it unset for the byte tokenizer"
         )
@@ -118,7 +120,7 @@ def find_tokenizer_file(folder: Path) -> Path:
         tiktoken_files = sorted(sub.glob("*.tiktoken"))
         if tiktoken_files:
             return tiktoken_files[0]
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"{_CONFIG_KEY}: no tokenizer.json, tokenizer.model or *.tiktoken in {folder} "
         "(nor in its original/); download the model's tokenizer files there, "
         "or leave the key unset for the byte tokenizer"
@@ -142,7 +144,7 @@ def load_tokenizer_file(file: Path) -> Tokenizer:
         from titan_core.data.tiktoken_tokenizer import TiktokenTokenizer
 
         return TiktokenTokenizer(file)
-    raise ValueError(
+    raise ConfigError(
         f"{_CONFIG_KEY}: {file} is neither a Hugging Face tokenizer.json nor a tiktoken ranks file "
         "(e.g. a SentencePiece model); point the key at a folder holding tokenizer.json instead"
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import ModelArgs, RopeScaling
 from titan_models.spec import HFAdapter
 
@@ -121,7 +122,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
         embeddings `output.weight` is the embedding tensor itself.
 
     Raises:
-        ValueError: a name that is not a `LlamaForCausalLM` parameter.
+        ModelConfigError: a name that is not a `LlamaForCausalLM` parameter.
     """
     titan: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state_dict.items():
@@ -132,7 +133,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
             continue
         match = _HF_LAYER.fullmatch(name)
         if match is None or match.group(2) not in _HF_LAYER_NAMES:
-            raise ValueError(f"'{name}' is not a LlamaForCausalLM parameter; only Llama-architecture checkpoints convert")
+            raise ModelConfigError(f"'{name}' is not a LlamaForCausalLM parameter; only Llama-architecture checkpoints convert")
         layer, leaf = match.groups()
         if leaf == "self_attn.q_proj.weight":
             tensor = permute_from_hf(tensor, args.n_heads)
@@ -157,17 +158,17 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         config: the parsed `config.json`.
 
     Raises:
-        ValueError: not a Llama architecture, or a feature Titan's Llama lacks (biases,
+        ModelConfigError: not a Llama architecture, or a feature Titan's Llama lacks (biases,
             another activation, a RoPE scaling other than "llama3"); one line with the key.
     """
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
-        raise ValueError(f"config.json model_type '{model_type}' is not 'llama'; only Llama-architecture checkpoints convert")
+        raise ModelConfigError(f"config.json model_type '{model_type}' is not 'llama'; only Llama-architecture checkpoints convert")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key, False):
-            raise ValueError(f"config.json {key}=true is not supported by Titan's Llama (no biases); use a checkpoint without biases")
+            raise ModelConfigError(f"config.json {key}=true is not supported by Titan's Llama (no biases); use a checkpoint without biases")
     if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's Llama uses 'silu' (SwiGLU)")
+        raise ModelConfigError(f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's Llama uses 'silu' (SwiGLU)")
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim")
     hidden = int(config["intermediate_size"])
@@ -201,7 +202,7 @@ def _rope_scaling_from_hf(scaling: dict[str, Any]) -> RopeScaling | None:
     if rope_type == "default":
         return None
     if rope_type != "llama3":
-        raise ValueError(f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Llama knows 'llama3' scaling or none")
+        raise ModelConfigError(f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Llama knows 'llama3' scaling or none")
     return RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_models.errors import ModelConfigError
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -65,15 +67,15 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if self.n_heads % self.kv_heads != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"ModelArgs.n_kv_heads={self.kv_heads} must divide n_heads={self.n_heads}; pick a divisor of n_heads"
             )
         if self.head_dim is None and self.dim % self.n_heads != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"ModelArgs.dim={self.dim} is not divisible by n_heads={self.n_heads}; change one or set head_dim"
             )
         if self.attention_head_dim % 2 != 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"ModelArgs head_dim={self.attention_head_dim} must be even for RoPE; change head_dim (or dim / n_heads)"
             )
 
@@ -151,7 +153,9 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor, positions: torch
     bs, seqlen, _, head_dim = x.shape
     rope = rope_cache[:seqlen] if positions is None else rope_cache[positions]  # (seqlen | bs, seqlen, head_dim)
     rope = rope.view(-1, seqlen, 1, head_dim)  # (1 | bs, seqlen, 1, head_dim)
-    cos, sin = rope.chunk(2, dim=-1)  # each (1 | bs, seqlen, 1, head_dim/2)
+    cos, sin = (half.float() for half in rope.chunk(2, dim=-1))  # each (1 | bs, seqlen, 1, head_dim/2)
+    # .float(): FSDP's mixed precision casts the cache (a forward input of each block) to bf16,
+    # and torch.complex takes no bf16.
     # Pair (2i, 2i+1) as the complex number x_2i + j x_2i+1; rotating it is one complex product
     # (one kernel forward and backward, where the real form took a stack and six element-wise ops).
     pairs = torch.view_as_complex(x.float().reshape(bs, seqlen, -1, head_dim // 2, 2))  # (bs, seqlen, n_heads, head_dim/2)

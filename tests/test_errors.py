@@ -1,0 +1,89 @@
+"""Which exceptions `titan train` tells in one line: the packages' own input-error types only.
+
+A wrong config key, a missing file or a missing optional package is one line,
+`titan: error: ...`, exit 2; any other exception, a ValueError or ImportError
+from a bug included, keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from titan_ckpt import CheckpointError, CheckpointNotFoundError, detect_format
+from titan_core.config import ConfigError, MissingFileError, MissingPackageError, load_config
+from titan_core.job_check import check_job
+from titan_core.launch import USER_ERRORS
+from titan_models import ModelConfigError, get_model_args
+from titan_parallel import ParallelConfigError
+
+from titan_run import REPO, TINY, run_titan, titan_env
+
+
+def run_main(dump_folder, setup: str, *args: str) -> subprocess.CompletedProcess:
+    """`titan_core.launch.main` (one rank, as torchrun starts it) in a fresh process, after the Python in `setup`."""
+    argv = [*TINY, "--job.dump_folder", str(dump_folder), *args]
+    code = textwrap.dedent(setup) + f"\nimport sys, titan_core.launch\nsys.exit(titan_core.launch.main({argv!r}))\n"
+    env = titan_env(debug_detail=False)
+    env.pop("TITAN_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+
+
+def test_the_input_error_types_are_also_the_builtin_ones():
+    assert set(USER_ERRORS) == {ConfigError, ParallelConfigError, CheckpointError, ModelConfigError}
+    assert all(issubclass(error, ValueError) for error in USER_ERRORS)  # library callers' `except ValueError` still works
+    assert issubclass(MissingPackageError, ImportError) and issubclass(MissingFileError, FileNotFoundError)
+    assert issubclass(CheckpointNotFoundError, CheckpointError) and issubclass(CheckpointNotFoundError, FileNotFoundError)
+    with pytest.raises(ModelConfigError, match="model.flavor 'nope'"):
+        get_model_args("llama3", "nope")
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        detect_format("/nonexistent/checkpoint")
+
+
+def test_a_missing_dataset_is_one_line_naming_the_key(tmp_path):
+    proc = run_titan(tmp_path / "run", *TINY, "--training.dataset_path", "/nonexistent", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [line for line in errors if line.startswith("titan: error: ")] and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("titan: error: training.dataset_path: /nonexistent does not exist"), errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("error", ["ValueError('boom')", "ImportError('boom')"])
+def test_an_unexpected_error_keeps_its_traceback(tmp_path, error):
+    setup = f"""
+        import titan_core.trainer
+
+        def train(self):
+            raise {error}
+
+        titan_core.trainer.Trainer.train = train
+    """
+    proc = run_main(tmp_path / "run", setup)
+    assert proc.returncode not in (0, 2), proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and f"{error.split('(')[0]}: boom" in proc.stderr, proc.stderr[-3000:]
+    assert "titan: error:" not in proc.stderr
+
+
+def test_a_missing_optional_package_is_one_line(tmp_path):
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "tokenizer.json").write_text("{}")
+    setup = "import sys; sys.modules['tokenizers'] = None  # as if the package were not installed"
+    proc = run_main(tmp_path / "run", setup, "--model.hf_assets_path", str(tmp_path / "assets"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"titan: error: reading the Hugging Face tokenizer {tmp_path / 'assets' / 'tokenizer.json'} needs the tokenizers "
+        "package: pip install 'titan-core[hf]'"
+    ], proc.stderr[-3000:]
+
+
+def test_missing_torchao_is_found_by_the_job_check(monkeypatch):
+    # Before any process starts, rather than as apply_float8's ImportError on the ranks.
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `find_spec("torchao")` now says not installed
+    with pytest.raises(MissingPackageError) as caught:
+        check_job(load_config(None, ["--model.converters", "float8"]), 1)
+    assert str(caught.value) == (
+        "model.converters = ['float8'] needs torchao, which is not installed; pip install titan-parallel[float8] (torchao)"
+    )
