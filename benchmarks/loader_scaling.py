@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -47,18 +46,9 @@ from titan_core.data import (
 )
 from titan_core.data.local_files import expand_pattern
 
+from cpu_peers import cpu_description  # benchmarks/ is this script's folder, hence on sys.path
+
 SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "shakespeare"
-
-
-def cpu_description() -> str:
-    """The CPU model, its core count, and the vector kernels torch picks."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPUs, torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def corpus(max_files: int):

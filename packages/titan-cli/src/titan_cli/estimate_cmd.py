@@ -33,16 +33,15 @@ def estimate_memory(
     verdict and the cheapest change that would make it fit. Formulas and measured
     accuracy: docs/memory.md.
     """
-    from titan_core.config import ConfigError, load_config
+    from titan_core.config import load_config
+    from titan_core.launch import USER_ERRORS, error_line
 
     try:
         cfg = load_config(config, list(ctx.args))
         from titan_core.memory import estimate_memory as estimate, render_text
 
         result = estimate(cfg, nproc_per_node * nnodes, gpu_memory=gpu_memory, traced=traced)
-    except (ConfigError, ValueError) as e:
-        from titan_core.launch import error_line
-
+    except USER_ERRORS as e:  # bad input; a bug keeps its traceback
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
     if as_json:

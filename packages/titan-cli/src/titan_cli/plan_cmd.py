@@ -54,7 +54,7 @@ def plan(
     no layout fits, 2 on bad input.
     """
     from titan_core.config import ConfigError
-    from titan_core.launch import error_line
+    from titan_core.launch import USER_ERRORS, error_line
 
     try:
         if gpus is None:
@@ -73,7 +73,7 @@ def plan(
             from titan_core.memory.plan_report import emit_config as write_config
 
             command = write_config(result, result.fits[0], emit_config, force)
-    except (ConfigError, ValueError) as e:
+    except USER_ERRORS as e:  # bad input; a bug keeps its traceback
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
     from titan_core.memory.plan_report import fix_hint, plan_json, render_plan

@@ -209,6 +209,9 @@ class Trainer:
                 device=self.device,
                 **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
             )
+            # training.on_nonfinite, applied after each step whose update the run's guard dropped
+            self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
+            self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
     def _build_profiler(self) -> Profiler | None:
         p = self.cfg.profiling
@@ -331,8 +334,6 @@ class Trainer:
         if cfg.checkpoint.create_seed_checkpoint:  # [checkpoint] seed mode: save the initialised model as step-0, no training
             self.checkpointer.save_seed()
             return []
-        self.stopped_by: str | None = None  # the stop signal that ended the run early, if one did
-        self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
         resumed = self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         if restarts and self.rank == 0:

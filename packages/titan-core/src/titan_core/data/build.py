@@ -20,39 +20,10 @@ from titan_core.data.tokenizer import Tokenizer
 __all__ = ["build_loader", "loader_factory"]
 
 
-def build_loader(
-    dataset: str,
-    dataset_path: str | None,
-    text_field: str,
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int = 0,
-    dp_world: int = 1,
-    prefetch: int = 2,
-    section: str = "training",
-) -> PackedLoader | TokenShardLoader:
-    """A `TokenShardLoader` when the dataset is a token-shard folder, else a `PackedLoader`.
-
-    Args:
-        dataset: `<section>.dataset`: `"stdlib"`, a local path/glob or a hub name.
-        dataset_path: `<section>.dataset_path`: local files or a token-shard folder;
-            when set, it wins over `dataset`.
-        text_field: the JSON field / parquet column of the text (on-the-fly only).
-        tokenizer: the run's tokenizer (checked against a token-shard folder's).
-        seq_len: tokens per sample fed to the model.
-        local_batch_size: samples per batch on this rank.
-        dp_rank: this rank's index among the data-parallel ranks.
-        dp_world: how many data-parallel ranks share the stream.
-        prefetch: batches a `TokenShardLoader` reads ahead in a thread (0: none);
-            `PackedLoader` tokenizes in the step and ignores it.
-        section: the config section the settings come from, for error messages.
-    """
-    return loader_factory(
-        dataset, dataset_path, text_field, tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-        dp_rank=dp_rank, dp_world=dp_world, prefetch=prefetch, section=section,
-    )()
+def build_loader(*args, **kwargs) -> PackedLoader | TokenShardLoader:
+    """A `TokenShardLoader` when the dataset is a token-shard folder, else a `PackedLoader`; takes
+    `loader_factory`'s arguments."""
+    return loader_factory(*args, **kwargs)()
 
 
 def loader_factory(
@@ -68,11 +39,25 @@ def loader_factory(
     prefetch: int = 2,
     section: str = "training",
 ) -> Callable[[], PackedLoader | TokenShardLoader]:
-    """A function that returns a fresh loader at the data's start (e.g. for each validation pass).
+    """A function that returns a fresh loader at the data's start (e.g. for each validation pass):
+    a `TokenShardLoader` when the dataset is a token-shard folder, else a `PackedLoader`.
 
     The dataset is opened and checked once, here (a hub dataset is not reopened per
     loader; a token-shard folder's tokenizer is checked now, not at the first pass).
-    Takes `build_loader`'s arguments.
+
+    Args:
+        dataset: `<section>.dataset`: `"stdlib"`, a local path/glob or a hub name.
+        dataset_path: `<section>.dataset_path`: local files or a token-shard folder;
+            when set, it wins over `dataset`.
+        text_field: the JSON field / parquet column of the text (on-the-fly only).
+        tokenizer: the run's tokenizer (checked against a token-shard folder's).
+        seq_len: tokens per sample fed to the model.
+        local_batch_size: samples per batch on this rank.
+        dp_rank: this rank's index among the data-parallel ranks.
+        dp_world: how many data-parallel ranks share the stream.
+        prefetch: batches a `TokenShardLoader` reads ahead in a thread (0: none);
+            `PackedLoader` tokenizes in the step and ignores it.
+        section: the config section the settings come from, for error messages.
     """
     if dataset_path:
         folder, key = dataset_path, f"{section}.dataset_path"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from titan_core.config.errors import ConfigError
+
 GPU_MEMORY_GIB: dict[str, float] = {
     # Datasheet HBM/GDDR sizes (GB as the datasheets write them, which NVIDIA means as GiB-sized stacks).
     "A100-40GB": 40, "A100": 80, "A100-80GB": 80, "H100": 80, "H100-PCIe": 80, "H100-NVL": 94, "H200": 141,
@@ -45,11 +47,11 @@ def parse_gpu_memory(value: str) -> tuple[int, str]:
     match = _SIZE.match(value)
     if match is None:
         names = ", ".join(GPU_MEMORY_GIB)
-        raise ValueError(f"--gpu-memory {value!r} is neither a size (e.g. 80GiB, 80GB) nor a known GPU ({names})")
+        raise ConfigError(f"--gpu-memory {value!r} is neither a size (e.g. 80GiB, 80GB) nor a known GPU ({names})")
     number, unit = float(match.group(1)), (match.group(2) or "GiB").lower()
     size = int(number * _UNITS[unit])
     if size <= 0:
-        raise ValueError(f"--gpu-memory {value!r} must be more than 0")
+        raise ConfigError(f"--gpu-memory {value!r} must be more than 0")
     return size, value.strip()
 
 
