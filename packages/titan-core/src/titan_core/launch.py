@@ -255,14 +255,12 @@ def _run_torchrun(args: list[str]) -> int:
             _, first = failed.get_first_failure()
             return first.exitcode if first.exitcode > 0 else 1
         except SignalException as stopped:  # Ctrl-C or a scheduler's signal: the agent forwarded it to the ranks
-            if stopped_file.is_file():  # ... which saved a checkpoint and exited
-                print(stopped_file.read_text().strip(), file=sys.stderr)
-                return 0
-            print(f"titan: stopped by {stopped.sigval.name}", file=sys.stderr)
-            return 128 + stopped.sigval.value
+            if not stopped_file.is_file():  # ... which did not save and stop (else: below, exit 0)
+                print(f"titan: stopped by {stopped.sigval.name}", file=sys.stderr)
+                return 128 + stopped.sigval.value
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
-        if stopped_file.is_file():  # the ranks themselves got the signal (e.g. Slurm signals every process)
+        if stopped_file.is_file():  # rank 0 saved and stopped on a signal (to the agent, or to the ranks themselves)
             print(stopped_file.read_text().strip(), file=sys.stderr)
     return 0
 

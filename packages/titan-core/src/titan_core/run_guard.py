@@ -63,7 +63,7 @@ class RunGuard:
         self.signal_received: str | None = None  # name of the first stop signal this rank got
         self.stop_requested = False  # some rank got a stop signal (agreed at the last check)
         self.nonfinite: list[str] = []  # what was non-finite at the last check, e.g. ["loss", "grad norm"]
-        self.values: dict[str, float] = {}  # the last check's loss (this rank) and grad norm
+        self.values: dict[str, float] = {}  # the last bad check's loss (this rank) and grad norm
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> RunGuard:
@@ -99,9 +99,8 @@ class RunGuard:
         bad_loss, bad_norm, stop = (bool(f) for f in flags.tolist())
         self.stop_requested = self.stop_requested or stop
         self.nonfinite = [name for name, bad in (("loss", bad_loss), ("grad norm", bad_norm)) if bad]
-        self.values = {"grad norm": float(grad_norm)}
-        if loss is not None:
-            self.values["loss"] = float(loss)
+        if self.nonfinite:  # the values for the message; a good step copies nothing more to the host
+            self.values = {"grad norm": float(grad_norm), **({"loss": float(loss)} if loss is not None else {})}
         return not self.nonfinite
 
     def describe(self, step: int) -> str:

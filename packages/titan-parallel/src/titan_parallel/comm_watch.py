@@ -101,7 +101,11 @@ class CommWatch:
             self._answerer.start()
 
     def step_done(self, step: int) -> None:
-        """Record that this rank finished `step`; after its first, the collective timeout becomes the train timeout."""
+        """Record that this rank finished `step`; after its first, the collective timeout becomes the train timeout.
+
+        One store write per step, in the step: published later by the answerer thread, the step of a rank
+        that dies right after finishing it would be reported one behind.
+        """
         if self.store is not None:
             self.store.set(f"{_PREFIX}/step/{self.rank}", f"{step} {time.time()}")
         if not self._first_step_done:

@@ -64,9 +64,10 @@ def loader_factory(
     else:
         folder, key = dataset, f"{section}.dataset"
     if (dataset_path or looks_like_path(dataset)) and is_token_shard_folder(folder):
-        check_tokenizer(read_manifest(folder, key), tokenizer, key)
+        manifest = read_manifest(folder, key)  # read and checked once, for every loader the factory makes
+        check_tokenizer(manifest, tokenizer, key)
         return functools.partial(
-            TokenShardLoader, folder, seq_len, local_batch_size, dp_rank, dp_world, prefetch=prefetch, key=key
+            TokenShardLoader, manifest, seq_len, local_batch_size, dp_rank, dp_world, prefetch=prefetch, key=key
         )
     source = build_source(dataset, dataset_path, text_field)
     return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)

@@ -157,7 +157,7 @@ class TokenShardLoader:
     """Batches of packed token samples for one data-parallel rank, from a token-shard folder.
 
     Args:
-        folder: a folder written by `titan tokenize`.
+        folder: a folder written by `titan tokenize`, or its manifest already read (`read_manifest`).
         seq_len: tokens per sample fed to the model (each sample reads `seq_len + 1`).
         local_batch_size: samples per batch on this rank (B).
         dp_rank: this rank's index among the data-parallel ranks.
@@ -170,7 +170,7 @@ class TokenShardLoader:
 
     def __init__(
         self,
-        folder: str | Path,
+        folder: str | Path | TokenShardManifest,
         seq_len: int,
         local_batch_size: int,
         dp_rank: int = 0,
@@ -187,7 +187,7 @@ class TokenShardLoader:
             raise ValueError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}; check the data-parallel mesh")
         if prefetch < 0:
             raise ConfigError(f"training.prefetch_batches must be >= 0, got {prefetch}")
-        self.manifest = read_manifest(folder, key)
+        self.manifest = folder if isinstance(folder, TokenShardManifest) else read_manifest(folder, key)
         self.key = key
         if tokenizer is not None:
             check_tokenizer(self.manifest, tokenizer, key)
