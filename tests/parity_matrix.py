@@ -44,6 +44,14 @@ class Layout:
     # TORCH_DISTRIBUTED_DEBUG=DETAIL; off for DDP, whose reducer crashes (SIGSEGV) under the
     # DETAIL wrapper process group in torch 2.15 on gloo.
     debug_detail: bool = True
+    model: tuple[str, ...] = ()  # --model.* arguments; () = the default Llama 3 debug model
+
+
+# Mixture-of-Experts rows: the DeepSeek-V3 debug model (MLA, a dense first block then MoE blocks,
+# expert-bias balancing on), and Qwen3-MoE (QK-norm attention, every block MoE).
+DEEPSEEK = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
+QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe")
+EP = f"{P}expert_parallel_degree"
 
 
 def _pp(schedule: str, *extra: str) -> tuple[str, ...]:
@@ -86,17 +94,25 @@ LAYOUTS = [
     # 4-D in 8 processes: FSDP shards over the cp ranks (its mesh is dp_shard x cp).
     Layout("fsdp_tp2_pp2_cp2", 8, 1, _pp("1F1B", f"{P}tensor_parallel_degree", "2", f"{P}context_parallel_degree", "2"),
            slow=True),
+    # Expert parallel: the experts split over ep ranks carved from the FSDP ranks, tokens by all-to-all.
+    Layout("moe_ep2", 2, 2, (EP, "2"), model=DEEPSEEK),
+    Layout("moe_ep4", 4, 4, (EP, "4"), model=DEEPSEEK),
+    Layout("moe_ep2_fsdp4", 4, 4, (EP, "2"), model=DEEPSEEK),  # each expert FSDP-sharded over 2 ranks
+    Layout("moe_ep2_pp2", 4, 2, _pp("1F1B", EP, "2"), model=DEEPSEEK),
+    Layout("moe_ep2_tp2", 4, 2, (EP, "2", f"{P}tensor_parallel_degree", "2"), model=DEEPSEEK),
+    # Qwen3-MoE under TP: QK-norm on head-sharded activations, the MoE replicated over the TP ranks.
+    Layout("qwen3_moe_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), model=QWEN3_MOE),
 ]
 
 
 def run_layout(layout: Layout, folder: Path) -> list[float]:
-    run_titan(folder, *TINY, "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
+    run_titan(folder, *TINY, *layout.model, "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
               nproc=layout.nproc, debug_detail=layout.debug_detail)
     return losses(folder)
 
 
-def reference_losses(folder: Path) -> list[float]:
-    run_titan(folder, *TINY, "--training.local_batch_size", str(GLOBAL_BATCH))
+def reference_losses(folder: Path, model: tuple[str, ...] = ()) -> list[float]:
+    run_titan(folder, *TINY, *model, "--training.local_batch_size", str(GLOBAL_BATCH))
     return losses(folder)
 
 
@@ -108,14 +124,17 @@ def max_diff(a: list[float], b: list[float]) -> float:
 def main(names: list[str]) -> int:
     chosen = [lay for lay in LAYOUTS if not names or lay.name in names]
     with tempfile.TemporaryDirectory() as tmp:
-        ref = reference_losses(Path(tmp) / "ref")
-        print(f"reference (1 process): losses {ref[0]:.6f} -> {ref[-1]:.6f}; tolerance {TOLERANCE:g}")
+        refs: dict[tuple[str, ...], list[float]] = {}
+        for model in dict.fromkeys(lay.model for lay in chosen):
+            refs[model] = reference_losses(Path(tmp) / f"ref{len(refs)}", model)
+            name = " ".join(model[1::2]) or "llama3 debugmodel"
+            print(f"reference {name} (1 process): losses {refs[model][0]:.6f} -> {refs[model][-1]:.6f}; tolerance {TOLERANCE:g}")
         print(f"{'layout':<28}{'procs':>6}{'max |loss diff|':>18}{'seconds':>9}  ok")
         failed = 0
         for layout in chosen:
             start = time.perf_counter()
             try:
-                diff = max_diff(ref, run_layout(layout, Path(tmp) / layout.name))
+                diff = max_diff(refs[layout.model], run_layout(layout, Path(tmp) / layout.name))
             except AssertionError as e:  # the run itself failed: show why, go on
                 print(str(e)[-1500:])
                 diff = float("nan")

@@ -101,6 +101,7 @@ SPEC_DEFAULTS = {
     "parallelism.module_fqns_per_model_part": None,
     "parallelism.context_parallel_degree": 1,
     "parallelism.context_parallel_rotate_method": "allgather",
+    "parallelism.expert_parallel_degree": 1,
     "checkpoint.enable": False,
     "checkpoint.folder": "checkpoint",
     "checkpoint.interval": 500,

@@ -7,13 +7,21 @@ from parity_matrix import LAYOUTS, TOLERANCE, max_diff, reference_losses, run_la
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_losses(tmp_path_factory.mktemp("ref"))
+def references(tmp_path_factory):
+    """One-process losses per model, run on first use."""
+    cache: dict[tuple[str, ...], list[float]] = {}
+
+    def reference(model: tuple[str, ...]) -> list[float]:
+        if model not in cache:
+            cache[model] = reference_losses(tmp_path_factory.mktemp("ref"), model)
+        return cache[model]
+
+    return reference
 
 
 @pytest.mark.parametrize(
     "layout", [pytest.param(lay, id=lay.name, marks=[pytest.mark.slow] if lay.slow else []) for lay in LAYOUTS]
 )
-def test_layout_matches_one_process(layout, reference, tmp_path):
-    diff = max_diff(reference, run_layout(layout, tmp_path / layout.name))
+def test_layout_matches_one_process(layout, references, tmp_path):
+    diff = max_diff(references(layout.model), run_layout(layout, tmp_path / layout.name))
     assert diff <= TOLERANCE, f"{layout.name}: max loss difference {diff:.2e} > {TOLERANCE}"

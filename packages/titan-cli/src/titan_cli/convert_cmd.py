@@ -15,7 +15,12 @@ def convert(
     to: str = typer.Option(..., "--to", help="Output format: hf, dcp or torch."),
     dtype: str | None = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 (default: keep)."),
     no_parity_check: bool = typer.Option(False, "--no-parity-check", help="Skip the transformers logits comparison."),
-    model_name: str = typer.Option("llama3", "--model-name", help="Model family (model.name)."),
+    model_name: str | None = typer.Option(
+        None,
+        "--model-name",
+        help="Model family (model.name); default: the family of the Hugging Face architecture in the source's "
+        "config.json (e.g. Qwen3ForCausalLM -> qwen3), a trainer run's model.name, else llama3.",
+    ),
     flavor: str | None = typer.Option(
         None, "--flavor", help="Named shape of a DCP/torch source that has no config.json beside it (model.flavor)."
     ),

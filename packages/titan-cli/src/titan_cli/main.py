@@ -79,6 +79,7 @@ from titan_cli.convert_cmd import convert; app.command()(convert)  # noqa: E402,
 from titan_cli.estimate_cmd import estimate_memory, _PASS_THROUGH as _EST; app.command("estimate-memory", context_settings=_EST)(estimate_memory)  # noqa: E402, E702
 from titan_cli.plan_cmd import plan, _PASS_THROUGH as _PLAN; app.command("plan", context_settings=_PLAN)(plan)  # noqa: E402, E702
 from titan_cli.tokenize_cmd import tokenize; app.command()(tokenize)  # noqa: E402, E702  (`titan tokenize`; typer only at import)
+from titan_cli.generate_cmd import generate; app.command()(generate)  # noqa: E402, E702  (`titan generate`; typer only at import)
 
 if __name__ == "__main__":
     app()

@@ -2,12 +2,14 @@
 torch files, then prove the result with a logits parity check against transformers.
 
 Titan-side formats (DCP, torch) hold Titan parameter names (`tok_embeddings.weight`,
-`layers.0.attention.wq.weight`, ...) in Meta's RoPE layout; the model's
-`ModelSpec.hf_adapter` renames and permutes to and from Hugging Face. The shape of a
-Titan-side source comes from `--flavor`, a `config.json` beside it, or the run's
-`config.toml` above a trainer checkpoint (`<run>/checkpoint/step-N`). Every output is
-written to a hidden sibling folder and renamed into place only once complete and,
-when Hugging Face is involved, once the parity check passed.
+`layers.0.attention.wq.weight`, ...) in the family's own layout (Llama 3: Meta's RoPE
+layout); the model's `ModelSpec.hf_adapter` renames (and for Llama 3 permutes) to and from
+Hugging Face. The family is `--model-name`, or the one whose Hugging Face architecture the
+source's `config.json` names (`infer_model_name`). The shape of a Titan-side source comes
+from `--flavor`, a `config.json` beside it, or the run's `config.toml` above a trainer
+checkpoint (`<run>/checkpoint/step-N`). Every output is written to a hidden sibling
+folder and renamed into place only once complete and, when Hugging Face is involved,
+once the parity check passed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ PARITY_TOKENS = 256
 PARITY_MAX_KL = 1e-4
 """Mean KL(HF || Titan) per token above which the parity check fails (fp32 on both sides
 with identical weights gives ~1e-10)."""
+DEFAULT_MODEL_NAME = "llama3"
+"""Family of a source whose config.json and run config name none."""
 TORCH_FILE_NAME = "model.pt"
 """State-dict file written inside a torch-format output folder."""
 # config.json keys that describe the weights or the writer rather than the model; recomputed on write.
@@ -107,7 +111,7 @@ def convert_checkpoint(
     to: str,
     dtype: str | None = None,
     parity_check: bool = True,
-    model_name: str = "llama3",
+    model_name: str | None = None,
     flavor: str | None = None,
     max_shard_size: str = "5GB",
     log: Callable[[str], None] = lambda message: None,
@@ -121,7 +125,7 @@ def convert_checkpoint(
         to: output format, one of "hf", "dcp", "torch".
         dtype: cast floating-point weights to "float32", "bfloat16" or "float16"; None keeps them.
         parity_check: compare logits with transformers when either side is "hf".
-        model_name: model family in the registry (`model.name`).
+        model_name: model family in the registry (`model.name`); None = `infer_model_name`.
         flavor: named shape for a DCP/torch source without a config.json beside it.
         max_shard_size: Hugging Face shard size limit ("5GB").
         log: receives progress lines.
@@ -138,6 +142,9 @@ def convert_checkpoint(
         raise FileExistsError(f"{dst} already exists; choose a new destination or delete it first")
     src_path = resolve_hf_source(src)
     src_format = detect_format(src_path)
+    if model_name is None:
+        model_name = infer_model_name(src_path, src_format)
+        log(f"model family {model_name} (pass --model-name to choose another)")
     spec, adapter = get_model_spec(model_name), _hf_adapter(model_name)
     log(f"reading {src_format} checkpoint {src_path}")
     args, base_config, extras_dir = resolve_source_args(src_path, src_format, adapter, model_name, flavor)
@@ -208,6 +215,55 @@ def write_hf_weights(
     adapter = _hf_adapter(model_name)
     # write_hf_checkpoint records the dtype of the weights it writes as torch_dtype
     write_hf_checkpoint(folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args, "float32"), max_shard_size, dtype)
+
+
+def infer_model_name(src: Path, src_format: str) -> str:
+    """The family (`model.name`) of a checkpoint, for a conversion not given `--model-name`.
+
+    A Hugging Face source, or a DCP/torch source with a config.json beside it: the
+    registered family whose `hf_adapter.hf_architecture` is in config.json's
+    `architectures`. A trainer checkpoint: its run's `config.toml` `model.name` (up to 3
+    levels above). Else `DEFAULT_MODEL_NAME`.
+
+    Args:
+        src: source path (local).
+        src_format: "hf", "dcp" or "torch".
+
+    Raises:
+        ConfigError: a config.json naming no supported architecture; the message lists them.
+    """
+    folder = src if src.is_dir() else src.parent
+    config_folder = src if src_format == "hf" else folder
+    if src_format == "hf" or (folder / CONFIG_FILE).is_file():
+        architectures = list(read_hf_config(config_folder).get("architectures") or [])
+        families = _families_by_hf_architecture()
+        for architecture in architectures:
+            if architecture in families:
+                return families[architecture]
+        if src_format == "hf" or architectures:
+            raise ConfigError(
+                f"{config_folder / CONFIG_FILE} architectures {architectures} names no Titan model family; "
+                f"supported: {', '.join(families)} (or pass --model-name)"
+            )
+    for run_folder in [folder, *folder.parents][:4]:
+        toml_path = run_folder / "config.toml"
+        if toml_path.is_file():
+            try:
+                return str(tomllib.loads(toml_path.read_text()).get("model", {}).get("name", DEFAULT_MODEL_NAME))
+            except tomllib.TOMLDecodeError as err:
+                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name") from None
+    return DEFAULT_MODEL_NAME
+
+
+def _families_by_hf_architecture() -> dict[str, str]:
+    """Hugging Face architecture (e.g. "Qwen3ForCausalLM") -> registered `model.name`, in registration order."""
+    from titan_models import registered_model_specs
+
+    families: dict[str, str] = {}
+    for name, spec in registered_model_specs().items():
+        if spec.hf_adapter is not None:
+            families.setdefault(spec.hf_adapter.hf_architecture, name)
+    return families
 
 
 def _hf_adapter(model_name: str) -> HFAdapter[Any]:

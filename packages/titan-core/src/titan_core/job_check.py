@@ -40,6 +40,7 @@ ARGUMENT_KEYS: dict[str, str] = {
     "cp": "parallelism.context_parallel_degree",
     "tp": "parallelism.tensor_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
     "world_size": "the world size (--nproc-per-node x --nnodes)",
     "dp_mode": "parallelism.dp_mode",
     "seq_len": "training.seq_len",
@@ -236,6 +237,7 @@ def _degrees(job: CheckedJob) -> None:
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
         world_size=job.world_size,
+        ep=p.expert_parallel_degree,
     )
     check_data_parallel(job.dims, p.dp_mode)
 
@@ -263,6 +265,13 @@ def _tensor_parallel(job: CheckedJob) -> None:
     check_tp(job.meta_model(), job.spec.plan, p.tensor_parallel_degree)
     if p.enable_async_tensor_parallel:
         check_async_tp(p.tensor_parallel_degree, job.device_type, c.enable and "model" in c.components)
+
+
+def _expert_parallel(job: CheckedJob) -> None:
+    """The expert-parallel degree divides each MoE layer's experts (and is carved from dp_shard x cp)."""
+    from titan_parallel.expert_parallel import check_ep
+
+    check_ep(job.meta_model(), job.spec.plan, job.cfg.parallelism.expert_parallel_degree)
 
 
 def _context_parallel(job: CheckedJob) -> None:
@@ -401,6 +410,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("degrees", _degrees),
     ("batch", _batch),
     ("tensor_parallel", _tensor_parallel),
+    ("expert_parallel", _expert_parallel),
     ("context_parallel", _context_parallel),
     ("activation_checkpoint", _activation_checkpoint),
     ("pipeline", _pipeline),

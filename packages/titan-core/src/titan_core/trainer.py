@@ -37,6 +37,7 @@ from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.converters import build_converters
 from titan_core.job_check import check_job, pipeline_config
 from titan_core.model_setup import build_model_parts
+from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
@@ -124,6 +125,7 @@ class Trainer:
             if self.rank == 0 and job.vocab_widened_from:
                 logger.info("model vocab %d widened to the tokenizer's %d tokens", job.vocab_widened_from, self.model_args.vocab_size)
             self.n_params = self.spec.count_params(self.model_args)
+            self.n_active_params = self.spec.active_params(self.model_args)
             with warnings.catch_warnings():
                 if self.rank != 0:  # the slow-bf16 warning is said once, by rank 0
                     warnings.simplefilter("ignore", UserWarning)
@@ -209,6 +211,8 @@ class Trainer:
                 device=self.device,
                 **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
             )
+            # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
+            self.balancer = ExpertLoadBalancer(self.model.parts, self.spec.plan, self.mesh["dp_cp"].get_group())
             # training.on_nonfinite, applied after each step whose update the run's guard dropped
             self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
             self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
@@ -292,7 +296,9 @@ class Trainer:
         )
         loss = loss_sum if self.model.has_last_stage else None
         if verdict is not None and not verdict(loss, grad_norm):
+            self.balancer.after_backward(update_bias=False)
             return loss, grad_norm
+        self.balancer.after_backward(update_bias=True)
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
             optimizer.step()
             scheduler.step()
@@ -354,12 +360,14 @@ class Trainer:
             wandb=WandbOptions.from_config(cfg, self.run_folder) if cfg.metrics.enable_wandb else None,
         )
         if self.rank == 0:
+            active = f", {self.n_active_params / 1e6:.1f}M active" if self.n_active_params != self.n_params else ""
             logger.info(
-                "%s | model %s/%s (%.1fM params) | %d processes (%s) | global batch %d x %d tokens, %d micro-batch(es) | %s",
+                "%s | model %s/%s (%.1fM params%s) | %d processes (%s) | global batch %d x %d tokens, %d micro-batch(es) | %s",
                 cfg.job.description,
                 cfg.model.name,
                 cfg.model.flavor,
                 self.n_params / 1e6,
+                active,
                 self.world_size,
                 self.dims,
                 self.global_batch,
@@ -407,6 +415,7 @@ class Trainer:
                         profiler.step(self.state.step)
                     if validator is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps):
                         val_loss = validator.validate(self.model.parts[0], self.loss_fn)
+                        self.balancer.reset()  # validation's routing is not training load
                         metrics.log(self.state.step, {"validation/loss": val_loss})
                         meter.reset()  # validation time is not training throughput
                     if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps and not guard.stop_requested:
@@ -419,6 +428,7 @@ class Trainer:
                         "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
                         **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
                         "time/data_wait_ms": 1000 * data_wait_s / steps_since_log,
+                        **self.balancer.metrics(),
                         **meter.read(),
                         **memory_stats(self.device),
                     }

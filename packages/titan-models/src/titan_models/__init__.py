@@ -1,4 +1,4 @@
-"""Model definitions for Titan (Llama 3 first), with their parallel plans as data.
+"""Model definitions for Titan (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), with their parallel plans as data.
 
 `get_model_spec(name)` returns a `ModelSpec` (builder, flavors, plan, FLOP count,
 `HFAdapter`); `get_model_args(name, flavor)` returns one named shape. A model name,
@@ -15,6 +15,7 @@ _EXPORTS: dict[str, str] = {
     "get_model_args": "registry",
     "get_model_spec": "registry",
     "register_model_spec": "registry",
+    "registered_model_specs": "registry",
     "ActivationBytes": "spec",
     "ActivationLayout": "spec",
     "HFAdapter": "spec",
@@ -26,7 +27,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from titan_models.errors import ModelConfigError
-    from titan_models.registry import get_model_args, get_model_spec, register_model_spec
+    from titan_models.registry import get_model_args, get_model_spec, register_model_spec, registered_model_specs
     from titan_models.spec import ActivationBytes, ActivationLayout, HFAdapter, ModelSpec
 
 

@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from titan_models import llama3
+from titan_models import deepseek_v3, llama3, qwen3
 from titan_models.errors import ModelConfigError
 from titan_models.spec import ModelSpec
 
@@ -37,6 +37,11 @@ def get_model_spec(name: str) -> ModelSpec[Any]:
     if name not in _MODEL_SPECS:
         raise ModelConfigError(f"unknown model.name '{name}'; choose one of: {', '.join(_rank_by_similarity(name, _MODEL_SPECS))}")
     return _MODEL_SPECS[name]
+
+
+def registered_model_specs() -> dict[str, ModelSpec[Any]]:
+    """Every registered family by `model.name`, in registration order."""
+    return dict(_MODEL_SPECS)
 
 
 def get_model_args(name: str, flavor: str) -> Any:
@@ -75,5 +80,43 @@ register_model_spec(
         count_params=llama3.count_params,
         hf_adapter=llama3.llama3_hf_adapter,
         activation_bytes=llama3.activation_bytes,
+    )
+)
+
+register_model_spec(
+    ModelSpec(
+        name="qwen3",
+        flavors=qwen3.qwen3_flavors,
+        build=qwen3.Transformer,
+        plan=qwen3.qwen3_plan,
+        flops_per_token=qwen3.flops_per_token,
+        count_params=qwen3.count_params,
+        hf_adapter=qwen3.qwen3_hf_adapter,
+        count_active_params=qwen3.count_active_params,
+    )
+)
+register_model_spec(
+    ModelSpec(
+        name="qwen3_moe",
+        flavors=qwen3.qwen3_moe_flavors,
+        build=qwen3.Transformer,
+        plan=qwen3.qwen3_moe_plan,
+        flops_per_token=qwen3.flops_per_token,
+        count_params=qwen3.count_params,
+        hf_adapter=qwen3.qwen3_moe_hf_adapter,
+        count_active_params=qwen3.count_active_params,
+    )
+)
+
+register_model_spec(
+    ModelSpec(
+        name="deepseek_v3",
+        flavors=deepseek_v3.deepseek_v3_flavors,
+        build=deepseek_v3.Transformer,
+        plan=deepseek_v3.deepseek_v3_plan,
+        flops_per_token=deepseek_v3.flops_per_token,
+        count_params=deepseek_v3.count_params,
+        hf_adapter=deepseek_v3.deepseek_v3_hf_adapter,
+        count_active_params=deepseek_v3.count_active_params,
     )
 )

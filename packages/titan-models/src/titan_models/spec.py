@@ -106,6 +106,8 @@ class ModelSpec(Generic[ArgsT]):
         hf_adapter: conversion to and from Hugging Face; None for a family without it.
         activation_bytes: `(args, ActivationLayout) -> ActivationBytes`, the family's saved-tensor
             formulas for `titan estimate-memory`'s analytic tier; None = only the traced tier.
+        count_active_params: `(args) -> int` parameters one token uses (a Mixture-of-Experts model
+            counts only its top-k routed experts); None = `count_params` (a dense model).
     """
 
     name: str
@@ -116,3 +118,8 @@ class ModelSpec(Generic[ArgsT]):
     count_params: Callable[[ArgsT], int]
     hf_adapter: HFAdapter[ArgsT] | None = None
     activation_bytes: Callable[[ArgsT, ActivationLayout], ActivationBytes] | None = None
+    count_active_params: Callable[[ArgsT], int] | None = None
+
+    def active_params(self, args: ArgsT) -> int:
+        """Parameters one token uses: `count_active_params`, or every parameter for a dense model."""
+        return (self.count_active_params or self.count_params)(args)

@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
+from titan_parallel.expert_parallel import is_expert_parallel, moe_modules
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan
 
@@ -30,6 +32,8 @@ def apply_fsdp(
     reshard_after_forward: ReshardPolicy = "default",
     cpu_offload: bool = False,
     pipeline_parallel: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+    expert_grad_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 over `mesh` (1-D: FSDP, 2-D `(replicate, shard)`: HSDP).
 
@@ -45,6 +49,12 @@ def apply_fsdp(
             several microbatches and re-gathering for each would cost too much.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
         pipeline_parallel: whether `model` is a pipeline stage (see `reshard_after_forward`).
+        expert_mesh: under expert parallel, the ranks holding the same experts (`mesh["dp_shard_mod_ep"]`,
+            with `dp_replicate` first for HSDP): each MoE layer's `experts` become their own FSDP unit,
+            sharded on dim 1 over this mesh (dim 0, the expert, is split by expert parallel).
+        expert_grad_divide_factor: what the experts' summed gradients are divided by: every data-parallel
+            and context-parallel rank's tokens reach them through the all-to-all, so the mean over ranks
+            divides by all of them (`dp_replicate x dp_shard x cp`), not by `expert_mesh`'s size.
     """
     reshard = {"always": True, "never": False, "default": not pipeline_parallel}[reshard_after_forward]
     config: dict = {
@@ -56,6 +66,19 @@ def apply_fsdp(
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for unit in _root_units(model, plan):
         fully_shard(unit, reshard_after_forward=reshard, **config)
+    if expert_mesh is not None:
+        for moe in moe_modules(model, plan):
+            if is_expert_parallel(moe.experts):
+                experts = fully_shard(
+                    moe.experts, reshard_after_forward=reshard, shard_placement_fn=lambda _: Shard(1),
+                    **{**config, "mesh": expert_mesh},
+                )
+                if expert_grad_divide_factor is not None:
+                    experts.set_gradient_divide_factor(expert_grad_divide_factor)
+                    if expert_mesh.device_type != "cuda" and expert_mesh.size() > 1:
+                        # A custom factor reduces with PREMUL_SUM, which gloo lacks: sum, then divide. Not on
+                        # one rank: there torch 2.15 divides by the factor in its copy and again after it.
+                        experts.set_force_sum_reduction_for_comms(True)
     for block in iter_blocks(model, plan):
         fully_shard(block, reshard_after_forward=reshard, **config)
     # The root's own parameters (e.g. the final norm) are needed right at the end of

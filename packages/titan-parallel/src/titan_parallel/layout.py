@@ -70,6 +70,9 @@ class ParallelDims:
         tp: tensor parallel degree (with sequence parallel).
         pp: pipeline parallel degree (ranks in one pipeline).
         world_size: number of processes.
+        ep: expert parallel degree: Mixture-of-Experts experts split over this many ranks, carved
+            from the FSDP x context-parallel ranks (`ep = dp_shard_in_ep x cp`); it adds no
+            processes. 1 = every rank holds every expert.
     """
 
     dp_replicate: int = 1
@@ -78,6 +81,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     world_size: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         at_least(1, dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, pp=self.pp, world_size=self.world_size)
@@ -103,6 +107,23 @@ class ParallelDims:
                 f"set dp_shard=-1 (the rest) or launch {product * self.dp_shard} processes",
                 arguments=tuple(n for n, _ in named),
             )
+        at_least(1, ep=self.ep)
+        if self.ep > 1 and (self.ep % self.cp or self.dp_shard % (self.ep // self.cp)):
+            raise ParallelConfigError(
+                f"ep={self.ep} must be cp={self.cp} times a divisor of dp_shard={self.dp_shard}: expert parallel "
+                "is carved from the FSDP x context-parallel ranks; change ep (or dp_shard, cp)",
+                arguments=("ep", "cp", "dp_shard"),
+            )
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """FSDP ranks inside one expert-parallel group (`ep / cp`; 1 without expert parallel)."""
+        return self.ep // self.cp if self.ep > 1 else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """FSDP ranks that hold the same experts: what shards the experts' weights (`dp_shard / dp_shard_in_ep`)."""
+        return self.dp_shard // self.dp_shard_in_ep
 
     @property
     def dp(self) -> int:
@@ -110,7 +131,8 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> ParallelMesh:
-        """Create the 5-D mesh `(pp, dp_replicate, dp_shard, cp, tp)` and its flattened views.
+        """Create the 5-D mesh `(pp, dp_replicate, dp_shard, cp, tp)` (6-D with `dp_shard` split in two
+        under expert parallel, see `titan_parallel.mesh`) and its flattened views.
 
         Args:
             device_type: "cuda" or "cpu"; the process group must be initialised.

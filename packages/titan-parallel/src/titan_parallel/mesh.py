@@ -7,6 +7,14 @@ thousands. Flattened views:
 - `dp`          = dp_replicate x dp_shard: ranks that read different data.
 - `dp_shard_cp` = dp_shard x cp: ranks FSDP shards parameters over.
 - `dp_cp`       = dp_replicate x dp_shard x cp: ranks a loss is averaged over.
+
+Under expert parallel (`ParallelDims.ep > 1`) `dp_shard` is split into
+`dp_shard_mod_ep x dp_shard_in_ep` (outermost first), so the mesh is 6-D and:
+
+- `dp_shard` = dp_shard_mod_ep x dp_shard_in_ep (a flattened view, same ranks as before);
+- `ep`       = dp_shard_in_ep x cp: ranks that split the experts (all-to-all of tokens);
+- `dp_shard_mod_ep` (a root dim): ranks holding the same experts, which FSDP shards the
+  experts over (with `dp_replicate` for HSDP).
 """
 
 from __future__ import annotations
@@ -21,6 +29,16 @@ FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+_SHARD = ("dp_shard_mod_ep", "dp_shard_in_ep")
+EP_FLATTENED = {
+    "dp_shard": _SHARD,
+    "dp": ("dp_replicate", *_SHARD),
+    "dp_shard_cp": (*_SHARD, "cp"),
+    "dp_cp": ("dp_replicate", *_SHARD, "cp"),
+    "ep": ("dp_shard_in_ep", "cp"),
 }
 
 
@@ -62,7 +80,12 @@ def init_parallel_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
         dims: the parallel degrees; their product must be the process group's size.
         device_type: "cuda" or "cpu".
     """
-    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
-    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    flat = {name: root[names]._flatten(name) for name, names in FLATTENED.items()}
+    if dims.ep == 1:
+        shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+        root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        flat = {name: root[names]._flatten(name) for name, names in FLATTENED.items()}
+        return ParallelMesh(root, flat, dims)
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard_mod_ep, dims.dp_shard_in_ep, dims.cp, dims.tp)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
+    flat = {name: root[names]._flatten(name) for name, names in EP_FLATTENED.items()}
     return ParallelMesh(root, flat, dims)

@@ -1,9 +1,11 @@
 """`parallelize`: apply every parallelism to a model, in the one documented order.
 
-    tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP/DDP
+    expert parallel -> tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP/DDP
 
-TP first, because it changes parameters into DTensors on the `tp` mesh that FSDP
-then shards further; CP swaps the attention core; AC and compile wrap the
+EP first: it splits the experts of Mixture-of-Experts layers over the `ep` mesh (each
+layer's experts then become an FSDP unit of their own), and TP, which replicates the
+rest of a MoE layer over the `tp` mesh, leaves them alone. TP changes parameters into
+DTensors on the `tp` mesh that FSDP then shards further; CP swaps the attention core; AC and compile wrap the
 blocks TP and CP produced; FSDP last, so its units are the finished blocks.
 Pipeline parallel is outermost: the caller cuts the model into stages with
 `titan_parallel.pipeline.split_model` first, then calls `parallelize` on each stage.
@@ -102,6 +104,10 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: 
         options: dtypes and the optional features (checked first, `check_options`).
     """
     check_options(mesh, options)
+    if mesh.dims.ep > 1:
+        from titan_parallel.expert_parallel import apply_ep
+
+        apply_ep(model, plan, mesh["ep"])
     if mesh["tp"].size() > 1:
         from titan_parallel.tensor_parallel import apply_tp
 
@@ -126,7 +132,11 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: 
         return apply_ddp(model, mesh["dp_replicate"]) if mesh["dp_replicate"].size() > 1 else model
     if not uses_fsdp(mesh, options):
         return model
-    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_cp"]
+    hsdp = mesh["dp_replicate"].size() > 1
+    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
+    expert_mesh = None
+    if mesh.dims.ep > 1:
+        expert_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if hsdp else mesh["dp_shard_mod_ep"]
     return apply_fsdp(
         model,
         plan,
@@ -136,4 +146,6 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: 
         reshard_after_forward=options.reshard_after_forward,
         cpu_offload=options.cpu_offload,
         pipeline_parallel=options.pipeline_parallel,
+        expert_mesh=expert_mesh,
+        expert_grad_divide_factor=float(mesh["dp_cp"].size()) if expert_mesh is not None else None,
     )

@@ -34,6 +34,20 @@ class TPStyle(str, enum.Enum):
     """A sub-block (attention, feed-forward) whose first positional input is all-gathered from `Shard(1)` to `Replicate()`."""
     OUTPUT = "output"
     """The final projection to the vocab: colwise; `Shard(-1)` logits under loss parallel, else `Replicate()`."""
+    HEAD_NORM = "head_norm"
+    """A norm applied to each head of head-sharded activations `(bs, seqlen, heads/tp, head_dim)` (QK-norm):
+    weight replicated, input and output plain local tensors, weight gradients summed over the TP ranks."""
+    REPLICATED = "replicated"
+    """A module run whole on every TP rank (e.g. MLA's low-rank down-projections and their norms): weights
+    `Replicate()` DTensors, a plain input taken as `Replicate()`, output a plain local tensor. The gradient
+    of its output must come back whole (a colwise linear after it sums it over the TP ranks)."""
+    SUM_GRAD = "sum_grad"
+    """An identity on a replicated tensor that each TP rank uses for its own heads only (MLA's rotated key,
+    shared by all heads): forward unchanged, gradient summed over the TP ranks."""
+    MOE_INPUT = "moe_input"
+    """A Mixture-of-Experts module run whole on every TP rank: its input all-gathered from `Shard(1)` to a
+    plain replicated tensor, its output cut back to this rank's `Shard(1)` slice (no communication). Its
+    weights stay unsplit by TP (identical gradients on every TP rank); expert parallel splits the experts."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,10 @@ class ModelPlan:
             that tensor parallel divides by its degree, e.g. `("attention", ("n_heads", "n_kv_heads"))`.
         fsdp_root_units: modules outside the blocks wrapped as their own FSDP
             unit (e.g. embeddings, the output projection), in forward order.
+        moe: path, inside a block, of its Mixture-of-Experts module (blocks without it are dense).
+            Its `experts` child holds the stacked expert weights `w1`, `w2`, `w3` (dim 0: the expert),
+            which expert parallel splits; its `tokens_per_expert` and `expert_bias` buffers are
+            what load balancing reads and updates.
     """
 
     blocks: str
@@ -66,3 +84,4 @@ class ModelPlan:
     attention: str | None = None
     head_counts: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     fsdp_root_units: tuple[str, ...] = ()
+    moe: str | None = None

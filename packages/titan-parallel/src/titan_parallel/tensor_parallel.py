@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -63,6 +65,15 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
         # Only the first positional input (the hidden state) is redistributed; the block
         # passes everything else (RoPE table, positions) as keyword arguments.
         return prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if style is TPStyle.REPLICATED:
+        return ReplicatedParallel()
+    if style is TPStyle.SUM_GRAD:
+        return SumGradParallel()
+    if style is TPStyle.HEAD_NORM:
+        # The heads dim plays the sequence dim's part: the norm runs per head on this rank's heads.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style is TPStyle.MOE_INPUT:
+        return MoEReplicatedParallel()
     if style is TPStyle.OUTPUT:
         return ColwiseParallel(
             input_layouts=Shard(1),
@@ -70,6 +81,72 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
             use_local_output=not loss_parallel,
         )
     raise ValueError(f"unknown TPStyle {style!r}; add it to titan_parallel.tensor_parallel.build_tp_style")
+
+
+def _as_replicated(inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """Each plain tensor input as a `Replicate()` DTensor (DTensors and non-tensors unchanged)."""
+    return tuple(
+        DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+        for x in inputs
+    )
+
+
+class ReplicatedParallel(ParallelStyle):
+    """`TPStyle.REPLICATED`: weights `Replicate()`, inputs taken as `Replicate()`, a plain local output."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, None,
+            input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),
+            output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out,
+        )
+
+
+class SumGradParallel(ParallelStyle):
+    """`TPStyle.SUM_GRAD`: an identity whose output gradient, a partial sum on each TP rank, is summed over them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, None,
+            input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),
+            output_fn=lambda mod, out, mesh: out.to_local(grad_placements=(Partial(),)),
+        )
+
+
+class MoEReplicatedParallel(ParallelStyle):
+    """`TPStyle.MOE_INPUT`: a Mixture-of-Experts module run whole on every TP rank.
+
+    Its input is all-gathered from `Shard(1)` into a plain tensor and its output cut back to this rank's
+    `Shard(1)` slice. Its weights become `Replicate()` DTensors on the TP mesh (so that optimizers and
+    FSDP see one kind of parameter), and its forward runs on their local tensors: routing's index
+    arithmetic has no DTensor rules, and every TP rank computes the same thing, so the gradients,
+    identical on every rank, are `Replicate()` as they stand. Experts already split by expert
+    parallel keep their own mesh.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+        )._apply(module, device_mesh)
+        replicated: list[str] = []
+        for name, param in list(module.named_parameters()):
+            if not isinstance(param, DTensor):
+                owner, _, leaf = name.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                sub.register_parameter(leaf, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)))
+                replicated.append(name)
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            local = {name: module.get_parameter(name).to_local() for name in replicated}
+            with _reparametrize_module(module, local):
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+        return module
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

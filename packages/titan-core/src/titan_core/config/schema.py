@@ -169,6 +169,8 @@ class Parallelism(Section):
     """Context parallel degree: sequences are split over this many ranks."""
     context_parallel_rotate_method: str = "allgather"
     """How ring attention exchanges key/value shards: 'allgather' or 'rotate'."""
+    expert_parallel_degree: Degree = 1
+    """Mixture-of-Experts models: split the experts over this many ranks, carved from the FSDP x context-parallel ranks (adds no processes)."""
 
     @field_validator("data_parallel_shard_degree")
     @classmethod

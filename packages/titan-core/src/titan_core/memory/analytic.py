@@ -130,7 +130,7 @@ def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _Sta
     """Parameters of the modules `module_names` (top-level names or `blocks.i`) on one rank."""
     model = job.meta_model()
     plan = job.spec.plan
-    tp = job.dims.tp
+    tp, ep = job.dims.tp, job.dims.ep
     root_styles, block_styles = _tp_styles(job)
     out = _StageParams(unsharded_blocks=[], unsharded_root={})
     seen: set[int] = set()
@@ -148,9 +148,18 @@ def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _Sta
             if tp > 1 and style in _SHARDED_STYLES:
                 dim = 0 if style in ("colwise", "embedding", "output") else len(shape) - 1
                 shape[dim] = math.ceil(shape[dim] / tp)
+            expert_shards = shards
+            if in_block and ep > 1 and plan.moe is not None and owner.startswith(f"{plan.moe}.experts"):
+                # Expert parallel keeps E / ep experts per rank (gathered by FSDP whole); FSDP shards
+                # them on dim 1 over the ranks holding the same experts.
+                shape[0] //= ep
+                expert_shards = shards // ep
+                rows_dim = 1
+            else:
+                rows_dim = 0
             local = math.prod(shape)
-            rows = shape[0] if shape else 1
-            sharded = math.ceil(rows / shards) * (local // max(rows, 1)) if shards > 1 else local
+            rows = shape[rows_dim] if shape else 1
+            sharded = math.ceil(rows / expert_shards) * (local // max(rows, 1)) if expert_shards > 1 else local
             out.sharded += sharded
             if param.dim() == 2 and style != "embedding" and not name.endswith("embeddings"):
                 out.matmul += local

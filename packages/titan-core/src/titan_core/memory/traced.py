@@ -54,6 +54,11 @@ def untraceable_feature(cfg: JobConfig) -> str | None:
         return "DDP (parallelism.dp_mode = 'ddp'): its reducer buckets need real gradients"
     if cfg.checkpoint.initial_load_in_hf:
         return "checkpoint.initial_load_in_hf: the model's shape comes from the checkpoint, which the trace does not load"
+    from titan_models import get_model_spec
+
+    if get_model_spec(cfg.model.name).plan.moe is not None:
+        return (f"Mixture-of-Experts routing (model.name = '{cfg.model.name}'): how many tokens reach each expert "
+                "depends on the values, which fake tensors do not have")
     return None
 
 

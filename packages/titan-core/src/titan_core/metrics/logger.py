@@ -93,6 +93,8 @@ def format_metrics_line(step: int, total_steps: int, metrics: dict[str, float | 
         fields.append(_paint(f"tokens/s {tokens_per_s:,.0f}", "tokens/s", color))
     if (tflops := value("throughput/tflops")) is not None:
         fields.append(_paint(f"tflops {tflops:.2f}", "tflops", color))
+    if (max_load := value("moe/max_load")) is not None:
+        fields.append(_paint(f"moe max_load {max_load:.2f}", "grad_norm", color))
     if (mfu := value("throughput/mfu_pct")) is not None:
         fields.append(_paint(f"mfu {mfu:.1f}%", "mfu", color))
     mem = value("memory/max_reserved_gib")
@@ -176,7 +178,7 @@ class MetricsLogger:
         if self._bar is not None and step > self._bar.n:
             self._bar.update(min(step, self.total_steps) - self._bar.n)
 
-    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+    def log(self, step: int, metrics: dict[str, object]) -> None:
         """Print the console line and write the JSON record and TensorBoard scalars for `step`.
 
         Args:
@@ -189,7 +191,8 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()
-        values = {key: float(v) for key, v in metrics.items() if v is not None}
+        # Scalars go everywhere; structured values (e.g. `moe/tokens_per_expert`) to the JSON record only.
+        values = {key: float(v) for key, v in metrics.items() if isinstance(v, (int, float))}
         if self._writer is not None:
             for tag, v in values.items():
                 self._writer.add_scalar(tag, v, step)

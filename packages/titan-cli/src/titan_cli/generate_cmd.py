@@ -1,0 +1,74 @@
+"""`titan generate SOURCE --prompt TEXT`: sample text from a Titan run, DCP step or Hugging Face folder.
+
+Imports only typer at start-up; torch and the models load when the command runs,
+so `titan --help` stays fast. The library is `titan_core.generation`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+
+def generate(
+    source: str = typer.Argument(
+        ..., help="A titan train run folder (newest step), a checkpoint/step-N folder, or a Hugging Face folder or Hub repo id."
+    ),
+    prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Text to continue; repeat for a batch (default: one empty prompt)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens to add to each prompt."),
+    temperature: float = typer.Option(0.8, "--temperature", help="Divide the logits by this; 0 = greedy."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sample from the k most likely tokens only."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens whose probability reaches this, in (0, 1]."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
+    device: str | None = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
+    dtype: str = typer.Option("float32", "--dtype", help="Parameter dtype: float32 or bfloat16."),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="Model family (default: from config.json's architectures, else the run's model.name, else llama3)."
+    ),
+    flavor: str | None = typer.Option(None, "--flavor", help="Named shape of a DCP checkpoint without a run config.toml beside it."),
+    no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute every sequence at each step (slow; for comparison)."),
+) -> None:
+    """Continue each --prompt with text sampled from a model.
+
+    Prints each prompt and its continuation, then a blank line. See docs/generate.md.
+    """
+    from titan_core.launch import USER_ERRORS
+
+    try:
+        from titan_core.config.errors import ConfigError
+        from titan_core.generation import SamplingParams, generate as generate_tokens, load_model, load_prompt_codec
+
+        prompts = prompt or [""]
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--dtype {dtype} is not float32 or bfloat16; pass one of them")
+        loaded = load_model(source, model_name=model_name, flavor=flavor, device=device, dtype=dtype)
+        codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
+        started = time.perf_counter()
+        result = generate_tokens(
+            loaded.model,
+            loaded.spec.plan,
+            [codec.encode(text) for text in prompts],
+            max_new_tokens,
+            sampling=sampling,
+            eos_ids=codec.eos_ids,
+            seed=seed,
+            use_kv_cache=not no_kv_cache,
+            max_seq_len=getattr(loaded.args, "max_seq_len", None),
+        )
+        elapsed = time.perf_counter() - started
+    except (*USER_ERRORS, OSError) as err:  # a wrong input or an unreadable file; a bug keeps its traceback
+        typer.echo(f"titan generate: error: {err}", err=True)
+        raise typer.Exit(2) from None
+    for text, tokens in zip(prompts, result.tokens, strict=True):
+        typer.echo(text + codec.decode(tokens))
+        typer.echo("")
+    typer.echo(
+        f"model {loaded.spec.name} from {loaded.checkpoint} ({loaded.checkpoint_format}), "
+        f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}, {codec.source}",
+        err=True,
+    )
+    n_tokens = sum(len(t) for t in result.tokens)
+    cache = f", KV cache {result.kv_bytes_per_token / 1024:.1f} KiB/token" if result.kv_bytes_per_token else ", no KV cache"
+    typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / max(elapsed, 1e-9):.1f} tokens/s{cache})", err=True)

@@ -1,0 +1,38 @@
+"""Sampling text from a trained model: `titan generate`'s library.
+
+- `kv_cache.py`: `kv_cache(model, plan, ...)` swaps each block's attention core
+  (`ModelPlan.attention`) for a `CachedAttention`; no model code changes.
+- `sampling.py`: `SamplingParams` and `sample_next_token` (greedy, temperature, top-k, top-p).
+- `generate.py`: `generate(model, plan, prompts, max_new_tokens, ...)`, the decode loop.
+- `load.py`: `load_model(source, ...)` from a run, a DCP step, or a Hugging Face folder.
+- `text.py`: `load_prompt_codec(checkpoint, vocab_size)`, the tokenizer with BOS/EOS rules.
+
+Example:
+    loaded = load_model("outputs")                        # newest step of a titan train run
+    codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
+    result = generate(loaded.model, loaded.spec.plan, [codec.encode("def ")], 32, eos_ids=codec.eos_ids)
+    print(codec.decode(result.tokens[0]))
+"""
+
+from titan_core.generation.generate import GREEDY, GenerationResult, generate
+from titan_core.generation.kv_cache import CachedAttention, KVCache, kv_cache
+from titan_core.generation.load import LoadedModel, load_model
+from titan_core.generation.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
+from titan_core.generation.text import PromptCodec, load_prompt_codec
+
+__all__ = [
+    "GREEDY",
+    "CachedAttention",
+    "GenerationResult",
+    "KVCache",
+    "LoadedModel",
+    "PromptCodec",
+    "SamplingParams",
+    "generate",
+    "kv_cache",
+    "load_model",
+    "load_prompt_codec",
+    "sample_next_token",
+    "top_k_filter",
+    "top_p_filter",
+]

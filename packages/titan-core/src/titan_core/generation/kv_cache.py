@@ -1,0 +1,163 @@
+"""A key/value cache for generation, added to any model family from outside.
+
+Every family's `ModelPlan.attention` names, inside each block, the module that turns
+`(q, k, v)` (after RoPE) into causal attention; context parallel swaps it for ring
+attention. `kv_cache` swaps it, for the length of a `with` block, for a
+`CachedAttention` that writes the new keys/values into a preallocated cache and
+attends the new queries over every cached slot. The model's code is untouched.
+
+Slots vs positions: slot i of the cache holds the i-th token fed to the model
+(prompts are left-padded to one length, so slot != RoPE position for a short
+prompt). The caller passes RoPE positions to the model and tells the cache, per
+forward, where the new tokens go and which of them are real (`KVCache.prepare`);
+padding slots are never attended to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from titan_parallel.modules import get_submodule_or_none, iter_blocks
+from titan_parallel.plan import ModelPlan
+
+from titan_core.config.errors import ConfigError
+
+
+class KVCache:
+    """What every layer's `CachedAttention` shares: the slots of this forward, and which slots hold real tokens.
+
+    Args:
+        batch_size: sequences generated together.
+        max_len: slots per sequence (longest prompt + new tokens).
+        device: where the masks live (the model's device).
+    """
+
+    def __init__(self, batch_size: int, max_len: int, device: torch.device | str):
+        self.max_len = max_len
+        self.real = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (bs, max_len)
+        self.start = 0
+        self.attn_mask = torch.ones(batch_size, 1, 0, 0, dtype=torch.bool, device=device)
+        self.layers: list[CachedAttention] = []
+
+    def prepare(self, start: int, real: torch.Tensor) -> None:
+        """Get ready for a forward whose tokens go into slots `start .. start + n - 1`.
+
+        Args:
+            start: first slot of the new tokens (0 for the prompt).
+            real: `(bs, n)` bool, False for padding tokens (never attended to as keys).
+        """
+        n = real.size(1)
+        if start + n > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} tokens; {start + n} were fed; raise max_len")
+        self.start = start
+        self.real[:, start : start + n] = real
+        slots = torch.arange(start + n, device=real.device)  # (end,)
+        query_slots = slots[start:, None]  # (n, 1)
+        causal = slots[None, :] <= query_slots  # (n, end)
+        # A padding query sees only itself, so its row stays finite (an all-masked softmax is NaN,
+        # which would reach real tokens through 0 * NaN in the next layer's values).
+        allowed = (causal & self.real[:, None, None, : start + n]) | (slots[None, :] == query_slots)  # (bs, 1, n, end)
+        self.attn_mask = allowed
+
+    def bytes_per_token(self) -> int:
+        """Bytes the caches of all layers take per token of one sequence (0 before the first forward)."""
+        return sum(layer.bytes_per_token() for layer in self.layers)
+
+
+class CachedAttention(nn.Module):
+    """Drop-in for a causal attention core `(q, k, v) -> out` that reads and extends a KV cache.
+
+    The cache of this layer is allocated on the first forward, `(bs, n_kv_heads, max_len, head_dim)`
+    for keys and the same with v's head dim for values, in k's dtype and device.
+
+    Args:
+        cache: the state shared by all layers.
+        scale: softmax scale; None means `1 / sqrt(q head_dim)`. Taken from the swapped
+            module's `scale` attribute when it has one.
+    """
+
+    def __init__(self, cache: KVCache, scale: float | None = None):
+        super().__init__()
+        self.cache = cache
+        self.scale = scale
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Args:
+            q: `(bs, n_heads, n, head_dim)` queries of the new tokens.
+            k: `(bs, n_kv_heads, n, head_dim)` their keys; `n_kv_heads` divides `n_heads`.
+            v: `(bs, n_kv_heads, n, v_head_dim)` their values.
+
+        Returns:
+            `(bs, n_heads, n, v_head_dim)`.
+        """
+        state = self.cache
+        if self.keys is None:
+            bs, kv_heads = k.shape[:2]
+            self.keys = k.new_zeros(bs, kv_heads, state.max_len, k.size(-1))  # (bs, n_kv_heads, max_len, head_dim)
+            self.values = v.new_zeros(bs, kv_heads, state.max_len, v.size(-1))  # (bs, n_kv_heads, max_len, v_head_dim)
+        end = state.start + q.size(2)
+        self.keys[:, :, state.start : end] = k
+        self.values[:, :, state.start : end] = v
+        return F.scaled_dot_product_attention(
+            q,
+            self.keys[:, :, :end],
+            self.values[:, :, :end],
+            attn_mask=state.attn_mask,
+            scale=self.scale,
+            enable_gqa=q.size(1) != k.size(1),
+        )
+
+    def bytes_per_token(self) -> int:
+        """Bytes of this layer's cache per token of one sequence (keys + values, all heads)."""
+        if self.keys is None or self.values is None:
+            return 0
+        per_slot = self.keys[0, :, 0].nbytes + self.values[0, :, 0].nbytes
+        return int(per_slot)
+
+
+@contextmanager
+def kv_cache(model: nn.Module, plan: ModelPlan, batch_size: int, max_len: int, device: torch.device | str) -> Iterator[KVCache]:
+    """Swap every block's attention core for a `CachedAttention` inside the `with` block.
+
+    The original modules come back on exit, so the model can run without the cache again.
+
+    Args:
+        model: a built model whose blocks `plan` names.
+        plan: the family's plan; `plan.attention` names the attention core of each block.
+        batch_size: sequences generated together.
+        max_len: slots per sequence.
+        device: the model's device.
+
+    Yields:
+        The shared `KVCache`; call `prepare` before each forward.
+    """
+    if plan.attention is None:
+        raise ConfigError(
+            f"model {type(model).__name__} names no attention core (ModelPlan.attention); give its plan one, or pass --no-kv-cache"
+        )
+    parent_path, _, name = plan.attention.rpartition(".")
+    cache = KVCache(batch_size, max_len, device)
+    swapped: list[tuple[nn.Module, nn.Module]] = []
+    try:
+        for block in iter_blocks(model, plan):
+            parent = get_submodule_or_none(block, parent_path) if parent_path else block
+            original = getattr(parent, name, None) if parent is not None else None
+            if not isinstance(original, nn.Module):
+                raise ConfigError(
+                    f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; fix the model's plan"
+                )
+            scale = getattr(original, "scale", None)  # a family with its own softmax scale (e.g. MLA) keeps it
+            layer = CachedAttention(cache, float(scale) if isinstance(scale, (int, float)) else None)
+            setattr(parent, name, layer)
+            swapped.append((parent, original))
+            cache.layers.append(layer)
+        yield cache
+    finally:
+        for parent, original in swapped:
+            setattr(parent, name, original)

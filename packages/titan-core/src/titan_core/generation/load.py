@@ -1,0 +1,170 @@
+"""Load a model to generate with: from a Titan run or DCP step, or a Hugging Face folder.
+
+The readers are `titan_core.convert`'s (format detection, shape resolution, DCP /
+safetensors reading with the family's `HFAdapter`); this file only decides which
+checkpoint and family to read, and builds the model the Titan way: on meta, cast,
+`to_empty`, `init_weights(buffer_device=...)` for the buffers (the RoPE table), then
+`load_state_dict(strict=True)`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from titan_ckpt.dtypes import parse_dtype
+from titan_ckpt.formats import detect_format
+from titan_ckpt.hf_hub import resolve_hf_source
+from titan_ckpt.step_folders import list_complete_steps, step_folder
+from titan_models import ModelSpec, get_model_spec
+from torch import nn
+
+from titan_core.config.errors import ConfigError
+from titan_core.convert import check_state_dict, expected_shapes, infer_model_name, load_titan_state_dict, resolve_source_args
+
+RUN_CONFIG = "config.toml"
+"""The config a `titan train` run writes into its folder."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to generate, and where it came from.
+
+    Args:
+        model: the model in eval mode, no gradients, on `device` in `dtype`.
+        spec: its family (the plan names the attention core the KV cache replaces).
+        args: its shape.
+        checkpoint: the checkpoint folder or file read (a run folder resolves to its newest step).
+        checkpoint_format: "dcp", "hf" or "torch".
+        device: where it runs.
+        dtype: its parameters' dtype.
+    """
+
+    model: nn.Module
+    spec: ModelSpec[Any]
+    args: Any
+    checkpoint: Path
+    checkpoint_format: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_model(
+    source: str,
+    model_name: str | None = None,
+    flavor: str | None = None,
+    device: str | None = None,
+    dtype: str = "float32",
+) -> LoadedModel:
+    """Build a family's model and load a checkpoint's weights into it.
+
+    Args:
+        source: a run folder (its newest complete step is read), its checkpoint folder, a
+            `step-N` DCP folder, a Hugging Face folder or Hub repo id, or a torch state-dict file.
+        model_name: the family; None infers it (`titan_core.convert.infer_model_name`): from
+            config.json's `architectures`, else the run's config.toml, else Llama 3.
+        flavor: named shape of a DCP/torch source (else from config.json beside it or the run's config.toml).
+        device: "cpu", "cuda", "cuda:1", ...; None picks cuda when available.
+        dtype: "float32" or "bfloat16" (or "float16") for the parameters.
+
+    Raises:
+        ConfigError / CheckpointError / ModelConfigError: bad input, one line naming it and the fix.
+    """
+    target, param_dtype = resolve_device(device), parse_dtype(dtype)
+    checkpoint = resolve_checkpoint(source)
+    fmt = detect_format(checkpoint)
+    name = model_name or infer_model_name(checkpoint, fmt)
+    spec = get_model_spec(name)
+    if fmt == "hf" and spec.hf_adapter is None:
+        raise ConfigError(f"model.name '{name}' has no Hugging Face adapter, so {checkpoint} cannot be read; pass --model-name")
+    args, _, _ = resolve_source_args(checkpoint, fmt, spec.hf_adapter, name, flavor)
+    expected = expected_shapes(spec.build, args)
+    state_dict = load_titan_state_dict(checkpoint, fmt, args, spec.hf_adapter, expected)
+    check_state_dict(state_dict, expected, checkpoint)
+    model = build_empty(spec, args, target, param_dtype)
+    model.load_state_dict(state_dict, strict=True)  # copies, casting to each parameter's dtype
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, spec, args, checkpoint, fmt, target, param_dtype)
+
+
+def build_empty(spec: ModelSpec[Any], args: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The family's model on `device`: built on meta, parameters cast to `dtype`, materialised,
+    buffers computed by `init_weights` (which also fills the parameters, soon overwritten).
+
+    Buffers keep the dtype the model gives them (the RoPE table stays float32).
+    """
+    with torch.device("meta"):
+        model = spec.build(args)
+    for param in model.parameters():  # unique parameters: a tied weight stays one tensor
+        param.data = param.data.to(dtype)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)
+    return model
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`device`, or cuda when available else cpu.
+
+    Raises:
+        ConfigError: an unknown device name, or cuda without a GPU.
+    """
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device '{device}' is not a device; pass cpu, cuda or cuda:N") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA GPU is available here; pass --device cpu")
+    return target
+
+
+def resolve_checkpoint(source: str) -> Path:
+    """The checkpoint to read: `source` itself, or the newest complete `step-N` of a run or checkpoint folder.
+
+    Args:
+        source: a local path or a Hugging Face Hub repo id (downloaded).
+
+    Raises:
+        ConfigError: a run folder without a complete checkpoint.
+    """
+    path = resolve_hf_source(source)
+    if not path.is_dir() or any(path.glob("*.safetensors")) or (path / ".metadata").is_file():
+        return path
+    run = find_run_config(path)
+    roots = [path]
+    if run is not None and run[0].parent == path:  # a run folder: its checkpoint.folder
+        roots.insert(0, path / str(run[1].get("checkpoint", {}).get("folder", "checkpoint")))
+    for root in roots:
+        steps = list_complete_steps(root)
+        if steps:
+            return step_folder(root, steps[-1])
+    if run is not None and run[0].parent == path:
+        raise ConfigError(
+            f"{path} is a run folder with no complete checkpoint in {roots[0]}; "
+            "train with --checkpoint.enable true, or point to a checkpoint folder"
+        )
+    return path
+
+
+def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The `config.toml` of the run `path` belongs to (in it or up to 3 folders above), parsed.
+
+    Args:
+        path: a run folder, its checkpoint folder, a step folder, or a file in one.
+
+    Raises:
+        ConfigError: the config.toml is not valid TOML.
+    """
+    folder = path if path.is_dir() else path.parent
+    for run_folder in [folder, *folder.parents][:4]:
+        toml_path = run_folder / RUN_CONFIG
+        if toml_path.is_file():
+            try:
+                return toml_path, tomllib.loads(toml_path.read_text())
+            except tomllib.TOMLDecodeError as err:
+                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name and --flavor") from None
+    return None

@@ -1,0 +1,87 @@
+"""Load balancing of Mixture-of-Experts layers: global token counts, expert-bias update, metrics.
+
+Each MoE layer counts the token slots its router sent to each expert (`tokens_per_expert`).
+After a step's backward, `ExpertLoadBalancer.after_backward` sums those counts over every
+data-parallel and context-parallel rank (one all-reduce for all layers), so each layer
+sees the load of the whole global batch, as one process would. Then, for a step that
+updates the model, each layer's `expert_bias` moves by `load_balance_coeff` towards even
+load (DeepSeek-V3's auxiliary-loss-free balancing):
+
+    bias += coeff * sign(mean(load) - load),  re-centred to mean 0
+
+The bias only changes which experts are chosen, never the weights of their outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from titan_parallel.modules import get_submodule_or_none
+from titan_parallel.plan import ModelPlan
+
+
+class ExpertLoadBalancer:
+    """Reads and resets every MoE layer's token counts once per step.
+
+    Args:
+        parts: this rank's model parts (pipeline stages).
+        plan: the model's plan (`plan.blocks`, `plan.moe`).
+        group: the data-parallel x context-parallel process group the counts are summed over
+            (tensor-parallel peers see the same tokens and are left out).
+    """
+
+    def __init__(self, parts: list[nn.Module], plan: ModelPlan, group: dist.ProcessGroup | None):
+        self.group = group
+        self.layers: list[tuple[str, nn.Module]] = []  # (block name, MoE module), in forward order
+        for part in parts:
+            container = get_submodule_or_none(part, plan.blocks) if plan.moe is not None else None
+            for name, block in container.named_children() if container is not None else ():
+                moe = get_submodule_or_none(block, plan.moe)
+                if moe is not None:
+                    self.layers.append((name, moe))
+        self.last_counts: torch.Tensor | None = None  # (layers, experts) global counts of the last step
+
+    @torch.no_grad()
+    def after_backward(self, update_bias: bool) -> None:
+        """Sum this step's counts over the group, update the biases if the step updates the model, reset.
+
+        Args:
+            update_bias: False for a step whose update was dropped (non-finite loss or gradients).
+        """
+        if not self.layers:
+            return
+        counts = torch.stack([moe.tokens_per_expert for _, moe in self.layers])  # (layers, experts)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(counts, group=self.group)
+        for (_, moe), load in zip(self.layers, counts):
+            coeff = moe.args.load_balance_coeff
+            if update_bias and coeff is not None:
+                delta = coeff * torch.sign(load.mean() - load)
+                moe.expert_bias.add_(delta - delta.mean())
+            moe.tokens_per_expert.zero_()
+        self.last_counts = counts
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Forget counts gathered outside training (e.g. by a validation pass)."""
+        for _, moe in self.layers:
+            moe.tokens_per_expert.zero_()
+
+    def metrics(self) -> dict[str, object]:
+        """The last step's load, for the logs.
+
+        `moe/max_load`: over all layers, the busiest expert's tokens over the mean (1 = even);
+        `moe/layer{L}/max_load`, `moe/layer{L}/min_load`: per layer, busiest and idlest expert over the
+        mean; `moe/tokens_per_expert`: `{layer: [tokens of each expert]}` (metrics.jsonl only).
+        """
+        if self.last_counts is None:
+            return {}
+        mean = self.last_counts.mean(dim=1, keepdim=True).clamp_min(1e-9)
+        ratio = self.last_counts / mean  # (layers, experts)
+        values: dict[str, object] = {"moe/max_load": ratio.max().item()}
+        for (name, _), row in zip(self.layers, ratio.tolist()):
+            values[f"moe/layer{name}/max_load"] = max(row)
+            values[f"moe/layer{name}/min_load"] = min(row)
+        values["moe/tokens_per_expert"] = {name: [int(c) for c in row] for (name, _), row in zip(self.layers, self.last_counts.tolist())}
+        return values

@@ -1,0 +1,303 @@
+"""Mixture-of-Experts feed-forward: token-choice top-k routing, dropless, with grouped experts.
+
+    scores  = softmax | sigmoid(gate(x))                    (tokens, experts), fp32
+    chosen  = top_k(scores + expert_bias)                   the bias only selects (aux-loss-free balancing)
+    weights = scores[chosen] (renormalised if route_norm) * route_scale
+    out     = sum_k weights_k * expert_k(x) + shared_experts(x)
+
+Dropless: every token reaches its k experts, whatever the load. The token slots are sorted
+by expert and run through `GroupedExperts` as one grouped matmul per weight
+(`torch._grouped_mm` on GPUs that have it, a loop of exact per-expert matmuls elsewhere).
+Nothing here knows about parallelism: expert parallel (titan-parallel) wraps `GroupedExperts`
+so that its input is sent to the ranks holding the experts and its output comes back, and
+the trainer updates `expert_bias` from `tokens_per_expert` after each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_models.errors import ModelConfigError
+from titan_models.llama3.model import FeedForward, init_trunc_normal_
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Shape and routing of one Mixture-of-Experts layer. Frozen: derive variants with `dataclasses.replace`."""
+
+    num_experts: int = 8
+    """Routed experts."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    hidden_dim: int = 1408
+    """Each routed expert's SwiGLU hidden size (Hugging Face `moe_intermediate_size`)."""
+    num_shared_experts: int = 0
+    """Shared SwiGLU of hidden `num_shared_experts * hidden_dim` that every token goes through; 0 = none."""
+    score_func: str = "softmax"
+    """"softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3) over the router logits of all experts."""
+    route_norm: bool = False
+    """Renormalise the chosen experts' scores to sum to 1 (Hugging Face `norm_topk_prob`)."""
+    route_scale: float = 1.0
+    """Multiplies the routing weights (Hugging Face `routed_scaling_factor`)."""
+    n_groups: int = 1
+    """Group-limited routing: the experts form this many equal groups (Hugging Face `n_group`)."""
+    topk_groups: int = 1
+    """Groups kept per token, ranked by the sum of each group's two best biased scores (`topk_group`)."""
+    load_balance_coeff: float | None = 1e-3
+    """Auxiliary-loss-free balancing: `expert_bias` moves by this much per step towards even load; None = no bias."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3's); 0 = off."""
+
+    def __post_init__(self) -> None:
+        if self.score_func not in SCORE_FUNCS:
+            raise ModelConfigError(f"MoEArgs.score_func '{self.score_func}' is unknown; choose 'softmax' or 'sigmoid'")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelConfigError(f"MoEArgs.top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.n_groups < 1 or self.num_experts % self.n_groups:
+            raise ModelConfigError(f"MoEArgs.n_groups={self.n_groups} must divide num_experts={self.num_experts}")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ModelConfigError(f"MoEArgs.topk_groups={self.topk_groups} must be in 1..n_groups={self.n_groups}")
+        if self.top_k > self.topk_groups * (self.num_experts // self.n_groups):
+            raise ModelConfigError(
+                f"MoEArgs.top_k={self.top_k} exceeds the experts of topk_groups={self.topk_groups} groups; "
+                "raise topk_groups or lower top_k"
+            )
+
+    @property
+    def shared_hidden_dim(self) -> int:
+        """Hidden size of the shared experts' SwiGLU (0 without shared experts)."""
+        return self.num_shared_experts * self.hidden_dim
+
+
+def local_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a split parameter (a DTensor, e.g. under expert parallel)
+    gives its local shard, a plain tensor itself."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs `x @ weight[e].T` per group here: CUDA compute capability
+    9.0 or newer (Hopper), bf16, and 16-byte aligned rows (dims multiple of 8)."""
+    return (
+        x.is_cuda
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and x.dtype == weight.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0
+        and weight.shape[1] % 8 == 0
+    )
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per-expert matmul of rows grouped by expert: rows of group e times `weight[e].T`.
+
+    Args:
+        x: `(rows, in)`, the rows of expert 0 first, then expert 1, ...
+        weight: `(experts, out, in)`.
+        counts: `(experts,)` int64 rows per expert, summing to `rows`.
+
+    Returns:
+        `(rows, out)`. Where `grouped_mm_supported`, one `torch._grouped_mm`; elsewhere one
+        matmul per expert (exact: each row meets only its own expert's weight).
+    """
+    if grouped_mm_supported(x, weight):
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    pieces = [rows @ w.T for rows, w in zip(x.split(counts.tolist()), weight)]  # each (count_e, out)
+    return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts whose weights are stacked on dim 0.
+
+    Expert parallel splits dim 0 over ranks (a rank's `w1` holds its experts only) and
+    wraps `forward` so that rows arrive grouped by this rank's experts.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # gate projection
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # down projection
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # up projection
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Args:
+            x: `(rows, dim)` token slots grouped by expert.
+            counts: `(experts,)` int64 rows per expert (this rank's experts).
+
+        Returns:
+            `(rows, dim)`: each row through its expert's SwiGLU.
+        """
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        hidden = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)  # (rows, hidden)
+        return grouped_mm(hidden, w2, counts)
+
+    def init_weights(self, out_std: float) -> None:
+        """Args:
+            out_std: std of `w2` and `w3`; `w1` uses 0.02 (as a dense FeedForward)."""
+        init_trunc_normal_(self.w1, 0.02)
+        for weight in (self.w2, self.w3):
+            init_trunc_normal_(weight, out_std)
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Scores every expert for every token and picks each token's top k."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Args:
+            x: `(tokens, dim)`.
+            expert_bias: `(experts,)` added to the scores for the choice only, or None.
+
+        Returns:
+            weights `(tokens, top_k)` fp32, chosen experts `(tokens, top_k)` int64, and the
+            scores of all experts `(tokens, experts)` fp32.
+        """
+        a = self.args
+        scores = self.gate(x).float()  # (tokens, experts)
+        scores = scores.softmax(dim=-1) if a.score_func == "softmax" else scores.sigmoid()
+        choice = scores + expert_bias if expert_bias is not None else scores
+        if a.n_groups > 1:
+            grouped = choice.view(x.shape[0], a.n_groups, -1)  # (tokens, groups, experts per group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # (tokens, groups)
+            kept = group_scores.topk(a.topk_groups, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).flatten(1)
+        chosen = choice.topk(a.top_k, dim=-1).indices  # (tokens, top_k)
+        weights = scores.gather(1, chosen)
+        if a.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, chosen, scores
+
+    def init_weights(self) -> None:
+        init_trunc_normal_(self.gate.weight, 0.02)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns `x` unchanged; backward also gives `aux_loss` the gradient 1, as if it had been
+    added to the training loss (the loss itself stays the language-model loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux_loss)
+
+
+def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: `sum_e f_e * P_e`, where
+    `f_e` is the fraction of the sequence's token slots sent to expert e times `experts / top_k`
+    (1 everywhere at perfect balance) and `P_e` the mean normalised score of e.
+
+    Args:
+        scores: `(tokens, experts)` router scores, tokens sequence-major (`batch` sequences).
+        chosen: `(tokens, top_k)` chosen experts.
+        batch: sequences in `scores`.
+        top_k: experts per token.
+    """
+    experts = scores.shape[-1]
+    per_seq = scores.view(batch, -1, experts)  # (batch, seqlen, experts)
+    probs = per_seq / per_seq.sum(dim=-1, keepdim=True)
+    counts = torch.zeros(batch, experts, device=scores.device).scatter_add_(
+        1, chosen.view(batch, -1), torch.ones(chosen.numel() // batch, device=scores.device).expand(batch, -1)
+    )  # (batch, experts)
+    load = counts * experts / (top_k * per_seq.shape[1])
+    return (load * probs.mean(dim=1)).sum(dim=-1).mean()
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts, in place of a block's FeedForward.
+
+    Buffers: `expert_bias` `(experts,)` (persistent: checkpoints keep it) and
+    `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
+    last read it (not persistent).
+    """
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = TokenChoiceTopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.num_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args:
+            x: `(bs, seqlen, dim)`; returns the same shape."""
+        bs, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)  # (bs * seqlen, dim)
+        k = self.args.top_k
+        bias = self.expert_bias if self.args.load_balance_coeff is not None else None
+        weights, chosen, scores = self.router(tokens, bias)  # (tokens, k), (tokens, k), (tokens, experts)
+        slots = chosen.flatten()
+        counts = slots.new_zeros(self.args.num_experts).scatter_add_(0, slots, torch.ones_like(slots))  # (experts,) int64
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        order = slots.argsort(stable=True)  # token slots grouped by expert
+        routed = self.experts(tokens[order // k], counts)  # (tokens * k, dim), in `order`
+        routed = routed[order.argsort()].view(-1, k, dim)  # back to (tokens, k, dim)
+        out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (tokens, dim)
+        if self.args.aux_loss_coeff > 0 and self.training:
+            aux = self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k)
+            out = _AddAuxLoss.apply(out, aux)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(bs, seqlen, dim)
+
+    def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
+        """Router 0.02, experts and shared experts as a FeedForward (`w2`, `w3` at `out_std`);
+        `expert_bias` and `tokens_per_expert` to zeros.
+
+        Args:
+            out_std: std of the output-side weights (depth-scaled by the block).
+            buffer_device: where the buffers live; None keeps their device.
+        """
+        self.router.init_weights()
+        self.experts.init_weights(out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(out_std)
+        device = buffer_device if buffer_device is not None else self.expert_bias.device
+        if self.expert_bias.device.type == "meta" or device != self.expert_bias.device:
+            self.expert_bias = torch.zeros(self.args.num_experts, device=device)
+            self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+        else:
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+
+
+def moe_activation_bytes(args: MoEArgs, dim: int, compute_bytes: int) -> int:
+    """What `MoE.forward` keeps for backward, in bytes per token it routes (the analytic tier of
+    `titan estimate-memory`), read off the forward above with d = dim, k = top_k, h = hidden_dim,
+    b = compute-dtype bytes, at even load (a busy expert's rank holds more under expert parallel):
+
+    - router: the scores in fp32, `4 E` (softmax/sigmoid keep their output); the chosen experts'
+      weights in fp32 and, with `route_norm`, their sum, `8 k`;
+    - int64 indices: the top-k choice, the weights' gather, the slot order and its inverse, `32 k`;
+    - experts: each slot's input row and, per expert SwiGLU, `w1 x`, `w3 x`, `silu(w1 x)` and their
+      product, `b (k d + 4 k h)`; the experts' output rows, kept for the weighting, `b k d`;
+    - shared experts: a SwiGLU of width `num_shared_experts x h`, `4 b h_s` (its input is the block's).
+
+    The MoE input itself (the norm's output) is counted by the block, as for a dense FeedForward.
+    """
+    k, h = args.top_k, args.hidden_dim
+    router = 4 * args.num_experts + 8 * k
+    indices = 32 * k
+    experts = compute_bytes * (2 * k * dim + 4 * k * h)
+    return router + indices + experts + 4 * compute_bytes * args.shared_hidden_dim

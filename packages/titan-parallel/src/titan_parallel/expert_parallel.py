@@ -1,0 +1,149 @@
+"""Expert parallel: the experts of each Mixture-of-Experts layer split over the `ep` mesh.
+
+Rank r of an `ep`-rank group holds experts `r * E/ep ... (r + 1) * E/ep - 1` (dim 0 of the
+stacked weights `w1`, `w2`, `w3` becomes `Shard(0)` on the `ep` mesh, so checkpoints keep
+the full expert tensors and reshard across degrees). The model's MoE layer calls its
+experts with the token slots already sorted by expert and the count per expert; here that
+call is wrapped (`distribute_module`'s input and output functions):
+
+    dispatch: counts per (destination rank, local expert) by one all-to-all, then the
+              token slots by one all-to-all (`all_to_all_single_autograd`: backward runs
+              the reverse exchange), regrouped from (source rank, expert) to (expert, source)
+    compute:  the local experts on what arrived (one grouped matmul per weight)
+    combine:  the inverse regrouping and the reverse all-to-all, back in the caller's order
+
+Routing stays on the rank that owns the tokens, so each layer's `tokens_per_expert` counts
+that rank's tokens, the same as without expert parallel. With tensor parallel too, a MoE
+layer runs whole on every TP rank (`TPStyle.MOE_INPUT`): each `ep` group is the ranks of
+one TP coordinate, which exchange the same replicated tokens as their TP peers do.
+
+Written here because torch has no expert-parallel style (torchtitan's is its own too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+
+from titan_parallel.layout import ParallelConfigError
+from titan_parallel.modules import get_submodule_or_none, iter_blocks
+from titan_parallel.plan import ModelPlan
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def moe_modules(model: nn.Module, plan: ModelPlan) -> list[nn.Module]:
+    """The Mixture-of-Experts modules of `model`'s blocks (`plan.moe`), in forward order.
+
+    Args:
+        model: the model or pipeline stage.
+        plan: its plan; `plan.moe` names the MoE module inside a block (None: a dense model).
+    """
+    if plan.moe is None:
+        return []
+    found = (get_submodule_or_none(block, plan.moe) for block in iter_blocks(model, plan))
+    return [m for m in found if m is not None]
+
+
+def check_ep(model: nn.Module, plan: ModelPlan, ep: int) -> None:
+    """Raise `ParallelConfigError` (arguments `("ep",)`) unless `model`'s experts split `ep` ways.
+
+    Args:
+        model: the model (meta is fine).
+        plan: its plan; `plan.moe` names the MoE modules.
+        ep: the expert-parallel degree.
+    """
+    if ep == 1:
+        return
+    layers = moe_modules(model, plan)
+    if not layers and plan.moe is None:
+        raise ParallelConfigError(
+            f"ep={ep} but model {type(model).__name__} has no Mixture-of-Experts layers (ModelPlan.moe); set ep=1",
+            arguments=("ep",),
+        )
+    for moe in layers:
+        experts = moe.experts.w1.shape[0]
+        if experts % ep:
+            raise ParallelConfigError(f"ep={ep} does not divide the {experts} experts of each MoE layer; choose a divisor", arguments=("ep",))
+
+
+class ExpertDispatch:
+    """The input and output functions that send one `GroupedExperts` call's token slots to the
+    ranks holding their experts and bring the results back (see the module docstring).
+
+    Args:
+        ep_mesh: the 1-D expert-parallel mesh; rank r of it holds the r-th block of experts.
+    """
+
+    def __init__(self, ep_mesh: DeviceMesh):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self._pending: list[tuple[list[int], list[int], torch.Tensor]] = []
+
+    def dispatch(self, module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh):
+        x, counts = inputs  # x: (slots, dim) grouped by global expert; counts: (experts,) int64
+        send = counts.view(self.ep, -1)  # (ep, local experts): slots for each rank's experts
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[s, j]: slots from rank s for local expert j
+        send_splits, recv_splits = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
+        arrived = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)  # (arrived, dim), by (source, expert)
+        order = _source_major_to_expert_major(recv)
+        self._pending.append((send_splits, recv_splits, order))
+        return arrived[order], recv.sum(dim=0)  # grouped by local expert; (local experts,) counts
+
+    def combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        send_splits, recv_splits, order = self._pending.pop()
+        back = out[order.argsort()]  # (arrived, dim), by (source, expert) again
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+
+def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Row order that regroups slots laid out by (source rank, local expert) into (local expert, source rank).
+
+    Args:
+        recv: `(sources, local experts)` slot counts.
+    """
+    counts = recv.tolist()
+    starts = torch.cumsum(recv.flatten(), 0).sub_(recv.flatten()).view_as(recv).tolist()
+    pieces = [
+        torch.arange(starts[s][j], starts[s][j] + counts[s][j], device=recv.device)
+        for j in range(recv.shape[1])
+        for s in range(recv.shape[0])
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=recv.device)
+
+
+def apply_ep(model: nn.Module, plan: ModelPlan, ep_mesh: DeviceMesh) -> nn.Module:
+    """Split every MoE layer's experts over `ep_mesh` in place (`Shard(0)`) and route their calls
+    through all-to-alls. Call before FSDP. Works on the meta device.
+
+    Args:
+        model: the model or pipeline stage.
+        plan: its plan (`plan.moe` names the MoE modules).
+        ep_mesh: the 1-D expert-parallel mesh, `mesh["ep"]`.
+    """
+    check_ep(model, plan, ep_mesh.size())
+
+    def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for weight_name in EXPERT_WEIGHTS:
+            weight = getattr(module, weight_name, None)
+            if weight is not None:
+                module.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, device_mesh, [Shard(0)])))
+
+    for moe in moe_modules(model, plan):
+        exchange = ExpertDispatch(ep_mesh)
+        distribute_module(moe.experts, ep_mesh, partition, input_fn=exchange.dispatch, output_fn=exchange.combine)
+    return model
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    """Whether a `GroupedExperts` already has its weights split (by `apply_ep`).
+
+    Args:
+        module: the experts module.
+    """
+    return any(isinstance(getattr(module, name, None), DTensor) for name in EXPERT_WEIGHTS)

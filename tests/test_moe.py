@@ -1,0 +1,152 @@
+"""The Mixture-of-Experts layer against a token-by-token reference, and its routing rules by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from titan_models.errors import ModelConfigError
+from titan_models.moe import MoE, MoEArgs, grouped_mm, sequence_balance_loss
+
+ARGS = MoEArgs(num_experts=6, top_k=2, hidden_dim=12, num_shared_experts=1, score_func="sigmoid", route_norm=True,
+               route_scale=2.5, n_groups=3, topk_groups=2, load_balance_coeff=1e-3)
+
+
+def _built(args: MoEArgs, dim: int = 16, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(dim, args)
+    moe.init_weights(out_std=0.05)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.randn(args.num_experts) * 0.1)
+    return moe
+
+
+def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token on its own: score, keep groups, pick experts, sum their SwiGLUs (plain Python loops)."""
+    a = moe.args
+    out = torch.zeros_like(x)
+    per_group = a.num_experts // a.n_groups
+    for t in range(x.shape[0]):
+        logits = x[t] @ moe.router.gate.weight.T
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        biased = (scores + moe.expert_bias).tolist()
+        groups = sorted(range(a.n_groups), key=lambda g: -sum(sorted(biased[g * per_group:(g + 1) * per_group])[-2:]))
+        allowed = [e for g in groups[: a.topk_groups] for e in range(g * per_group, (g + 1) * per_group)]
+        chosen = sorted(allowed, key=lambda e: -biased[e])[: a.top_k]
+        weights = scores[chosen] / (scores[chosen].sum() if a.route_norm else 1) * a.route_scale
+        for w, e in zip(weights, chosen):
+            ex = moe.experts
+            h = F.silu(x[t] @ ex.w1[e].T) * (x[t] @ ex.w3[e].T)
+            out[t] += w * (h @ ex.w2[e].T)
+        if moe.shared_experts is not None:
+            out[t] += moe.shared_experts(x[t])
+    return out
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_moe_matches_a_token_by_token_reference(score_func):
+    moe = _built(dataclasses.replace(ARGS, score_func=score_func))
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        out = moe(x)
+        ref = _reference(moe, x.view(-1, 16)).view(2, 9, 16)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    assert moe.tokens_per_expert.sum().item() == 2 * 9 * ARGS.top_k  # dropless: every slot counted
+
+
+def test_expert_bias_selects_but_does_not_weigh():
+    moe = _built(dataclasses.replace(ARGS, n_groups=1, topk_groups=1, num_shared_experts=0, route_norm=False, route_scale=1.0))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        moe.expert_bias.zero_()
+        moe.expert_bias[3] = 100.0  # expert 3 wins every choice...
+        weights, chosen, scores = moe.router(x, moe.expert_bias)
+    assert (chosen == 3).any(dim=-1).all()
+    torch.testing.assert_close(weights, scores.gather(1, chosen))  # ...but weighs by its unbiased score
+
+
+def test_group_limited_routing_by_hand():
+    """Groups {0,1}, {2,3}, {4,5}; group score = sum of its 2 best. Scores 0.9 0.1 | 0.6 0.55 | 0.8 0.0:
+    group sums 1.0, 1.15, 0.8 -> groups 1 and 0 are kept; the top 2 of {0.9, 0.1, 0.6, 0.55} are experts
+    0 and 2; expert 4 (0.8, the second best overall) is excluded with its group."""
+    args = MoEArgs(num_experts=6, top_k=2, hidden_dim=4, score_func="sigmoid", n_groups=3, topk_groups=2)
+    moe = MoE(2, args)
+    probs = torch.tensor([[0.9, 0.1, 0.6, 0.55, 0.8, 0.0001]])
+    with torch.no_grad():
+        moe.router.gate.weight.copy_(torch.zeros(6, 2))
+    # a bias equal to the target scores minus sigmoid(0) = 0.5 makes the choice scores exactly `probs`
+    _, chosen, _ = moe.router(torch.zeros(1, 2), probs[0] - 0.5)
+    assert sorted(chosen[0].tolist()) == [0, 2]
+
+
+def test_grouped_mm_fallback_is_exact_per_expert():
+    torch.manual_seed(0)
+    x, w = torch.randn(10, 8), torch.randn(3, 5, 8)
+    counts = torch.tensor([4, 0, 6])
+    out = grouped_mm(x, w, counts)
+    torch.testing.assert_close(out[:4], x[:4] @ w[0].T, atol=0, rtol=0)
+    torch.testing.assert_close(out[4:], x[4:] @ w[2].T, atol=0, rtol=0)
+    if hasattr(torch, "_grouped_mm"):  # torch's kernel (CPU in recent torch) agrees with the fallback
+        try:
+            fused = torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        except RuntimeError:
+            return
+        torch.testing.assert_close(fused, out, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_balance_loss_is_one_at_perfect_balance_and_more_when_skewed():
+    # 4 experts, top 1, 4 tokens per sequence each on a different expert, uniform scores: f = 1, P = 1/4 -> 1.
+    scores = torch.full((8, 4), 0.5)
+    chosen = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0]).view(8, 1)
+    assert sequence_balance_loss(scores, chosen, batch=2, top_k=1).item() == pytest.approx(1.0)
+    # All 4 tokens of both sequences on expert 0, which also has the highest normalised score 0.4:
+    # f = (4, 0, 0, 0), P_0 = 0.4 -> 1.6.
+    skewed = torch.tensor([[0.4, 0.2, 0.2, 0.2]]).expand(8, 4)
+    assert sequence_balance_loss(skewed, torch.zeros(8, 1, dtype=torch.long), batch=2, top_k=1).item() == pytest.approx(1.6)
+
+
+def test_aux_loss_reaches_the_router_only_in_training():
+    args = dataclasses.replace(ARGS, aux_loss_coeff=0.1)
+    grads = []
+    for coeff in (0.0, 0.1):
+        moe = _built(dataclasses.replace(args, aux_loss_coeff=coeff))
+        moe(torch.ones(2, 5, 16).normal_(generator=torch.Generator().manual_seed(1))).sum().backward()
+        grads.append(moe.router.gate.weight.grad.clone())
+    assert not torch.equal(grads[0], grads[1])
+    moe = _built(args).eval()
+    x = torch.randn(1, 4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _built(dataclasses.replace(args, aux_loss_coeff=0.0)).eval()(x))
+
+
+@pytest.mark.parametrize("bad, key", [
+    (dict(top_k=7), "top_k"), (dict(n_groups=4), "n_groups"), (dict(topk_groups=4), "topk_groups"),
+    (dict(score_func="relu"), "score_func"), (dict(top_k=5, topk_groups=2), "top_k"),
+])
+def test_bad_moe_args_name_the_field(bad, key):
+    with pytest.raises(ModelConfigError, match=key):
+        dataclasses.replace(ARGS, **bad)
+
+
+@pytest.mark.parametrize("args", [ARGS, dataclasses.replace(ARGS, num_shared_experts=0, score_func="softmax", n_groups=1, topk_groups=1)],
+                         ids=["sigmoid-groups-shared", "softmax"])
+def test_activation_formula_matches_what_autograd_saves(args):
+    """`moe_activation_bytes` against the storages the forward really saves for backward (fp32)."""
+    from titan_models.moe import moe_activation_bytes
+
+    dim = 64
+    moe = _built(dataclasses.replace(args, hidden_dim=96), dim=dim)
+    x = torch.randn(4, 128, dim, requires_grad=True)
+    saved: dict[int, int] = {}
+    known = {p.untyped_storage().data_ptr() for p in moe.parameters()} | {x.untyped_storage().data_ptr()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(x)
+    measured = sum(n for ptr, n in saved.items() if ptr not in known) / (4 * 128)
+    assert measured == pytest.approx(moe_activation_bytes(moe.args, dim, 4), rel=0.03)
