@@ -29,9 +29,11 @@ class ExpertLoadBalancer:
         plan: the model's plan (`plan.blocks`, `plan.moe`).
         group: the data-parallel x context-parallel process group the counts are summed over
             (tensor-parallel peers see the same tokens and are left out).
+        loss_divisor: what the trainer divides each micro-batch's language-model loss by (gradient
+            accumulation steps x pipeline microbatches): each layer's auxiliary loss is divided alike.
     """
 
-    def __init__(self, parts: list[nn.Module], plan: ModelPlan, group: dist.ProcessGroup | None):
+    def __init__(self, parts: list[nn.Module], plan: ModelPlan, group: dist.ProcessGroup | None, loss_divisor: int = 1):
         self.group = group
         self.layers: list[tuple[str, nn.Module]] = []  # (block name, MoE module), in forward order
         for part in parts:
@@ -39,6 +41,7 @@ class ExpertLoadBalancer:
             for name, block in container.named_children() if container is not None else ():
                 moe = get_submodule_or_none(block, plan.moe)
                 if moe is not None:
+                    moe.aux_loss_scale = 1.0 / loss_divisor
                     self.layers.append((name, moe))
         self.last_counts: torch.Tensor | None = None  # (layers, experts) global counts of the last step
 

@@ -212,7 +212,11 @@ class Trainer:
                 **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
             )
             # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
-            self.balancer = ExpertLoadBalancer(self.model.parts, self.spec.plan, self.mesh["dp_cp"].get_group())
+            self.balancer = ExpertLoadBalancer(
+                self.model.parts, self.spec.plan, self.mesh["dp_cp"].get_group(),
+                # the auxiliary loss is divided as the language-model loss is: by accumulation steps and microbatches
+                loss_divisor=self.accum_steps * (self.model.schedule._n_microbatches if self.model.schedule is not None else 1),
+            )
             # training.on_nonfinite, applied after each step whose update the run's guard dropped
             self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
             self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did

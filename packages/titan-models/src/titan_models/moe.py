@@ -226,7 +226,9 @@ class MoE(nn.Module):
 
     Buffers: `expert_bias` `(experts,)` (persistent: checkpoints keep it) and
     `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
-    last read it (not persistent).
+    last read it (not persistent). `aux_loss_scale` multiplies the auxiliary loss's gradient: the
+    trainer sets it to one over what it divides the language-model loss by (gradient-accumulation
+    steps x pipeline microbatches).
     """
 
     def __init__(self, dim: int, args: MoEArgs):
@@ -237,6 +239,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.num_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args:
@@ -255,7 +258,7 @@ class MoE(nn.Module):
         routed = routed[order.argsort()].view(-1, k, dim)  # back to (tokens, k, dim)
         out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (tokens, dim)
         if self.args.aux_loss_coeff > 0 and self.training:
-            aux = self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k)
+            aux = self.aux_loss_scale * self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k)
             out = _AddAuxLoss.apply(out, aux)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -80,6 +80,10 @@ class ActivationBytes:
         head: the final norm and the output projection's input (the logits are `logits`).
         logits: the logits and the loss over the vocab, at their largest (backward of the log-softmax).
         logits_saved: what the loss keeps for backward (the log-softmax output).
+        per_block: where a model's blocks differ (DeepSeek-V3's dense and Mixture-of-Experts blocks),
+            each block's own figures by layer index, whose `block*` fields apply to that block; the
+            `block*` fields above are then each the smallest over the blocks (a lower bound). Empty:
+            every block is as above.
     """
 
     block: int
@@ -89,6 +93,7 @@ class ActivationBytes:
     head: int
     logits: int
     logits_saved: int
+    per_block: tuple[ActivationBytes, ...] = ()
 
 
 @dataclass(frozen=True)

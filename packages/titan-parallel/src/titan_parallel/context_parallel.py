@@ -116,7 +116,8 @@ def apply_cp(
             raise ValueError(
                 f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; fix the model's plan"
             )
-        setattr(parent, name, RingAttention(group, cp_rotate_method))
+        core = getattr(parent, name)
+        setattr(parent, name, RingAttention(group, cp_rotate_method, scale=getattr(core, "scale", None)))
     hook = functools.partial(
         _supply_positions,
         cp_rank=cp_mesh.get_local_rank(),

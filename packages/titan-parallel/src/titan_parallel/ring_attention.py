@@ -267,13 +267,16 @@ class RingAttention(nn.Module):
     Args:
         group: the context-parallel process group.
         rotate_method: "allgather" or "rotate".
+        scale: the softmax scale of the core it replaces (its `scale` attribute, e.g. MLA's YaRN-corrected
+            one); None means `1 / sqrt(head_dim)`.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rotate_method: RotateMethod = "allgather"):
+    def __init__(self, group: dist.ProcessGroup, rotate_method: RotateMethod = "allgather", scale: float | None = None):
         super().__init__()
         check_rotate_method(rotate_method)
         self.group = group
         self.rotate_method = rotate_method
+        self.scale = scale
 
     @torch.compiler.disable  # point-to-point collectives inside an autograd.Function: run eagerly
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -283,7 +286,12 @@ class RingAttention(nn.Module):
         Returns:
             `(bs, n_heads, seqlen/cp, head_dim)`.
         """
-        return ring_attention(q, k, v, self.group, self.rotate_method)
+        if self.rotate_method == "rotate" and k.shape[-1] != v.shape[-1]:
+            raise ValueError(
+                f"context_parallel_rotate_method='rotate' passes keys and values around the ring as one tensor and needs "
+                f"equal head dims (keys {k.shape[-1]}, values {v.shape[-1]}, as in MLA); use 'allgather'"
+            )
+        return ring_attention(q, k, v, self.group, self.rotate_method, scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"rotate_method={self.rotate_method!r}, cp={dist.get_world_size(self.group)}"

@@ -28,9 +28,14 @@ for training); Hugging Face's Qwen3-MoE has no expert bias (see `hf_adapter`).
 16, as in the published shapes. Derive variants with `dataclasses.replace`.
 """
 
+import dataclasses
+
 from titan_models.moe import MoEArgs
 from titan_models.qwen3.model import ModelArgs
 
+# Qwen3-MoE balances its experts with an auxiliary loss (HF `router_aux_loss_coef` 0.001), not an
+# expert bias, which its Hugging Face checkpoints have no place for: a trained model converts back.
+_QWEN3_ROUTING = MoEArgs(score_func="softmax", route_norm=True, load_balance_coeff=None, aux_loss_coeff=1e-3)
 _VOCAB = 151936
 _POSITIONS = 40960
 
@@ -52,7 +57,7 @@ def _qwen3(dim: int, n_layers: int, n_heads: int, hidden_dim: int, tied: bool) -
 
 def _qwen3_moe(dim: int, n_layers: int, n_heads: int, hidden_dim: int, expert_dim: int) -> ModelArgs:
     """A published Qwen3-MoE shape: 4 KV heads, 128 experts, top 8, renormalised softmax routing."""
-    moe = MoEArgs(num_experts=128, top_k=8, hidden_dim=expert_dim, score_func="softmax", route_norm=True)
+    moe = dataclasses.replace(_QWEN3_ROUTING, num_experts=128, top_k=8, hidden_dim=expert_dim)
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -89,7 +94,7 @@ qwen3_moe_flavors: dict[str, ModelArgs] = {
         hidden_dim=768,
         vocab_size=2048,
         max_seq_len=2048,
-        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=128, score_func="softmax", route_norm=True),
+        moe=dataclasses.replace(_QWEN3_ROUTING, num_experts=8, top_k=2, hidden_dim=128),
     ),
     "30B-A3B": _qwen3_moe(2048, 48, 32, 6144, expert_dim=768),
     "235B-A22B": _qwen3_moe(4096, 94, 64, 12288, expert_dim=1536),

@@ -231,8 +231,8 @@ def moe_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """A Hugging Face Qwen3-MoE `config.json` (as a dict) -> `ModelArgs` with `moe` set.
 
     Routing is Qwen3-MoE's (softmax over all experts, top `num_experts_per_tok`, renormalised
-    when `norm_topk_prob`); `MoEArgs.load_balance_coeff` stays at its default, so the
-    state dict matches the registered flavors' (`router_aux_loss_coef` is not read).
+    when `norm_topk_prob`), balanced as the registered flavors are: no expert bias (Hugging Face's
+    Qwen3-MoE has none), the auxiliary loss weighted by `router_aux_loss_coef` (0.001 by default).
 
     Args:
         config: the parsed `config.json`.
@@ -253,6 +253,8 @@ def moe_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         hidden_dim=int(config["moe_intermediate_size"]),
         score_func="softmax",
         route_norm=bool(config.get("norm_topk_prob", False)),
+        load_balance_coeff=None,
+        aux_loss_coeff=float(config.get("router_aux_loss_coef", 1e-3)),
     )
     return _base_args(config, moe)
 
@@ -292,6 +294,7 @@ def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict[str, An
             num_experts_per_tok=args.moe.top_k,
             moe_intermediate_size=args.moe.hidden_dim,
             norm_topk_prob=args.moe.route_norm,
+            router_aux_loss_coef=args.moe.aux_loss_coeff,
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
