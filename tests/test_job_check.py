@@ -22,6 +22,8 @@ BROKEN = {
     "batch": (["--training.local_batch_size", "4", "--training.global_batch_size", "10"], 2,
               ["training.global_batch_size=10", "training.local_batch_size"]),
     "tensor_parallel": (["--parallelism.tensor_parallel_degree", "3"], 3, ["parallelism.tensor_parallel_degree"]),
+    "expert_parallel": (["--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "3"], 3,
+                        ["parallelism.expert_parallel_degree", "8 experts"]),
     "context_parallel": (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"], 2,
                          ["training.seq_len", "parallelism.context_parallel_degree"]),
     "activation_checkpoint": (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "two"], 1,
