@@ -100,8 +100,11 @@ ROWS: tuple[Row, ...] = (
     _row("hsdp2x2", 4, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"),
     _row("fsdp2-tp2", 4, "--parallelism.tensor_parallel_degree", "2", *_AC_OP),
     _row("fsdp2-pp2", 4, *_PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"),
+    # Mixture-of-Experts: DeepSeek-V3 debugmodel (BASE's flavor; 1 dense + 3 MoE blocks of 8 experts, top 2)
+    _row("moe-single", 1, "--model.name", "deepseek_v3"),
+    _row("moe-ep2", 2, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2"),
 )
-"""The matrix: FSDP, HSDP, DDP, TP, CP, PP schedules, AC modes, fp32 and bf16, gradient accumulation."""
+"""The matrix: FSDP, HSDP, DDP, TP, CP, PP schedules, AC modes, fp32 and bf16, gradient accumulation, MoE and EP."""
 
 
 @dataclass

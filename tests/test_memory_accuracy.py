@@ -36,7 +36,7 @@ def test_the_matrix_covers_every_kind_of_layout(results):
     overrides = " ".join(" ".join(r["row"]["tokens"]) for r in results.values())
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
                 "pipeline_parallel_schedule", "activation_checkpoint.mode", "mixed_precision_param bfloat16",
-                "global_batch_size", "dp_mode ddp"):
+                "global_batch_size", "dp_mode ddp", "expert_parallel_degree"):
         assert key in overrides, key
     schedules = {r["row"]["tokens"][r["row"]["tokens"].index("--parallelism.pipeline_parallel_schedule") + 1]
                  for r in results.values() if "--parallelism.pipeline_parallel_schedule" in r["row"]["tokens"]}

@@ -92,6 +92,7 @@ register_model_spec(
         flops_per_token=qwen3.flops_per_token,
         count_params=qwen3.count_params,
         hf_adapter=qwen3.qwen3_hf_adapter,
+        activation_bytes=qwen3.activation_bytes,
         count_active_params=qwen3.count_active_params,
     )
 )
@@ -104,6 +105,7 @@ register_model_spec(
         flops_per_token=qwen3.flops_per_token,
         count_params=qwen3.count_params,
         hf_adapter=qwen3.qwen3_moe_hf_adapter,
+        activation_bytes=qwen3.activation_bytes,
         count_active_params=qwen3.count_active_params,
     )
 )
@@ -117,6 +119,7 @@ register_model_spec(
         flops_per_token=deepseek_v3.flops_per_token,
         count_params=deepseek_v3.count_params,
         hf_adapter=deepseek_v3.deepseek_v3_hf_adapter,
+        activation_bytes=deepseek_v3.activation_bytes,
         count_active_params=deepseek_v3.count_active_params,
     )
 )

@@ -214,9 +214,10 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, s
     else:
         indices = (0,)
     names = [name for i in indices for name in stages[i]]
-    params = _count_params(job, [n for n in _expand_blocks(job, names)], shards)
+    expanded = _expand_blocks(job, names)
+    params = _count_params(job, expanded, shards)
     blocks = params.unsharded_blocks
-    n_blocks = len(blocks)
+    block_acts = _block_activations(act, [n for n in expanded if n.startswith(plan.blocks + ".")])
     has_head = any(n in plan.pp_last for n in names) or dims.pp == 1
     buffers = stage_buffers * len(indices)
 
@@ -228,17 +229,16 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, s
         grad_bytes *= 2  # DDP's gradient buckets hold a second copy
 
     # Activations kept for backward, per micro-batch on this rank's stages.
-    per_block = _saved_per_block(act, ac.mode, ac.selective_ac_option, n_blocks)
+    per_block = _saved_per_block(block_acts, ac.mode, ac.selective_ac_option)
     n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
     inflight = inflight_microbatches(p.pipeline_parallel_schedule, dims.pp, pp_rank, len(indices), n_micro)
     saved_blocks = tokens * sum(per_block)
     saved_head = tokens * (act.head + act.logits_saved) if has_head else 0
     activations = inflight * saved_blocks + saved_head
-    # What a block's backward adds: its recompute under AC, the gradients of its activations.
-    recompute = tokens * (act.block if ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op") else 0)
-    if ac.mode == "selective" and ac.selective_ac_option == "op":
-        recompute = tokens * (act.block - act.block_op)
-    block_bwd = tokens * act.block_backward + recompute
+    # What a block's backward adds: its recompute under AC, the gradients of its activations; of the
+    # block whose backward peaks highest, net of what the blocks after it freed (the last block, where all
+    # blocks are alike).
+    block_bwd = _block_backward_peak(block_acts or [act], per_block or [0], ac.mode, ac.selective_ac_option, tokens)
 
     # FSDP's gathered (unsharded) parameters and gradient buffers, in the compute dtype.
     biggest_block = max(blocks, default=0)
@@ -319,13 +319,39 @@ def _expand_blocks(job: CheckedJob, names: list[str]) -> list[str]:
     return out
 
 
-def _saved_per_block(act, mode: str, option: str, n_blocks: int) -> list[int]:
-    """Bytes per token each block keeps for backward under the activation checkpointing mode."""
+def _block_activations(act, block_names: list[str]) -> list:
+    """The `ActivationBytes` of each block named `<blocks>.<layer index>`: the family's `per_block` entry where
+    its blocks differ (DeepSeek-V3's dense and MoE blocks), else `act` itself."""
+    if not act.per_block:
+        return [act] * len(block_names)
+    return [act.per_block[int(name.rsplit(".", 1)[1])] for name in block_names]
+
+
+def _saved_per_block(acts: list, mode: str, option: str) -> list[int]:
+    """Bytes per token each block (of `ActivationBytes` `acts`) keeps for backward under the activation checkpointing mode."""
     if mode == "full":
-        return [act.block_input] * n_blocks
+        return [a.block_input for a in acts]
     if mode == "selective" and option == "op":
-        return [act.block_op] * n_blocks
+        return [a.block_op for a in acts]
     if mode == "selective":
         every = int(option)
-        return [act.block_input if i % every == 0 else act.block for i in range(n_blocks)]
-    return [act.block] * n_blocks
+        return [a.block_input if i % every == 0 else a.block for i, a in enumerate(acts)]
+    return [a.block for a in acts]
+
+
+def _block_backward_peak(acts: list, saved: list[int], mode: str, option: str, tokens: int) -> int:
+    """Bytes a block's backward adds to the saved activations, at the block where the sum peaks.
+
+    Block j's backward holds its recompute under AC and the gradients of its activations; by then the blocks
+    after it have freed what they kept of this micro-batch (`saved`, bytes per token). Where every block is
+    alike the last block's backward is the peak.
+    """
+    best, freed = None, 0
+    for a, kept in zip(reversed(acts), reversed(saved)):
+        recompute = tokens * (a.block if mode == "full" or (mode == "selective" and option != "op") else 0)
+        if mode == "selective" and option == "op":
+            recompute = tokens * (a.block - a.block_op)
+        net = tokens * a.block_backward + recompute - freed
+        best = net if best is None or net > best else best
+        freed += tokens * kept
+    return best

@@ -27,7 +27,6 @@ The search, in order:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections import Counter
 from collections.abc import Callable
@@ -259,8 +258,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         schedules = tuple(s for s in PLAN_SCHEDULES if s in available_schedules())
     cfg, w, c = plan.base, plan.workload, plan.cluster
     spec, args = _model(cfg)
-    one, two = (spec.count_params(dataclasses.replace(args, n_layers=n)) for n in (1, 2))
-    block_params = two - one
+    block_params = _smallest_block_params(spec, args)
     compute_bytes = compute_dtype_bytes(cfg, "cuda")
     p = cfg.parallelism
     ends = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
@@ -359,3 +357,13 @@ def _estimate_one(plan: Plan, ranked: Ranked, estimate: Estimator) -> bool:
     if ranked.peak > plan.usable and (c is None or not c.estimated or ranked.peak < c.peak):
         plan.closest = ranked  # the nearest to fitting: an estimate before a lower bound, then the smallest
     return False
+
+
+def _smallest_block_params(spec, args) -> int:
+    """Parameters of the model's smallest block, counted on the meta model (a DeepSeek-V3 has dense
+    and Mixture-of-Experts blocks; a lower bound takes the smaller)."""
+    import torch
+
+    with torch.device("meta"):
+        model = spec.build(args)
+    return min(sum(p.numel() for p in block.parameters()) for block in model.get_submodule(spec.plan.blocks).children())
