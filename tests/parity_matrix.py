@@ -98,6 +98,7 @@ LAYOUTS = [
     Layout("moe_ep2", 2, 2, (EP, "2"), model=DEEPSEEK),
     Layout("moe_ep4", 4, 4, (EP, "4"), model=DEEPSEEK),
     Layout("moe_ep2_fsdp4", 4, 4, (EP, "2"), model=DEEPSEEK),  # each expert FSDP-sharded over 2 ranks
+    Layout("moe_ep2_hsdp2x2", 4, 4, (EP, "2", f"{P}data_parallel_replicate_degree", "2"), model=DEEPSEEK),
     # Qwen3-MoE's auxiliary balance loss is divided over the pipeline microbatches as the loss is.
     Layout("moe_ep2_pp2", 4, 2, _pp("1F1B", EP, "2"), model=QWEN3_MOE),
     Layout("moe_ep2_tp2", 4, 2, (EP, "2", f"{P}tensor_parallel_degree", "2"), model=DEEPSEEK),

@@ -31,10 +31,16 @@ class ExpertLoadBalancer:
             (tensor-parallel peers see the same tokens and are left out).
         loss_divisor: what the trainer divides each micro-batch's language-model loss by (gradient
             accumulation steps x pipeline microbatches): each layer's auxiliary loss is divided alike.
+        pp_group: under pipeline parallel, the pipeline's process group: `metrics` gathers every
+            stage's layers (call it on every rank).
     """
 
-    def __init__(self, parts: list[nn.Module], plan: ModelPlan, group: dist.ProcessGroup | None, loss_divisor: int = 1):
+    def __init__(
+        self, parts: list[nn.Module], plan: ModelPlan, group: dist.ProcessGroup | None, loss_divisor: int = 1,
+        pp_group: dist.ProcessGroup | None = None,
+    ):
         self.group = group
+        self.pp_group = pp_group
         self.layers: list[tuple[str, nn.Module]] = []  # (block name, MoE module), in forward order
         for part in parts:
             container = get_submodule_or_none(part, plan.blocks) if plan.moe is not None else None
@@ -72,19 +78,27 @@ class ExpertLoadBalancer:
             moe.tokens_per_expert.zero_()
 
     def metrics(self) -> dict[str, object]:
-        """The last step's load, for the logs.
+        """The last step's load, for the logs (every stage's layers under pipeline parallel).
 
         `moe/max_load`: over all layers, the busiest expert's tokens over the mean (1 = even);
         `moe/layer{L}/max_load`, `moe/layer{L}/min_load`: per layer, busiest and idlest expert over the
         mean; `moe/tokens_per_expert`: `{layer: [tokens of each expert]}` (metrics.jsonl only).
         """
-        if self.last_counts is None:
+        counts: dict[str, list[int]] = {}
+        if self.last_counts is not None:
+            counts = {name: [int(c) for c in row] for (name, _), row in zip(self.layers, self.last_counts.tolist())}
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            stages: list[dict[str, list[int]]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
+            dist.all_gather_object(stages, counts, group=self.pp_group)
+            counts = {name: row for stage in stages for name, row in stage.items()}
+        if not counts:
             return {}
-        mean = self.last_counts.mean(dim=1, keepdim=True).clamp_min(1e-9)
-        ratio = self.last_counts / mean  # (layers, experts)
-        values: dict[str, object] = {"moe/max_load": ratio.max().item()}
-        for (name, _), row in zip(self.layers, ratio.tolist()):
-            values[f"moe/layer{name}/max_load"] = max(row)
-            values[f"moe/layer{name}/min_load"] = min(row)
-        values["moe/tokens_per_expert"] = {name: [int(c) for c in row] for (name, _), row in zip(self.layers, self.last_counts.tolist())}
+        counts = dict(sorted(counts.items(), key=lambda item: int(item[0]) if item[0].isdigit() else item[0]))
+        values: dict[str, object] = {}
+        for name, row in counts.items():
+            mean = max(sum(row) / len(row), 1e-9)
+            values[f"moe/layer{name}/max_load"] = max(row) / mean
+            values[f"moe/layer{name}/min_load"] = min(row) / mean
+        values["moe/max_load"] = max(v for k, v in values.items() if k.endswith("/max_load"))
+        values["moe/tokens_per_expert"] = counts
         return values

@@ -75,9 +75,10 @@ def apply_fsdp(
                 )
                 if expert_grad_divide_factor is not None:
                     experts.set_gradient_divide_factor(expert_grad_divide_factor)
-                    if expert_mesh.device_type != "cuda" and expert_mesh.size() > 1:
-                        # A custom factor reduces with PREMUL_SUM, which gloo lacks: sum, then divide. Not on
-                        # one rank: there torch 2.15 divides by the factor in its copy and again after it.
+                    if expert_mesh.device_type != "cuda" and expert_mesh.size(-1) > 1:
+                        # A custom factor reduces with PREMUL_SUM, which gloo lacks: sum, then divide. Not when
+                        # the shard dim has one rank: torch 2.15 then divides by the factor in its one-rank copy,
+                        # and again after the sum (HSDP's all-reduce sums without PREMUL_SUM anyway).
                         experts.set_force_sum_reduction_for_comms(True)
     for block in iter_blocks(model, plan):
         fully_shard(block, reshard_after_forward=reshard, **config)

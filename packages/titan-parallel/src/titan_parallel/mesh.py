@@ -47,7 +47,8 @@ class ParallelMesh:
     `mesh["dp_replicate", "dp_shard_cp"]` (the HSDP mesh).
 
     Args:
-        root: the 5-D mesh `(pp, dp_replicate, dp_shard, cp, tp)`.
+        root: the 5-D mesh `(pp, dp_replicate, dp_shard, cp, tp)`, or under expert parallel the 6-D
+            `(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)`.
         flattened: the views of `FLATTENED`, by name.
         dims: the degrees the mesh was built from.
     """

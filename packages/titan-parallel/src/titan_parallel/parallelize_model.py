@@ -100,7 +100,8 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: 
     Args:
         model: the model (or one pipeline stage), on the meta device or real.
         plan: how the model may be split.
-        mesh: the mesh from `ParallelDims.build_mesh` (dims pp, dp_replicate, dp_shard, cp, tp).
+        mesh: the mesh from `ParallelDims.build_mesh` (dims pp, dp_replicate, dp_shard, cp, tp; under
+            expert parallel dp_shard split into dp_shard_mod_ep x dp_shard_in_ep, see `titan_parallel.mesh`).
         options: dtypes and the optional features (checked first, `check_options`).
     """
     check_options(mesh, options)

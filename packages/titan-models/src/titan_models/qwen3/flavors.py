@@ -22,8 +22,8 @@ softmax scores renormalised over the chosen 8 (`norm_topk_prob`), no shared expe
 | 30B-A3B | 2048 | 48 | 32 / 4 | 768 | 30,532,122,624 | 3,353,032,704 |
 | 235B-A22B | 4096 | 94 | 64 / 4 | 1536 | 235,093,634,560 | 22,190,763,520 |
 
-The MoE flavors keep `MoEArgs.load_balance_coeff` at its default (aux-loss-free balancing
-for training); Hugging Face's Qwen3-MoE has no expert bias (see `hf_adapter`).
+The MoE flavors balance their experts as Qwen3-MoE does, with the auxiliary loss (weight 1e-3)
+and no expert bias, which Hugging Face's Qwen3-MoE has no place for: a trained model converts back.
 `debugmodel` / `debugmodel_moe` are tiny (vocab 2048) with `head_dim` 32 != dim / n_heads
 16, as in the published shapes. Derive variants with `dataclasses.replace`.
 """
