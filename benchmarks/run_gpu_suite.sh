@@ -36,3 +36,8 @@ src=$(ls -d packages/*/src | tr '\n' ':')
 export PYTHONPATH=${src%:}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 "$python" benchmarks/gpu_suite.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+# The experts' grouped matmul on this GPU (bf16 `torch._grouped_mm` against the per-expert loop).
+case " $* " in
+  *" --smoke "*) ;;
+  *) "$python" benchmarks/moe_grouped_mm.py 2>&1 | tee "$out/moe_grouped_mm.txt" ;;
+esac

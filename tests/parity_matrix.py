@@ -62,11 +62,11 @@ LAYOUTS = [
     Layout("fsdp2", 2, 2, ()),
     Layout("fsdp4", 4, 4, ()),
     Layout("hsdp2x2", 4, 4, (f"{P}data_parallel_replicate_degree", "2")),
-    Layout("fsdp2_reshard_never", 2, 2, (f"{P}fsdp_reshard_after_forward", "never")),
-    Layout("fsdp2_cpu_offload", 2, 2, ("--training.enable_cpu_offload", "true")),
-    Layout("fsdp2_ac_full", 2, 2, ("--activation_checkpoint.mode", "full")),
-    Layout("fsdp2_ac_selective_op", 2, 2, ("--activation_checkpoint.mode", "selective",
-                                           "--activation_checkpoint.selective_ac_option", "op")),
+    # Options of one parallelism share a run (each changes different code: reshard policy and AC; offload and AC).
+    Layout("fsdp2_reshard_never_ac_full", 2, 2, (f"{P}fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "full")),
+    Layout("fsdp2_cpu_offload_ac_selective_op", 2, 2, ("--training.enable_cpu_offload", "true", "--activation_checkpoint.mode",
+                                                       "selective", "--activation_checkpoint.selective_ac_option", "op")),
+    # TP 2 with sequence and loss parallel (the defaults), and every 2nd block checkpointed.
     Layout("tp2_ac_selective_2", 2, 1, (f"{P}tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")),
     # Regional compile (each block, inductor's C++ backend on CPU); loss compiled too.
     Layout("compile_fsdp2", 2, 2, ("--compile.enable", "true"), slow=True),
@@ -77,21 +77,17 @@ LAYOUTS = [
     Layout("ddp2", 2, 2, (f"{P}dp_mode", "ddp", f"{P}data_parallel_replicate_degree", "2",
                            f"{P}data_parallel_shard_degree", "1"), debug_detail=False),
     Layout("tp2_no_loss_parallel", 2, 1, (f"{P}tensor_parallel_degree", "2", f"{P}disable_loss_parallel", "true")),
-    Layout("tp2_sp_loss_parallel", 2, 1, (f"{P}tensor_parallel_degree", "2")),
     Layout("fsdp2_tp2", 4, 2, (f"{P}tensor_parallel_degree", "2")),
     Layout("pp2_GPipe", 2, 1, _pp("GPipe")),
-    Layout("pp2_1F1B", 2, 1, _pp("1F1B")),
     Layout("pp2_Interleaved1F1B", 2, 1, _pp("Interleaved1F1B")),
     Layout("pp2_InterleavedZeroBubble", 2, 1, _pp("InterleavedZeroBubble")),
     Layout("pp2_ZBVZeroBubble", 2, 1, _pp("ZBVZeroBubble")),
     Layout("pp2_DualPipeV", 2, 1, _pp("DualPipeV")),
-    Layout("pp2_fsdp2", 4, 2, _pp("1F1B")),
+    Layout("pp2_fsdp2", 4, 2, _pp("1F1B")),  # 1F1B, with FSDP 2 per stage
     Layout("pp2_tp2", 4, 1, _pp("Interleaved1F1B", f"{P}tensor_parallel_degree", "2")),
-    Layout("cp2_allgather", 2, 1, (f"{P}context_parallel_degree", "2")),
     Layout("cp2_rotate", 2, 1, (f"{P}context_parallel_degree", "2", f"{P}context_parallel_rotate_method", "rotate")),
-    Layout("fsdp2_cp2", 4, 2, (f"{P}context_parallel_degree", "2")),
-    Layout("fsdp2_tp2_pp2", 8, 2, _pp("1F1B", f"{P}tensor_parallel_degree", "2"), slow=True),
-    # 4-D in 8 processes: FSDP shards over the cp ranks (its mesh is dp_shard x cp).
+    Layout("fsdp2_cp2", 4, 2, (f"{P}context_parallel_degree", "2")),  # CP's K/V exchange by all-gather (the default)
+    # 4-D in 8 processes: FSDP shards over the cp ranks (its mesh is dp_shard x cp); covers TP x PP x FSDP.
     Layout("fsdp_tp2_pp2_cp2", 8, 1, _pp("1F1B", f"{P}tensor_parallel_degree", "2", f"{P}context_parallel_degree", "2"),
            slow=True),
     # Expert parallel: the experts split over ep ranks carved from the FSDP ranks, tokens by all-to-all.
