@@ -71,6 +71,7 @@ def raised(call) -> ParallelConfigError:
         (lambda: check_cp(30, 1, tp=4), ("seq_len", "tp"), "seq_len=30 is not divisible by tp=4:"),
         (lambda: check_cp(0, 1), ("seq_len",), "seq_len=0 must be >= 1"),
         (lambda: check_rotate_method("ring"), ("cp_rotate_method",), "cp_rotate_method='ring' is unknown"),
+        (lambda: check_rotate_method("rotate", 192, 128), ("cp_rotate_method",), "key head dim is 192 and its value head dim 128"),
         (lambda: check_ac("some", "2"), ("ac_mode",), "ac_mode='some' is unknown"),
         (lambda: check_ac("selective", "0"), ("ac_selective_option",), "ac_selective_option='0' is neither 'op' nor a positive int"),
         (lambda: check_async_tp(2, "cpu", compile=False), ("async_tp", "compile", "device_type"),
@@ -92,6 +93,8 @@ def test_valid_layouts_pass():
     check_cp(32, 2, tp=2)
     check_cp(15, 1)  # neither context nor sequence parallel: any length
     check_rotate_method("rotate")
+    check_rotate_method("rotate", 128, 128)
+    check_rotate_method("allgather", 192, 128)
     for mode, option in (("none", "2"), ("full", "2"), ("selective", "op"), ("selective", "3"), ("selective", 3)):
         check_ac(mode, option)
     check_async_tp(4, "cuda", compile=True)

@@ -105,6 +105,10 @@ class ParityError(RuntimeError):
     """The converted weights do not reproduce the source's logits."""
 
 
+RUN_CONFIG = "config.toml"
+"""The config a `titan train` run writes into its folder."""
+
+
 def convert_checkpoint(
     src: str,
     dst: str | Path,
@@ -245,14 +249,28 @@ def infer_model_name(src: Path, src_format: str) -> str:
                 f"{config_folder / CONFIG_FILE} architectures {architectures} names no Titan model family; "
                 f"supported: {', '.join(families)} (or pass --model-name)"
             )
+    run = find_run_config(folder)
+    return str(run[1].get("model", {}).get("name", DEFAULT_MODEL_NAME)) if run is not None else DEFAULT_MODEL_NAME
+
+
+def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The `config.toml` of the `titan train` run `path` belongs to (in it or up to 3 folders above), parsed.
+
+    Args:
+        path: a run folder, its checkpoint folder, a step folder, or a file in one.
+
+    Raises:
+        ConfigError: the config.toml is not valid TOML.
+    """
+    folder = path if path.is_dir() else path.parent
     for run_folder in [folder, *folder.parents][:4]:
-        toml_path = run_folder / "config.toml"
+        toml_path = run_folder / RUN_CONFIG
         if toml_path.is_file():
             try:
-                return str(tomllib.loads(toml_path.read_text()).get("model", {}).get("name", DEFAULT_MODEL_NAME))
+                return toml_path, tomllib.loads(toml_path.read_text())
             except tomllib.TOMLDecodeError as err:
-                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name") from None
-    return DEFAULT_MODEL_NAME
+                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name and --flavor") from None
+    return None
 
 
 def _families_by_hf_architecture() -> dict[str, str]:
@@ -302,17 +320,13 @@ def resolve_source_args(
     if (folder / CONFIG_FILE).is_file():
         config = read_hf_config(folder)
         return adapter.args_from_hf_config(config), config, folder
-    for run_folder in [folder, *folder.parents][:4]:
-        toml_path = run_folder / "config.toml"
-        if toml_path.is_file():
-            try:
-                model = tomllib.loads(toml_path.read_text()).get("model", {})
-            except tomllib.TOMLDecodeError as err:
-                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --flavor NAME") from None
-            if model.get("name", model_name) != model_name:
-                raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
-            if "flavor" in model:
-                return get_model_args(model_name, model["flavor"]), {}, folder
+    run = find_run_config(folder)
+    if run is not None:
+        toml_path, model = run[0], run[1].get("model", {})
+        if model.get("name", model_name) != model_name:
+            raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
+        if "flavor" in model:
+            return get_model_args(model_name, model["flavor"]), {}, folder
     raise ConfigError(f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it")
 
 

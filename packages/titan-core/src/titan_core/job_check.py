@@ -280,14 +280,8 @@ def _context_parallel(job: CheckedJob) -> None:
 
     p = job.cfg.parallelism
     check_cp(job.cfg.training.seq_len, p.context_parallel_degree, p.tensor_parallel_degree)
-    check_rotate_method(p.context_parallel_rotate_method)
-    args = job.model_args
-    qk, v = getattr(args, "qk_head_dim", None), getattr(args, "v_head_dim", None)
-    if p.context_parallel_degree > 1 and p.context_parallel_rotate_method == "rotate" and qk is not None and qk != v:
-        raise ConfigError(
-            f"parallelism.context_parallel_rotate_method='rotate' passes keys and values around the ring as one tensor, "
-            f"but model.name '{job.cfg.model.name}' has key head dim {qk} and value head dim {v}; use 'allgather'"
-        )
+    args = job.model_args if p.context_parallel_degree > 1 else None  # MLA's key and value head dims differ
+    check_rotate_method(p.context_parallel_rotate_method, getattr(args, "qk_head_dim", None), getattr(args, "v_head_dim", None))
 
 
 def _activation_checkpoint(job: CheckedJob) -> None:

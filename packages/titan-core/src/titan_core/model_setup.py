@@ -28,11 +28,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelParts:
-    """What one rank trains: its model parts, and under pipeline parallel the stages and schedule."""
+    """What one rank trains: its model parts, and under pipeline parallel the stages, the schedule
+    and the microbatches it runs per step."""
 
     parts: list[nn.Module]
     schedule: _PipelineSchedule | None = None
     stages: list[PipelineStage] | None = None
+    n_microbatches: int = 1
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -107,7 +109,7 @@ def build_model_parts(
         stage_modules, pipeline, n_stages=len(names), pp_mesh=mesh["pp"], device=device,
         local_batch_size=local_batch_size, loss_fn=loss_fn,
     )
-    return ModelParts(parts, pipe.schedule, pipe.stages)
+    return ModelParts(parts, pipe.schedule, pipe.stages, pipe.n_microbatches)
 
 
 @torch.no_grad()

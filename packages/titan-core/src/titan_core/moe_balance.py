@@ -40,10 +40,10 @@ class ExpertLoadBalancer:
         pp_group: dist.ProcessGroup | None = None,
     ):
         self.group = group
-        self.pp_group = pp_group
+        self.pp_group = pp_group if plan.moe is not None else None  # a dense model gathers nothing
         self.layers: list[tuple[str, nn.Module]] = []  # (block name, MoE module), in forward order
-        for part in parts:
-            container = get_submodule_or_none(part, plan.blocks) if plan.moe is not None else None
+        for part in parts if plan.moe is not None else ():
+            container = get_submodule_or_none(part, plan.blocks)
             for name, block in container.named_children() if container is not None else ():
                 moe = get_submodule_or_none(block, plan.moe)
                 if moe is not None:

@@ -215,7 +215,7 @@ class Trainer:
             self.balancer = ExpertLoadBalancer(
                 self.model.parts, self.spec.plan, self.mesh["dp_cp"].get_group(),
                 # the auxiliary loss is divided as the language-model loss is: by accumulation steps and microbatches
-                loss_divisor=self.accum_steps * (self.model.schedule._n_microbatches if self.model.schedule is not None else 1),
+                loss_divisor=self.accum_steps * self.model.n_microbatches,
                 pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
             )
             # training.on_nonfinite, applied after each step whose update the run's guard dropped

@@ -277,12 +277,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.init_weights(out_std)
         device = buffer_device if buffer_device is not None else self.expert_bias.device
-        if self.expert_bias.device.type == "meta" or device != self.expert_bias.device:
-            self.expert_bias = torch.zeros(self.args.num_experts, device=device)
-            self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
-        else:
-            self.expert_bias.zero_()
-            self.tokens_per_expert.zero_()
+        self.expert_bias = torch.zeros(self.args.num_experts, device=device)
+        self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
 
 
 def moe_activation_bytes(args: MoEArgs, dim: int, compute_bytes: int) -> int:

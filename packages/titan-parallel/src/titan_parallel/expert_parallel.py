@@ -91,7 +91,7 @@ class ExpertDispatch:
         dist.all_to_all_single(recv, send, group=self.group)  # recv[s, j]: slots from rank s for local expert j
         send_splits, recv_splits = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
         arrived = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)  # (arrived, dim), by (source, expert)
-        order = _source_major_to_expert_major(recv)
+        order = _source_major_to_expert_major(recv, sum(recv_splits))
         self._pending.append((send_splits, recv_splits, order))
         return arrived[order], recv.sum(dim=0)  # grouped by local expert; (local experts,) counts
 
@@ -101,20 +101,19 @@ class ExpertDispatch:
         return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
 
 
-def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
+def _source_major_to_expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
     """Row order that regroups slots laid out by (source rank, local expert) into (local expert, source rank).
 
     Args:
         recv: `(sources, local experts)` slot counts.
+        total: their sum (known on the host already: no extra synchronisation).
     """
-    counts = recv.tolist()
-    starts = torch.cumsum(recv.flatten(), 0).sub_(recv.flatten()).view_as(recv).tolist()
-    pieces = [
-        torch.arange(starts[s][j], starts[s][j] + counts[s][j], device=recv.device)
-        for j in range(recv.shape[1])
-        for s in range(recv.shape[0])
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=recv.device)
+    flat = recv.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(recv)  # where each (source, expert) chunk starts on arrival
+    sizes, firsts = recv.t().flatten(), starts.t().flatten()  # the chunks in (expert, source) order
+    # Row i of chunk c (in the new order) comes from arrival row firsts[c] + i.
+    shift = torch.repeat_interleave(firsts - (torch.cumsum(sizes, 0) - sizes), sizes, output_size=total)
+    return shift + torch.arange(total, device=recv.device)
 
 
 def apply_ep(model: nn.Module, plan: ModelPlan, ep_mesh: DeviceMesh) -> nn.Module:

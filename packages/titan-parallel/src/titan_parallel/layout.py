@@ -201,15 +201,24 @@ def check_cp(seq_len: int, cp: int, tp: int = 1) -> None:
         )
 
 
-def check_rotate_method(cp_rotate_method: str) -> None:
-    """Raise unless `cp_rotate_method` is a known way for context parallel to exchange K/V.
+def check_rotate_method(cp_rotate_method: str, qk_head_dim: int | None = None, v_head_dim: int | None = None) -> None:
+    """Raise unless `cp_rotate_method` is a known way for context parallel to exchange K/V that fits the model.
 
     Args:
         cp_rotate_method: "allgather" (gather K/V once) or "rotate" (pass K/V around a ring).
+        qk_head_dim: the keys' head dim, where the values' differs (MLA); None = equal.
+        v_head_dim: the values' head dim. "rotate" passes keys and values as one tensor, so
+            it needs them equal.
     """
     if cp_rotate_method not in ROTATE_METHODS:
         raise ParallelConfigError(
             f"cp_rotate_method={cp_rotate_method!r} is unknown; choose 'allgather' or 'rotate'",
+            arguments=("cp_rotate_method",),
+        )
+    if cp_rotate_method == "rotate" and qk_head_dim is not None and qk_head_dim != v_head_dim:
+        raise ParallelConfigError(
+            f"cp_rotate_method='rotate' passes keys and values around the ring as one tensor, but the model's key head "
+            f"dim is {qk_head_dim} and its value head dim {v_head_dim}; use 'allgather'",
             arguments=("cp_rotate_method",),
         )
 

@@ -286,11 +286,7 @@ class RingAttention(nn.Module):
         Returns:
             `(bs, n_heads, seqlen/cp, head_dim)`.
         """
-        if self.rotate_method == "rotate" and k.shape[-1] != v.shape[-1]:
-            raise ValueError(
-                f"context_parallel_rotate_method='rotate' passes keys and values around the ring as one tensor and needs "
-                f"equal head dims (keys {k.shape[-1]}, values {v.shape[-1]}, as in MLA); use 'allgather'"
-            )
+        check_rotate_method(self.rotate_method, k.shape[-1], v.shape[-1])
         return ring_attention(q, k, v, self.group, self.rotate_method, scale=self.scale)
 
     def extra_repr(self) -> str:

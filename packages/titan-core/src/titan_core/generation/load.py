@@ -9,7 +9,6 @@ checkpoint and family to read, and builds the model the Titan way: on meta, cast
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,14 @@ from titan_models import ModelSpec, get_model_spec
 from torch import nn
 
 from titan_core.config.errors import ConfigError
-from titan_core.convert import check_state_dict, expected_shapes, infer_model_name, load_titan_state_dict, resolve_source_args
-
-RUN_CONFIG = "config.toml"
-"""The config a `titan train` run writes into its folder."""
+from titan_core.convert import (
+    check_state_dict,
+    expected_shapes,
+    find_run_config,
+    infer_model_name,
+    load_titan_state_dict,
+    resolve_source_args,
+)
 
 
 @dataclass(frozen=True)
@@ -148,23 +151,3 @@ def resolve_checkpoint(source: str) -> Path:
             "train with --checkpoint.enable true, or point to a checkpoint folder"
         )
     return path
-
-
-def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The `config.toml` of the run `path` belongs to (in it or up to 3 folders above), parsed.
-
-    Args:
-        path: a run folder, its checkpoint folder, a step folder, or a file in one.
-
-    Raises:
-        ConfigError: the config.toml is not valid TOML.
-    """
-    folder = path if path.is_dir() else path.parent
-    for run_folder in [folder, *folder.parents][:4]:
-        toml_path = run_folder / RUN_CONFIG
-        if toml_path.is_file():
-            try:
-                return toml_path, tomllib.loads(toml_path.read_text())
-            except tomllib.TOMLDecodeError as err:
-                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name and --flavor") from None
-    return None
