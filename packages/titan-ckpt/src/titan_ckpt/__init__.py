@@ -56,12 +56,23 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from titan_ckpt.argument_checks import ASYNC_MODES, AsyncMode
     from titan_ckpt.atomic import atomic_output
-    from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes, write_dcp_checkpoint, write_dcp_state_dict
+    from titan_ckpt.dcp_files import (
+        read_dcp_state_dict,
+        read_dcp_tensor_shapes,
+        write_dcp_checkpoint,
+        write_dcp_state_dict,
+    )
     from titan_ckpt.dtypes import cast_floating, parse_dtype
     from titan_ckpt.errors import CheckpointError, CheckpointNotFoundError
     from titan_ckpt.formats import detect_format
     from titan_ckpt.hf_hub import resolve_hf_source
-    from titan_ckpt.hf_safetensors import copy_extra_files, read_hf_config, read_hf_state_dict, write_hf_checkpoint, write_hf_config
+    from titan_ckpt.hf_safetensors import (
+        copy_extra_files,
+        read_hf_config,
+        read_hf_state_dict,
+        write_hf_checkpoint,
+        write_hf_config,
+    )
     from titan_ckpt.hf_to_dcp import convert_hf_to_dcp
     from titan_ckpt.json_states import JsonStateful
     from titan_ckpt.manager import CheckpointManager, LoadModelFn, SaveModelFn

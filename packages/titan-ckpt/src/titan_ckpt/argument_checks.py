@@ -45,7 +45,10 @@ def check_arguments(
     """
     clash = sorted(set(states) & set(RESERVED_STATES))
     if clash:
-        raise CheckpointError(f"state name '{clash[0]}' is reserved by the checkpoint manager; rename that entry of states", arguments=("states",))
+        raise CheckpointError(
+            f"state name '{clash[0]}' is reserved by the checkpoint manager; rename that entry of states",
+            arguments=("states",),
+        )
     if optimizers and len(optimizers) != len(model_parts):
         raise CheckpointError(
             f"optimizers has {len(optimizers)} entries for {len(model_parts)} model parts; pass one optimizer per model part (pipeline stage)",
@@ -54,12 +57,21 @@ def check_arguments(
     known = (*RESERVED_STATES, *states)
     unknown = [name for name in exclude_from_loading if name not in known]
     if unknown:
-        raise CheckpointError(f"exclude_from_loading: unknown state '{unknown[0]}'; choose from {', '.join(known)}", arguments=("exclude_from_loading",))
+        raise CheckpointError(
+            f"exclude_from_loading: unknown state '{unknown[0]}'; choose from {', '.join(known)}",
+            arguments=("exclude_from_loading",),
+        )
     if async_mode not in ASYNC_MODES:
-        raise CheckpointError(f"async_mode: unknown '{async_mode}'; choose one of {', '.join(ASYNC_MODES)}", arguments=("async_mode",))
+        raise CheckpointError(
+            f"async_mode: unknown '{async_mode}'; choose one of {', '.join(ASYNC_MODES)}", arguments=("async_mode",)
+        )
     if interval < 1:
         raise CheckpointError(f"interval={interval}; save every N >= 1 steps", arguments=("interval",))
     if keep_latest_k < 0:
-        raise CheckpointError(f"keep_latest_k={keep_latest_k}; keep N >= 1 checkpoints, or 0 to keep all", arguments=("keep_latest_k",))
+        raise CheckpointError(
+            f"keep_latest_k={keep_latest_k}; keep N >= 1 checkpoints, or 0 to keep all", arguments=("keep_latest_k",)
+        )
     if load_step < -1:
-        raise CheckpointError(f"load_step={load_step}; pick a step N >= 0, or -1 for the newest", arguments=("load_step",))
+        raise CheckpointError(
+            f"load_step={load_step}; pick a step N >= 0, or -1 for the newest", arguments=("load_step",)
+        )

@@ -35,11 +35,15 @@ def read_dcp_tensor_shapes(folder: str | Path) -> dict[str, tuple[torch.Size, to
     """
     folder = Path(folder)
     if not (folder / METADATA_FILE).is_file():
-        raise CheckpointNotFoundError(f"{folder / METADATA_FILE} not found; point to a DCP checkpoint folder (e.g. a step-N folder)")
+        raise CheckpointNotFoundError(
+            f"{folder / METADATA_FILE} not found; point to a DCP checkpoint folder (e.g. a step-N folder)"
+        )
     try:
         metadata = read_metadata_safely(folder / METADATA_FILE)
     except Exception as err:  # DCP raises assorted types for damaged files
-        raise CheckpointError(f"{folder / METADATA_FILE} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{folder / METADATA_FILE} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged"
+        ) from None
     return {
         name: (meta.size, meta.properties.dtype)
         for name, meta in metadata.state_dict_metadata.items()
@@ -70,7 +74,9 @@ def read_dcp_state_dict(folder: str | Path, names: Iterable[str]) -> dict[str, t
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
     except Exception as err:  # DCP wraps per-rank failures in CheckpointException
-        raise CheckpointError(f"{folder}: DCP data files cannot be read ({type(err).__name__}); the checkpoint is incomplete or damaged") from None
+        raise CheckpointError(
+            f"{folder}: DCP data files cannot be read ({type(err).__name__}); the checkpoint is incomplete or damaged"
+        ) from None
     return state_dict
 
 

@@ -66,9 +66,15 @@ def read_metadata_safely(path: Path) -> Metadata:
             arguments=("load_step",),
         ) from None
     except (EOFError, ValueError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{path} is damaged ({type(err).__name__}: {err}); pick another checkpoint with load_step", arguments=("load_step",)) from None
+        raise CheckpointError(
+            f"{path} is damaged ({type(err).__name__}: {err}); pick another checkpoint with load_step",
+            arguments=("load_step",),
+        ) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; pick another checkpoint with load_step", arguments=("load_step",))
+        raise CheckpointError(
+            f"{path} holds a {type(metadata).__name__}, not DCP metadata; pick another checkpoint with load_step",
+            arguments=("load_step",),
+        )
     return metadata
 
 

@@ -33,12 +33,16 @@ def detect_format(path: str | Path) -> CheckpointFormat:
     if path.is_file():
         if path.suffix in TORCH_SUFFIXES:
             return "torch"
-        raise CheckpointError(f"{path}: unknown checkpoint format; expected a .pt/.bin file or a Hugging Face / DCP folder")
+        raise CheckpointError(
+            f"{path}: unknown checkpoint format; expected a .pt/.bin file or a Hugging Face / DCP folder"
+        )
     if (path / METADATA_FILE).is_file():
         return "dcp"
     if any(path.glob("*.safetensors")):
         if not (path / CONFIG_FILE).is_file():
-            raise CheckpointError(f"{path} has .safetensors weights but no config.json; add the model's config.json beside them")
+            raise CheckpointError(
+                f"{path} has .safetensors weights but no config.json; add the model's config.json beside them"
+            )
         return "hf"
     if len(find_torch_files(path)) == 1:
         return "torch"
@@ -71,5 +75,7 @@ def torch_file_of(path: str | Path) -> Path:
         return path
     files = find_torch_files(path)
     if len(files) != 1:
-        raise CheckpointError(f"{path} holds {len(files)} .pt/.bin files; pass the path of the one state-dict file to convert")
+        raise CheckpointError(
+            f"{path} holds {len(files)} .pt/.bin files; pass the path of the one state-dict file to convert"
+        )
     return files[0]

@@ -50,9 +50,14 @@ def resolve_hf_source(source: str | os.PathLike, revision: str | None = None) ->
         return Path(snapshot_download(source, revision=revision, allow_patterns=HF_DOWNLOAD_PATTERNS))
     except Exception as online_err:  # offline, gated, unknown repo: try the cache before giving up
         try:
-            return Path(snapshot_download(source, revision=revision, allow_patterns=HF_DOWNLOAD_PATTERNS, local_files_only=True))
+            return Path(
+                snapshot_download(source, revision=revision, allow_patterns=HF_DOWNLOAD_PATTERNS, local_files_only=True)
+            )
         except Exception:
-            reason = _mask(f"{type(online_err).__name__}: {str(online_err).splitlines()[0] if str(online_err) else ''}", get_token())
+            reason = _mask(
+                f"{type(online_err).__name__}: {str(online_err).splitlines()[0] if str(online_err) else ''}",
+                get_token(),
+            )
             raise CheckpointNotFoundError(
                 f"{source} is neither a local path nor a Hub repo that can be downloaded or found in the cache ({reason}); "
                 "check the path or repo id, and for gated repos log in with `hf auth login` or set HF_TOKEN"

@@ -41,7 +41,17 @@ PROGRESS_FROM_BYTES = 1 << 30
 """Transfers of at least this many bytes (1 GiB) show a progress bar unless told otherwise."""
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -88,7 +98,9 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); restore the file from the original checkpoint") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}); restore the file from the original checkpoint"
+        ) from None
 
 
 def write_hf_config(folder: str | Path, config: dict[str, Any]) -> Path:
@@ -118,17 +130,23 @@ def list_hf_shards(folder: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
-            raise CheckpointError(f"{index} is not a safetensors index ({err!r}); restore it from the original checkpoint") from None
+            raise CheckpointError(
+                f"{index} is not a safetensors index ({err!r}); restore it from the original checkpoint"
+            ) from None
         shards = [folder / name for name in sorted(set(weight_map.values()))]
         for shard in shards:
             if not shard.is_file():
-                raise CheckpointNotFoundError(f"{shard} is named in {INDEX_FILE} but missing; download or copy the whole checkpoint again")
+                raise CheckpointNotFoundError(
+                    f"{shard} is named in {INDEX_FILE} but missing; download or copy the whole checkpoint again"
+                )
         return shards
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     found = sorted(folder.glob("*.safetensors"))
     if not found:
-        raise CheckpointNotFoundError(f"{folder} holds no .safetensors weights; point to a Hugging Face checkpoint folder")
+        raise CheckpointNotFoundError(
+            f"{folder} holds no .safetensors weights; point to a Hugging Face checkpoint folder"
+        )
     return found
 
 
@@ -151,7 +169,9 @@ def read_hf_state_dict(folder: str | Path, progress: bool | None = None) -> dict
                     for name in f.keys():
                         state_dict[name] = f.get_tensor(name)
             except (SafetensorError, OSError, RuntimeError) as err:
-                raise CheckpointError(f"{shard} is truncated or corrupt ({err}); download or export this file again") from None
+                raise CheckpointError(
+                    f"{shard} is truncated or corrupt ({err}); download or export this file again"
+                ) from None
             bar.update(shard.stat().st_size)
     return state_dict
 
@@ -204,7 +224,11 @@ def write_hf_checkpoint(
     state_dict = cast_floating(state_dict, dtype)
     sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
     groups = plan_shards(sizes, parse_size(max_shard_size))
-    names = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    names = (
+        [SINGLE_FILE]
+        if len(groups) == 1
+        else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    )
     with progress_bar(f"writing {folder.name}", sum(sizes.values()), progress) as bar:
         for group, name in zip(groups, names):
             save_file({k: state_dict[k].contiguous() for k in group}, str(folder / name), metadata={"format": "pt"})

@@ -74,7 +74,9 @@ def read_json_state(folder: Path, name: str) -> Any:
             arguments=("load_step", "exclude_from_loading"),
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); pick another checkpoint with load_step", arguments=("load_step",)) from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}); pick another checkpoint with load_step", arguments=("load_step",)
+        ) from None
 
 
 def _encode(state: torch.Tensor) -> str:

@@ -38,7 +38,14 @@ from titan_ckpt import model_state as ms
 from titan_ckpt.argument_checks import RESERVED_STATES, AsyncMode, check_arguments
 from titan_ckpt.dcp_io import ChecksummingWriter, SafeFileSystemReader, read_metadata_safely
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.json_states import JsonStateful, load_rng_state, read_json_state, rng_state_dict, to_json_text, write_json_state
+from titan_ckpt.json_states import (
+    JsonStateful,
+    load_rng_state,
+    read_json_state,
+    rng_state_dict,
+    to_json_text,
+    write_json_state,
+)
 from titan_ckpt.manifest import MANIFEST_FILE, find_damaged_file, read_manifest, write_manifest
 from titan_ckpt.step_folders import list_complete_steps, prune, publish, remove_tmp_folders, step_folder, tmp_folder
 
@@ -110,8 +117,14 @@ class CheckpointManager:
     ):
         self.states = dict(states or {})
         check_arguments(
-            model_parts, optimizers, self.states, interval=interval, keep_latest_k=keep_latest_k,
-            async_mode=async_mode, load_step=load_step, exclude_from_loading=exclude_from_loading,
+            model_parts,
+            optimizers,
+            self.states,
+            interval=interval,
+            keep_latest_k=keep_latest_k,
+            async_mode=async_mode,
+            load_step=load_step,
+            exclude_from_loading=exclude_from_loading,
         )
         if not dist.is_initialized():
             raise RuntimeError(
@@ -131,7 +144,9 @@ class CheckpointManager:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.async_mode: AsyncMode = async_mode
         if enable and async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
-            logger.warning("checkpoint: async_mode='async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'")
+            logger.warning(
+                "checkpoint: async_mode='async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'"
+            )
             self.async_mode = "async"
         self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
         self._pending: tuple[int, object, Path, dict] | None = None  # (step, future, tmp folder, manifest info)
@@ -199,7 +214,16 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
 
-    def _save(self, step: int, *, model_only: bool, dtype: torch.dtype | None, background: bool, with_json: bool, external: bool) -> None:
+    def _save(
+        self,
+        step: int,
+        *,
+        model_only: bool,
+        dtype: torch.dtype | None,
+        background: bool,
+        with_json: bool,
+        external: bool,
+    ) -> None:
         """Write `step-N.tmp` (DCP, in the background when asked; or the model through `save_model_fn`) and complete it."""
         self.wait()  # one save in flight at a time
         self._saved_step = step
@@ -225,14 +249,25 @@ class CheckpointManager:
         elif background:
             if self._stager is None:
                 pinned = self.async_mode == "async_with_pinned_mem"
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=pinned,
+                        use_shared_memory=False,
+                        use_async_staging=False,
+                        use_non_blocking_copy=False,
+                    )
+                )
             writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
-            result = dcp.async_save(tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg, async_stager=self._stager)
+            result = dcp.async_save(
+                tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg, async_stager=self._stager
+            )
             future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
             self._pending = (step, future, tmp, info)
             self.last_blocked_s = time.perf_counter() - start
             if self.rank == 0:
-                logger.info("checkpoint: step-%d staged in %.2f s, writing in the background", step, self.last_blocked_s)
+                logger.info(
+                    "checkpoint: step-%d staged in %.2f s, writing in the background", step, self.last_blocked_s
+                )
             return
         else:
             writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
@@ -240,12 +275,16 @@ class CheckpointManager:
         self._finish(step, tmp, info, start)
         self.last_blocked_s = time.perf_counter() - start
 
-    def _collect(self, model_only: bool, dtype: torch.dtype | None, *, with_dcp: bool, with_json: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _collect(
+        self, model_only: bool, dtype: torch.dtype | None, *, with_dcp: bool, with_json: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The tensors of a save by DCP key (the live ones: DCP stages or writes them) and its JSON texts by state name."""
         tensors: dict[str, torch.Tensor] = {}
         if with_dcp:
             for state in ms.get_part_states(self.model_parts):
-                tensors.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()})
+                tensors.update(
+                    {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()}
+                )
         texts = {}
         if not model_only:
             opt_states = ms.get_optimizer_states(self.model_parts, self.optimizers)
@@ -391,7 +430,9 @@ class CheckpointManager:
         absent = sorted(names - contents)
         names &= contents
         if absent and self.rank == 0:
-            logger.warning("checkpoint: %s holds no %s state (model-only save?); those start fresh", folder, ", ".join(absent))
+            logger.warning(
+                "checkpoint: %s holds no %s state (model-only save?); those start fresh", folder, ", ".join(absent)
+            )
         tensors: dict[str, torch.Tensor] = {}
         part_states = opt_states = None
         if "model" in names and external:
@@ -414,12 +455,15 @@ class CheckpointManager:
             except Exception as err:  # DCP wraps per-rank failures in CheckpointException
                 first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                 raise CheckpointError(
-                    f"{folder}: DCP could not load the checkpoint ({first[:300]}); pick another with load_step", arguments=("load_step",)
+                    f"{folder}: DCP could not load the checkpoint ({first[:300]}); pick another with load_step",
+                    arguments=("load_step",),
                 ) from err
         if part_states is not None:
             ms.set_part_states(self.model_parts, part_states)
         if opt_states is not None:
-            ms.set_optimizer_states(self.model_parts, self.optimizers, opt_states, read_json_state(folder, "optimizer")["param_groups"])
+            ms.set_optimizer_states(
+                self.model_parts, self.optimizers, opt_states, read_json_state(folder, "optimizer")["param_groups"]
+            )
         for name in sorted(names & set(self.states)):
             self.states[name].load_state_dict(read_json_state(folder, name))
         if "rng" in names:
@@ -427,16 +471,32 @@ class CheckpointManager:
         if self.rank == 0:
             excluded = sorted(set(self._all_states()) - names - set(absent))
             skipped = f"; not loaded: {', '.join(excluded)}" if excluded else ""
-            logger.info("checkpoint: loaded %s (%s) in %.2f s%s", folder, ", ".join(sorted(names)), time.perf_counter() - start, skipped)
+            logger.info(
+                "checkpoint: loaded %s (%s) in %.2f s%s",
+                folder,
+                ", ".join(sorted(names)),
+                time.perf_counter() - start,
+                skipped,
+            )
 
     def _verify(self, folder: Path, manifest: dict) -> None:
         """Check every file against the manifest (split over the ranks); all ranks raise the same error."""
         damaged = find_damaged_file(folder, manifest, self.checksums, self.pg)
         if damaged is None:
             return
-        older = [s for s in list_complete_steps(self.folder) if s < manifest.get("step", -1) and step_folder(self.folder, s) != folder]
+        older = [
+            s
+            for s in list_complete_steps(self.folder)
+            if s < manifest.get("step", -1) and step_folder(self.folder, s) != folder
+        ]
         if older:
-            fix, arguments = f"resume from an older checkpoint with load_step={older[-1]} (complete: {older})", ("load_step",)
+            fix, arguments = (
+                f"resume from an older checkpoint with load_step={older[-1]} (complete: {older})",
+                ("load_step",),
+            )
         else:
-            fix, arguments = "no older complete checkpoint exists here; restore the file, or start afresh in another folder", ("folder",)
+            fix, arguments = (
+                "no older complete checkpoint exists here; restore the file, or start afresh in another folder",
+                ("folder",),
+            )
         raise CheckpointError(f"checkpoint file {folder / damaged[0]} {damaged[1]}; {fix}", arguments=arguments)

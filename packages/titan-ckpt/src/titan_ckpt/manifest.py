@@ -107,7 +107,10 @@ def write_manifest(folder: Path, info: dict[str, Any], checksums: bool) -> dict[
     on_disk = {
         str(p.relative_to(folder))
         for p in folder.rglob("*")
-        if p.is_file() and p.name != MANIFEST_FILE and not p.name.startswith(SUMS_PREFIX) and not p.name.endswith(".partial")
+        if p.is_file()
+        and p.name != MANIFEST_FILE
+        and not p.name.startswith(SUMS_PREFIX)
+        and not p.name.endswith(".partial")
     }
     missing = sorted(set(files) - on_disk)
     if missing:
@@ -115,7 +118,9 @@ def write_manifest(folder: Path, info: dict[str, Any], checksums: bool) -> dict[
     for name, entry in files.items():
         size = (folder / name).stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"{folder / name} has {size} bytes, its writer recorded {entry['bytes']}; the save failed, rerun it")
+            raise CheckpointError(
+                f"{folder / name} has {size} bytes, its writer recorded {entry['bytes']}; the save failed, rerun it"
+            )
     files.update(describe_files(folder, on_disk - set(files), checksums))
     manifest = {"version": MANIFEST_VERSION, **info, "files": files}
     write_json_durably(folder / MANIFEST_FILE, manifest)
@@ -135,17 +140,29 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     """
     path = folder / MANIFEST_FILE
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: {folder} is not a complete checkpoint; pick another with load_step", arguments=("load_step",))
+        raise CheckpointError(
+            f"{path} not found: {folder} is not a complete checkpoint; pick another with load_step",
+            arguments=("load_step",),
+        )
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); pick another checkpoint with load_step", arguments=("load_step",)) from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}); pick another checkpoint with load_step", arguments=("load_step",)
+        ) from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path} is not a titan-ckpt manifest (no 'files' table); pick another checkpoint with load_step", arguments=("load_step",))
+        raise CheckpointError(
+            f"{path} is not a titan-ckpt manifest (no 'files' table); pick another checkpoint with load_step",
+            arguments=("load_step",),
+        )
     return manifest
 
 
-PROBLEMS = ("is missing", "is truncated or changed (size differs from the manifest)", "is corrupt (CRC-32 differs from the manifest)")
+PROBLEMS = (
+    "is missing",
+    "is truncated or changed (size differs from the manifest)",
+    "is corrupt (CRC-32 differs from the manifest)",
+)
 """What `check_file` can find, by code."""
 
 
@@ -168,7 +185,9 @@ def check_file(folder: Path, name: str, entry: dict[str, int], checksums: bool) 
     return None
 
 
-def find_damaged_file(folder: Path, manifest: dict[str, Any], checksums: bool, group: dist.ProcessGroup) -> tuple[str, str] | None:
+def find_damaged_file(
+    folder: Path, manifest: dict[str, Any], checksums: bool, group: dist.ProcessGroup
+) -> tuple[str, str] | None:
     """Check every file of `folder` against its manifest, the files split over the ranks of `group`.
 
     A collective: every rank gets the same answer, the first damaged file (in name order) and

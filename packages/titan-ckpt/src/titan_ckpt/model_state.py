@@ -50,7 +50,9 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
         inner = plain_tensor(local)
         if inner is local:
             return value
-        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+        return DTensor.from_local(
+            inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
     while is_traceable_wrapper_subclass(value):
         inner = getattr(value, value.__tensor_flatten__()[0][0])
         if inner.shape != value.shape or inner.dtype != value.dtype:
@@ -92,7 +94,9 @@ def set_part_states(model_parts: Sequence[nn.Module], states: Sequence[dict[str,
         set_model_state_dict(part, state)
 
 
-def get_optimizer_states(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+def get_optimizer_states(
+    model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> list[dict[str, Any]]:
     """`get_optimizer_state_dict` of each (part, optimizer) pair; an empty optimizer state is
     initialised first (a zero-lr step), so a fresh optimizer gives the tensors to load into.
 

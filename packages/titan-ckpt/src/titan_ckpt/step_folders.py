@@ -60,7 +60,9 @@ def list_complete_steps(root: Path) -> list[int]:
             if (path / MANIFEST_FILE).is_file():
                 steps.append(int(match.group(1)))
             else:
-                logger.warning("checkpoint: ignoring %s, which has no %s (not a complete checkpoint)", path, MANIFEST_FILE)
+                logger.warning(
+                    "checkpoint: ignoring %s, which has no %s (not a complete checkpoint)", path, MANIFEST_FILE
+                )
     return sorted(steps)
 
 

@@ -25,11 +25,15 @@ def read_torch_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle with code, ...
-        raise CheckpointError(f"{path} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}); it is damaged or not a plain state dict") from None
+        raise CheckpointError(
+            f"{path} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}); it is damaged or not a plain state dict"
+        ) from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise CheckpointError(f"{path} does not hold a state dict (name -> tensor); save one with torch.save(model.state_dict(), path)")
+        raise CheckpointError(
+            f"{path} does not hold a state dict (name -> tensor); save one with torch.save(model.state_dict(), path)"
+        )
     return obj
 
 

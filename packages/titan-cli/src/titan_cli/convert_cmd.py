@@ -10,10 +10,16 @@ import typer
 
 
 def convert(
-    src: str = typer.Argument(..., help="Source: Hugging Face folder or Hub repo id, DCP folder (e.g. a trainer's step-N), or .pt/.bin file."),
-    dst: str = typer.Argument(..., help="Output path (must not exist). For --to torch, a .pt path writes one file; else a folder."),
+    src: str = typer.Argument(
+        ..., help="Source: Hugging Face folder or Hub repo id, DCP folder (e.g. a trainer's step-N), or .pt/.bin file."
+    ),
+    dst: str = typer.Argument(
+        ..., help="Output path (must not exist). For --to torch, a .pt path writes one file; else a folder."
+    ),
     to: str = typer.Option(..., "--to", help="Output format: hf, dcp or torch."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 (default: keep)."),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Cast weights to float32, bfloat16 or float16 (default: keep)."
+    ),
     no_parity_check: bool = typer.Option(False, "--no-parity-check", help="Skip the transformers logits comparison."),
     model_name: str | None = typer.Option(
         None,

@@ -14,16 +14,24 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 def estimate_memory(
     ctx: typer.Context,
-    config: str | None = typer.Option(None, "--config", "-c", help="TOML config file, or a shipped config's name (e.g. llama3_8b)."),
+    config: str | None = typer.Option(
+        None, "--config", "-c", help="TOML config file, or a shipped config's name (e.g. llama3_8b)."
+    ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help="Processes (GPUs) per node."),
     nnodes: int = typer.Option(1, "--nnodes", min=1, help="Number of nodes."),
     gpu_memory: str | None = typer.Option(
-        None, "--gpu-memory", help="Device memory per rank: a size (80GiB, 80GB) or a GPU name (H100, H200, A100, B200, ...)."
+        None,
+        "--gpu-memory",
+        help="Device memory per rank: a size (80GiB, 80GB) or a GPU name (H100, H200, A100, B200, ...).",
     ),
     traced: bool = typer.Option(
-        False, "--traced", help="Trace the real train step under FakeTensorMode (seconds; falls back to analytic where torch cannot)."
+        False,
+        "--traced",
+        help="Trace the real train step under FakeTensorMode (seconds; falls back to analytic where torch cannot).",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (bytes per component, per stage) for scripts."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (bytes per component, per stage) for scripts."
+    ),
 ) -> None:
     """Estimate each rank's peak device memory for a config and layout, and say whether it fits.
 
@@ -38,7 +46,8 @@ def estimate_memory(
 
     try:
         cfg = load_config(config, list(ctx.args))
-        from titan_core.memory import estimate_memory as estimate, render_text
+        from titan_core.memory import estimate_memory as estimate
+        from titan_core.memory import render_text
 
         result = estimate(cfg, nproc_per_node * nnodes, gpu_memory=gpu_memory, traced=traced)
     except USER_ERRORS as e:  # bad input; a bug keeps its traceback

@@ -13,21 +13,32 @@ import typer
 
 def generate(
     source: str = typer.Argument(
-        ..., help="A titan train run folder (newest step), a checkpoint/step-N folder, or a Hugging Face folder or Hub repo id."
+        ...,
+        help="A titan train run folder (newest step), a checkpoint/step-N folder, or a Hugging Face folder or Hub repo id.",
     ),
-    prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Text to continue; repeat for a batch (default: one empty prompt)."),
+    prompt: list[str] | None = typer.Option(
+        None, "--prompt", "-p", help="Text to continue; repeat for a batch (default: one empty prompt)."
+    ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens to add to each prompt."),
     temperature: float = typer.Option(0.8, "--temperature", help="Divide the logits by this; 0 = greedy."),
     top_k: int | None = typer.Option(None, "--top-k", help="Sample from the k most likely tokens only."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens whose probability reaches this, in (0, 1]."),
+    top_p: float = typer.Option(
+        1.0, "--top-p", help="Sample from the smallest set of tokens whose probability reaches this, in (0, 1]."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
     device: str | None = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: str = typer.Option("float32", "--dtype", help="Parameter dtype: float32 or bfloat16."),
     model_name: str | None = typer.Option(
-        None, "--model-name", help="Model family (default: from config.json's architectures, else the run's model.name, else llama3)."
+        None,
+        "--model-name",
+        help="Model family (default: from config.json's architectures, else the run's model.name, else llama3).",
     ),
-    flavor: str | None = typer.Option(None, "--flavor", help="Named shape of a DCP checkpoint without a run config.toml beside it."),
-    no_kv_cache: bool = typer.Option(False, "--no-kv-cache", help="Recompute every sequence at each step (slow; for comparison)."),
+    flavor: str | None = typer.Option(
+        None, "--flavor", help="Named shape of a DCP checkpoint without a run config.toml beside it."
+    ),
+    no_kv_cache: bool = typer.Option(
+        False, "--no-kv-cache", help="Recompute every sequence at each step (slow; for comparison)."
+    ),
 ) -> None:
     """Continue each --prompt with text sampled from a model.
 
@@ -37,7 +48,8 @@ def generate(
 
     try:
         from titan_core.config.errors import ConfigError
-        from titan_core.generation import SamplingParams, generate as generate_tokens, load_model, load_prompt_codec
+        from titan_core.generation import SamplingParams, load_model, load_prompt_codec
+        from titan_core.generation import generate as generate_tokens
 
         prompts = prompt or [""]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -70,5 +82,7 @@ def generate(
         err=True,
     )
     n_tokens = sum(len(t) for t in result.tokens)
-    cache = f", KV cache {result.kv_bytes_per_token / 1024:.1f} KiB/token" if result.kv_bytes_per_token else ", no KV cache"
+    cache = (
+        f", KV cache {result.kv_bytes_per_token / 1024:.1f} KiB/token" if result.kv_bytes_per_token else ", no KV cache"
+    )
     typer.echo(f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / max(elapsed, 1e-9):.1f} tokens/s{cache})", err=True)

@@ -17,7 +17,6 @@ app = typer.Typer(
 )
 
 
-
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
@@ -28,7 +27,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """Pretrain large language models with PyTorch, from one CPU to thousands of GPUs."""
 
@@ -42,16 +43,22 @@ def train(
     config: str | None = typer.Option(
         None, "--config", "-c", help="TOML config file, or the name of a shipped one (e.g. llama3_8b)."
     ),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes to start on this node (torchrun underneath)."),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", help="Processes to start on this node (torchrun underneath)."
+    ),
     nnodes: str = typer.Option("1", "--nnodes", help="Nodes in the job, or a MIN:MAX range (elastic)."),
     rdzv_endpoint: str | None = typer.Option(
         None, "--rdzv-endpoint", help="host:port of the rendezvous, for multi-node jobs (same on every node)."
     ),
     max_restarts: int = typer.Option(
-        0, "--max-restarts", help="Restart all processes up to N times after one fails; they resume from the newest checkpoint."
+        0,
+        "--max-restarts",
+        help="Restart all processes up to N times after one fails; they resume from the newest checkpoint.",
     ),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
-    help_config: bool = typer.Option(False, "--help-config", help="List every config key with its type, default and meaning."),
+    help_config: bool = typer.Option(
+        False, "--help-config", help="List every config key with its type, default and meaning."
+    ),
 ) -> None:
     """Train a model. Any config key can be overridden: `--training.steps 20 --model.flavor 10M`.
 
@@ -71,15 +78,33 @@ def train(
     from titan_core.launch import launch  # torch loads only once a job is checked or started
 
     raise typer.Exit(
-        launch(forwarded, nproc_per_node=nproc_per_node, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)
+        launch(
+            forwarded,
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+        )
     )
 
 
-from titan_cli.convert_cmd import convert; app.command()(convert)  # noqa: E402, E702  (`titan convert`; typer only at import)
-from titan_cli.estimate_cmd import estimate_memory, _PASS_THROUGH as _EST; app.command("estimate-memory", context_settings=_EST)(estimate_memory)  # noqa: E402, E702
-from titan_cli.plan_cmd import plan, _PASS_THROUGH as _PLAN; app.command("plan", context_settings=_PLAN)(plan)  # noqa: E402, E702
-from titan_cli.tokenize_cmd import tokenize; app.command()(tokenize)  # noqa: E402, E702  (`titan tokenize`; typer only at import)
-from titan_cli.generate_cmd import generate; app.command()(generate)  # noqa: E402, E702  (`titan generate`; typer only at import)
+from titan_cli.convert_cmd import convert
+
+app.command()(convert)  # noqa: E402, E702  (`titan convert`; typer only at import)
+from titan_cli.estimate_cmd import _PASS_THROUGH as _EST
+from titan_cli.estimate_cmd import estimate_memory
+
+app.command("estimate-memory", context_settings=_EST)(estimate_memory)  # noqa: E402, E702
+from titan_cli.plan_cmd import _PASS_THROUGH as _PLAN
+from titan_cli.plan_cmd import plan
+
+app.command("plan", context_settings=_PLAN)(plan)  # noqa: E402, E702
+from titan_cli.tokenize_cmd import tokenize
+
+app.command()(tokenize)  # noqa: E402, E702  (`titan tokenize`; typer only at import)
+from titan_cli.generate_cmd import generate
+
+app.command()(generate)  # noqa: E402, E702  (`titan generate`; typer only at import)
 
 if __name__ == "__main__":
     app()

@@ -64,9 +64,18 @@ def plan(
 
         if emit_config is not None:
             check_emit_path(emit_config, force)  # refused before the search: a file it may not write is bad input
-        request = PlanRequest(config, tuple(ctx.args), gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu,
-                              gpu_memory=gpu_memory, seq_len=seq_len, global_batch=global_batch_size, top=top,
-                              host_memory=host_memory)
+        request = PlanRequest(
+            config,
+            tuple(ctx.args),
+            gpus=gpus,
+            gpus_per_node=gpus_per_node,
+            gpu=gpu,
+            gpu_memory=gpu_memory,
+            seq_len=seq_len,
+            global_batch=global_batch_size,
+            top=top,
+            host_memory=host_memory,
+        )
         result = search(prepare_plan(request))
         command = None
         if result.fits and emit_config is not None:

@@ -14,14 +14,23 @@ _DEFAULT_SHARD_TOKENS = 100_000_000  # titan_core.data.token_shards.DEFAULT_SHAR
 
 def tokenize(
     inputs: list[str] = typer.Argument(
-        ..., help="Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name; read in the order given."
+        ...,
+        help="Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name; read in the order given.",
     ),
-    output: str = typer.Option(..., "--output", "-o", help="Folder to create (train with --training.dataset_path DIR)."),
+    output: str = typer.Option(
+        ..., "--output", "-o", help="Folder to create (train with --training.dataset_path DIR)."
+    ),
     hf_assets_path: str | None = typer.Option(
-        None, "--hf-assets-path", help="The tokenizer, as model.hf_assets_path (a folder or file); unset = the byte tokenizer."
+        None,
+        "--hf-assets-path",
+        help="The tokenizer, as model.hf_assets_path (a folder or file); unset = the byte tokenizer.",
     ),
-    dataset_text_field: str = typer.Option("text", "--dataset-text-field", help="JSON field / parquet column / record field of the text."),
-    shard_tokens: int = typer.Option(_DEFAULT_SHARD_TOKENS, "--shard-tokens", help="A shard closes once it holds this many tokens."),
+    dataset_text_field: str = typer.Option(
+        "text", "--dataset-text-field", help="JSON field / parquet column / record field of the text."
+    ),
+    shard_tokens: int = typer.Option(
+        _DEFAULT_SHARD_TOKENS, "--shard-tokens", help="A shard closes once it holds this many tokens."
+    ),
     workers: int = typer.Option(1, "--workers", help="Processes that tokenize documents (the order is kept)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing token-shard folder at --output."),
 ) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from titan_ckpt import CheckpointManager, LoadModelFn, SaveModelFn, parse_dtype
 
+from titan_ckpt import CheckpointManager, LoadModelFn, SaveModelFn, parse_dtype
 from titan_core.config.schema import Checkpoint
 
 __all__ = ["SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
@@ -97,7 +97,9 @@ def build_checkpointer(
     )
 
 
-def hf_checkpoint_hooks(ckpt: Checkpoint, model_name: str, model_args: Any, hf_source: Any, *, rank: int) -> dict[str, Any]:
+def hf_checkpoint_hooks(
+    ckpt: Checkpoint, model_name: str, model_args: Any, hf_source: Any, *, rank: int
+) -> dict[str, Any]:
     """`build_checkpointer`'s readers/writers for `checkpoint.initial_load_in_hf` / `last_save_in_hf`.
 
     Args:

@@ -22,16 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from titan_ckpt.atomic import atomic_output
 from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes, write_dcp_checkpoint
 from titan_ckpt.dtypes import cast_floating, dtype_name, parse_dtype, state_dict_dtype
 from titan_ckpt.formats import FORMATS, detect_format, torch_file_of
 from titan_ckpt.hf_hub import resolve_hf_source
-from titan_ckpt.hf_safetensors import CONFIG_FILE, copy_extra_files, read_hf_config, read_hf_state_dict, write_hf_checkpoint, write_hf_config
+from titan_ckpt.hf_safetensors import (
+    CONFIG_FILE,
+    copy_extra_files,
+    read_hf_config,
+    read_hf_state_dict,
+    write_hf_checkpoint,
+    write_hf_config,
+)
 from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_torch_state_dict
-from titan_models import HFAdapter, get_model_args, get_model_spec
-
 from titan_core.config.errors import ConfigError
+from titan_models import HFAdapter, get_model_args, get_model_spec
 
 PARITY_TOKENS = 256
 """Sequence length of the parity check."""
@@ -162,7 +169,9 @@ def convert_checkpoint(
     with atomic_output(dst) as tmp:
         log(f"writing {to} checkpoint {dst}")
         if to == "hf":
-            write_hf_checkpoint(tmp, adapter.to_hf(written, args), hf_config, max_shard_size, extra_files_from=extras_dir)
+            write_hf_checkpoint(
+                tmp, adapter.to_hf(written, args), hf_config, max_shard_size, extra_files_from=extras_dir
+            )
         elif to == "dcp":
             write_dcp_checkpoint(tmp, written, hf_config, extra_files_from=extras_dir)
         elif dst.suffix in TORCH_SUFFIXES:
@@ -180,7 +189,9 @@ def convert_checkpoint(
                 written_back = load_titan_state_dict(tmp, to, args, adapter, expected)
                 parity = check_hf_parity(src_path, written_back, args, spec.build, adapter.hf_architecture, out_dtype)
             if not parity.passed:
-                raise ParityError(f"{parity.describe()}; the converted weights do not reproduce {src_path}, so {dst} was not written")
+                raise ParityError(
+                    f"{parity.describe()}; the converted weights do not reproduce {src_path}, so {dst} was not written"
+                )
     n_params = sum(t.numel() for k, t in written.items() if not (k == "output.weight" and args.tie_word_embeddings))
     return ConversionResult(src_format, dst, to, n_params, dtype_name(state_dict_dtype(written)), parity)
 
@@ -218,7 +229,9 @@ def write_hf_weights(
     """
     adapter = _hf_adapter(model_name)
     # write_hf_checkpoint records the dtype of the weights it writes as torch_dtype
-    write_hf_checkpoint(folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args, "float32"), max_shard_size, dtype)
+    write_hf_checkpoint(
+        folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args, "float32"), max_shard_size, dtype
+    )
 
 
 def infer_model_name(src: Path, src_format: str) -> str:
@@ -269,7 +282,9 @@ def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
             try:
                 return toml_path, tomllib.loads(toml_path.read_text())
             except tomllib.TOMLDecodeError as err:
-                raise ConfigError(f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name and --flavor") from None
+                raise ConfigError(
+                    f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name and --flavor"
+                ) from None
     return None
 
 
@@ -288,7 +303,9 @@ def _hf_adapter(model_name: str) -> HFAdapter[Any]:
     """The registry's Hugging Face adapter of `model_name`, or a one-line error."""
     adapter = get_model_spec(model_name).hf_adapter
     if adapter is None:
-        raise ConfigError(f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.hf_adapter")
+        raise ConfigError(
+            f"model.name '{model_name}' has no Hugging Face adapter; conversion needs ModelSpec.hf_adapter"
+        )
     return adapter
 
 
@@ -327,7 +344,9 @@ def resolve_source_args(
             raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
         if "flavor" in model:
             return get_model_args(model_name, model["flavor"]), {}, folder
-    raise ConfigError(f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it")
+    raise ConfigError(
+        f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it"
+    )
 
 
 def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[str, torch.Size]:
@@ -336,7 +355,9 @@ def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[
         return {k: v.shape for k, v in build(args).state_dict().items()}
 
 
-def load_titan_state_dict(path: Path, fmt: str, args: Any, adapter: HFAdapter[Any], expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def load_titan_state_dict(
+    path: Path, fmt: str, args: Any, adapter: HFAdapter[Any], expected: dict[str, torch.Size]
+) -> dict[str, torch.Tensor]:
     """Read a checkpoint of any format as a Titan-named full state dict on CPU.
 
     Args:
@@ -364,7 +385,9 @@ def read_dcp_model(folder: Path, args: Any, expected: dict[str, torch.Size]) -> 
     prefix = max(("", "model."), key=lambda p: sum(p + k in stored for k in expected))
     names = [prefix + k for k in expected if prefix + k in stored]
     if not names:
-        raise ConfigError(f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint")
+        raise ConfigError(
+            f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint"
+        )
     loaded = read_dcp_state_dict(folder, names)
     return _with_tied_output({k[len(prefix) :]: v for k, v in loaded.items()}, args)
 
@@ -394,7 +417,9 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, to
         if name not in state_dict:
             raise ConfigError(f"{src} lacks '{name}'; {hint}")
         if state_dict[name].shape != shape:
-            raise ConfigError(f"{src}: '{name}' has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}; {hint}")
+            raise ConfigError(
+                f"{src}: '{name}' has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}; {hint}"
+            )
     for name in state_dict:
         if name not in expected:
             raise ConfigError(f"{src} has '{name}', which the model does not; {hint}")
@@ -437,7 +462,9 @@ def check_hf_parity(
 
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     hf_class = getattr(transformers, hf_architecture)
-    hf_model = hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32}).to(device).eval()
+    hf_model = (
+        hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32}).to(device).eval()
+    )
     if round_to is not None:
         for param in hf_model.parameters():
             param.copy_(param.to(round_to))

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_parallel.float8 import Float8Options, MXOptions, needs_emulation
-
 from titan_core.config.schema import JobConfig
+from titan_parallel.float8 import Float8Options, MXOptions, needs_emulation
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from titan_core.config.schema import JobConfig
 
 if TYPE_CHECKING:  # torch-heavy imports load inside the rules that need them
     import torch.nn as nn
+
     from titan_models import ModelSpec
     from titan_parallel import ParallelDims, PipelineConfig
 
@@ -167,7 +168,9 @@ def _skip_init() -> Iterator[None]:
     """
     import torch.nn.init as init
 
-    saved = {name: fn for name, fn in vars(init).items() if name.endswith("_") and not name.startswith("_") and callable(fn)}
+    saved = {
+        name: fn for name, fn in vars(init).items() if name.endswith("_") and not name.startswith("_") and callable(fn)
+    }
     try:
         for name in saved:
             setattr(init, name, lambda tensor, *args, **kwargs: tensor)
@@ -192,9 +195,8 @@ def _device(job: CheckedJob) -> None:
 
 def _model_shape(job: CheckedJob) -> None:
     """The model name and flavor exist; a tokenizer larger than a Hugging Face checkpoint's vocab is refused."""
-    from titan_models import ModelConfigError, get_model_args, get_model_spec
-
     from titan_core.data import build_tokenizer
+    from titan_models import ModelConfigError, get_model_args, get_model_spec
 
     cfg = job.cfg
     try:
@@ -281,7 +283,9 @@ def _context_parallel(job: CheckedJob) -> None:
     p = job.cfg.parallelism
     check_cp(job.cfg.training.seq_len, p.context_parallel_degree, p.tensor_parallel_degree)
     args = job.model_args if p.context_parallel_degree > 1 else None  # MLA's key and value head dims differ
-    check_rotate_method(p.context_parallel_rotate_method, getattr(args, "qk_head_dim", None), getattr(args, "v_head_dim", None))
+    check_rotate_method(
+        p.context_parallel_rotate_method, getattr(args, "qk_head_dim", None), getattr(args, "v_head_dim", None)
+    )
 
 
 def _activation_checkpoint(job: CheckedJob) -> None:
@@ -341,9 +345,13 @@ def _checkpoint(job: CheckedJob) -> None:
             f"checkpoint.create_seed_checkpoint runs on one process, not {job.world_size}; launch it with --nproc-per-node 1"
         )
     if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
-        raise ConfigError("checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true")
+        raise ConfigError(
+            "checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true"
+        )
     if job.cfg.training.on_nonfinite == "rollback" and not ckpt.enable:
-        raise ConfigError("training.on_nonfinite = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true")
+        raise ConfigError(
+            "training.on_nonfinite = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true"
+        )
     if ckpt.last_save_in_hf and job.cfg.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError(
             "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
@@ -374,17 +382,27 @@ def _converters(job: CheckedJob) -> None:
     if "float8" in names:
         from titan_parallel.float8 import check_float8
 
-        _translated(check_float8, {"recipe_name": "float8.recipe_name", "filter_fqns": "float8.filter_fqns"},
-                    float8_options(job.cfg, job.device_type))
+        _translated(
+            check_float8,
+            {"recipe_name": "float8.recipe_name", "filter_fqns": "float8.filter_fqns"},
+            float8_options(job.cfg, job.device_type),
+        )
     if "mx" in names:
         from titan_parallel.float8 import check_mx
 
-        _translated(check_mx, {"recipe_name": "mx.recipe_name", "filter_fqns": "mx.filter_fqns", "device_type": "training.device"},
-                    mx_options(job.cfg), job.device_type, prefix="model.converters = ['mx']: ")
+        _translated(
+            check_mx,
+            {"recipe_name": "mx.recipe_name", "filter_fqns": "mx.filter_fqns", "device_type": "training.device"},
+            mx_options(job.cfg),
+            job.device_type,
+            prefix="model.converters = ['mx']: ",
+        )
     if ("float8" in names or "mx" in names) and importlib.util.find_spec("torchao") is None:
         from titan_parallel.float8 import INSTALL_HINT
 
-        raise MissingPackageError(f"model.converters = {list(names)} needs torchao, which is not installed; {INSTALL_HINT}")
+        raise MissingPackageError(
+            f"model.converters = {list(names)} needs torchao, which is not installed; {INSTALL_HINT}"
+        )
 
 
 def _translated(rule: Callable[..., None], keys: Mapping[str, str], *args: Any, prefix: str = "") -> None:

@@ -29,10 +29,9 @@ import tempfile
 from pathlib import Path
 
 from titan_ckpt.errors import CheckpointError
+from titan_core.config import ConfigError, dump_toml, load_config
 from titan_models.errors import ModelConfigError
 from titan_parallel.layout import ParallelConfigError
-
-from titan_core.config import ConfigError, dump_toml, load_config
 
 # Errors that mean "the input is wrong": shown as one line, no traceback (set
 # TITAN_TRACEBACK=1 to see it). Each is the raising package's own type for the inputs
@@ -148,7 +147,11 @@ def _report_stop(signal_name: str, step: int, *, saved: bool) -> None:
     """Rank 0 says once that the run stopped early on a signal, and how it goes on."""
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    how = "its checkpoint is saved: start the same command again to resume" if saved else "nothing saved (checkpoint.enable is off)"
+    how = (
+        "its checkpoint is saved: start the same command again to resume"
+        if saved
+        else "nothing saved (checkpoint.enable is off)"
+    )
     line = f"titan: stopped by {signal_name} after step {step}; {how}"
     folder = os.environ.get(ERROR_DIR_ENV)
     if folder:
@@ -176,7 +179,12 @@ def check_job_here(argv: list[str], world_size: int | None, *, max_restarts: int
 
 
 def launch(
-    argv: list[str], *, nproc_per_node: int = 1, nnodes: str = "1", rdzv_endpoint: str | None = None, max_restarts: int = 0
+    argv: list[str],
+    *,
+    nproc_per_node: int = 1,
+    nnodes: str = "1",
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Check the job, then train: in this process for one, else under torchrun's elastic agent.
 

@@ -15,11 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from titan_models import ModelSpec
-from titan_parallel import ParallelDims, ParallelMesh, ParallelOptions, PipelineConfig, copy_full_state, parallelize, uses_fsdp
-from titan_parallel.pipeline import LossFn, StageModule
 
 from titan_core.converters import Converters
+from titan_models import ModelSpec
+from titan_parallel import (
+    ParallelDims,
+    ParallelMesh,
+    ParallelOptions,
+    PipelineConfig,
+    copy_full_state,
+    parallelize,
+    uses_fsdp,
+)
+from titan_parallel.pipeline import LossFn, StageModule
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -106,8 +114,13 @@ def build_model_parts(
     if loss_fn is None:
         raise ValueError("build_model_parts needs loss_fn under pipeline parallel: the last stage computes the loss")
     pipe = build_pipeline(
-        stage_modules, pipeline, n_stages=len(names), pp_mesh=mesh["pp"], device=device,
-        local_batch_size=local_batch_size, loss_fn=loss_fn,
+        stage_modules,
+        pipeline,
+        n_stages=len(names),
+        pp_mesh=mesh["pp"],
+        device=device,
+        local_batch_size=local_batch_size,
+        loss_fn=loss_fn,
     )
     return ModelParts(parts, pipe.schedule, pipe.stages, pipe.n_microbatches)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan
 
@@ -36,7 +37,11 @@ class ExpertLoadBalancer:
     """
 
     def __init__(
-        self, parts: list[nn.Module], plan: ModelPlan, group: dist.ProcessGroup | None, loss_divisor: int = 1,
+        self,
+        parts: list[nn.Module],
+        plan: ModelPlan,
+        group: dist.ProcessGroup | None,
+        loss_divisor: int = 1,
         pp_group: dist.ProcessGroup | None = None,
     ):
         self.group = group

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
 from titan_ckpt import CheckpointManager
 from titan_ckpt.step_folders import list_complete_steps
 
@@ -170,7 +171,9 @@ class NonFinitePolicy:
                 f"{self.checkpointer.folder}; set a checkpoint.interval the run reaches before it diverges"
             )
         if self.rank == 0:
-            logger.warning("%s: rolled back to step-%d; training goes on with the data after step %d", what, restored, step)
+            logger.warning(
+                "%s: rolled back to step-%d; training goes on with the data after step %d", what, restored, step
+            )
         return "rolled back"
 
     def _checkpoint_note(self) -> str:
@@ -179,4 +182,8 @@ class NonFinitePolicy:
             return "; no checkpoint was written (checkpoint.enable is off)"
         self.checkpointer.wait()
         steps = list_complete_steps(self.checkpointer.folder)
-        return f"; the newest checkpoint {self.checkpointer.folder / f'step-{steps[-1]}'} is intact" if steps else "; no checkpoint was written yet"
+        return (
+            f"; the newest checkpoint {self.checkpointer.folder / f'step-{steps[-1]}'} is intact"
+            if steps
+            else "; no checkpoint was written yet"
+        )

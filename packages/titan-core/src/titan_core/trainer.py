@@ -21,32 +21,33 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from titan_ckpt.dtypes import parse_dtype
-from titan_parallel.comm_watch import CommWatch
-from titan_parallel.distributed import init_distributed, resolve_device
-from titan_parallel.grad_clip import clip_grad_norm_
-from titan_parallel.context_parallel import shard_sequence
-from titan_parallel import ParallelOptions, uses_fsdp
-from titan_parallel.precision import mixed_precision_context, resolve_param_dtype
-from titan_parallel.pipeline import pipeline_step
 
+from titan_ckpt.dtypes import parse_dtype
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
-from titan_core.data import build_loader, build_tokenizer, loader_factory
-from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.converters import build_converters
+from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.job_check import check_job, pipeline_config
-from titan_core.model_setup import build_model_parts
-from titan_core.moe_balance import ExpertLoadBalancer
+from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
+from titan_core.model_setup import build_model_parts
+from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.optim import build_optimizer
 from titan_core.profiling import Profiler
 from titan_core.run_guard import NonFinitePolicy, RunGuard
 from titan_core.validation import Validator
+from titan_parallel import ParallelOptions, uses_fsdp
+from titan_parallel.comm_watch import CommWatch
+from titan_parallel.context_parallel import shard_sequence
+from titan_parallel.distributed import init_distributed, resolve_device
+from titan_parallel.grad_clip import clip_grad_norm_
+from titan_parallel.pipeline import pipeline_step
+from titan_parallel.precision import mixed_precision_context, resolve_param_dtype
 
 logger = logging.getLogger("titan")
+
 
 @dataclasses.dataclass
 class TrainState:
@@ -97,8 +98,10 @@ class Trainer:
         t, p = cfg.training, cfg.parallelism
         self.device = resolve_device(t.device)
         self.rank, self.world_size = init_distributed(
-            self.device, cfg.comm.init_timeout_seconds,
-            trace_buf_size=cfg.comm.trace_buf_size, trace_folder=Path(cfg.job.dump_folder) / "comm_traces",
+            self.device,
+            cfg.comm.init_timeout_seconds,
+            trace_buf_size=cfg.comm.trace_buf_size,
+            trace_folder=Path(cfg.job.dump_folder) / "comm_traces",
         )
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
         # Every rule of a valid job, checked again here for `torchrun -m titan_core.launch` users.
@@ -123,7 +126,11 @@ class Trainer:
                 prefetch=t.prefetch_batches,
             )
             if self.rank == 0 and job.vocab_widened_from:
-                logger.info("model vocab %d widened to the tokenizer's %d tokens", job.vocab_widened_from, self.model_args.vocab_size)
+                logger.info(
+                    "model vocab %d widened to the tokenizer's %d tokens",
+                    job.vocab_widened_from,
+                    self.model_args.vocab_size,
+                )
             self.n_params = self.spec.count_params(self.model_args)
             self.n_active_params = self.spec.active_params(self.model_args)
             with warnings.catch_warnings():
@@ -171,7 +178,9 @@ class Trainer:
                 loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
                 converters=build_converters(cfg, self.device.type),  # [float8] / [mx]: swapped in on the meta model
             )
-            self.precompute_float8 = "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+            self.precompute_float8 = (
+                "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+            )
             # One optimizer and LR schedule per model part (pipeline stage), so that
             # checkpoints key optimizer state by the full model's parameter names.
             self.optimizers = [
@@ -213,13 +222,17 @@ class Trainer:
             )
             # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
             self.balancer = ExpertLoadBalancer(
-                self.model.parts, self.spec.plan, self.mesh["dp_cp"].get_group(),
+                self.model.parts,
+                self.spec.plan,
+                self.mesh["dp_cp"].get_group(),
                 # the auxiliary loss is divided as the language-model loss is: by accumulation steps and microbatches
                 loss_divisor=self.accum_steps * self.model.n_microbatches,
                 pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
             )
             # training.on_nonfinite, applied after each step whose update the run's guard dropped
-            self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
+            self.nonfinite = NonFinitePolicy(
+                t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank
+            )
             self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
     def _build_profiler(self) -> Profiler | None:
@@ -238,6 +251,7 @@ class Trainer:
         v, t = self.cfg.validation, self.cfg.training
         if not v.enable:
             return None
+
         def prepare(inputs, labels):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.dims.cp > 1:
@@ -246,11 +260,21 @@ class Trainer:
 
         return Validator(
             loader_factory(
-                v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer, seq_len=t.seq_len,
-                local_batch_size=v.local_batch_size or t.local_batch_size, dp_rank=self.mesh["dp"].get_local_rank(),
-                dp_world=self.dims.dp, prefetch=t.prefetch_batches, section="validation",
+                v.dataset,
+                v.dataset_path,
+                t.dataset_text_field,
+                self.tokenizer,
+                seq_len=t.seq_len,
+                local_batch_size=v.local_batch_size or t.local_batch_size,
+                dp_rank=self.mesh["dp"].get_local_rank(),
+                dp_world=self.dims.dp,
+                prefetch=t.prefetch_batches,
+                section="validation",
             ),
-            steps=v.steps, loss_group=self.mesh["dp_cp"].get_group(), prepare=prepare, loss_context=self._forward_context,
+            steps=v.steps,
+            loss_group=self.mesh["dp_cp"].get_group(),
+            prepare=prepare,
+            loss_context=self._forward_context,
         )
 
     @contextlib.contextmanager
@@ -333,8 +357,12 @@ class Trainer:
         self.checkpointer.wait()
         if self.rank == 0:
             saved = f"checkpoint step-{self.state.step} saved ({time.perf_counter() - started:.1f} s); start the same command again to resume"
-            logger.info("stopped by %s after step %d: %s", self.stopped_by, self.state.step,
-                        saved if self.cfg.checkpoint.enable else "nothing saved (checkpoint.enable is off)")
+            logger.info(
+                "stopped by %s after step %d: %s",
+                self.stopped_by,
+                self.state.step,
+                saved if self.cfg.checkpoint.enable else "nothing saved (checkpoint.enable is off)",
+            )
 
     def train(self) -> list[float]:
         """Run `training.steps` steps; returns the global-average loss of each logged step."""
@@ -342,15 +370,23 @@ class Trainer:
         if self.rank == 0:
             self.run_folder.mkdir(parents=True, exist_ok=True)
             (self.run_folder / "config.toml").write_text(dump_toml(cfg))
-        if cfg.checkpoint.create_seed_checkpoint:  # [checkpoint] seed mode: save the initialised model as step-0, no training
+        if (
+            cfg.checkpoint.create_seed_checkpoint
+        ):  # [checkpoint] seed mode: save the initialised model as step-0, no training
             self.checkpointer.save_seed()
             return []
-        resumed = self.checkpointer.load()  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
+        resumed = (
+            self.checkpointer.load()
+        )  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         if restarts and self.rank == 0:
             logger.warning(
-                "restart %d of %s (titan train --max-restarts): %s", restarts, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
-                f"resumed from step {resumed}" if resumed else "no checkpoint to resume from (checkpoint.enable), starting at step 0",
+                "restart %d of %s (titan train --max-restarts): %s",
+                restarts,
+                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+                f"resumed from step {resumed}"
+                if resumed
+                else "no checkpoint to resume from (checkpoint.enable), starting at step 0",
             )
         flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
@@ -388,15 +424,19 @@ class Trainer:
             non_data_parallel_size=self.dims.tp * self.dims.cp * self.dims.pp,
             # A CPU peak measured while the machine was busy can be beaten: measure again then.
             raise_peak=(lambda achieved: raise_cpu_peak(self.options.param_dtype, achieved))
-            if self.device.type == "cpu" and cfg.metrics.peak_tflops is None else None,
+            if self.device.type == "cpu" and cfg.metrics.peak_tflops is None
+            else None,
         )
         data = iter(self.loader)
         profiler = self._build_profiler()
         validator = self._build_validator()
         guard = RunGuard(self.device)  # non-finite values and stop signals, agreed by every rank each step
         watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
-            self.rank, self.world_size, init_timeout_s=cfg.comm.init_timeout_seconds,
-            train_timeout_s=cfg.comm.train_timeout_seconds, stack_folder=self.run_folder / "comm_stacks",
+            self.rank,
+            self.world_size,
+            init_timeout_s=cfg.comm.init_timeout_seconds,
+            train_timeout_s=cfg.comm.train_timeout_seconds,
+            stack_folder=self.run_folder / "comm_stacks",
             gloo_trace=self.device.type == "cpu" and cfg.comm.trace_buf_size > 0,
         )
         data_wait_s, steps_since_log = 0.0, 0
@@ -418,12 +458,18 @@ class Trainer:
                     self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
                     if profiler is not None:
                         profiler.step(self.state.step)
-                    if validator is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps):
+                    if validator is not None and (
+                        self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps
+                    ):
                         val_loss = validator.validate(self.model.parts[0], self.loss_fn)
                         self.balancer.reset()  # validation's routing is not training load
                         metrics.log(self.state.step, {"validation/loss": val_loss})
                         meter.reset()  # validation time is not training throughput
-                    if self.state.step % cfg.metrics.log_freq and self.state.step != t.steps and not guard.stop_requested:
+                    if (
+                        self.state.step % cfg.metrics.log_freq
+                        and self.state.step != t.steps
+                        and not guard.stop_requested
+                    ):
                         continue
                     avg, mx = self._reduce_loss(loss)
                     values = {

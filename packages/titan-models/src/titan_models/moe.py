@@ -140,7 +140,7 @@ class GroupedExperts(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         """Args:
-            out_std: std of `w2` and `w3`; `w1` uses 0.02 (as a dense FeedForward)."""
+        out_std: std of `w2` and `w3`; `w1` uses 0.02 (as a dense FeedForward)."""
         init_trunc_normal_(self.w1, 0.02)
         for weight in (self.w2, self.w3):
             init_trunc_normal_(weight, out_std)
@@ -243,14 +243,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args:
-            x: `(bs, seqlen, dim)`; returns the same shape."""
+        x: `(bs, seqlen, dim)`; returns the same shape."""
         bs, seqlen, dim = x.shape
         tokens = x.reshape(-1, dim)  # (bs * seqlen, dim)
         k = self.args.top_k
         bias = self.expert_bias if self.args.load_balance_coeff is not None else None
         weights, chosen, scores = self.router(tokens, bias)  # (tokens, k), (tokens, k), (tokens, experts)
         slots = chosen.flatten()
-        counts = slots.new_zeros(self.args.num_experts).scatter_add_(0, slots, torch.ones_like(slots))  # (experts,) int64
+        counts = slots.new_zeros(self.args.num_experts).scatter_add_(
+            0, slots, torch.ones_like(slots)
+        )  # (experts,) int64
         with torch.no_grad():
             self.tokens_per_expert += counts
         order = slots.argsort(stable=True)  # token slots grouped by expert

@@ -35,7 +35,9 @@ def get_model_spec(name: str) -> ModelSpec[Any]:
         ModelConfigError: unknown name; the message lists the valid names, closest first.
     """
     if name not in _MODEL_SPECS:
-        raise ModelConfigError(f"unknown model.name '{name}'; choose one of: {', '.join(_rank_by_similarity(name, _MODEL_SPECS))}")
+        raise ModelConfigError(
+            f"unknown model.name '{name}'; choose one of: {', '.join(_rank_by_similarity(name, _MODEL_SPECS))}"
+        )
     return _MODEL_SPECS[name]
 
 

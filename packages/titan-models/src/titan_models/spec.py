@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
+
 from titan_parallel.plan import ModelPlan
 
 ArgsT = TypeVar("ArgsT")

@@ -193,6 +193,9 @@ class CommWatch:
                 failed_rank = "?"
             if self._stop.wait(self._grace_s() + 5.0) or self._failed:
                 return
-            print(f"[rank {self.rank}] leaving: a collective failed on rank {failed_rank}, whose error says why",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[rank {self.rank}] leaving: a collective failed on rank {failed_rank}, whose error says why",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)

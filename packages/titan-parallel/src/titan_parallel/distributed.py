@@ -27,9 +27,13 @@ def resolve_device(device: str = "auto") -> torch.device:
             "cuda" (refused when no GPU is visible) or "cpu".
     """
     if device not in DEVICES:
-        raise ParallelConfigError(f"device={device!r} is unknown; choose 'auto', 'cuda' or 'cpu'", arguments=("device",))
+        raise ParallelConfigError(
+            f"device={device!r} is unknown; choose 'auto', 'cuda' or 'cpu'", arguments=("device",)
+        )
     if device == "cuda" and not torch.cuda.is_available():
-        raise ParallelConfigError("device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'", arguments=("device",))
+        raise ParallelConfigError(
+            "device='cuda' but no CUDA GPU is visible; use 'auto' or 'cpu'", arguments=("device",)
+        )
     if device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -68,7 +68,9 @@ def check_ep(model: nn.Module, plan: ModelPlan, ep: int) -> None:
     for moe in layers:
         experts = moe.experts.w1.shape[0]
         if experts % ep:
-            raise ParallelConfigError(f"ep={ep} does not divide the {experts} experts of each MoE layer; choose a divisor", arguments=("ep",))
+            raise ParallelConfigError(
+                f"ep={ep} does not divide the {experts} experts of each MoE layer; choose a divisor", arguments=("ep",)
+            )
 
 
 class ExpertDispatch:
@@ -90,7 +92,9 @@ class ExpertDispatch:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # recv[s, j]: slots from rank s for local expert j
         send_splits, recv_splits = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
-        arrived = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)  # (arrived, dim), by (source, expert)
+        arrived = all_to_all_single_autograd(
+            x, recv_splits, send_splits, self.group
+        )  # (arrived, dim), by (source, expert)
         order = _source_major_to_expert_major(recv, sum(recv_splits))
         self._pending.append((send_splits, recv_splits, order))
         return arrived[order], recv.sum(dim=0)  # grouped by local expert; (local experts,) counts

@@ -111,7 +111,9 @@ def needs_emulation(device: torch.device) -> bool:
     Args:
         device: the training device.
     """
-    return not (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9))
+    return not (
+        device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
 
 
 def gains_from_float8(in_features: int, out_features: int, recipe: str) -> bool:
@@ -150,7 +152,9 @@ def float8_filter(options: Float8Options) -> Callable[[nn.Module, str], bool]:
             return False
         if module.in_features % 16 or module.out_features % 16:
             return False
-        return not options.auto_filter_small_kn or gains_from_float8(module.in_features, module.out_features, options.recipe_name)
+        return not options.auto_filter_small_kn or gains_from_float8(
+            module.in_features, module.out_features, options.recipe_name
+        )
 
     return keep
 
@@ -211,13 +215,18 @@ def apply_float8(model: nn.Module, options: Float8Options, *, fsdp_shards: int =
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     if chosen:
         logger.info(
-            "float8: %d of %d linears converted (recipe %s%s%s)", len(chosen), n_linear, options.recipe_name,
-            ", emulated" if options.emulate else "", ", float8 FSDP all-gather" if config.enable_fsdp_float8_all_gather else "",
+            "float8: %d of %d linears converted (recipe %s%s%s)",
+            len(chosen),
+            n_linear,
+            options.recipe_name,
+            ", emulated" if options.emulate else "",
+            ", float8 FSDP all-gather" if config.enable_fsdp_float8_all_gather else "",
         )
     else:
         logger.warning(
             "float8: none of the %d linears converted (all filtered, or below the size float8 gains at); "
-            "set auto_filter_small_kn=False or shorten filter_fqns to convert them", n_linear,
+            "set auto_filter_small_kn=False or shorten filter_fqns to convert them",
+            n_linear,
         )
     return chosen
 
@@ -246,8 +255,16 @@ def is_tensorwise_float8(module: nn.Module) -> bool:
     from torchao.float8.config import ScalingGranularity, ScalingType
 
     c = module.config
-    casts = (c.cast_config_input, c.cast_config_grad_output, c.cast_config_input_for_grad_weight, c.cast_config_grad_output_for_grad_weight)
-    return all(cc.scaling_type is ScalingType.DYNAMIC and cc.scaling_granularity is ScalingGranularity.TENSORWISE for cc in casts)
+    casts = (
+        c.cast_config_input,
+        c.cast_config_grad_output,
+        c.cast_config_input_for_grad_weight,
+        c.cast_config_grad_output_for_grad_weight,
+    )
+    return all(
+        cc.scaling_type is ScalingType.DYNAMIC and cc.scaling_granularity is ScalingGranularity.TENSORWISE
+        for cc in casts
+    )
 
 
 def float8_tp_style_classes() -> tuple[type, type, type]:
@@ -269,7 +286,10 @@ def _gather_float8_as_bytes_on_cpu() -> None:
     ops = import_torchao("torchao.float8.float8_ops")
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    funcols = (torch.ops.c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_gather_into_tensor.default)
+    funcols = (
+        torch.ops.c10d_functional.all_gather_into_tensor.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
+    )
     for op in funcols:
         torchao_gather = ops.FLOAT8_OPS_TABLE[op]
         if getattr(torchao_gather, "gathers_bytes_on_cpu", False):
@@ -280,7 +300,9 @@ def _gather_float8_as_bytes_on_cpu() -> None:
             if x._data.device.type != "cpu":
                 return torchao_gather(aten_op, args, kwargs)
             out = aten_op(x._data.contiguous().view(torch.uint8), *args[1:], **(kwargs or {}))
-            return Float8TrainingTensor(out.view(x._data.dtype), x._scale, x._orig_dtype, x._linear_mm_config, x._gemm_input_role)
+            return Float8TrainingTensor(
+                out.view(x._data.dtype), x._scale, x._orig_dtype, x._linear_mm_config, x._gemm_input_role
+            )
 
         gather.gathers_bytes_on_cpu = True
         ops.FLOAT8_OPS_TABLE[op] = gather

@@ -70,7 +70,9 @@ def apply_fsdp(
         for moe in moe_modules(model, plan):
             if is_expert_parallel(moe.experts):
                 experts = fully_shard(
-                    moe.experts, reshard_after_forward=reshard, shard_placement_fn=lambda _: Shard(1),
+                    moe.experts,
+                    reshard_after_forward=reshard,
+                    shard_placement_fn=lambda _: Shard(1),
                     **{**config, "mesh": expert_mesh},
                 )
                 if expert_grad_divide_factor is not None:

@@ -255,11 +255,15 @@ def check_async_tp(tp: int, device_type: str, compile: bool) -> None:
         device_type: the device type the model runs on, e.g. "cuda".
         compile: whether the blocks are compiled.
     """
-    missing = [(what, name) for what, name, lacking in (
-        (f"tp > 1 (got tp={tp})", "tp", tp < 2),
-        ("compile=True", "compile", not compile),
-        (f"a CUDA device (device_type is {device_type!r})", "device_type", device_type != "cuda"),
-    ) if lacking]
+    missing = [
+        (what, name)
+        for what, name, lacking in (
+            (f"tp > 1 (got tp={tp})", "tp", tp < 2),
+            ("compile=True", "compile", not compile),
+            (f"a CUDA device (device_type is {device_type!r})", "device_type", device_type != "cuda"),
+        )
+        if lacking
+    ]
     if missing:
         raise ParallelConfigError(
             f"async_tp needs {' and '.join(w for w, _ in missing)}: it overlaps TP collectives with matmuls "

@@ -35,4 +35,3 @@ def iter_blocks(model: nn.Module, plan: ModelPlan) -> Iterator[nn.Module]:
     if container is None:
         return iter(())
     return iter(container.children())
-

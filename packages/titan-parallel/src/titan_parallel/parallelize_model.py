@@ -94,7 +94,9 @@ def check_options(mesh: ParallelMesh, options: ParallelOptions) -> None:
         check_async_tp(mesh.dims.tp, mesh.device_type, options.compile)
 
 
-def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: ParallelOptions = ParallelOptions()) -> nn.Module:
+def parallelize(
+    model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: ParallelOptions = ParallelOptions()
+) -> nn.Module:
     """Apply TP, CP, AC, compile and data parallel to `model` in place, as `mesh`'s degrees ask.
 
     Args:
@@ -113,8 +115,12 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: 
         from titan_parallel.tensor_parallel import apply_tp
 
         apply_tp(
-            model, plan, mesh["tp"],
-            loss_parallel=options.loss_parallel, async_tp=options.async_tp, compile=options.compile,
+            model,
+            plan,
+            mesh["tp"],
+            loss_parallel=options.loss_parallel,
+            async_tp=options.async_tp,
+            compile=options.compile,
         )
     if mesh["cp"].size() > 1:
         from titan_parallel.context_parallel import apply_cp
@@ -127,7 +133,11 @@ def parallelize(model: nn.Module, plan: ModelPlan, mesh: ParallelMesh, options: 
         # block's children are compiled (see titan_parallel.compile for why).
         tp = mesh["tp"].size()
         apply_compile(
-            model, plan, fullgraph=mesh["cp"].size() == 1, per_child=tp > 1, backend=compile_backend(mesh["tp"].device_type, tp)
+            model,
+            plan,
+            fullgraph=mesh["cp"].size() == 1,
+            per_child=tp > 1,
+            backend=compile_backend(mesh["tp"].device_type, tp),
         )
     if options.dp_mode == "ddp":
         return apply_ddp(model, mesh["dp_replicate"]) if mesh["dp_replicate"].size() > 1 else model

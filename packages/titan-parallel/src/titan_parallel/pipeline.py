@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_parallel.layout import ParallelConfigError
+from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.pipeline_layout import (
     SCHEDULE_NAMES,
     available_schedules,
@@ -56,7 +57,6 @@ from titan_parallel.pipeline_layout import (
     stage_module_names,
     stages_per_rank,
 )
-from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan
 
 if TYPE_CHECKING:
@@ -109,7 +109,9 @@ class PipelineConfig:
     schedule_csv: str | None = None
 
 
-def check_pipeline(config: PipelineConfig, *, pp: int, n_layers: int, local_batch_size: int, plan: ModelPlan) -> list[list[str]]:
+def check_pipeline(
+    config: PipelineConfig, *, pp: int, n_layers: int, local_batch_size: int, plan: ModelPlan
+) -> list[list[str]]:
     """Every pipeline rule, before any process starts; returns the module names of each stage.
 
     The schedule is known (and in the installed torch); a CSV schedule exists; the
@@ -131,7 +133,8 @@ def check_pipeline(config: PipelineConfig, *, pp: int, n_layers: int, local_batc
     check_schedule(config.schedule) if pp > 1 else schedule_kind(config.schedule)
     if config.schedule_csv is not None and not os.path.isfile(config.schedule_csv):
         raise ParallelConfigError(
-            f"schedule_csv={config.schedule_csv!r} is not a file; fix the path or leave it unset", arguments=("schedule_csv",)
+            f"schedule_csv={config.schedule_csv!r} is not a file; fix the path or leave it unset",
+            arguments=("schedule_csv",),
         )
     if pp == 1:
         return [pipeline_units(plan, n_layers)]
@@ -142,13 +145,17 @@ def check_pipeline(config: PipelineConfig, *, pp: int, n_layers: int, local_batc
         stages_per_rank(len(names), pp, config.schedule, origin=origin, origin_arguments=("module_names_per_stage",))
     else:
         n_stages = count_stages(
-            n_layers, pp, config.schedule,
+            n_layers,
+            pp,
+            config.schedule,
             layers_per_stage=config.layers_per_stage,
             first_stage_less_layers=config.first_stage_less_layers,
             last_stage_less_layers=config.last_stage_less_layers,
         )
         names = stage_module_names(
-            plan, n_layers, n_stages,
+            plan,
+            n_layers,
+            n_stages,
             first_stage_less_layers=config.first_stage_less_layers,
             last_stage_less_layers=config.last_stage_less_layers,
         )
@@ -169,7 +176,11 @@ class StageModule(NamedTuple):
 
 
 def split_model(
-    model: nn.Module, plan: ModelPlan, module_names_per_stage: Sequence[Sequence[str]], pp_mesh: DeviceMesh, schedule: str
+    model: nn.Module,
+    plan: ModelPlan,
+    module_names_per_stage: Sequence[Sequence[str]],
+    pp_mesh: DeviceMesh,
+    schedule: str,
 ) -> list[StageModule]:
     """Copy `model` once per stage this rank owns and remove from each copy what the stage does not own.
 
@@ -187,7 +198,9 @@ def split_model(
     """
     container = get_submodule_or_none(model, plan.blocks)
     if not isinstance(container, nn.ModuleDict):
-        raise ValueError(f"ModelPlan.blocks='{plan.blocks}' must name an nn.ModuleDict in the model to cut pipeline stages")
+        raise ValueError(
+            f"ModelPlan.blocks='{plan.blocks}' must name an nn.ModuleDict in the model to cut pipeline stages"
+        )
     names = [list(stage) for stage in module_names_per_stage]
     check_module_names(plan, len(container), names)
     _check_untied_across_stages(model, names)
@@ -228,7 +241,9 @@ def _check_untied_across_stages(model: nn.Module, names_per_stage: list[list[str
             )
 
 
-def build_stages(parts: Sequence[StageModule], n_stages: int, pp_mesh: DeviceMesh, device: torch.device) -> list[PipelineStage]:
+def build_stages(
+    parts: Sequence[StageModule], n_stages: int, pp_mesh: DeviceMesh, device: torch.device
+) -> list[PipelineStage]:
     """Wrap this rank's stage modules as `PipelineStage`s on the `pp` process group.
 
     The modules may still be on the meta device: shapes are found at the first step.
@@ -246,7 +261,12 @@ def build_stages(parts: Sequence[StageModule], n_stages: int, pp_mesh: DeviceMes
 
 
 def build_schedule(
-    stages: Sequence[PipelineStage], schedule: str, n_microbatches: int, loss_fn: LossFn, *, schedule_csv: str | None = None
+    stages: Sequence[PipelineStage],
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: LossFn,
+    *,
+    schedule_csv: str | None = None,
 ) -> _PipelineSchedule:
     """Build the schedule running `stages` over `n_microbatches` microbatches per step.
 
@@ -266,12 +286,16 @@ def build_schedule(
         schedule_class = schedules.get_schedule_class(schedule)
     single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
     if single and len(stages) != 1:
-        raise ValueError(f"schedule '{schedule}' runs one stage per rank but this rank has {len(stages)}; split with the same schedule")
+        raise ValueError(
+            f"schedule '{schedule}' runs one stage per rank but this rank has {len(stages)}; split with the same schedule"
+        )
 
     def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return loss_fn(output, target) / n_microbatches
 
-    built = schedule_class(stages[0] if single else list(stages), n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    built = schedule_class(
+        stages[0] if single else list(stages), n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False
+    )
     if schedule_csv is not None:
         built._load_csv(schedule_csv)
     return built
@@ -349,7 +373,9 @@ def pipeline_step(
         The batch's mean loss (detached, 0-dim) on the rank holding the last stage, else None.
     """
     if pp_mesh is not None and stages[0].group_size != pp_mesh.size():
-        raise ValueError(f"the stages span {stages[0].group_size} pipeline ranks but pp_mesh has {pp_mesh.size()}; pass mesh['pp']")
+        raise ValueError(
+            f"the stages span {stages[0].group_size} pipeline ranks but pp_mesh has {pp_mesh.size()}; pass mesh['pp']"
+        )
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)
     losses: list[torch.Tensor] | None = [] if has_last else None

@@ -105,7 +105,9 @@ def check_schedule(schedule: str) -> None:
         )
 
 
-def stages_per_rank(n_stages: int, pp: int, schedule: str, *, origin: str = "", origin_arguments: tuple[str, ...] = ()) -> int:
+def stages_per_rank(
+    n_stages: int, pp: int, schedule: str, *, origin: str = "", origin_arguments: tuple[str, ...] = ()
+) -> int:
     """How many stages each rank runs; raise unless the stages divide over the ranks as `schedule` places them.
 
     The placement rule: single-stage schedules run exactly 1 stage per rank, loop
@@ -129,7 +131,9 @@ def stages_per_rank(n_stages: int, pp: int, schedule: str, *, origin: str = "", 
     per_rank = n_stages // pp
     if not _places(kind.placement, per_rank):
         fits = [n for n, k in SCHEDULE_KINDS.items() if _places(k.placement, per_rank)]
-        wanted = {"single": f"{pp}", "loop": f"a multiple of {pp}, at least {2 * pp},", "v": f"{2 * pp}"}[kind.placement]
+        wanted = {"single": f"{pp}", "loop": f"a multiple of {pp}, at least {2 * pp},", "v": f"{2 * pp}"}[
+            kind.placement
+        ]
         raise ParallelConfigError(
             f"schedule={schedule!r} runs {_STAGES_PER_RANK[kind.placement]} per rank, but {where} "
             f"= {per_rank} per rank on pp={pp}; use {wanted} stages or a schedule running {per_rank} per rank ({', '.join(fits)})",
@@ -272,8 +276,10 @@ def check_module_names(plan: ModelPlan, n_layers: int, module_names_per_stage: S
             seen[name] = stage
         start = min(position[n] for n in names)
         if start < previous_end:
-            raise refuse(f"stage {stage} holds '{units[start]}', which runs before modules of stage {stage - 1}; "
-                         "stages must cut the model in forward order")
+            raise refuse(
+                f"stage {stage} holds '{units[start]}', which runs before modules of stage {stage - 1}; "
+                "stages must cut the model in forward order"
+            )
         previous_end = max(position[n] for n in names)
     missing = [name for name in units if name not in seen]
     if missing:

@@ -32,11 +32,20 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
             return True, f"{torch.cuda.get_device_name(device)} has native bf16"
         return False, f"{torch.cuda.get_device_name(device)} has no native bf16 (needs compute capability 8.0+)"
     if device.type == "cpu":
-        features = [name for name, has in (("AMX", _cpu_has("_is_amx_tile_supported")),
-                                           ("AVX512-BF16", _cpu_has("_is_avx512_bf16_supported"))) if has]
+        features = [
+            name
+            for name, has in (
+                ("AMX", _cpu_has("_is_amx_tile_supported")),
+                ("AVX512-BF16", _cpu_has("_is_avx512_bf16_supported")),
+            )
+            if has
+        ]
         if features:
             return True, f"this CPU has {' and '.join(features)}"
-        return False, f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})"
+        return (
+            False,
+            f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})",
+        )
     return False, f"no bf16 check for device type {device.type!r}"
 
 
@@ -66,7 +75,9 @@ def resolve_param_dtype(name: str, device: torch.device) -> tuple[torch.dtype, s
     return dtype, f"{name} as requested"
 
 
-def mixed_precision_context(device_type: str, param_dtype: torch.dtype, *, fsdp: bool) -> contextlib.AbstractContextManager:
+def mixed_precision_context(
+    device_type: str, param_dtype: torch.dtype, *, fsdp: bool
+) -> contextlib.AbstractContextManager:
     """`torch.autocast` to `param_dtype` when FSDP does not apply mixed precision itself, else a no-op.
 
     Args:

@@ -215,7 +215,11 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     gathered = _all_gather_autograd(x.contiguous(), 0, group)  # (cp * bs, heads, seqlen, head_dim)
     bs, heads, seqlen, head_dim = x.shape
-    return gathered.view(size, bs, heads, seqlen, head_dim).permute(1, 2, 0, 3, 4).reshape(bs, heads, size * seqlen, head_dim)
+    return (
+        gathered.view(size, bs, heads, seqlen, head_dim)
+        .permute(1, 2, 0, 3, 4)
+        .reshape(bs, heads, size * seqlen, head_dim)
+    )
 
 
 def _allgather_attention(q, k, v, group: dist.ProcessGroup, scale: float) -> torch.Tensor:
@@ -226,7 +230,9 @@ def _allgather_attention(q, k, v, group: dist.ProcessGroup, scale: float) -> tor
     q_pos = cp_positions(seqlen, rank, size, device=q.device)
     k_pos = torch.cat([cp_positions(seqlen, r, size, device=q.device) for r in range(size)])
     mask = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # (seqlen, seqlen * cp); K/V stay in gathered order
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1)
+    )
 
 
 def ring_attention(

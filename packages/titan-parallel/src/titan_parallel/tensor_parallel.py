@@ -86,7 +86,9 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
 def _as_replicated(inputs: tuple, mesh: DeviceMesh) -> tuple:
     """Each plain tensor input as a `Replicate()` DTensor (DTensors and non-tensors unchanged)."""
     return tuple(
-        DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+        DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
         for x in inputs
     )
 
@@ -96,7 +98,9 @@ class ReplicatedParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
-            module, device_mesh, None,
+            module,
+            device_mesh,
+            None,
             input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),
             output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out,
         )
@@ -107,7 +111,9 @@ class SumGradParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
-            module, device_mesh, None,
+            module,
+            device_mesh,
+            None,
             input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),
             output_fn=lambda mod, out, mesh: out.to_local(grad_placements=(Partial(),)),
         )
@@ -128,15 +134,21 @@ class MoEReplicatedParallel(ParallelStyle):
         from torch.nn.utils.stateless import _reparametrize_module
 
         PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
         )._apply(module, device_mesh)
         replicated: list[str] = []
         for name, param in list(module.named_parameters()):
             if not isinstance(param, DTensor):
                 owner, _, leaf = name.rpartition(".")
                 sub = module.get_submodule(owner) if owner else module
-                sub.register_parameter(leaf, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)))
+                sub.register_parameter(
+                    leaf, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None))
+                )
                 replicated.append(name)
         inner = module.forward
 
@@ -207,7 +219,9 @@ def apply_tp(
     return model
 
 
-def planned_styles(root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool) -> dict[str, ParallelStyle]:
+def planned_styles(
+    root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool
+) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan for the entries of `table` that exist under `root`.
 
     Float8 styles are chosen from the modules themselves: a COLWISE/ROWWISE linear that
@@ -230,7 +244,10 @@ def planned_styles(root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss
             return bool(users) and all(is_tensorwise_float8(root.get_submodule(p)) for p in users)
         return style in (TPStyle.COLWISE, TPStyle.ROWWISE) and is_tensorwise_float8(root.get_submodule(path))
 
-    return {path: build_tp_style(style, loss_parallel=loss_parallel, float8=float8(path, style)) for path, style in present.items()}
+    return {
+        path: build_tp_style(style, loss_parallel=loss_parallel, float8=float8(path, style))
+        for path, style in present.items()
+    }
 
 
 def _tied_output_embedding(model: nn.Module, plan: ModelPlan) -> tuple[nn.Module, nn.Module] | None:

@@ -1,7 +1,7 @@
 """Titan's job config: the schema, loading (defaults < TOML < command line), TOML output, help.
 
-    cfg = load_config("llama3_8b", ["--training.steps", "100", "--checkpoint.enable"])
-    print(dump_toml(cfg))
+cfg = load_config("llama3_8b", ["--training.steps", "100", "--checkpoint.enable"])
+print(dump_toml(cfg))
 """
 
 from titan_core.config.describe import config_help

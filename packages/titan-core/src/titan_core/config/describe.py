@@ -24,8 +24,7 @@ def config_help() -> str:
         lines.append(f"[{section_name}]  {section_field.description or ''}".rstrip())
         for key, field in section_field.annotation.model_fields.items():
             lines.append(
-                f"  --{section_name}.{key} {describe_type(field)}"
-                f"  (default {describe_default(field.default)})"
+                f"  --{section_name}.{key} {describe_type(field)}  (default {describe_default(field.default)})"
             )
             lines.append(f"      {field.description or ''}".rstrip())
     return "\n".join(lines) + "\n"

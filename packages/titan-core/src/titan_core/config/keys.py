@@ -24,11 +24,7 @@ def list_sections() -> list[str]:
 
 def list_keys() -> list[str]:
     """Every dotted config key (`section.field`), in schema order."""
-    return [
-        f"{section}.{key}"
-        for section in list_sections()
-        for key in section_fields(section)
-    ]
+    return [f"{section}.{key}" for section in list_sections() for key in section_fields(section)]
 
 
 def section_fields(section: str) -> dict[str, FieldInfo]:

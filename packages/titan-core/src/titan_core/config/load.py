@@ -43,11 +43,7 @@ def load_config(config_file: str | None, overrides: list[str] | tuple[str, ...] 
     if config_file is not None:
         source = resolve_config_file(config_file)
         values = read_config_file(source)
-        origins = {
-            f"{section}.{key}": f"(in {source})"
-            for section, table in values.items()
-            for key in table
-        }
+        origins = {f"{section}.{key}": f"(in {source})" for section, table in values.items() for key in table}
     cli_values, cli_origins = parse_overrides(list(overrides))
     for section, table in cli_values.items():
         values.setdefault(section, {}).update(table)
@@ -71,11 +67,7 @@ def validate_config(values: dict[str, dict[str, Any]], origins: dict[str, str]) 
 def list_shipped_configs() -> list[str]:
     """Names of the configs shipped in `titan_core/configs/`, sorted."""
     folder = resources.files("titan_core") / "configs"
-    return sorted(
-        entry.name.removesuffix(".toml")
-        for entry in folder.iterdir()
-        if entry.name.endswith(".toml")
-    )
+    return sorted(entry.name.removesuffix(".toml") for entry in folder.iterdir() if entry.name.endswith(".toml"))
 
 
 def resolve_config_file(config_file: str) -> Traversable:
@@ -91,9 +83,7 @@ def resolve_config_file(config_file: str) -> Traversable:
     if shipped.is_file():
         return shipped
     names = ", ".join(list_shipped_configs())
-    raise ConfigError(
-        f"config file '{config_file}' not found: give a TOML file path or a shipped config ({names})"
-    )
+    raise ConfigError(f"config file '{config_file}' not found: give a TOML file path or a shipped config ({names})")
 
 
 def read_config_file(source: Traversable) -> dict[str, dict[str, Any]]:

@@ -42,9 +42,7 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, dict[str, Any]], dict[st
     while i < len(args):
         token = args[i]
         if not token.startswith("--") or token == "--":
-            raise ConfigError(
-                f"unexpected argument {token!r}; overrides look like --section.key value"
-            )
+            raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key value")
         flag, has_equals, text = token[2:].partition("=")
         dotted = flag.replace("-", "_")
         origin = f"(from --{flag})"

@@ -18,6 +18,7 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 UnitFraction = Annotated[float, Field(ge=0, le=1)]
 
+
 def _require_minus_one_or_at_least(value: int, low: int) -> int:
     """Let a field hold -1 (meaning "derive it") or any int >= `low`.
 
@@ -33,9 +34,7 @@ def _require_minus_one_or_at_least(value: int, low: int) -> int:
 class Section(BaseModel):
     """Base of every config section: unknown keys and bad assignments fail."""
 
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class Job(Section):

@@ -121,7 +121,9 @@ def import_parquet():
     try:
         import pyarrow.parquet
     except ImportError as e:
-        raise MissingPackageError("reading .parquet files needs pyarrow: pip install 'titan-core[hf]' (or pyarrow)") from e
+        raise MissingPackageError(
+            "reading .parquet files needs pyarrow: pip install 'titan-core[hf]' (or pyarrow)"
+        ) from e
     return pyarrow.parquet
 
 

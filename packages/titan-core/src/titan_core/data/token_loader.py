@@ -140,7 +140,9 @@ class _Prefetcher:
                 break
             except queue.Empty:
                 if not self.thread.is_alive():
-                    raise RuntimeError("the data prefetch thread stopped; set training.prefetch_batches=0 to read in the step") from None
+                    raise RuntimeError(
+                        "the data prefetch thread stopped; set training.prefetch_batches=0 to read in the step"
+                    ) from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -184,7 +186,9 @@ class TokenShardLoader:
         if local_batch_size < 1:
             raise ConfigError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
         if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}; check the data-parallel mesh")
+            raise ValueError(
+                f"dp_rank must be in [0, dp_world={dp_world}), got {dp_rank}; check the data-parallel mesh"
+            )
         if prefetch < 0:
             raise ConfigError(f"training.prefetch_batches must be >= 0, got {prefetch}")
         self.manifest = folder if isinstance(folder, TokenShardManifest) else read_manifest(folder, key)
@@ -208,7 +212,9 @@ class TokenShardLoader:
             batch = read_batch(self.stream, first, self.local_batch_size, self.seq_len)
         else:
             if self._prefetcher is None:
-                read = functools.partial(read_batch, self.stream, local_batch_size=self.local_batch_size, seq_len=self.seq_len)
+                read = functools.partial(
+                    read_batch, self.stream, local_batch_size=self.local_batch_size, seq_len=self.seq_len
+                )
                 self._prefetcher = _Prefetcher(read, first, self.dp_world * self.local_batch_size, self.prefetch)
                 self._stop_prefetcher = weakref.finalize(self, self._prefetcher.stop)
             batch = self._prefetcher.get()

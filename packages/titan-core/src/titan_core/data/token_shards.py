@@ -134,17 +134,28 @@ def read_manifest(folder: str | Path, key: str = "training.dataset_path") -> Tok
             f"{key}: {folder} is {FORMAT} version {raw.get('version')}, this Titan reads version {VERSION}; {redo}"
         )
     try:
-        shards = tuple(ShardInfo(s["tokens"], s["index"], int(s["n_tokens"]), int(s["n_documents"])) for s in raw["shards"])
+        shards = tuple(
+            ShardInfo(s["tokens"], s["index"], int(s["n_tokens"]), int(s["n_documents"])) for s in raw["shards"]
+        )
         manifest = TokenShardManifest(
-            folder=folder, dtype=str(raw["dtype"]), vocab_size=int(raw["vocab_size"]), bos_id=int(raw["bos_id"]),
-            eos_id=int(raw["eos_id"]), tokenizer=str(raw["tokenizer"]),
-            tokenizer_description=str(raw.get("tokenizer_description", "")), total_tokens=int(raw["total_tokens"]),
-            total_documents=int(raw["total_documents"]), shards=shards, source=raw.get("source"),
+            folder=folder,
+            dtype=str(raw["dtype"]),
+            vocab_size=int(raw["vocab_size"]),
+            bos_id=int(raw["bos_id"]),
+            eos_id=int(raw["eos_id"]),
+            tokenizer=str(raw["tokenizer"]),
+            tokenizer_description=str(raw.get("tokenizer_description", "")),
+            total_tokens=int(raw["total_tokens"]),
+            total_documents=int(raw["total_documents"]),
+            shards=shards,
+            source=raw.get("source"),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {folder / MANIFEST} lacks or garbles {e}; {redo}") from e
     if manifest.dtype not in ("uint16", "uint32") or token_dtype(manifest.vocab_size) != np.dtype(manifest.dtype):
-        raise ConfigError(f"{key}: {folder / MANIFEST} has dtype {manifest.dtype} for vocab_size {manifest.vocab_size}; {redo}")
+        raise ConfigError(
+            f"{key}: {folder / MANIFEST} has dtype {manifest.dtype} for vocab_size {manifest.vocab_size}; {redo}"
+        )
     if not shards or manifest.total_tokens != sum(s.n_tokens for s in shards) or manifest.total_tokens < 1:
         raise ConfigError(f"{key}: {folder / MANIFEST} has no tokens or its totals disagree with its shards; {redo}")
     itemsize = np.dtype(manifest.dtype).itemsize
@@ -153,7 +164,9 @@ def read_manifest(folder: str | Path, key: str = "training.dataset_path") -> Tok
             path = folder / name
             if not path.is_file() or path.stat().st_size != size:
                 found = path.stat().st_size if path.is_file() else "no file"
-                raise ConfigError(f"{key}: {path} should hold {size} bytes, found {found}; the folder is damaged: {redo}")
+                raise ConfigError(
+                    f"{key}: {path} should hold {size} bytes, found {found}; the folder is damaged: {redo}"
+                )
     return manifest
 
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from titan_parallel.modules import get_submodule_or_none
-from titan_parallel.plan import ModelPlan
 
 from titan_core.config.errors import ConfigError
 from titan_core.generation.kv_cache import KVCache, kv_cache
 from titan_core.generation.sampling import SamplingParams, sample_next_token
+from titan_parallel.modules import get_submodule_or_none
+from titan_parallel.plan import ModelPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 """Argmax decoding, the default."""

@@ -21,10 +21,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from titan_parallel.modules import get_submodule_or_none, iter_blocks
-from titan_parallel.plan import ModelPlan
 
 from titan_core.config.errors import ConfigError
+from titan_parallel.modules import get_submodule_or_none, iter_blocks
+from titan_parallel.plan import ModelPlan
 
 
 class KVCache:
@@ -122,7 +122,9 @@ class CachedAttention(nn.Module):
 
 
 @contextmanager
-def kv_cache(model: nn.Module, plan: ModelPlan, batch_size: int, max_len: int, device: torch.device | str) -> Iterator[KVCache]:
+def kv_cache(
+    model: nn.Module, plan: ModelPlan, batch_size: int, max_len: int, device: torch.device | str
+) -> Iterator[KVCache]:
     """Swap every block's attention core for a `CachedAttention` inside the `with` block.
 
     The original modules come back on exit, so the model can run without the cache again.

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from titan_ckpt.dtypes import parse_dtype
 from titan_ckpt.formats import detect_format
 from titan_ckpt.hf_hub import resolve_hf_source
 from titan_ckpt.step_folders import list_complete_steps, step_folder
-from titan_models import ModelSpec, get_model_spec
-from torch import nn
-
 from titan_core.config.errors import ConfigError
 from titan_core.convert import (
     check_state_dict,
@@ -30,6 +29,7 @@ from titan_core.convert import (
     load_titan_state_dict,
     resolve_source_args,
 )
+from titan_models import ModelSpec, get_model_spec
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ def load_model(
     name = model_name or infer_model_name(checkpoint, fmt)
     spec = get_model_spec(name)
     if fmt == "hf" and spec.hf_adapter is None:
-        raise ConfigError(f"model.name '{name}' has no Hugging Face adapter, so {checkpoint} cannot be read; pass --model-name")
+        raise ConfigError(
+            f"model.name '{name}' has no Hugging Face adapter, so {checkpoint} cannot be read; pass --model-name"
+        )
     args, _, _ = resolve_source_args(checkpoint, fmt, spec.hf_adapter, name, flavor)
     expected = expected_shapes(spec.build, args)
     state_dict = load_titan_state_dict(checkpoint, fmt, args, spec.hf_adapter, expected)

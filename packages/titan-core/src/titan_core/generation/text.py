@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_core.config.errors import ConfigError, MissingFileError
+from titan_core.convert import find_run_config
 from titan_core.data.hf_tokenizer import read_tokenizer_config
 from titan_core.data.tokenizer import Tokenizer, build_tokenizer, find_tokenizer_file
-from titan_core.convert import find_run_config
 
 GENERATION_CONFIG = "generation_config.json"
 """Hugging Face file whose `eos_token_id` (an id or a list) lists the tokens that end generation."""
@@ -68,7 +68,11 @@ def load_prompt_codec(checkpoint: Path, vocab_size: int) -> PromptCodec:
     path, source, own = _tokenizer_path(folder)
     tokenizer = build_tokenizer(path)
     if tokenizer.vocab_size > vocab_size:
-        hint = "put the model's tokenizer.json beside its weights" if path is None else f"use the model's own tokenizer instead of {path}"
+        hint = (
+            "put the model's tokenizer.json beside its weights"
+            if path is None
+            else f"use the model's own tokenizer instead of {path}"
+        )
         raise ConfigError(f"the {source} has {tokenizer.vocab_size} tokens, the model {vocab_size}; {hint}")
     add_bos = True
     if own:
@@ -90,7 +94,9 @@ def _tokenizer_path(folder: Path) -> tuple[Path | None, str, bool]:
         return None, "byte tokenizer", False
     path = Path(assets).expanduser()
     if not path.exists():
-        raise ConfigError(f"{run[0]}: model.hf_assets_path {assets} does not exist here; copy the tokenizer files into {folder}")
+        raise ConfigError(
+            f"{run[0]}: model.hf_assets_path {assets} does not exist here; copy the tokenizer files into {folder}"
+        )
     return path, f"tokenizer of {path}", False
 
 

@@ -17,7 +17,12 @@ __all__ = ["COMPONENTS", "MemoryEstimate", "RankMemory", "estimate_memory", "for
 
 
 def estimate_memory(
-    cfg: JobConfig, world_size: int, *, gpu_memory: str | None = None, traced: bool = False, device_type: str | None = None
+    cfg: JobConfig,
+    world_size: int,
+    *,
+    gpu_memory: str | None = None,
+    traced: bool = False,
+    device_type: str | None = None,
 ) -> MemoryEstimate:
     """Per-rank peak memory of `cfg` on `world_size` ranks, with a verdict when `gpu_memory` is given.
 

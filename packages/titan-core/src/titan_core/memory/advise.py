@@ -27,8 +27,10 @@ def _reshard(cfg: JobConfig, global_batch: int):
 
 def _selective_op(cfg: JobConfig, global_batch: int):
     if cfg.activation_checkpoint.mode == "none":
-        return ("--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
-                {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"})
+        return (
+            "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
+            {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"},
+        )
     return None
 
 
@@ -46,28 +48,46 @@ def _smaller_batch(divisor: int):
         local = t.local_batch_size // divisor
         if cfg.parallelism.pipeline_parallel_degree > 1 and local % cfg.parallelism.pipeline_parallel_microbatch_size:
             return None
-        return (f"--training.local_batch_size {local} (the global batch is kept by gradient accumulation)",
-                {"training.local_batch_size": local, "training.global_batch_size": global_batch})
+        return (
+            f"--training.local_batch_size {local} (the global batch is kept by gradient accumulation)",
+            {"training.local_batch_size": local, "training.global_batch_size": global_batch},
+        )
+
     return change
 
 
 def _cpu_offload(cfg: JobConfig, global_batch: int):
     if not cfg.training.enable_cpu_offload and cfg.parallelism.dp_mode == "fsdp":
-        return "--training.enable_cpu_offload (parameters, gradients and optimizer state in host memory)", {"training.enable_cpu_offload": True}
+        return "--training.enable_cpu_offload (parameters, gradients and optimizer state in host memory)", {
+            "training.enable_cpu_offload": True
+        }
     return None
 
 
 def _more_tp(cfg: JobConfig, global_batch: int):
     p = cfg.parallelism
-    return (f"--parallelism.tensor_parallel_degree {2 * p.tensor_parallel_degree}",
-            {"parallelism.tensor_parallel_degree": 2 * p.tensor_parallel_degree})
+    return (
+        f"--parallelism.tensor_parallel_degree {2 * p.tensor_parallel_degree}",
+        {"parallelism.tensor_parallel_degree": 2 * p.tensor_parallel_degree},
+    )
 
 
-CHANGES: tuple[Change, ...] = (_reshard, _selective_op, _smaller_batch(2), _smaller_batch(4), _full_ac, _cpu_offload, _more_tp)
+CHANGES: tuple[Change, ...] = (
+    _reshard,
+    _selective_op,
+    _smaller_batch(2),
+    _smaller_batch(4),
+    _full_ac,
+    _cpu_offload,
+    _more_tp,
+)
 """Single changes, cheapest in step time first: a smaller micro-batch with gradient accumulation keeps the global
 batch and costs only the per-micro-batch overheads, full recomputation costs a third more compute."""
 
-def cheapest_fix(cfg: JobConfig, world_size: int, budget: int, global_batch: int, device_type: str | None = None) -> str | None:
+
+def cheapest_fix(
+    cfg: JobConfig, world_size: int, budget: int, global_batch: int, device_type: str | None = None
+) -> str | None:
     """The first change of `CHANGES` after which the analytic estimate fits `budget`, or None.
 
     Args:
@@ -97,7 +117,9 @@ def cheapest_fix(cfg: JobConfig, world_size: int, budget: int, global_batch: int
     return None
 
 
-def judge(estimate: MemoryEstimate, cfg: JobConfig, budget: int, device_bytes: int, global_batch: int, device_type: str | None) -> None:
+def judge(
+    estimate: MemoryEstimate, cfg: JobConfig, budget: int, device_bytes: int, global_batch: int, device_type: str | None
+) -> None:
     """Set the estimate's budget, and its fix when it does not fit."""
     estimate.budget, estimate.device_memory = budget, device_bytes
     if not estimate.fits:

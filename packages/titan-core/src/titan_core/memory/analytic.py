@@ -50,7 +50,9 @@ def estimate_analytic(cfg: JobConfig, world_size: int, *, device_type: str | Non
     """
     job, notes = check_target_job(cfg, world_size, device_type)
     if job.spec.activation_bytes is None:
-        raise ConfigError(f"model.name={cfg.model.name!r} has no activation formulas for the analytic tier; use --traced")
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} has no activation formulas for the analytic tier; use --traced"
+        )
     return _estimate(job, notes)
 
 
@@ -62,6 +64,7 @@ def compute_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
     if device_type == "cuda":
         return 2
     import torch
+
     from titan_parallel.precision import native_bf16
 
     return 2 if native_bf16(torch.device("cpu"))[0] else 4
@@ -77,15 +80,23 @@ def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
     shards = dims.dp_shard * dims.cp if fsdp else 1
     reduce_b = DTYPE_BYTES[t.mixed_precision_reduce] if fsdp else 4
     layout = ActivationLayout(
-        compute_bytes=b, tp=dims.tp, cp=dims.cp, cp_rotate_method=p.context_parallel_rotate_method,
-        seq_len=t.seq_len, device_type=job.device_type, loss_parallel=not p.disable_loss_parallel,
+        compute_bytes=b,
+        tp=dims.tp,
+        cp=dims.cp,
+        cp_rotate_method=p.context_parallel_rotate_method,
+        seq_len=t.seq_len,
+        device_type=job.device_type,
+        loss_parallel=not p.disable_loss_parallel,
     )
     act = job.spec.activation_bytes(job.model_args, layout)
     stages = _stage_names(job)
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
     buffers = _buffer_bytes(job)  # counted once: every stage holds the root's buffers
-    ranks = [_rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, buffers) for pp_rank in range(dims.pp)]
+    ranks = [
+        _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, buffers)
+        for pp_rank in range(dims.pp)
+    ]
     if "float8" in cfg.model.converters:
         notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
     if cfg.compile.enable:
@@ -99,8 +110,10 @@ def describe_layout(job: CheckedJob, compute_bytes: int) -> str:
     cfg, dims = job.cfg, job.dims
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     degrees = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "1 rank"
-    extras = [f"{'bf16' if compute_bytes == 2 else 'fp32'} compute",
-              f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else "")]
+    extras = [
+        f"{'bf16' if compute_bytes == 2 else 'fp32'} compute",
+        f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""),
+    ]
     if dims.pp > 1:
         extras.append(f"{p.pipeline_parallel_schedule}, microbatch {p.pipeline_parallel_microbatch_size}")
     extras.append(f"local batch {t.local_batch_size} x seq {t.seq_len}")
@@ -274,13 +287,20 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, s
         # The output projection's backward: its weight gathered, its gradient and reduce-scatter buffers.
         "output backward": (activations + grad_logits + output_comm_bwd, grads_during_bwd),
         # The last block's backward: recompute (under AC), the gradients of its activations, FSDP buffers.
-        "block backward": (activations - (saved_head if has_head else 0) + block_bwd + block_comm_bwd, grads_during_bwd),
+        "block backward": (
+            activations - (saved_head if has_head else 0) + block_bwd + block_comm_bwd,
+            grads_during_bwd,
+        ),
         # The optimizer step: every gradient, the optimizer's temporaries.
         "optimizer step": (0, 0) if offload else (opt_temp, grad_bytes),  # offloaded: the step runs on the host
     }
     name, (transient, grads) = max(moments.items(), key=lambda kv: kv[1][0] + kv[1][1])
-    comm = {"loss backward": gathered_fwd if not reshard else 0, "output backward": output_comm_bwd,
-            "block backward": block_comm_bwd, "optimizer step": 0}[name]
+    comm = {
+        "loss backward": gathered_fwd if not reshard else 0,
+        "output backward": output_comm_bwd,
+        "block backward": block_comm_bwd,
+        "optimizer step": 0,
+    }[name]
     act_at_peak = 0 if name == "optimizer step" else (activations - (saved_head if name == "block backward" else 0))
     temporary = transient - comm - act_at_peak + cast_copies
     detail = {

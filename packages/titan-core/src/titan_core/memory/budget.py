@@ -14,8 +14,22 @@ from titan_core.config.errors import ConfigError
 
 GPU_MEMORY_GIB: dict[str, float] = {
     # Datasheet HBM/GDDR sizes (GB as the datasheets write them, which NVIDIA means as GiB-sized stacks).
-    "A100-40GB": 40, "A100": 80, "A100-80GB": 80, "H100": 80, "H100-PCIe": 80, "H100-NVL": 94, "H200": 141,
-    "GH200": 96, "B200": 180, "GB200": 186, "L40S": 48, "L40": 48, "L4": 24, "A10G": 24, "A10": 24, "MI300X": 192,
+    "A100-40GB": 40,
+    "A100": 80,
+    "A100-80GB": 80,
+    "H100": 80,
+    "H100-PCIe": 80,
+    "H100-NVL": 94,
+    "H200": 141,
+    "GH200": 96,
+    "B200": 180,
+    "GB200": 186,
+    "L40S": 48,
+    "L40": 48,
+    "L4": 24,
+    "A10G": 24,
+    "A10": 24,
+    "MI300X": 192,
 }
 """Device memory per GPU by name, for `--gpu-memory H100` (sizes in GiB)."""
 
@@ -28,7 +42,17 @@ it) and for what the estimate misses: torchtitan's reserved peaks for Llama 3.1 
 and 6% above the analytic estimate (docs/memory.md, Accuracy)."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_gpu_memory(value: str) -> tuple[int, str]:

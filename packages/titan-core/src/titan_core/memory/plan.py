@@ -40,7 +40,13 @@ from titan_core.memory.budget import GPU_MEMORY_GIB, parse_gpu_memory, usable_by
 from titan_core.memory.plan_bounds import degrees_and_schedule, host_lower_bound, memory_lower_bound, needs_at_least
 from titan_core.memory.plan_space import PLAN_SCHEDULES, candidate_layouts, layout_overrides, refuse_by_rule
 from titan_core.memory.step_cost import (
-    Cluster, Layout, StepCost, Workload, estimate_step_cost, op_recompute_flops_per_token, tokens_per_second_per_gpu,
+    Cluster,
+    Layout,
+    StepCost,
+    Workload,
+    estimate_step_cost,
+    op_recompute_flops_per_token,
+    tokens_per_second_per_gpu,
 )
 
 if TYPE_CHECKING:
@@ -138,8 +144,13 @@ def prepare_plan(request: PlanRequest) -> Plan:
         ConfigError: a bad request; one line naming the flag or config key at fault.
     """
     r = request
-    for flag, value in (("--gpus", r.gpus), ("--gpus-per-node", r.gpus_per_node), ("--top", r.top),
-                        ("--seq-len", r.seq_len), ("--global-batch-size", r.global_batch)):
+    for flag, value in (
+        ("--gpus", r.gpus),
+        ("--gpus-per-node", r.gpus_per_node),
+        ("--top", r.top),
+        ("--seq-len", r.seq_len),
+        ("--global-batch-size", r.global_batch),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
     if r.gpus > r.gpus_per_node and r.gpus % r.gpus_per_node:
@@ -181,8 +192,10 @@ def _cluster(request: PlanRequest, cfg: JobConfig) -> Cluster:
     peak = cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else gpu_peak_flops(request.gpu, dtype)
     if peak is None:
         known = ", ".join(n for n in GPU_MEMORY_GIB if gpu_peak_flops(n, torch.bfloat16))
-        raise ConfigError(f"--gpu {request.gpu!r} is not in the peak FLOP/s table; name one of {known}, "
-                          "or give --metrics.peak_tflops and --gpu-memory")
+        raise ConfigError(
+            f"--gpu {request.gpu!r} is not in the peak FLOP/s table; name one of {known}, "
+            "or give --metrics.peak_tflops and --gpu-memory"
+        )
     return Cluster(request.gpus, min(request.gpus_per_node, request.gpus), peak)
 
 
@@ -194,10 +207,14 @@ def workload(cfg: JobConfig) -> Workload:
     q_dim, kv_dim = a.n_heads * a.attention_head_dim, a.kv_heads * a.attention_head_dim
     compute_bytes = compute_dtype_bytes(cfg, "cuda")
     return Workload(
-        n_params=spec.count_params(a), n_layers=a.n_layers, dim=a.dim, kv_dim=kv_dim,
+        n_params=spec.count_params(a),
+        n_layers=a.n_layers,
+        dim=a.dim,
+        kv_dim=kv_dim,
         flops_per_token=spec.flops_per_token(a, cfg.training.seq_len),
         op_recompute_flops_per_token=op_recompute_flops_per_token(a.n_layers, a.dim, q_dim, kv_dim, a.ffn_hidden_dim),
-        seq_len=cfg.training.seq_len, global_batch=cfg.training.global_batch_size,
+        seq_len=cfg.training.seq_len,
+        global_batch=cfg.training.global_batch_size,
         gather_bytes=compute_bytes,
         reduce_bytes=DTYPE_BYTES[cfg.training.mixed_precision_reduce],
         act_bytes=compute_bytes,
@@ -215,8 +232,10 @@ def _model(cfg: JobConfig) -> tuple[Any, Any]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if spec.activation_bytes is None:
-        raise ConfigError(f"model.name={cfg.model.name!r} has no activation formulas (ModelSpec.activation_bytes); "
-                          "titan plan needs them")
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} has no activation formulas (ModelSpec.activation_bytes); "
+            "titan plan needs them"
+        )
     return spec, args
 
 
@@ -247,9 +266,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         estimate: `(cfg, world_size) -> MemoryEstimate`; default `estimate_analytic` for CUDA.
         schedules: pipeline schedules to search; default those of `PLAN_SCHEDULES` this torch has.
     """
-    from titan_models import ActivationLayout
-
     from titan_core.memory.analytic import compute_dtype_bytes
+    from titan_models import ActivationLayout
 
     estimate = estimate or default_estimator()
     if schedules is None:
@@ -270,9 +288,18 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
 
     @functools.cache
     def activations(tp: int, cp: int) -> Any:
-        return spec.activation_bytes(args, ActivationLayout(
-            compute_bytes=compute_bytes, tp=tp, cp=cp, cp_rotate_method=w.cp_rotate_method,
-            seq_len=w.seq_len, device_type="cuda", loss_parallel=not cfg.parallelism.disable_loss_parallel))
+        return spec.activation_bytes(
+            args,
+            ActivationLayout(
+                compute_bytes=compute_bytes,
+                tp=tp,
+                cp=cp,
+                cp_rotate_method=w.cp_rotate_method,
+                seq_len=w.seq_len,
+                device_type="cuda",
+                loss_parallel=not cfg.parallelism.disable_loss_parallel,
+            ),
+        )
 
     scored: list[Ranked] = []
     closest_bound = None

@@ -26,7 +26,11 @@ AC_KEEPS = {"none": 2, "op": 1, "full": 0}
 
 
 def memory_lower_bound(
-    layout: Layout, work: Workload, act: Any, block_params: int, compute_bytes: int = 2,
+    layout: Layout,
+    work: Workload,
+    act: Any,
+    block_params: int,
+    compute_bytes: int = 2,
     end_weights: tuple[int, int] = (1, 1),
 ) -> int:
     """Bytes per rank that no estimate of `layout` goes below: step 3's filter.
@@ -85,9 +89,8 @@ def _pipeline_ranks(layout: Layout, n_layers: int, end_weights: tuple[int, int])
     stage (and under V schedules the last), rank 1 the last when pp = 2.
     In flight: `titan_core.memory.analytic.inflight_microbatches`, as the estimate counts them.
     """
-    from titan_parallel.pipeline_layout import schedule_kind
-
     from titan_core.memory.analytic import inflight_microbatches
+    from titan_parallel.pipeline_layout import schedule_kind
 
     t = layout
     if t.pp == 1:
@@ -122,5 +125,10 @@ def needs_at_least(layout: Layout, other: Layout) -> bool:
     if degrees_and_schedule(a) != degrees_and_schedule(b):
         return False
     cap = 3 * a.pp
-    return (a.microbatch >= b.microbatch and min(a.microbatches, cap) >= min(b.microbatches, cap)
-            and AC_KEEPS[a.ac] >= AC_KEEPS[b.ac] and a.offload <= b.offload and (a.accum > 1 or b.accum == 1))
+    return (
+        a.microbatch >= b.microbatch
+        and min(a.microbatches, cap) >= min(b.microbatches, cap)
+        and AC_KEEPS[a.ac] >= AC_KEEPS[b.ac]
+        and a.offload <= b.offload
+        and (a.accum > 1 or b.accum == 1)
+    )

@@ -18,8 +18,23 @@ from titan_core.memory.plan_bounds import STATE_BYTES_PER_PARAM
 from titan_core.memory.plan_space import layout_overrides
 from titan_core.memory.report import format_bytes
 
-COLUMNS = ("#", "dp_rep", "dp_shard", "cp", "tp", "pp", "schedule", "mbs", "local x accum", "AC", "offload",
-           "peak/GPU", "step", "tok/s/GPU", "why")
+COLUMNS = (
+    "#",
+    "dp_rep",
+    "dp_shard",
+    "cp",
+    "tp",
+    "pp",
+    "schedule",
+    "mbs",
+    "local x accum",
+    "AC",
+    "offload",
+    "peak/GPU",
+    "step",
+    "tok/s/GPU",
+    "why",
+)
 """The table's columns: the degrees, the pipeline, the batch split, checkpointing, offload, the estimates."""
 
 
@@ -32,10 +47,21 @@ def _row(i: int, ranked: Ranked) -> list[str]:
     """The cells of table row `i` (one per `COLUMNS`)."""
     t, piped = ranked.layout, ranked.layout.pp > 1
     return [
-        str(i), str(t.dp_replicate), str(t.dp_shard), str(t.cp), str(t.tp), str(t.pp),
-        t.schedule if piped else "-", str(t.microbatch) if piped else "-", f"{t.local_batch} x {t.accum}",
-        t.ac, "yes" if t.offload else "no", format_bytes(ranked.peak), format_seconds(ranked.cost.seconds),
-        f"{ranked.tokens_per_gpu:,.0f}", ranked.cost.dominant(),
+        str(i),
+        str(t.dp_replicate),
+        str(t.dp_shard),
+        str(t.cp),
+        str(t.tp),
+        str(t.pp),
+        t.schedule if piped else "-",
+        str(t.microbatch) if piped else "-",
+        f"{t.local_batch} x {t.accum}",
+        t.ac,
+        "yes" if t.offload else "no",
+        format_bytes(ranked.peak),
+        format_seconds(ranked.cost.seconds),
+        f"{ranked.tokens_per_gpu:,.0f}",
+        ranked.cost.dominant(),
     ]
 
 
@@ -43,18 +69,22 @@ def describe_request(plan: Plan) -> str:
     """The first line: model, GPUs, memory, sequence and batch."""
     cfg, c, w = plan.base, plan.cluster, plan.workload
     nodes = f"{c.gpus // c.gpus_per_node} nodes of {c.gpus_per_node}" if c.gpus > c.gpus_per_node else "1 node"
-    return (f"{cfg.model.name} {cfg.model.flavor} on {c.gpus} x {plan.request.gpu} ({nodes}), "
-            f"{format_bytes(plan.device_memory)} per GPU ({format_bytes(plan.usable)} usable); "
-            f"seq {w.seq_len}, global batch {w.global_batch} = {w.seq_len * w.global_batch:,} tokens per step")
+    return (
+        f"{cfg.model.name} {cfg.model.flavor} on {c.gpus} x {plan.request.gpu} ({nodes}), "
+        f"{format_bytes(plan.device_memory)} per GPU ({format_bytes(plan.usable)} usable); "
+        f"seq {w.seq_len}, global batch {w.global_batch} = {w.seq_len * w.global_batch:,} tokens per step"
+    )
 
 
 def describe_counts(plan: Plan) -> str:
     """How many layouts the search considered, and what became of them."""
     n = plan.counts
     skipped = n["skipped"] + n["not_estimated"]
-    return (f"searched {n['layouts']} layouts: {n['rule']} refused by rule, {n['lower_bound']} over memory by the "
-            f"lower bound, {n['estimated']} estimated ({n['fit']} fit, {n['memory']} over memory), {skipped} not "
-            "estimated (slower than a row shown, or needing at least the memory of one over it)")
+    return (
+        f"searched {n['layouts']} layouts: {n['rule']} refused by rule, {n['lower_bound']} over memory by the "
+        f"lower bound, {n['estimated']} estimated ({n['fit']} fit, {n['memory']} over memory), {skipped} not "
+        "estimated (slower than a row shown, or needing at least the memory of one over it)"
+    )
 
 
 def render_plan(plan: Plan) -> str:
@@ -71,8 +101,10 @@ def render_plan(plan: Plan) -> str:
         message, count = plan.rule_errors.most_common(1)[0]
         lines.append(f"most frequent rule refusal ({count} layouts): {message}")
     c = plan.cluster
-    lines.append(f"cost model (docs/memory.md, 'titan plan'): matmuls at {c.mfu:.0%} of {c.peak_flops / 1e12:,.0f} "
-                 f"TFLOP/s; NVLink {c.intra_node_bw / 1e9:.0f} GB/s, network {c.inter_node_bw / 1e9:.0f} GB/s per GPU")
+    lines.append(
+        f"cost model (docs/memory.md, 'titan plan'): matmuls at {c.mfu:.0%} of {c.peak_flops / 1e12:,.0f} "
+        f"TFLOP/s; NVLink {c.intra_node_bw / 1e9:.0f} GB/s, network {c.inter_node_bw / 1e9:.0f} GB/s per GPU"
+    )
     return "\n".join(lines)
 
 
@@ -82,21 +114,46 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     layouts = []
     for i, r in enumerate(plan.fits, 1):
         t = r.layout
-        layouts.append({
-            "rank": i, "dp_replicate": t.dp_replicate, "dp_shard": t.dp_shard, "cp": t.cp, "tp": t.tp, "pp": t.pp,
-            "schedule": t.schedule if t.pp > 1 else None, "microbatch": t.microbatch if t.pp > 1 else None,
-            "local_batch": t.local_batch, "accum": t.accum, "ac": t.ac, "offload": t.offload,
-            "peak_bytes": r.peak, "step_seconds": r.cost.seconds, "tokens_per_second_per_gpu": r.tokens_per_gpu,
-            "terms_seconds": r.cost.terms, "links": r.cost.notes, "why": r.cost.dominant(),
-            "overrides": layout_overrides(t, w.global_batch),
-        })
+        layouts.append(
+            {
+                "rank": i,
+                "dp_replicate": t.dp_replicate,
+                "dp_shard": t.dp_shard,
+                "cp": t.cp,
+                "tp": t.tp,
+                "pp": t.pp,
+                "schedule": t.schedule if t.pp > 1 else None,
+                "microbatch": t.microbatch if t.pp > 1 else None,
+                "local_batch": t.local_batch,
+                "accum": t.accum,
+                "ac": t.ac,
+                "offload": t.offload,
+                "peak_bytes": r.peak,
+                "step_seconds": r.cost.seconds,
+                "tokens_per_second_per_gpu": r.tokens_per_gpu,
+                "terms_seconds": r.cost.terms,
+                "links": r.cost.notes,
+                "why": r.cost.dominant(),
+                "overrides": layout_overrides(t, w.global_batch),
+            }
+        )
     return {
-        "model": f"{plan.base.model.name} {plan.base.model.flavor}", "gpus": c.gpus, "gpus_per_node": c.gpus_per_node,
-        "gpu": plan.request.gpu, "device_memory": plan.device_memory, "usable": plan.usable,
-        "seq_len": w.seq_len, "global_batch": w.global_batch,
-        "cost_model": {"peak_flops": c.peak_flops, "mfu": c.mfu, "intra_node_bw": c.intra_node_bw,
-                       "inter_node_bw": c.inter_node_bw},
-        "layouts": layouts, "counts": dict(plan.counts),
+        "model": f"{plan.base.model.name} {plan.base.model.flavor}",
+        "gpus": c.gpus,
+        "gpus_per_node": c.gpus_per_node,
+        "gpu": plan.request.gpu,
+        "device_memory": plan.device_memory,
+        "usable": plan.usable,
+        "seq_len": w.seq_len,
+        "global_batch": w.global_batch,
+        "cost_model": {
+            "peak_flops": c.peak_flops,
+            "mfu": c.mfu,
+            "intra_node_bw": c.intra_node_bw,
+            "inter_node_bw": c.inter_node_bw,
+        },
+        "layouts": layouts,
+        "counts": dict(plan.counts),
         "rule_errors": [{"message": m, "layouts": n} for m, n in plan.rule_errors.most_common()],
         "hint": None if plan.fits else fix_hint(plan),
     }
@@ -108,14 +165,18 @@ def fix_hint(plan: Plan) -> str:
     gpus = plan.cluster.gpus
     if c is None:
         message = plan.rule_errors.most_common(1)[0][0] if plan.rule_errors else "none has whole batches per rank"
-        return (f"no layout of {gpus} GPUs passes the rules (most often: {message}); "
-                "change --gpus, --seq-len or --global-batch-size")
+        return (
+            f"no layout of {gpus} GPUs passes the rules (most often: {message}); "
+            "change --gpus, --seq-len or --global-batch-size"
+        )
     need = math.ceil(STATE_BYTES_PER_PARAM * w.n_params / plan.usable)
     t = c.layout
     what = f"{t.describe()}, AC {t.ac}{', offload' if t.offload else ''}"
-    return (f"no layout fits {gpus} GPUs of {format_bytes(plan.usable)} usable: the closest ({what}) needs "
-            f"{'' if c.estimated else 'at least '}{format_bytes(c.peak)} per GPU; use more GPUs (the model states "
-            f"alone need {need} without offload), more memory per GPU (--gpu-memory) or a shorter --seq-len")
+    return (
+        f"no layout fits {gpus} GPUs of {format_bytes(plan.usable)} usable: the closest ({what}) needs "
+        f"{'' if c.estimated else 'at least '}{format_bytes(c.peak)} per GPU; use more GPUs (the model states "
+        f"alone need {need} without offload), more memory per GPU (--gpu-memory) or a shorter --seq-len"
+    )
 
 
 def train_command(path: str, gpus: int, gpus_per_node: int) -> str:
@@ -149,9 +210,11 @@ def emit_config(plan: Plan, ranked: Ranked, path: str, force: bool = False) -> s
     check_emit_path(path, force)
     command = train_command(path, plan.cluster.gpus, plan.cluster.gpus_per_node)
     t = ranked.layout
-    header = (f"# Written by titan plan: {t.describe()}, AC {t.ac} on {plan.cluster.gpus} GPUs; "
-              f"peak {format_bytes(ranked.peak)} per GPU, ~{format_seconds(ranked.cost.seconds)} per step estimated.\n"
-              f"# Start it with: {command}\n")
+    header = (
+        f"# Written by titan plan: {t.describe()}, AC {t.ac} on {plan.cluster.gpus} GPUs; "
+        f"peak {format_bytes(ranked.peak)} per GPU, ~{format_seconds(ranked.cost.seconds)} per step estimated.\n"
+        f"# Start it with: {command}\n"
+    )
     text = header + dump_toml(layout_config(plan, ranked.layout))
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

@@ -74,9 +74,11 @@ def candidate_layouts(
 def _batch_layouts(degrees: dict[str, int], seqs_per_rank: int, schedules: tuple[str, ...]) -> Iterator[Layout]:
     """The batch splits, pipelines, checkpointing modes and offload choices of one set of degrees."""
     pp = degrees["pp"]
-    pipelines = [("1F1B", 1, None)] if pp == 1 else [
-        (s, 1 if s in ("GPipe", "1F1B") else 2, mbs) for s in schedules for mbs in MICROBATCH_SIZES
-    ]
+    pipelines = (
+        [("1F1B", 1, None)]
+        if pp == 1
+        else [(s, 1 if s in ("GPipe", "1F1B") else 2, mbs) for s in schedules for mbs in MICROBATCH_SIZES]
+    )
     offloads = (False, True) if degrees["dp_shard"] * degrees["cp"] > 1 else (False,)
     for local in divisors(seqs_per_rank):
         for schedule, per_rank, mbs in pipelines:
@@ -84,28 +86,50 @@ def _batch_layouts(degrees: dict[str, int], seqs_per_rank: int, schedules: tuple
                 continue
             for ac in AC_MODES:
                 for offload in offloads:
-                    yield Layout(**degrees, schedule=schedule, stages_per_rank=per_rank, local_batch=local,
-                                 microbatch=mbs or local, accum=seqs_per_rank // local, ac=ac, offload=offload)
+                    yield Layout(
+                        **degrees,
+                        schedule=schedule,
+                        stages_per_rank=per_rank,
+                        local_batch=local,
+                        microbatch=mbs or local,
+                        accum=seqs_per_rank // local,
+                        ac=ac,
+                        offload=offload,
+                    )
 
 
 def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
     """The `--section.key value` tokens that set `layout` on top of a config."""
     t = layout
     return [
-        "--parallelism.dp_mode", "fsdp",
-        "--parallelism.data_parallel_replicate_degree", str(t.dp_replicate),
-        "--parallelism.data_parallel_shard_degree", str(t.dp_shard),
-        "--parallelism.context_parallel_degree", str(t.cp),
-        "--parallelism.tensor_parallel_degree", str(t.tp),
-        "--parallelism.pipeline_parallel_degree", str(t.pp),
-        "--parallelism.pipeline_parallel_schedule", t.schedule,
-        "--parallelism.pipeline_parallel_schedule_csv", "none",
-        "--parallelism.pipeline_parallel_microbatch_size", str(t.microbatch if t.pp > 1 else 1),
-        "--parallelism.pipeline_parallel_layers_per_stage", "none",
-        "--parallelism.module_fqns_per_model_part", "none",
-        "--training.local_batch_size", str(t.local_batch),
-        "--training.global_batch_size", str(global_batch),
-        "--training.enable_cpu_offload", "true" if t.offload else "false",
+        "--parallelism.dp_mode",
+        "fsdp",
+        "--parallelism.data_parallel_replicate_degree",
+        str(t.dp_replicate),
+        "--parallelism.data_parallel_shard_degree",
+        str(t.dp_shard),
+        "--parallelism.context_parallel_degree",
+        str(t.cp),
+        "--parallelism.tensor_parallel_degree",
+        str(t.tp),
+        "--parallelism.pipeline_parallel_degree",
+        str(t.pp),
+        "--parallelism.pipeline_parallel_schedule",
+        t.schedule,
+        "--parallelism.pipeline_parallel_schedule_csv",
+        "none",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        str(t.microbatch if t.pp > 1 else 1),
+        "--parallelism.pipeline_parallel_layers_per_stage",
+        "none",
+        "--parallelism.module_fqns_per_model_part",
+        "none",
+        "--training.local_batch_size",
+        str(t.local_batch),
+        "--training.global_batch_size",
+        str(global_batch),
+        "--training.enable_cpu_offload",
+        "true" if t.offload else "false",
         *AC_TOKENS[t.ac],
     ]
 
@@ -119,12 +143,11 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
         cfg: the job config, for the model's plan and the pipeline's first / last stage weights.
         seq_len: tokens per sequence.
     """
+    from titan_core.job_check import as_config_error
     from titan_models import get_model_spec
     from titan_parallel import ParallelConfigError
     from titan_parallel.layout import check_cp
     from titan_parallel.pipeline_layout import count_microbatches, count_stages, stage_module_names
-
-    from titan_core.job_check import as_config_error
 
     t, p = layout, cfg.parallelism
     for name in ("n_heads", "kv_heads", "ffn_hidden_dim", "vocab_size"):
@@ -134,8 +157,10 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
     try:
         check_cp(seq_len, t.cp, t.tp)
         if t.pp > 1:
-            less = {"first_stage_less_layers": p.pipeline_parallel_first_stage_less_layers,
-                    "last_stage_less_layers": p.pipeline_parallel_last_stage_less_layers}
+            less = {
+                "first_stage_less_layers": p.pipeline_parallel_first_stage_less_layers,
+                "last_stage_less_layers": p.pipeline_parallel_last_stage_less_layers,
+            }
             n_stages = count_stages(args.n_layers, t.pp, t.schedule, **less)
             stage_module_names(get_model_spec(cfg.model.name).plan, args.n_layers, n_stages, **less)
             count_microbatches(t.local_batch, t.microbatch, n_stages, t.schedule)

@@ -375,8 +375,15 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     optimizer = ADAM_BYTES_PER_PARAM * shard_params / (HOST_ADAM_BYTES_PER_S if t.offload else HBM_BYTES_PER_S)
 
     cost.terms = {
-        "compute": compute, "recompute": recompute, "tp": tp, "cp": cp, "pp_p2p": pp_p2p,
-        "bubble": bubble, "fsdp": fsdp_exposed, "offload": offload, "optimizer": optimizer,
+        "compute": compute,
+        "recompute": recompute,
+        "tp": tp,
+        "cp": cp,
+        "pp_p2p": pp_p2p,
+        "bubble": bubble,
+        "fsdp": fsdp_exposed,
+        "offload": offload,
+        "optimizer": optimizer,
     }
     return cost
 

@@ -42,23 +42,33 @@ def untraceable_feature(cfg: JobConfig) -> str | None:
     """
     p, t = cfg.parallelism, cfg.training
     if p.pipeline_parallel_degree > 1:
-        return ("pipeline parallel (parallelism.pipeline_parallel_degree > 1): torch's pipeline schedules learn each "
-                "stage's shapes by exchanging them with the peer stages, which a fake process group cannot")
+        return (
+            "pipeline parallel (parallelism.pipeline_parallel_degree > 1): torch's pipeline schedules learn each "
+            "stage's shapes by exchanging them with the peer stages, which a fake process group cannot"
+        )
     if t.enable_cpu_offload:
-        return "CPU offload (training.enable_cpu_offload): the tracker cannot tell host from device memory on a CPU trace"
+        return (
+            "CPU offload (training.enable_cpu_offload): the tracker cannot tell host from device memory on a CPU trace"
+        )
     if cfg.model.converters:
         return f"model.converters = {list(cfg.model.converters)}: float8 / MXFP8 kernels need a GPU"
     if p.enable_async_tensor_parallel:
-        return "async tensor parallel (parallelism.enable_async_tensor_parallel): its symmetric-memory kernels need a GPU"
+        return (
+            "async tensor parallel (parallelism.enable_async_tensor_parallel): its symmetric-memory kernels need a GPU"
+        )
     if p.dp_mode == "ddp" and p.data_parallel_replicate_degree > 1:
         return "DDP (parallelism.dp_mode = 'ddp'): its reducer buckets need real gradients"
     if cfg.checkpoint.initial_load_in_hf:
-        return "checkpoint.initial_load_in_hf: the model's shape comes from the checkpoint, which the trace does not load"
+        return (
+            "checkpoint.initial_load_in_hf: the model's shape comes from the checkpoint, which the trace does not load"
+        )
     from titan_models import get_model_spec
 
     if get_model_spec(cfg.model.name).plan.moe is not None:
-        return (f"Mixture-of-Experts routing (model.name = '{cfg.model.name}'): how many tokens reach each expert "
-                "depends on the values, which fake tensors do not have")
+        return (
+            f"Mixture-of-Experts routing (model.name = '{cfg.model.name}'): how many tokens reach each expert "
+            "depends on the values, which fake tensors do not have"
+        )
     return None
 
 
@@ -138,7 +148,9 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
             "are not counted; the budget's headroom covers them and the allocator's rounding"
         )
     if cfg.compile.enable:
-        notes.append("compile: the eager train step was traced; compiled blocks and loss usually need less (an upper bound)")
+        notes.append(
+            "compile: the eager train step was traced; compiled blocks and loss usually need less (an upper bound)"
+        )
     layout = describe_layout(job, compute_dtype_bytes(cfg, device_type))
     return MemoryEstimate("traced", world_size, layout, [rank_memory(peaks, sharded)], notes=notes)
 

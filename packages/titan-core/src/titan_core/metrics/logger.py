@@ -150,7 +150,9 @@ class MetricsLogger:
             return
         if enable_tensorboard:
             if log_dir is None:
-                raise ValueError("enable_tensorboard is true but log_dir is None; give a TensorBoard folder or turn it off")
+                raise ValueError(
+                    "enable_tensorboard is true but log_dir is None; give a TensorBoard folder or turn it off"
+                )
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(log_dir))

@@ -220,7 +220,10 @@ def raise_cpu_peak(dtype: torch.dtype, achieved_flops: float) -> float:
     logger.warning(
         "training reached %.1f GFLOP/s, above the cached CPU peak for %s (measured while the machine was busy?); "
         "the peak in %s is now %.1f GFLOP/s (set metrics.peak_tflops to fix it yourself)",
-        achieved_flops / 1e9, key, path, flops / 1e9,
+        achieved_flops / 1e9,
+        key,
+        path,
+        flops / 1e9,
     )
     return flops
 

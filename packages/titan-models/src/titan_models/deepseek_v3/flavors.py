@@ -20,8 +20,17 @@ to Titan's formats but not to that Hugging Face class. Derive variants with `dat
 from titan_models.deepseek_v3.model import ModelArgs, YaRN
 from titan_models.moe import MoEArgs
 
-_DEEPSEEK_V3_YARN = YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
-_V2_LITE_YARN = YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+_DEEPSEEK_V3_YARN = YaRN(
+    factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+)
+_V2_LITE_YARN = YaRN(
+    factor=40.0,
+    original_max_position_embeddings=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
 
 deepseek_v3_flavors: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(

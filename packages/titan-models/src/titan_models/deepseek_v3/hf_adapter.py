@@ -104,7 +104,9 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
             for j, weight in enumerate(tensor.unbind(0)):  # (experts, out, in) -> experts x (out, in)
                 hf[f"{prefix}mlp.experts.{j}.{proj}.weight"] = weight
         else:
-            raise ValueError(f"'{name}' is not a DeepSeek-V3 parameter; pass the model's own state dict (Titan names, no prefix)")
+            raise ValueError(
+                f"'{name}' is not a DeepSeek-V3 parameter; pass the model's own state dict (Titan names, no prefix)"
+            )
     return hf
 
 
@@ -129,13 +131,17 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, w1|w2|w3) -> {expert: weight}
     for name, tensor in hf_state_dict.items():
         if name.endswith("weight_scale_inv"):
-            raise ModelConfigError(f"'{name}': FP8 checkpoints are not supported; dequantize to bf16 first (DeepSeek's fp8_cast_bf16.py)")
+            raise ModelConfigError(
+                f"'{name}': FP8 checkpoints are not supported; dequantize to bf16 first (DeepSeek's fp8_cast_bf16.py)"
+            )
         if name in _HF_TOP_NAMES:
             titan[_HF_TOP_NAMES[name]] = tensor
             continue
         match = _HF_LAYER.fullmatch(name)
         if match is None:
-            raise ModelConfigError(f"'{name}' is not a DeepseekV3ForCausalLM parameter; only DeepSeek-V3-architecture checkpoints convert")
+            raise ModelConfigError(
+                f"'{name}' is not a DeepseekV3ForCausalLM parameter; only DeepSeek-V3-architecture checkpoints convert"
+            )
         layer, leaf = match.groups()
         if int(layer) >= args.n_layers:
             continue  # the multi-token-prediction layer
@@ -149,11 +155,15 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
         elif leaf == "mlp.experts.down_proj":  # (experts, dim, hidden)
             titan[f"layers.{layer}.moe.experts.w2"] = tensor
         else:
-            raise ModelConfigError(f"'{name}' is not a DeepseekV3ForCausalLM parameter; only DeepSeek-V3-architecture checkpoints convert")
+            raise ModelConfigError(
+                f"'{name}' is not a DeepseekV3ForCausalLM parameter; only DeepSeek-V3-architecture checkpoints convert"
+            )
     for (layer, weight), by_expert in experts.items():
         if sorted(by_expert) != list(range(args.moe.num_experts)):
             missing = sorted(set(range(args.moe.num_experts)) - set(by_expert))
-            raise ModelConfigError(f"layer {layer} lacks experts {missing[:8]} of {args.moe.num_experts}; pass every shard of the checkpoint")
+            raise ModelConfigError(
+                f"layer {layer} lacks experts {missing[:8]} of {args.moe.num_experts}; pass every shard of the checkpoint"
+            )
         titan[f"layers.{layer}.moe.experts.{weight}"] = torch.stack([by_expert[j] for j in range(args.moe.num_experts)])
     if args.tie_word_embeddings and "tok_embeddings.weight" in titan:
         titan["output.weight"] = titan["tok_embeddings.weight"]
@@ -174,18 +184,28 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """
     model_type = config.get("model_type", "deepseek_v3")
     if model_type != "deepseek_v3":
-        raise ModelConfigError(f"config.json model_type '{model_type}' is not 'deepseek_v3'; only DeepSeek-V3-architecture checkpoints convert")
+        raise ModelConfigError(
+            f"config.json model_type '{model_type}' is not 'deepseek_v3'; only DeepSeek-V3-architecture checkpoints convert"
+        )
     if config.get("quantization_config"):
         raise ModelConfigError("config.json has quantization_config (an FP8 checkpoint); dequantize it to bf16 first")
     if config.get("attention_bias", False):
-        raise ModelConfigError("config.json attention_bias=true is not supported by Titan's DeepSeek-V3; use a checkpoint without biases")
+        raise ModelConfigError(
+            "config.json attention_bias=true is not supported by Titan's DeepSeek-V3; use a checkpoint without biases"
+        )
     if config.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's DeepSeek-V3 uses 'silu' (SwiGLU)")
+        raise ModelConfigError(
+            f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's DeepSeek-V3 uses 'silu' (SwiGLU)"
+        )
     if config.get("rope_interleave", True) is False:
-        raise ModelConfigError("config.json rope_interleave=false is not supported; Titan's DeepSeek-V3 rotates interleaved pairs")
+        raise ModelConfigError(
+            "config.json rope_interleave=false is not supported; Titan's DeepSeek-V3 rotates interleaved pairs"
+        )
     n_heads = int(config["num_attention_heads"])
     if int(config.get("num_key_value_heads") or n_heads) != n_heads:
-        raise ModelConfigError(f"config.json num_key_value_heads must equal num_attention_heads={n_heads} for MLA; fix config.json")
+        raise ModelConfigError(
+            f"config.json num_key_value_heads must equal num_attention_heads={n_heads} for MLA; fix config.json"
+        )
     rope = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or rope
     moe = MoEArgs(
@@ -226,10 +246,18 @@ def _yarn_from_hf(scaling: dict[str, Any]) -> YaRN | None:
     if rope_type == "default":
         return None
     if rope_type != "yarn":
-        raise ModelConfigError(f"config.json rope_scaling type '{rope_type}' is not supported; Titan's DeepSeek-V3 knows 'yarn' or none")
-    if scaling.get("truncate", True) is False or scaling.get("attention_factor") is not None or scaling.get("factor") is None:
-        raise ModelConfigError("config.json rope_scaling sets truncate=false, attention_factor or no factor; Titan's YaRN needs "
-                               "factor and computes the attention factor from mscale / mscale_all_dim")
+        raise ModelConfigError(
+            f"config.json rope_scaling type '{rope_type}' is not supported; Titan's DeepSeek-V3 knows 'yarn' or none"
+        )
+    if (
+        scaling.get("truncate", True) is False
+        or scaling.get("attention_factor") is not None
+        or scaling.get("factor") is None
+    ):
+        raise ModelConfigError(
+            "config.json rope_scaling sets truncate=false, attention_factor or no factor; Titan's YaRN needs "
+            "factor and computes the attention factor from mscale / mscale_all_dim"
+        )
     return YaRN(
         factor=float(scaling["factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),

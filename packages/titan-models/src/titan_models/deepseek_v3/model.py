@@ -114,9 +114,13 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ModelConfigError(f"ModelArgs.n_dense_layers={self.n_dense_layers} must be in 0..n_layers={self.n_layers}")
+            raise ModelConfigError(
+                f"ModelArgs.n_dense_layers={self.n_dense_layers} must be in 0..n_layers={self.n_layers}"
+            )
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
-            raise ModelConfigError(f"ModelArgs.qk_rope_head_dim={self.qk_rope_head_dim} must be even and positive for RoPE")
+            raise ModelConfigError(
+                f"ModelArgs.qk_rope_head_dim={self.qk_rope_head_dim} must be even and positive for RoPE"
+            )
         if self.q_lora_rank < 0 or self.kv_lora_rank <= 0:
             raise ModelConfigError(
                 f"ModelArgs q_lora_rank={self.q_lora_rank} must be >= 0 and kv_lora_rank={self.kv_lora_rank} > 0"
@@ -158,12 +162,18 @@ def compute_rope_inv_freq(rope_dim: int, theta: float, scaling: YaRN | None = No
     Returns:
         `(rope_dim // 2,)` float32.
     """
-    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)  # (rope_dim/2,) wavelengths / 2pi
+    pos_freqs = theta ** (
+        torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    )  # (rope_dim/2,) wavelengths / 2pi
     if scaling is None:
         return 1.0 / pos_freqs
 
     def correction_dim(rotations: float) -> float:  # the dim index whose wavelength fits `rotations` times
-        return rope_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            rope_dim
+            * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
     high = min(math.ceil(correction_dim(scaling.beta_slow)), rope_dim - 1)
@@ -259,7 +269,9 @@ class Attention(nn.Module):
         q = torch.cat([q_nope, apply_rotary_emb(q_rope, rope_cache, positions)], dim=-1)
 
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rotary_emb(k_rope.unsqueeze(2), rope_cache, positions)  # (bs, seqlen, 1, rope_dim): one shared head
+        k_rope = apply_rotary_emb(
+            k_rope.unsqueeze(2), rope_cache, positions
+        )  # (bs, seqlen, 1, rope_dim): one shared head
         kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (bs, seqlen, n_heads, nope | v)
         k_rope = self.k_rope_to_heads(k_rope).expand(-1, -1, k_nope.shape[2], -1)  # (bs, seqlen, n_heads, rope_dim)
@@ -270,7 +282,7 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         """Args:
-            out_std: std of `wo` (depth-scaled by the block); the other projections use 0.02, norms ones."""
+        out_std: std of `wo` (depth-scaled by the block); the other projections use 0.02, norms ones."""
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
             if hasattr(self, name):
                 init_trunc_normal_(getattr(self, name).weight, 0.02)
@@ -297,9 +309,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Args:
-            x: `(bs, seqlen, dim)`.
-            rope_cache: `(max_seq_len, qk_rope_head_dim)` RoPE table.
-            positions: absolute positions for RoPE, or None for `arange(seqlen)`.
+        x: `(bs, seqlen, dim)`.
+        rope_cache: `(max_seq_len, qk_rope_head_dim)` RoPE table.
+        positions: absolute positions for RoPE, or None for `arange(seqlen)`.
         """
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
         h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)

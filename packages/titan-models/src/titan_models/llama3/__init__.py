@@ -3,6 +3,7 @@
 from titan_models.llama3.flavors import llama3_flavors
 from titan_models.llama3.flops import count_params, flops_per_token
 from titan_models.llama3.hf_adapter import args_from_hf_config, hf_config_from_args, llama3_hf_adapter
+from titan_models.llama3.memory import activation_bytes
 from titan_models.llama3.model import (
     Attention,
     FeedForward,
@@ -15,7 +16,6 @@ from titan_models.llama3.model import (
     compute_rope_inv_freq,
     precompute_rope_cache,
 )
-from titan_models.llama3.memory import activation_bytes
 from titan_models.llama3.plan import llama3_plan
 
 __all__ = [

@@ -100,7 +100,9 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
             continue
         match = _TITAN_LAYER.fullmatch(name)
         if match is None or match.group(2) not in _LAYER_NAMES:
-            raise ValueError(f"'{name}' is not a Llama 3 parameter; pass the model's own state dict (Titan names, no prefix)")
+            raise ValueError(
+                f"'{name}' is not a Llama 3 parameter; pass the model's own state dict (Titan names, no prefix)"
+            )
         layer, leaf = match.groups()
         if leaf == "attention.wq.weight":
             tensor = permute_to_hf(tensor, args.n_heads)
@@ -133,7 +135,9 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
             continue
         match = _HF_LAYER.fullmatch(name)
         if match is None or match.group(2) not in _HF_LAYER_NAMES:
-            raise ModelConfigError(f"'{name}' is not a LlamaForCausalLM parameter; only Llama-architecture checkpoints convert")
+            raise ModelConfigError(
+                f"'{name}' is not a LlamaForCausalLM parameter; only Llama-architecture checkpoints convert"
+            )
         layer, leaf = match.groups()
         if leaf == "self_attn.q_proj.weight":
             tensor = permute_from_hf(tensor, args.n_heads)
@@ -163,12 +167,18 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
-        raise ModelConfigError(f"config.json model_type '{model_type}' is not 'llama'; only Llama-architecture checkpoints convert")
+        raise ModelConfigError(
+            f"config.json model_type '{model_type}' is not 'llama'; only Llama-architecture checkpoints convert"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key, False):
-            raise ModelConfigError(f"config.json {key}=true is not supported by Titan's Llama (no biases); use a checkpoint without biases")
+            raise ModelConfigError(
+                f"config.json {key}=true is not supported by Titan's Llama (no biases); use a checkpoint without biases"
+            )
     if config.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's Llama uses 'silu' (SwiGLU)")
+        raise ModelConfigError(
+            f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's Llama uses 'silu' (SwiGLU)"
+        )
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim")
     hidden = int(config["intermediate_size"])
@@ -192,7 +202,9 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         head_dim=None if head_dim is None or int(head_dim) * n_heads == dim else int(head_dim),
     )
     if args.ffn_hidden_dim != hidden:  # guards the float multiplier; holds for every hidden >= 2
-        raise ValueError(f"config.json intermediate_size={hidden} cannot be expressed by ModelArgs; report this shape as a bug")
+        raise ValueError(
+            f"config.json intermediate_size={hidden} cannot be expressed by ModelArgs; report this shape as a bug"
+        )
     return args
 
 
@@ -202,7 +214,9 @@ def _rope_scaling_from_hf(scaling: dict[str, Any]) -> RopeScaling | None:
     if rope_type == "default":
         return None
     if rope_type != "llama3":
-        raise ModelConfigError(f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Llama knows 'llama3' scaling or none")
+        raise ModelConfigError(
+            f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Llama knows 'llama3' scaling or none"
+        )
     return RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),

@@ -122,7 +122,9 @@ def compute_rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | No
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
-def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+def precompute_rope_cache(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """The RoPE table: cos and sin of every (position, frequency) pair.
 
     Args:
@@ -158,7 +160,9 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor, positions: torch
     # and torch.complex takes no bf16.
     # Pair (2i, 2i+1) as the complex number x_2i + j x_2i+1; rotating it is one complex product
     # (one kernel forward and backward, where the real form took a stack and six element-wise ops).
-    pairs = torch.view_as_complex(x.float().reshape(bs, seqlen, -1, head_dim // 2, 2))  # (bs, seqlen, n_heads, head_dim/2)
+    pairs = torch.view_as_complex(
+        x.float().reshape(bs, seqlen, -1, head_dim // 2, 2)
+    )  # (bs, seqlen, n_heads, head_dim/2)
     rotated = torch.view_as_real(pairs * torch.complex(cos, sin))  # (bs, seqlen, n_heads, head_dim/2, 2)
     return rotated.flatten(3).type_as(x)
 
@@ -212,7 +216,7 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         """Args:
-            out_std: std of `wo` (depth-scaled by the block); `wq`, `wk`, `wv` use 0.02."""
+        out_std: std of `wo` (depth-scaled by the block); `wq`, `wk`, `wv` use 0.02."""
         for linear in (self.wq, self.wk, self.wv):
             init_trunc_normal_(linear.weight, 0.02)
         init_trunc_normal_(self.wo.weight, out_std)
@@ -229,12 +233,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args:
-            x: `(bs, seqlen, dim)`; returns the same shape."""
+        x: `(bs, seqlen, dim)`; returns the same shape."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # hidden: (bs, seqlen, hidden_dim)
 
     def init_weights(self, out_std: float) -> None:
         """Args:
-            out_std: std of `w2` and `w3` (depth-scaled by the block); `w1` uses 0.02."""
+        out_std: std of `w2` and `w3` (depth-scaled by the block); `w1` uses 0.02."""
         init_trunc_normal_(self.w1.weight, 0.02)
         for linear in (self.w2, self.w3):
             init_trunc_normal_(linear.weight, out_std)
@@ -253,9 +257,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Args:
-            x: `(bs, seqlen, dim)`.
-            rope_cache: `(max_seq_len, head_dim)` RoPE table.
-            positions: absolute positions for RoPE, or None for `arange(seqlen)`.
+        x: `(bs, seqlen, dim)`.
+        rope_cache: `(max_seq_len, head_dim)` RoPE table.
+        positions: absolute positions for RoPE, or None for `arange(seqlen)`.
         """
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
         h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)

@@ -45,7 +45,11 @@ _DENSE_NAMES: dict[str, str] = {
 }
 _MOE_NAMES: dict[str, str] = {**_ATTENTION_NAMES, "moe.router.gate.weight": "mlp.gate.weight"}
 # Stacked expert weight -> the per-expert projection it stacks.
-_EXPERT_PROJ: dict[str, str] = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
+_EXPERT_PROJ: dict[str, str] = {
+    "moe.experts.w1": "gate_proj",
+    "moe.experts.w2": "down_proj",
+    "moe.experts.w3": "up_proj",
+}
 _HF_EXPERT_PROJ = {proj: titan for titan, proj in _EXPERT_PROJ.items()}
 _EXPERT_BIAS = "moe.expert_bias"
 
@@ -101,7 +105,9 @@ def to_hf_state_dict(state_dict: StateDict, args: ModelArgs) -> StateDict:
                 )
         else:
             family = "Qwen3-MoE" if args.moe is not None else "Qwen3"
-            raise ValueError(f"'{name}' is not a {family} parameter; pass the model's own state dict (Titan names, no prefix)")
+            raise ValueError(
+                f"'{name}' is not a {family} parameter; pass the model's own state dict (Titan names, no prefix)"
+            )
     return hf
 
 
@@ -148,7 +154,11 @@ def from_hf_state_dict(hf_state_dict: StateDict, args: ModelArgs) -> StateDict:
                 titan[f"layers.{layer}.moe.experts.w1"], titan[f"layers.{layer}.moe.experts.w3"] = gate, up
         else:
             moe_weight = leaf == "mlp.gate.weight" or leaf.startswith("mlp.experts.")
-            hint = "; a Qwen3-MoE checkpoint converts with --model-name qwen3_moe" if moe_weight and args.moe is None else ""
+            hint = (
+                "; a Qwen3-MoE checkpoint converts with --model-name qwen3_moe"
+                if moe_weight and args.moe is None
+                else ""
+            )
             raise ModelConfigError(f"'{name}' is not a {arch} parameter{hint}")
     for (layer, leaf), by_index in experts.items():
         missing = sorted(set(range(args.moe.num_experts)) - set(by_index))
@@ -171,15 +181,25 @@ def _check_supported(config: dict[str, Any], model_type: str) -> None:
     """Raise `ModelConfigError` for a config.json Titan's Qwen3 cannot build."""
     found = config.get("model_type", model_type)
     if found != model_type:
-        fix = f"convert it with --model-name {found}" if found in ("qwen3", "qwen3_moe") else "only Qwen3 checkpoints convert"
+        fix = (
+            f"convert it with --model-name {found}"
+            if found in ("qwen3", "qwen3_moe")
+            else "only Qwen3 checkpoints convert"
+        )
         raise ModelConfigError(f"config.json model_type '{found}' is not '{model_type}'; {fix}")
     if config.get("attention_bias", False):
-        raise ModelConfigError("config.json attention_bias=true is not supported by Titan's Qwen3 (no biases); use a checkpoint without biases")
+        raise ModelConfigError(
+            "config.json attention_bias=true is not supported by Titan's Qwen3 (no biases); use a checkpoint without biases"
+        )
     if config.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's Qwen3 uses 'silu' (SwiGLU)")
+        raise ModelConfigError(
+            f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's Qwen3 uses 'silu' (SwiGLU)"
+        )
     layer_types = config.get("layer_types") or []
     if config.get("use_sliding_window", False) or "sliding_attention" in layer_types:
-        raise ModelConfigError("config.json use_sliding_window=true is not supported; Titan's Qwen3 attends to the full causal context")
+        raise ModelConfigError(
+            "config.json use_sliding_window=true is not supported; Titan's Qwen3 attends to the full causal context"
+        )
 
 
 def _rope_theta(config: dict[str, Any]) -> float:
@@ -188,7 +208,9 @@ def _rope_theta(config: dict[str, Any]) -> float:
     scaling = config.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type != "default":
-        raise ModelConfigError(f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Qwen3 uses plain RoPE (no YaRN)")
+        raise ModelConfigError(
+            f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Qwen3 uses plain RoPE (no YaRN)"
+        )
     return float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
 
 

@@ -132,7 +132,7 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float) -> None:
         """Args:
-            out_std: std of `wo` (depth-scaled by the block); `wq`, `wk`, `wv` use 0.02, the QK-norms ones."""
+        out_std: std of `wo` (depth-scaled by the block); `wq`, `wk`, `wv` use 0.02, the QK-norms ones."""
         for linear in (self.wq, self.wk, self.wv):
             init_trunc_normal_(linear.weight, 0.02)
         init_trunc_normal_(self.wo.weight, out_std)
@@ -158,9 +158,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Args:
-            x: `(bs, seqlen, dim)`.
-            rope_cache: `(max_seq_len, head_dim)` RoPE table.
-            positions: absolute positions for RoPE, or None for `arange(seqlen)`.
+        x: `(bs, seqlen, dim)`.
+        rope_cache: `(max_seq_len, head_dim)` RoPE table.
+        positions: absolute positions for RoPE, or None for `arange(seqlen)`.
         """
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
         h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)
