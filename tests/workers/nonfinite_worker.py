@@ -44,7 +44,7 @@ def state_checksum(trainer) -> float:
 
 def install(bad_step: int, bad_rank: int) -> None:
     Trainer, Policy = trainer_module.Trainer, trainer_module.NonFinitePolicy
-    init, train_step, after_step = Trainer.__init__, Trainer.train_step, Policy.after_step
+    init, train_step, after_poll = Trainer.__init__, Trainer.train_step, Policy.after_poll
     injected = {"done": False}
     checksums: dict[int, float] = {}
     trainers = []
@@ -52,7 +52,7 @@ def install(bad_step: int, bad_rank: int) -> None:
     def init_with_poison(self, cfg, **kwargs):
         init(self, cfg, **kwargs)
         trainers.append(self)
-        loss_fn = self.loss_fn
+        loss_fn = self.loss.fn  # the step's loss before its normalisation (`titan_core.step.StepLoss`)
 
         def poisoned(logits, labels):
             loss = loss_fn(logits, labels)
@@ -60,17 +60,17 @@ def install(bad_step: int, bad_rank: int) -> None:
                 return loss * float("nan")
             return loss
 
-        self.loss_fn = poisoned
+        self.loss.fn = poisoned
 
-    def train_step_recording(self, batches, verdict=None):
-        result = train_step(self, batches, verdict)
+    def train_step_recording(self, batches, guard=None):
+        result = train_step(self, batches, guard)
         if self.state.step + 1 == bad_step:
             injected["done"] = True
         checksums[self.state.step + 1] = state_checksum(self)
         return result
 
-    def after_step_checked(self, guard, step):
-        outcome = after_step(self, guard, step)
+    def after_poll_checked(self, report, step):
+        outcome = after_poll(self, report, step)
         trainer = trainers[-1]
         if outcome == "rolled back":
             restored = trainer.state.step
@@ -84,7 +84,7 @@ def install(bad_step: int, bad_rank: int) -> None:
 
     Trainer.__init__ = init_with_poison
     Trainer.train_step = train_step_recording
-    Policy.after_step = after_step_checked
+    Policy.after_poll = after_poll_checked
 
 
 if __name__ == "__main__":

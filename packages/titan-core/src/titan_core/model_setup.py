@@ -78,7 +78,8 @@ def build_model_parts(
         seed: the init seed, the same on every rank.
         pipeline: how to cut and schedule stages (used when dims.pp > 1; checked by `check_pipeline`).
         local_batch_size: sequences per micro-batch on this rank (split into pipeline micro-batches).
-        loss_fn: `(logits, labels) -> loss` for the pipeline's last stage.
+        loss_fn: `(logits, labels) -> loss` for the pipeline's last stage, already normalised
+            (`titan_core.step.StepLoss`): the schedule backpropagates it unchanged.
         converters: float8 / MXFP8 linears, swapped in on the meta model before anything is split.
     """
     with torch.device("meta"):
@@ -121,6 +122,7 @@ def build_model_parts(
         device=device,
         local_batch_size=local_batch_size,
         loss_fn=loss_fn,
+        scale_loss=False,  # the step runner's `StepLoss` normalises, in one place
     )
     return ModelParts(parts, pipe.schedule, pipe.stages, pipe.n_microbatches)
 

@@ -30,8 +30,6 @@ class ExpertLoadBalancer:
         plan: the model's plan (`plan.blocks`, `plan.moe`).
         group: the data-parallel x context-parallel process group the counts are summed over
             (tensor-parallel peers see the same tokens and are left out).
-        loss_divisor: what the trainer divides each micro-batch's language-model loss by (gradient
-            accumulation steps x pipeline microbatches): each layer's auxiliary loss is divided alike.
         pp_group: under pipeline parallel, the pipeline's process group: `metrics` gathers every
             stage's layers (call it on every rank).
     """
@@ -41,7 +39,6 @@ class ExpertLoadBalancer:
         parts: list[nn.Module],
         plan: ModelPlan,
         group: dist.ProcessGroup | None,
-        loss_divisor: int = 1,
         pp_group: dist.ProcessGroup | None = None,
     ):
         self.group = group
@@ -52,16 +49,16 @@ class ExpertLoadBalancer:
             for name, block in container.named_children() if container is not None else ():
                 moe = get_submodule_or_none(block, plan.moe)
                 if moe is not None:
-                    moe.aux_loss_scale = 1.0 / loss_divisor
                     self.layers.append((name, moe))
         self.last_counts: torch.Tensor | None = None  # (layers, experts) global counts of the last step
 
     @torch.no_grad()
-    def after_backward(self, update_bias: bool) -> None:
-        """Sum this step's counts over the group, update the biases if the step updates the model, reset.
+    def after_backward(self, found_inf: torch.Tensor | None = None) -> None:
+        """Sum this step's counts over the group, update the biases unless the step's update is dropped, reset.
 
         Args:
-            update_bias: False for a step whose update was dropped (non-finite loss or gradients).
+            found_inf: the run guard's verdict on the device (1.0: the update is dropped, the biases stay);
+                None: update. Read on the device only, so a good step waits for nothing.
         """
         if not self.layers:
             return
@@ -70,9 +67,10 @@ class ExpertLoadBalancer:
             dist.all_reduce(counts, group=self.group)
         for (_, moe), load in zip(self.layers, counts):
             coeff = moe.args.load_balance_coeff
-            if update_bias and coeff is not None:
+            if coeff is not None:
                 delta = coeff * torch.sign(load.mean() - load)
-                moe.expert_bias.add_(delta - delta.mean())
+                delta = delta - delta.mean()
+                moe.expert_bias.add_(delta if found_inf is None else delta * (1 - found_inf))
             moe.tokens_per_expert.zero_()
         self.last_counts = counts
 

@@ -2,8 +2,10 @@
 
 `Trainer(cfg)` builds everything in a fixed order (process group -> mesh ->
 tokenizer and data -> model on meta -> parallelize -> materialise -> optimizer
--> checkpoint) and `Trainer.train()` runs the loop. The whole job config stops
-here: every package below gets the plain arguments it uses.
+-> checkpoint -> step runner) and `Trainer.train()` runs the loop. What one
+step means lives in `titan_core.step.StepRunner`; the loop here never asks
+which parallelisms are on. The whole job config stops here: every package
+below gets the plain arguments it uses. `docs/architecture.md` walks through it.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titan_ckpt.dtypes import parse_dtype
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
@@ -37,14 +37,12 @@ from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.optim import build_optimizer
 from titan_core.profiling import Profiler
 from titan_core.run_guard import NonFinitePolicy, RunGuard
+from titan_core.step import Batch, StepLoss, StepResult, StepRunner, cross_entropy_loss
 from titan_core.validation import Validator
 from titan_parallel import ParallelOptions, uses_fsdp
 from titan_parallel.comm_watch import CommWatch
-from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.distributed import init_distributed, resolve_device
-from titan_parallel.grad_clip import clip_grad_norm_
-from titan_parallel.pipeline import pipeline_step
-from titan_parallel.precision import mixed_precision_context, resolve_param_dtype
+from titan_parallel.precision import resolve_param_dtype
 
 logger = logging.getLogger("titan")
 
@@ -75,11 +73,6 @@ def set_determinism(seed: int | None, deterministic: bool) -> int:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     return seed
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 class Trainer:
@@ -153,9 +146,7 @@ class Trainer:
                 compile=cfg.compile.enable and "model" in cfg.compile.components,
                 pipeline_parallel=self.dims.pp > 1,
             )
-            fsdp_casts = uses_fsdp(self.mesh, self.options)  # else autocast applies the compute dtype
-            self._mixed_precision = lambda: mixed_precision_context(self.device.type, param_dtype, fsdp=fsdp_casts)
-            self.loss_fn = cross_entropy_loss
+            loss_fn = cross_entropy_loss
             if cfg.compile.enable and "loss" in cfg.compile.components:
                 if self.dims.tp > 1 and self.options.loss_parallel:
                     # A compiled cross-entropy does not see loss_parallel()'s DTensor rules: on vocab-sharded
@@ -163,8 +154,8 @@ class Trainer:
                     if self.rank == 0:
                         logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
                 else:
-                    self.loss_fn = torch.compile(cross_entropy_loss)
-            accum = self.accum_steps
+                    loss_fn = torch.compile(cross_entropy_loss)
+            self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
             self.model = build_model_parts(
                 self.spec,
                 self.model_args,
@@ -175,11 +166,8 @@ class Trainer:
                 self.seed,
                 pipeline=pipeline_config(cfg),
                 local_batch_size=t.local_batch_size,
-                loss_fn=lambda logits, labels: self.loss_fn(logits, labels) / accum,
+                loss_fn=self.loss,
                 converters=build_converters(cfg, self.device.type),  # [float8] / [mx]: swapped in on the meta model
-            )
-            self.precompute_float8 = (
-                "float8" in cfg.model.converters and cfg.float8.precompute_float8_dynamic_scale_for_fsdp
             )
             # One optimizer and LR schedule per model part (pipeline stage), so that
             # checkpoints key optimizer state by the full model's parameter names.
@@ -225,11 +213,25 @@ class Trainer:
                 self.model.parts,
                 self.spec.plan,
                 self.mesh["dp_cp"].get_group(),
-                # the auxiliary loss is divided as the language-model loss is: by accumulation steps and microbatches
-                loss_divisor=self.accum_steps * self.model.n_microbatches,
                 pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
             )
-            # training.on_nonfinite, applied after each step whose update the run's guard dropped
+            # One step, for every layout: forward context, loss normalisation, micro-batches, clip, optimizer
+            self.runner = StepRunner(
+                self.model,
+                self.optimizers,
+                self.lr_schedulers,
+                self.loss,
+                mesh=self.mesh,
+                device=self.device,
+                param_dtype=param_dtype,
+                fsdp=uses_fsdp(self.mesh, self.options),  # FSDP casts to the compute dtype, else autocast does
+                loss_parallel=self.options.loss_parallel,
+                accum_steps=self.accum_steps,
+                max_norm=t.max_norm,
+                balancer=self.balancer,
+                after_step=self._float8_after_step(),
+            )
+            # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
             self.nonfinite = NonFinitePolicy(
                 t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank
             )
@@ -252,12 +254,6 @@ class Trainer:
         if not v.enable:
             return None
 
-        def prepare(inputs, labels):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.dims.cp > 1:
-                inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
-            return inputs, labels
-
         return Validator(
             loader_factory(
                 v.dataset,
@@ -272,70 +268,29 @@ class Trainer:
                 section="validation",
             ),
             steps=v.steps,
+            eval_loss=self.runner.eval_loss,
+            parts=self.model.parts,
             loss_group=self.mesh["dp_cp"].get_group(),
-            prepare=prepare,
-            loss_context=self._forward_context,
+            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+            device=self.device,
         )
 
-    @contextlib.contextmanager
-    def _forward_context(self):
-        """Forward and loss run under mixed precision (autocast where FSDP does not cast) and, under TP,
-        loss parallel (cross-entropy on vocab-sharded logits)."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(self._mixed_precision())
-            if self.dims.tp > 1 and self.options.loss_parallel:
-                from torch.distributed.tensor.parallel import loss_parallel
+    def _float8_after_step(self):
+        """[float8] after each optimizer step: every float8-gathered weight's scale in one all-reduce."""
+        if not ("float8" in self.cfg.model.converters and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp):
+            return None
+        from titan_parallel.float8 import precompute_float8_scales
 
-                stack.enter_context(loss_parallel())
-            yield
+        return lambda: precompute_float8_scales(self.model.parts)
 
-    def train_step(
-        self,
-        batches: list[tuple[torch.Tensor, torch.Tensor]],
-        verdict: Callable[[torch.Tensor | None, torch.Tensor], bool] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Forward and backward over the micro-batches, clip, step.
+    def train_step(self, batches: Sequence[Batch], guard: RunGuard | None = None) -> StepResult:
+        """One step of the run (`titan_core.step.StepRunner.step`), numbered after the last finished one.
 
         Args:
             batches: the step's micro-batches, `(inputs, labels)` each `(local_batch_size, seq_len)`.
-            verdict: called with the loss and the grad norm before the optimizer steps; False drops
-                the update (optimizer, LR schedule and float8 scales untouched). None: always step.
-
-        Returns the step's loss (None on pipeline ranks without the last stage) and the grad norm.
+            guard: drops the update on the device when the loss or grad norm is not finite; None: always step.
         """
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.dims.cp > 1:
-                inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.mesh["cp"])
-            with self._forward_context():
-                if self.model.schedule is not None:
-                    loss = pipeline_step(self.model.schedule, self.model.stages, inputs, labels)
-                else:
-                    loss = self.loss_fn(self.model.parts[0](inputs), labels) / self.accum_steps
-                    loss.backward()
-            if isinstance(loss, DTensor):  # a replicated scalar under loss parallel
-                loss = loss.full_tensor()
-            if loss is not None:
-                loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(
-            self.model.parameters(), self.cfg.training.max_norm, pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None
-        )
-        loss = loss_sum if self.model.has_last_stage else None
-        if verdict is not None and not verdict(loss, grad_norm):
-            self.balancer.after_backward(update_bias=False)
-            return loss, grad_norm
-        self.balancer.after_backward(update_bias=True)
-        for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
-            optimizer.step()
-            scheduler.step()
-        if self.precompute_float8:  # [float8] every float8-gathered weight's scale in one all-reduce
-            from titan_parallel.float8 import precompute_float8_scales
-
-            precompute_float8_scales(self.model.parts)
-        return loss, grad_norm
+        return self.runner.step(batches, guard, step=self.state.step + 1)
 
     def _reduce_loss(self, loss: torch.Tensor | None) -> tuple[float, float]:
         """Global average and max of the step loss over data-parallel ranks (and from the last pipeline stage)."""
@@ -430,7 +385,8 @@ class Trainer:
         data = iter(self.loader)
         profiler = self._build_profiler()
         validator = self._build_validator()
-        guard = RunGuard(self.device)  # non-finite values and stop signals, agreed by every rank each step
+        # Non-finite values and stop signals, agreed by every rank each step on the device, read at polls.
+        guard = RunGuard(self.device)
         watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
             self.rank,
             self.world_size,
@@ -446,36 +402,34 @@ class Trainer:
                     started = time.perf_counter()
                     batches = [next(data) for _ in range(self.accum_steps)]
                     data_wait_s += time.perf_counter() - started
-                    loss, grad_norm = self.train_step(batches, verdict=guard.check)
+                    result = self.train_step(batches, guard)
                     self.state.step += 1
-                    watch.step_done(self.state.step)  # after this process's first step: the train timeout
+                    step = self.state.step
+                    watch.step_done(step)  # after this process's first step: the train timeout
                     self.state.tokens_seen += tokens_per_step
                     steps_since_log += 1
                     meter.add_tokens(tokens_per_step // self.dims.dp)
-                    if self.nonfinite.after_step(guard, self.state.step) == "rolled back":
-                        continue  # the step counter is the checkpoint's now
-                    metrics.update_progress(self.state.step)
-                    self.checkpointer.save(self.state.step, last_step=self.state.step == t.steps)  # [checkpoint]
+                    log_step = step % cfg.metrics.log_freq == 0 or step == t.steps
+                    save_step = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps)
+                    if log_step or save_step or guard.poll_due(step):  # the host reads the guard (a sync)
+                        if self.nonfinite.after_poll(guard.poll(), step) == "rolled back":
+                            continue  # the step counter is the checkpoint's now
+                    metrics.update_progress(step)
+                    self.checkpointer.save(step, last_step=step == t.steps)  # [checkpoint]
                     if profiler is not None:
-                        profiler.step(self.state.step)
-                    if validator is not None and (
-                        self.state.step % cfg.validation.freq == 0 or self.state.step == t.steps
-                    ):
-                        val_loss = validator.validate(self.model.parts[0], self.loss_fn)
+                        profiler.step(step)
+                    if validator is not None and (step % cfg.validation.freq == 0 or step == t.steps):
+                        val_loss = validator.validate()
                         self.balancer.reset()  # validation's routing is not training load
-                        metrics.log(self.state.step, {"validation/loss": val_loss})
+                        metrics.log(step, {"validation/loss": val_loss})
                         meter.reset()  # validation time is not training throughput
-                    if (
-                        self.state.step % cfg.metrics.log_freq
-                        and self.state.step != t.steps
-                        and not guard.stop_requested
-                    ):
+                    if not log_step and not guard.stop_requested:
                         continue
-                    avg, mx = self._reduce_loss(loss)
+                    avg, mx = self._reduce_loss(result.loss)
                     values = {
                         "loss/global_avg": avg,
                         "loss/global_max": mx,
-                        "optim/grad_norm": grad_norm.item(),
+                        "optim/grad_norm": result.grad_norm.item(),
                         "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
                         **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
                         "time/data_wait_ms": 1000 * data_wait_s / steps_since_log,

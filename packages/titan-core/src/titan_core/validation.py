@@ -1,34 +1,36 @@
-"""Validation: the loss on held-out data every `validation.freq` steps.
+"""Validation: the loss on held-out data every `validation.freq` steps, under every layout.
 
 Every validation pass reads the same first `steps` batches from a fresh loader,
-so the figures of different steps compare.
+so the figures of different steps compare. The forward is the step runner's
+(`titan_core.step.StepRunner.eval_loss`): the same placement, CP sharding, mixed
+precision and loss parallel as training, and under pipeline parallel the
+schedule's forward-only pass.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from titan_core.data import PackedLoader
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
 
 class Validator:
-    """Computes the global mean validation loss of a (non-pipelined) model.
+    """Computes the global mean validation loss.
 
     Args:
         make_loader: a fresh loader over the validation data, positioned at its start
             (this rank's data-parallel share).
         steps: batches per validation pass.
+        eval_loss: `(inputs, labels) -> this batch's mean loss` on this rank, None on pipeline ranks
+            without the last stage (`StepRunner.eval_loss`).
+        parts: this rank's model parts (put in eval mode for the pass).
         loss_group: the group the loss is averaged over (data- and context-parallel ranks).
-        prepare: `(inputs, labels) -> (inputs, labels)` placed and sharded as training does.
-        loss_context: the context the forward and loss run in (mixed precision, loss parallel).
+        pp_group: the pipeline group under pipeline parallel (the last stage's loss is shared over it).
+        device: where the losses live.
     """
 
     def __init__(
@@ -36,27 +38,32 @@ class Validator:
         make_loader: Callable[[], PackedLoader],
         *,
         steps: int,
+        eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
+        parts: Sequence[nn.Module],
         loss_group: dist.ProcessGroup,
-        prepare: Callable[[torch.Tensor, torch.Tensor], Batch],
-        loss_context: Callable[[], contextlib.AbstractContextManager],
+        pp_group: dist.ProcessGroup | None = None,
+        device: torch.device,
     ):
-        self.make_loader, self.steps = make_loader, steps
-        self.loss_group, self.prepare, self.loss_context = loss_group, prepare, loss_context
+        self.make_loader, self.steps, self.eval_loss, self.parts = make_loader, steps, eval_loss, list(parts)
+        self.loss_group, self.pp_group, self.device = loss_group, pp_group, device
 
     @torch.no_grad()
-    def validate(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+    def validate(self) -> float:
         """Mean loss over `steps` batches and all ranks of `loss_group`."""
-        was_training = model.training
-        model.eval()
-        total = None
-        for (inputs, labels), _ in zip(self.make_loader(), range(self.steps)):
-            inputs, labels = self.prepare(inputs, labels)
-            with self.loss_context():
-                loss = loss_fn(model(inputs), labels)
-            if isinstance(loss, DTensor):
-                loss = loss.full_tensor()
-            total = loss if total is None else total + loss
-        model.train(was_training)
+        modes = [part.training for part in self.parts]
+        for part in self.parts:
+            part.eval()
+        total = torch.zeros((), device=self.device)
+        try:
+            for (inputs, labels), _ in zip(self.make_loader(), range(self.steps), strict=False):
+                loss = self.eval_loss(inputs, labels)
+                if loss is not None:
+                    total += loss.float()
+        finally:
+            for part, mode in zip(self.parts, modes, strict=True):
+                part.train(mode)
         total = total / self.steps
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.loss_group)
+        if self.pp_group is not None:  # only the last stage's ranks hold a loss; the others add 0
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
         return total.item() / dist.get_world_size(self.loss_group)

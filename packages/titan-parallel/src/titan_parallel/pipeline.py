@@ -23,11 +23,14 @@ Which units each stage holds, and which stages each rank runs, is arithmetic in
 
 Losses and gradients: the batch is cut into `n_microbatches` equal microbatches.
 The schedule calls the loss function once per microbatch and backpropagates
-each result, accumulating gradients. We divide each microbatch's mean loss by
-`n_microbatches` (and pass `scale_grads=False`, so the schedule does not divide
-again), so the accumulated gradient is that of the mean of the microbatch means
-= the whole batch's mean loss, and the sum of the reported microbatch losses is
-that mean. Data parallel then averages over the data-parallel ranks as usual.
+each result, accumulating gradients (`scale_grads=False`: torch's schedule adds
+no scaling of its own). By default (`scale_loss=True`) each microbatch's mean
+loss is divided by `n_microbatches`, so the accumulated gradient is that of the
+whole batch's mean loss, and the sum of the reported microbatch losses is that
+mean. A caller that normalises the loss itself (Titan's step runner divides by
+accumulation steps x microbatches in one place) passes `scale_loss=False` and
+gets its loss function's values unchanged. Data parallel then averages over the
+data-parallel ranks as usual.
 """
 
 from __future__ import annotations
@@ -267,6 +270,7 @@ def build_schedule(
     loss_fn: LossFn,
     *,
     schedule_csv: str | None = None,
+    scale_loss: bool = True,
 ) -> _PipelineSchedule:
     """Build the schedule running `stages` over `n_microbatches` microbatches per step.
 
@@ -276,6 +280,8 @@ def build_schedule(
         n_microbatches: microbatches per step (see `pipeline_layout.count_microbatches`).
         loss_fn: `loss_fn(output, target)` -> the mean loss of one microbatch.
         schedule_csv: a custom schedule run by `_PipelineScheduleRuntime` instead (see `PipelineConfig`).
+        scale_loss: divide each microbatch's loss by `n_microbatches` (the batch mean); False: backpropagate
+            `loss_fn`'s value as it is (the caller normalises).
     """
     from torch.distributed.pipelining import schedules
 
@@ -294,7 +300,10 @@ def build_schedule(
         return loss_fn(output, target) / n_microbatches
 
     built = schedule_class(
-        stages[0] if single else list(stages), n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False
+        stages[0] if single else list(stages),
+        n_microbatches=n_microbatches,
+        loss_fn=scaled_loss if scale_loss else loss_fn,
+        scale_grads=False,
     )
     if schedule_csv is not None:
         built._load_csv(schedule_csv)
@@ -331,6 +340,7 @@ def build_pipeline(
     device: torch.device,
     local_batch_size: int,
     loss_fn: LossFn,
+    scale_loss: bool = True,
 ) -> Pipeline:
     """Wrap this rank's parallelized stages and build the schedule that runs them.
 
@@ -342,10 +352,13 @@ def build_pipeline(
         device: the device the stages compute on.
         local_batch_size: sequences per data-parallel rank per step.
         loss_fn: `loss_fn(output, target)` -> the mean loss of one microbatch.
+        scale_loss: see `build_schedule`; False when the caller normalises the loss itself.
     """
     n_microbatches = count_microbatches(local_batch_size, config.microbatch_size, n_stages, config.schedule)
     stages = build_stages(parts, n_stages, pp_mesh, device)
-    schedule = build_schedule(stages, config.schedule, n_microbatches, loss_fn, schedule_csv=config.schedule_csv)
+    schedule = build_schedule(
+        stages, config.schedule, n_microbatches, loss_fn, schedule_csv=config.schedule_csv, scale_loss=scale_loss
+    )
     return Pipeline(list(parts), stages, schedule, n_microbatches)
 
 
@@ -383,4 +396,4 @@ def pipeline_step(
     schedule.step(*args, target=labels if has_last else None, losses=losses, return_outputs=False)
     if losses is None:
         return None
-    return torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by n_microbatches
+    return torch.stack([loss.detach() for loss in losses]).sum()  # the batch mean with scale_loss

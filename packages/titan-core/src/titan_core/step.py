@@ -1,0 +1,290 @@
+"""One training step, for every layout: `StepRunner`.
+
+What a step means is decided here and nowhere else, the same way for one CPU
+process and for TP x PP x FSDP x CP on many GPUs:
+
+    zero the gradients
+    for each micro-batch (gradient accumulation):
+        place it on the device (non-blocking), shard its sequence under CP
+        forward + loss + backward: a one-stage schedule without pipeline parallel,
+        the pipeline schedule with it (which cuts the micro-batch into pipeline micro-batches)
+    clip the gradient norm, taken over the whole model however it is split
+    the run guard's verdict, on the device: `found_inf` (`titan_core.run_guard`)
+    the optimizer step, dropped on the device when `found_inf` is set; the LR schedule;
+    the MoE expert biases; float8's gathered-weight scales
+
+The loss is normalised in exactly one place, `StepLoss`: each micro-batch's mean
+token loss is divided by the number of equal micro-batches this rank runs in the
+step (accumulation steps x pipeline micro-batches). Every micro-batch holds the
+same number of tokens, so this is the sum of the step's token losses over the
+rank's token count (torchtitan's sum / global-token normalisation), and data
+parallel's gradient average over the dp x cp ranks makes it the global batch's
+mean: accumulation, pipeline micro-batches, CP and DP agree by construction.
+Mixture-of-Experts auxiliary losses take the same divisor (see `StepLoss.divisor`).
+
+The compute dtype is applied once, the same way on every world size: FSDP2's
+mixed-precision policy where the model is FSDP-wrapped (every `dp_mode="fsdp"`
+run computing in bf16, one rank included), `torch.autocast` under DDP
+(`titan_parallel.precision`). Under TP the loss runs in `loss_parallel()` on
+vocab-sharded logits.
+
+A good step reads nothing from the device on the host: no `.item()`, no copy of
+a flag. The guard's verdict is a device tensor that the fused optimizer kernels
+take as `found_inf` (as `torch.amp.GradScaler` uses them), so a bad step's update
+is dropped on the device; the host learns of it at the next poll
+(`RunGuard.poll`). The for-loop and foreach kernels have no `found_inf`: with
+them the runner reads the verdict on the host each step (one sync), and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from titan_parallel.context_parallel import shard_sequence
+from titan_parallel.grad_clip import clip_grad_norm_
+from titan_parallel.precision import mixed_precision_context
+
+if TYPE_CHECKING:
+    from titan_parallel import ParallelMesh
+
+    from titan_core.model_setup import ModelParts
+    from titan_core.moe_balance import ExpertLoadBalancer
+    from titan_core.run_guard import RunGuard
+
+__all__ = ["Batch", "StepLoss", "StepResult", "StepRunner", "cross_entropy_loss"]
+
+logger = logging.getLogger("titan")
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_batch_size, seq_len)
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class StepLoss:
+    """The loss the backward starts from: a micro-batch's mean token loss over `divisor`.
+
+    Training sets `divisor` to the micro-batches this rank runs per step (accumulation
+    steps x pipeline micro-batches), so the step's gradient is that of its mean token
+    loss; evaluation sets it to the pipeline micro-batches of one batch, so the
+    pipeline's summed losses are the batch's mean. The pipeline schedule calls this
+    object as its loss function and adds nothing (`scale_grads=False`). MoE layers
+    divide their auxiliary loss by the same divisor (`moe.aux_loss_scale`, set here).
+
+    Args:
+        fn: `(logits, labels) -> mean token loss` (possibly compiled).
+        divisor: see above.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], divisor: int = 1):
+        self.fn = fn
+        self.divisor = divisor
+        self.aux_layers: list[torch.nn.Module] = []  # MoE layers whose auxiliary loss follows the divisor
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.fn(logits, labels) / self.divisor
+
+    @contextlib.contextmanager
+    def divided_by(self, divisor: int) -> Iterator[None]:
+        """Use `divisor` (and the same auxiliary-loss scale) inside the block."""
+        saved = self.divisor
+        self.set_divisor(divisor)
+        try:
+            yield
+        finally:
+            self.set_divisor(saved)
+
+    def set_divisor(self, divisor: int) -> None:
+        """Divide the language-model loss and every MoE layer's auxiliary loss by `divisor`."""
+        self.divisor = divisor
+        for moe in self.aux_layers:
+            moe.aux_loss_scale = 1.0 / divisor
+
+
+@dataclass
+class StepResult:
+    """What one step leaves on the device (nothing here has been read by the host).
+
+    Args:
+        loss: the step's mean loss on this rank (detached, 0-dim); None on pipeline ranks without
+            the last stage.
+        grad_norm: the global gradient norm before clipping (the same on every rank).
+        found_inf: 1.0 when the guard dropped this step's update on every rank, else 0.0 (0-dim);
+            None without a guard.
+    """
+
+    loss: torch.Tensor | None
+    grad_norm: torch.Tensor
+    found_inf: torch.Tensor | None = None
+
+
+class StepRunner:
+    """Runs one training step (or one evaluation batch) on this rank's model parts, whatever the layout.
+
+    Args:
+        model: this rank's model parts, and under pipeline parallel the stages and schedule
+            (`titan_core.model_setup.build_model_parts`, built with `loss` as the schedule's loss).
+        optimizers: one per model part.
+        lr_schedulers: one per optimizer.
+        loss: the step's loss (`StepLoss`); its divisor is set here for training.
+        mesh: the parallel mesh (the `cp` and `pp` meshes are used).
+        device: where the step computes.
+        param_dtype: the compute dtype.
+        fsdp: whether the parts are FSDP-wrapped (then FSDP casts; else autocast does, see module doc).
+        loss_parallel: under TP, the loss runs on vocab-sharded logits (`loss_parallel()`).
+        accum_steps: micro-batches per step.
+        max_norm: gradient clipping norm (<= 0: measure only).
+        balancer: the MoE load balancer (token counts, expert biases), or None.
+        after_step: called after each applied optimizer step (e.g. float8's scale precompute).
+    """
+
+    def __init__(
+        self,
+        model: ModelParts,
+        optimizers: Sequence[torch.optim.Optimizer],
+        lr_schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
+        loss: StepLoss,
+        *,
+        mesh: ParallelMesh,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        fsdp: bool,
+        loss_parallel: bool,
+        accum_steps: int,
+        max_norm: float,
+        balancer: ExpertLoadBalancer | None = None,
+        after_step: Callable[[], None] | None = None,
+    ):
+        self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
+        self.loss, self.mesh, self.device = loss, mesh, device
+        self.param_dtype, self.fsdp = param_dtype, fsdp
+        self.loss_parallel = loss_parallel and mesh["tp"].size() > 1
+        self.cp_mesh = mesh["cp"] if mesh["cp"].size() > 1 else None  # sliced once: slicing reads the mesh
+        self.pp_mesh = mesh["pp"] if mesh["pp"].size() > 1 else None
+        self.accum_steps, self.max_norm = accum_steps, max_norm
+        self.balancer, self.after_step = balancer, after_step
+        if balancer is not None:
+            loss.aux_layers = [moe for _, moe in balancer.layers]
+        self.train_divisor = accum_steps * model.n_microbatches
+        loss.set_divisor(self.train_divisor)
+        # The fused kernels take the guard's verdict on the device; the others need it on the host.
+        self.device_drop = all(_takes_found_inf(opt) for opt in self.optimizers)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Where forward and loss run: autocast where FSDP does not cast, loss parallel under TP."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mixed_precision_context(self.device.type, self.param_dtype, fsdp=self.fsdp))
+            if self.loss_parallel:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
+            yield
+
+    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
+        """A batch on the device (without waiting for the copy), its sequence sharded under CP."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        if self.cp_mesh is not None:
+            inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.cp_mesh)
+        return inputs, labels
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, backward: bool) -> torch.Tensor | None:
+        """One micro-batch through the model: the sum of its (divided) losses, None off the last stage."""
+        with self.forward_context():
+            if self.model.schedule is not None:
+                loss = self._pipeline(inputs, labels, backward=backward)
+            else:  # no pipeline: a one-stage schedule
+                loss = self.loss(self.model.parts[0](inputs), labels)
+                if backward:
+                    loss.backward()
+        if isinstance(loss, DTensor):  # a replicated scalar under loss parallel
+            loss = loss.full_tensor()
+        return loss.detach() if loss is not None else None
+
+    def _pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, backward: bool) -> torch.Tensor | None:
+        stages, schedule = self.model.stages or [], self.model.schedule
+        has_first = any(stage.is_first for stage in stages)
+        has_last = any(stage.is_last for stage in stages)
+        losses: list[torch.Tensor] | None = [] if has_last else None
+        args = (inputs,) if has_first else ()
+        target = labels if has_last else None
+        if backward:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            if not hasattr(schedule, "eval"):
+                raise RuntimeError(
+                    f"validation under pipeline parallel needs a torch whose pipeline schedules have eval() "
+                    f"(this is {torch.__version__}); set validation.enable = false or upgrade torch"
+                )
+            schedule.eval(*args, target=target, losses=losses)
+        if losses is None:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
+
+    def step(self, batches: Sequence[Batch], guard: RunGuard | None = None, *, step: int = 0) -> StepResult:
+        """Forward and backward over the step's micro-batches, clip, and step the optimizers.
+
+        Args:
+            batches: the step's micro-batches, `(inputs, labels)` each `(local_batch_size, seq_len)`.
+            guard: gives the verdict on the device (non-finite loss or grad norm on any rank drops the
+                update everywhere); None always applies the update.
+            step: the step's number (1-based), for the guard's record of a dropped step.
+        """
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        total: torch.Tensor | None = None
+        for inputs, labels in batches:
+            loss = self._forward_backward(*self.place(inputs, labels), backward=True)
+            if loss is not None:
+                total = loss if total is None else total + loss
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=self.pp_mesh)
+        found_inf = guard.observe(total, grad_norm, step) if guard is not None else None
+        if found_inf is not None and not self.device_drop and guard is not None and guard.host_verdict(found_inf):
+            self.lr_step()  # the update is dropped, the schedule follows the step counter
+            if self.balancer is not None:
+                self.balancer.after_backward(found_inf=found_inf)
+            return StepResult(total, grad_norm, found_inf)
+        if self.balancer is not None:
+            self.balancer.after_backward(found_inf=found_inf)
+        for optimizer in self.optimizers:
+            if found_inf is not None and self.device_drop:
+                optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by Adam/AdamW's fused step
+            try:
+                optimizer.step()
+            finally:
+                if found_inf is not None and self.device_drop:
+                    del optimizer.found_inf  # type: ignore[attr-defined]
+        self.lr_step()
+        if self.after_step is not None:
+            self.after_step()
+        return StepResult(total, grad_norm, found_inf)
+
+    def lr_step(self) -> None:
+        for scheduler in self.lr_schedulers:
+            scheduler.step()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """One batch's mean loss on this rank, forward only, under every layout (pipeline included).
+
+        Returns None on pipeline ranks without the last stage.
+        """
+        with self.loss.divided_by(self.model.n_microbatches):
+            return self._forward_backward(*self.place(inputs, labels), backward=False)
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` attribute: torch's fused Adam and AdamW kernels do
+    (they skip the whole update, step counts included, when it is non-zero); foreach and for-loop do not."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return fused and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
