@@ -64,7 +64,7 @@ SPEC_DEFAULTS = {
     "optimizer.beta2": 0.95,
     "optimizer.eps": 1e-8,
     "optimizer.weight_decay": 0.1,
-    "optimizer.implementation": "foreach",
+    "optimizer.implementation": "fused",
     "lr_scheduler.warmup_steps": 10,
     "lr_scheduler.decay_ratio": None,
     "lr_scheduler.decay_type": "linear",
