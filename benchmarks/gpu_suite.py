@@ -8,7 +8,7 @@ a missing feature, is recorded with its one-line reason and the suite goes on):
   with activation checkpointing "selective op" and "full"; at seq 4096:
   compile, and compile + AC "selective op".
 - Titan vs the hand-written loop (titan_models' `Transformer`, bf16 autocast,
-  fp32 cross-entropy, `clip_grad_norm_`, AdamW foreach) from the same weights
+  fp32 cross-entropy, `clip_grad_norm_`, AdamW with Titan's kernel) from the same weights
   on the same batches, single steps interleaved (A, B, then B, A, ...).
 - float8 vs bf16 on 8B-shaped layers (dim 4096, ffn 14336, 32 heads / 8 KV
   heads, 4 blocks, vocab 2048 so that the blocks dominate), both compiled.
@@ -202,7 +202,8 @@ def measure_pair(row: Row, args, device: torch.device, dtype: str, peak: float |
     del state
     o = trainer.cfg.optimizer
     opt = torch.optim.AdamW(plain.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
+                            weight_decay=o.weight_decay,  # the same step kernel as Titan's row
+                            foreach=o.implementation == "foreach", fused=o.implementation == "fused")
     compute_dtype = getattr(torch, dtype)
     max_norm = trainer.cfg.training.max_norm
 

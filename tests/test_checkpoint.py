@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_ckpt import CheckpointError, CheckpointManager
+from titan_ckpt import CheckpointError, CheckpointManager, CheckpointOptions
 
 _CHECKPOINT_ERROR_INIT = CheckpointError.__init__
 
@@ -278,6 +278,53 @@ def test_arguments_are_checked_naming_the_argument(tmp_path, kwargs, argument, s
     with pytest.raises(CheckpointError, match=re.escape(says)) as err:
         CheckpointManager(tmp_path, model_parts=[a.model], **kwargs)
     assert err.value.arguments == (argument,)
+
+
+def test_options_are_the_keywords_as_one_value(tmp_path):
+    import dataclasses
+    import inspect
+
+    a = Run(seed=1)
+    options = CheckpointOptions(folder=tmp_path, interval=1, keep_latest_k=2, export_dtype=torch.bfloat16)
+    by_options = CheckpointManager(model_parts=[a.model], optimizers=[a.optimizer], options=options)
+    by_keywords = a.manager(tmp_path, interval=1, keep_latest_k=2, export_dtype=torch.bfloat16)
+    assert by_options.options == dataclasses.replace(by_keywords.options, exclude_from_loading=()) == options
+    assert (by_options.folder, by_options.interval, by_options.export_dtype) == (tmp_path, 1, torch.bfloat16)
+    by_options.save(1)
+    assert Run(seed=2).manager(tmp_path).load() == 1
+    # The keyword defaults are the options' defaults: a manager given neither is the same either way.
+    defaults = inspect.signature(CheckpointManager).parameters
+    for field in dataclasses.fields(CheckpointOptions):
+        if field.name != "folder":
+            assert defaults[field.name].default == field.default, field.name
+    with pytest.raises(TypeError, match="not both"):
+        CheckpointManager(model_parts=[a.model], options=options, interval=3)
+    with pytest.raises(TypeError, match="not both"):
+        CheckpointManager(tmp_path, model_parts=[a.model], options=options)
+    with pytest.raises(TypeError, match="needs a folder"):
+        CheckpointManager(model_parts=[a.model])
+    with pytest.raises(CheckpointError, match="interval=0") as err:  # the options are checked as the keywords are
+        CheckpointManager(model_parts=[a.model], options=CheckpointOptions(folder=tmp_path, interval=0))
+    assert err.value.arguments == ("interval",)
+
+
+def test_the_trainer_builds_its_manager_from_the_resolved_options(tmp_path):
+    from titan_core.checkpointing import build_checkpointer
+    from titan_core.config import load_config
+    from titan_core.job.options import checkpoint_options
+
+    cfg = load_config(None, ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.export_dtype", "bfloat16",
+                             "--job.dump_folder", str(tmp_path)])
+    a = Run(seed=1)
+    parts = dict(model_parts=[a.model], optimizers=[a.optimizer], lr_schedulers=[a.scheduler], dataloader=Counter(),
+                 train_state=Counter(), device=torch.device("cpu"), load_model_fn=lambda path: {})
+    resolved = build_checkpointer(checkpoint_options(cfg.checkpoint, tmp_path), **parts)
+    former = build_checkpointer(cfg.checkpoint, run_folder=tmp_path, **parts)  # the config section still works
+    assert resolved.options == former.options and resolved.folder == tmp_path / "checkpoint"
+    assert (resolved.interval, resolved.export_dtype) == (3, torch.bfloat16)
+    assert resolved.load_model_fn is not None and former.load_model_fn is None  # not initial_load_in_hf
+    with pytest.raises(TypeError, match="run_folder"):
+        build_checkpointer(cfg.checkpoint, **parts)
 
 
 def test_arguments_and_states_are_checked(tmp_path):

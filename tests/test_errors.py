@@ -14,7 +14,7 @@ import textwrap
 import pytest
 from titan_ckpt import CheckpointError, CheckpointNotFoundError, detect_format
 from titan_core.config import ConfigError, MissingFileError, MissingPackageError, load_config
-from titan_core.job_check import check_job
+from titan_core.job import resolve
 from titan_core.launch import USER_ERRORS
 from titan_models import ModelConfigError, get_model_args
 from titan_parallel import ParallelConfigError
@@ -79,11 +79,11 @@ def test_a_missing_optional_package_is_one_line(tmp_path):
     ], proc.stderr[-3000:]
 
 
-def test_missing_torchao_is_found_by_the_job_check(monkeypatch):
+def test_missing_torchao_is_found_when_the_job_is_resolved(monkeypatch):
     # Before any process starts, rather than as apply_float8's ImportError on the ranks.
     monkeypatch.setitem(sys.modules, "torchao", None)  # `find_spec("torchao")` now says not installed
     with pytest.raises(MissingPackageError) as caught:
-        check_job(load_config(None, ["--model.converters", "float8"]), 1)
+        resolve(load_config(None, ["--model.converters", "float8"]), 1)
     assert str(caught.value) == (
         "model.converters = ['float8'] needs torchao, which is not installed; pip install titan-parallel[float8] (torchao)"
     )

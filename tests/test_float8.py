@@ -11,7 +11,7 @@ unconverted, float8 and compiled float8 (one process each, side by side); FSDP o
 ranks with the float8 all-gather, its resume from the step-10 checkpoint and its
 Hugging Face export; pipeline parallel with op-level activation checkpointing and the
 rowwise recipe; and a TP=2 worker (tests/workers/float8_tp_worker.py) built by the
-trainer's own `build_model_parts`.
+trainer's own model setup (`titan_core.model_setup`).
 
 Tolerance of a float8 run against the unconverted run: 1% relative on every step's
 loss. e4m3 keeps 3 mantissa bits: each GEMM operand is rounded with relative error up
@@ -192,7 +192,7 @@ def test_mx_code_path_runs_with_torchaos_emulated_recipe():
 def test_config_keys(tmp_path):
     from titan_core.config import ConfigError, dump_toml, load_config
     from titan_core.converters import build_converters
-    from titan_core.job_check import check_job
+    from titan_core.job import resolve
 
     cfg = load_config(None, ["--model.converters", "float8", "--float8.emulate", "true", "--float8.filter_fqns", "output,wk"])
     assert cfg.model.converters == ["float8"] and cfg.float8.emulate is True and cfg.float8.filter_fqns == ["output", "wk"]
@@ -202,8 +202,10 @@ def test_config_keys(tmp_path):
     assert load_config(str(toml), []) == cfg
     converters = build_converters(load_config(None, ["--model.converters", "float8"]), "cpu")
     assert converters.float8 == Float8Options(emulate=True) and converters.mx is None  # 'auto' emulates on a CPU
+    job = resolve(load_config(None, ["--model.converters", "float8"]), 1, target_device="cpu")
+    assert job.converters == converters  # resolved once, with the job
     with pytest.raises(ConfigError, match=r"^model\.converters lists both 'float8' and 'mx'"):
-        check_job(load_config(None, ["--model.converters", "float8,mx"]), 1)
+        resolve(load_config(None, ["--model.converters", "float8,mx"]), 1)
 
 
 # ---- launched -----------------------------------------------------------------------------

@@ -1,45 +1,71 @@
-"""Every rule of a valid job, written once (`titan_core.job_check.RULES`), and how a broken one is reported:
-one line naming the config keys, before any process starts, and the same for an error raised later on a rank."""
+"""Every rule of a valid job, written once (`titan_core.job.RULES`) and run once per `resolve`, and how a broken
+one is reported: one line naming the config keys (found by lookup from the library error's arguments), before
+any process starts, and the same for an error raised later on a rank."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 
 import pytest
 import torch
-from titan_ckpt import CheckpointError
+from titan_ckpt import CheckpointError, CheckpointManager, CheckpointOptions
 from titan_core.config import ConfigError, load_config
-from titan_core.job_check import ARGUMENT_KEYS, RULES, as_config_error, check_job
-from titan_parallel import ParallelConfigError
+from titan_core.config.keys import list_keys
+from titan_core.converters import FLOAT8_KEYS, MX_KEYS
+from titan_core.job import RULES, Job, Rule, config_error, resolve
+from titan_core.job.naming import PARALLEL_KEYS, RUN_KEYS
+from titan_core.job.options import CHECKPOINT_KEYS, DIMS_KEYS, PARALLEL_OPTION_KEYS, PIPELINE_KEYS
+from titan_core.launch import error_line
+from titan_parallel import ParallelConfigError, ParallelDims, ParallelOptions, PipelineConfig
+from titan_parallel.float8 import Float8Options, MXOptions
 
 from titan_run import TINY, run_titan
 
-# One job that breaks each rule: (overrides, world size, substrings the one-line message must hold).
+# One job that breaks each rule: (overrides, world size, substrings the one-line message must hold). Where a
+# library's rule is broken, the message is the library's own, followed by the key behind each argument it names.
 BROKEN = {
-    "device": (["--training.device", "cuda"], 1, ["training.device"]),
+    "device": (["--training.device", "cuda"], 1, ["device='cuda' but no CUDA GPU", "(device set by training.device)"]),
     "model_shape": (["--model.flavor", "debugmodle"], 1, ["model.flavor", "debugmodel"]),
-    "degrees": (["--parallelism.tensor_parallel_degree", "4"], 2, ["parallelism.tensor_parallel_degree", "2"]),
+    "degrees": (["--parallelism.tensor_parallel_degree", "4"], 2,
+                ["world size 2 is not divisible by tp=4", "(tp set by parallelism.tensor_parallel_degree)"]),
     "batch": (["--training.local_batch_size", "4", "--training.global_batch_size", "10"], 2,
               ["training.global_batch_size=10", "training.local_batch_size"]),
-    "tensor_parallel": (["--parallelism.tensor_parallel_degree", "3"], 3, ["parallelism.tensor_parallel_degree"]),
+    "tensor_parallel": (["--parallelism.tensor_parallel_degree", "3"], 3,
+                        ["tp=3 does not divide", "(tp set by parallelism.tensor_parallel_degree)"]),
     "expert_parallel": (["--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "3"], 3,
-                        ["parallelism.expert_parallel_degree", "8 experts"]),
+                        ["8 experts", "(ep set by parallelism.expert_parallel_degree)"]),
     "context_parallel": (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"], 2,
-                         ["training.seq_len", "parallelism.context_parallel_degree"]),
+                         ["seq_len=30 is not divisible by 2 x cp=2",
+                          "(seq_len set by training.seq_len, cp set by parallelism.context_parallel_degree)"]),
     "activation_checkpoint": (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "two"], 1,
-                              ["activation_checkpoint.selective_ac_option"]),
+                              ["ac_selective_option='two'", "(ac_selective_option set by activation_checkpoint.selective_ac_option)"]),
     "pipeline": (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
                   "--parallelism.pipeline_parallel_microbatch_size", "2"], 2,
-                 ["training.local_batch_size", "parallelism.pipeline_parallel_microbatch_size"]),
+                 ["local_batch_size=3 is not divisible by microbatch_size=2",
+                  "(local_batch_size set by training.local_batch_size, "
+                  "microbatch_size set by parallelism.pipeline_parallel_microbatch_size)"]),
     "converters": (["--model.converters", "float8,mx"], 1, ["model.converters"]),
     "checkpoint": (["--checkpoint.last_save_in_hf", "true"], 1, ["checkpoint.last_save_in_hf", "checkpoint.enable"]),
     "profiling": (["--profiling.enable_profiling", "true", "--profiling.profile_freq", "1"], 1, ["profiling.profile_freq", ">= 2"]),
     "metrics": (["--metrics.enable_wandb", "true"], 1, ["metrics.enable_wandb", "pip install 'titan-core[wandb]'"]),
 }
 
+# The keys a broken library rule's error carries as data (`ConfigError.keys`), in the order the library named them.
+NAMED_KEYS = {
+    "device": ("training.device",),
+    "degrees": ("parallelism.tensor_parallel_degree",),
+    "tensor_parallel": ("parallelism.tensor_parallel_degree",),
+    "expert_parallel": ("parallelism.expert_parallel_degree",),
+    "context_parallel": ("training.seq_len", "parallelism.context_parallel_degree"),
+    "activation_checkpoint": ("activation_checkpoint.selective_ac_option",),
+    "pipeline": ("training.local_batch_size", "parallelism.pipeline_parallel_microbatch_size"),
+}
+
 
 def test_every_rule_has_a_broken_example():
-    assert [name for name, _ in RULES] == list(BROKEN)
+    assert [rule.name for rule in RULES] == list(BROKEN)
 
 
 @pytest.mark.parametrize("rule", list(BROKEN))
@@ -50,11 +76,12 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
     if rule == "metrics":
         monkeypatch.setitem(sys.modules, "wandb", None)  # as if the optional package were not installed
     with pytest.raises(ConfigError) as caught:
-        check_job(load_config(None, overrides), world_size)
+        resolve(load_config(None, overrides), world_size)
     message = str(caught.value)
     assert "\n" not in message
     for text in expected:
         assert text in message, (text, message)
+    assert caught.value.keys == NAMED_KEYS.get(rule, ()), caught.value.keys
 
 
 @pytest.mark.parametrize(
@@ -65,11 +92,14 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (["--activation_checkpoint.mode", "some"], ["activation_checkpoint.mode"]),
         (["--parallelism.dp_mode", "ddp", "--parallelism.data_parallel_shard_degree", "2"], ["parallelism.dp_mode"]),
         (["--parallelism.enable_async_tensor_parallel", "true"], ["parallelism.enable_async_tensor_parallel"]),
-        (["--parallelism.enable_async_tensor_parallel", "true", "--parallelism.tensor_parallel_degree", "2"], ["compile.enable"]),
-        (["--model.converters", "mx"], ["model.converters", "B200"]),
+        (["--parallelism.enable_async_tensor_parallel", "true", "--parallelism.tensor_parallel_degree", "2"],
+         ["(async_tp set by parallelism.enable_async_tensor_parallel, compile set by compile.enable, "
+          "device_type set by training.device)"]),
+        (["--model.converters", "mx"], ["model.converters = ['mx']: MXFP8 needs", "B200", "(device_type set by training.device)"]),
         (["--model.converters", "float8", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather", "true"],
-         ["float8.enable_fsdp_float8_all_gather", "float8.recipe_name"]),
-        (["--validation.enable", "true", "--parallelism.pipeline_parallel_degree", "2"], ["validation.enable"]),
+         ["(enable_fsdp_float8_all_gather set by float8.enable_fsdp_float8_all_gather, recipe_name set by float8.recipe_name)"]),
+        (["--validation.enable", "true", "--validation.local_batch_size", "2", "--parallelism.pipeline_parallel_degree",
+          "2"], ["validation.local_batch_size=2", "training.local_batch_size=8", "pipeline parallel"]),
         (["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "2"],
          ["checkpoint.create_seed_checkpoint", "not 2"]),
         (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], ["checkpoint.last_save_model_only"]),
@@ -83,30 +113,133 @@ def test_more_broken_jobs(overrides, expected):
     if torch.cuda.is_available() and any(o in ("mx", "true") for o in overrides[-1:]):
         pytest.skip("the rule depends on the absence of a GPU")
     with pytest.raises(ConfigError) as caught:
-        check_job(load_config(None, overrides), world_size)
+        resolve(load_config(None, overrides), world_size)
     for text in expected:
         assert text in str(caught.value), (text, str(caught.value))
 
 
-def test_a_valid_job_yields_what_the_trainer_builds_from():
+def test_a_valid_job_yields_what_the_trainer_builds_from(tmp_path):
     cfg = load_config(None, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                             "--training.global_batch_size", "16"])
-    job = check_job(cfg, 4)
+                             "--training.global_batch_size", "16", "--job.dump_folder", str(tmp_path),
+                             "--checkpoint.enable", "--checkpoint.interval", "7", "--optimizer.lr", "0.01"])
+    job = resolve(cfg, 4)
     assert (job.dims.pp, job.dims.dp_shard, job.dims.dp) == (2, 2, 2)
     assert (job.global_batch, job.accum_steps) == (16, 2)
     assert job.names_per_stage[0][0] == "tok_embeddings" and job.names_per_stage[-1][-1] == "output"
     assert job.model_args.vocab_size >= job.tokenizer_vocab_size
+    # The libraries' own options, built once here.
+    assert job.parallel.pipeline_parallel and job.parallel.dp_mode == "fsdp" and job.dtype_reason
+    assert job.parallel.param_dtype in (torch.bfloat16, torch.float32) and job.parallel.reduce_dtype == torch.float32
+    assert job.pipeline == PipelineConfig(schedule="1F1B", microbatch_size=1)
+    assert job.optimizer.lr == 0.01 and job.optimizer.betas == (0.9, 0.95)
+    assert job.checkpoint == CheckpointOptions(folder=tmp_path / "checkpoint", enable=True, interval=7)
+    assert job.converters.float8 is None and job.converters.mx is None
+    assert job.meta_model() is job.meta_model()  # built once
 
 
-def test_library_arguments_become_config_keys():
-    error = ParallelConfigError("tp=4 does not divide n_heads=6; choose a tp that divides it", arguments=("tp",))
-    assert str(as_config_error(error)) == (
-        "parallelism.tensor_parallel_degree=4 does not divide n_heads=6; choose a parallelism.tensor_parallel_degree that divides it"
+def test_an_unknown_world_size_leaves_only_what_needs_it_unset():
+    job = resolve(load_config(None, []), None)  # an elastic --nnodes range
+    assert (job.dims, job.global_batch, job.accum_steps, job.names_per_stage) == (None, None, None, None)
+    assert job.parallel == dataclasses.replace(job.parallel, pipeline_parallel=False)
+
+
+def test_the_job_is_frozen():
+    job = resolve(load_config(None, []), 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.accum_steps = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.parallel = ParallelOptions()
+    assert isinstance(job, Job) and all(
+        type(value).__dataclass_params__.frozen  # the libraries' options are frozen values too
+        for value in (job.parallel, job.pipeline, job.optimizer, job.checkpoint, job.converters, job.dims)
     )
-    # Only the listed arguments are rewritten, as whole words.
-    error = CheckpointError("no step 7 in /x/step-7; pick another with load_step=5", arguments=("load_step",))
-    assert str(as_config_error(error)) == "no step 7 in /x/step-7; pick another with checkpoint.load_step=5"
-    assert all("." in key or key.startswith("the ") for key in ARGUMENT_KEYS.values())
+
+
+def test_each_rule_and_each_library_check_runs_once_per_resolve(monkeypatch):
+    import titan_parallel
+    import titan_parallel.expert_parallel
+    import titan_parallel.float8
+
+    import titan_core.job.resolved as resolved
+    import titan_core.job.rules as rules
+
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    library = {
+        titan_parallel: ("resolve_device", "check_data_parallel", "check_tp", "check_cp", "check_rotate_method",
+                         "check_ac", "check_pipeline"),
+        titan_parallel.expert_parallel: ("check_ep",),
+        titan_parallel.float8: ("check_float8",),
+        rules: ("parallel_dims", "parallel_options", "pipeline_config", "build_meta_model"),
+        resolved: ("optimizer_options", "checkpoint_options"),
+    }
+    for module, names in library.items():
+        for name in names:
+            monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    monkeypatch.setattr(resolved, "RULES", tuple(Rule(r.name, counted(r.name, r.check), r.keys) for r in RULES))
+    monkeypatch.setattr("titan_core.job.meta_model._META_MODELS", {})  # built here, not found in the cache
+    cfg = load_config(None, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
+                             "--model.converters", "float8", "--float8.emulate", "true"])
+    job = resolve(cfg, 2)
+    job.meta_model()  # the rules' model, not a second one
+    expected = [rule.name for rule in RULES] + [name for names in library.values() for name in names]
+    assert calls == dict.fromkeys(expected, 1), calls
+
+
+def test_library_errors_name_their_keys_by_lookup():
+    # The library's message stays as it is; the keys behind the arguments it names follow it.
+    error = ParallelConfigError("tp=4 does not divide n_heads=6; choose a tp that divides it", arguments=("tp",))
+    named = config_error(error, {"tp": "parallelism.tensor_parallel_degree"})
+    assert str(named) == (
+        "tp=4 does not divide n_heads=6; choose a tp that divides it (tp set by parallelism.tensor_parallel_degree)"
+    )
+    assert named.keys == ("parallelism.tensor_parallel_degree",)
+    # One name, two keys: only the table of the call that raised it decides.
+    recipe = ParallelConfigError("recipe_name='x' is unknown", arguments=("recipe_name",))
+    assert str(config_error(recipe, FLOAT8_KEYS)).endswith("(recipe_name set by float8.recipe_name)")
+    assert str(config_error(recipe, MX_KEYS)).endswith("(recipe_name set by mx.recipe_name)")
+    assert str(config_error(recipe)) == "recipe_name='x' is unknown"  # outside its rule: not guessed
+    # Raised on a rank, outside any rule: looked up in the table of the library that raised it.
+    missing = CheckpointError("no step 7 in /x/step-7; pick another with load_step=5", arguments=("load_step",))
+    assert str(config_error(missing)) == (
+        "no step 7 in /x/step-7; pick another with load_step=5 (load_step set by checkpoint.load_step)"
+    )
+    assert error_line(missing) == f"titan: error: {config_error(missing)}"
+    seed = CheckpointError("a seed checkpoint needs a manager with enable=True", arguments=("enable",))
+    assert config_error(seed).keys == ("checkpoint.enable",)
+    assert config_error(ParallelConfigError("enable=True is wrong", arguments=("enable",))).keys == ()
+    # An argument no key sets is left as the library named it.
+    assert str(config_error(CheckpointError("rename that entry of states", arguments=("states",)))) == (
+        "rename that entry of states"
+    )
+
+
+def test_every_table_maps_real_fields_to_real_keys():
+    keys = set(list_keys())
+    manager_arguments = set(inspect.signature(CheckpointManager).parameters)
+    for table, fields in (
+        (DIMS_KEYS, {f.name for f in dataclasses.fields(ParallelDims)}),
+        (PARALLEL_OPTION_KEYS, {f.name for f in dataclasses.fields(ParallelOptions)}),
+        (PIPELINE_KEYS, {f.name for f in dataclasses.fields(PipelineConfig)}),
+        (FLOAT8_KEYS, {f.name for f in dataclasses.fields(Float8Options)}),
+        (MX_KEYS, {f.name for f in dataclasses.fields(MXOptions)}),
+        (CHECKPOINT_KEYS, {f.name for f in dataclasses.fields(CheckpointOptions)} | manager_arguments),
+    ):
+        assert set(table) <= fields, set(table) - fields
+        assert all(key in keys or key.startswith("--") for key in table.values()), table
+    assert set(DIMS_KEYS) | set(PARALLEL_OPTION_KEYS) == {f.name for f in dataclasses.fields(ParallelDims)} | {
+        f.name for f in dataclasses.fields(ParallelOptions)
+    }  # every degree and option has its key
+    assert all(key in keys for key in RUN_KEYS.values()) and set(PARALLEL_KEYS) >= set(RUN_KEYS)
+    for rule in RULES:
+        assert all(key in keys or key.startswith("--") for key in rule.keys.values()), rule.name
 
 
 def test_wrong_layouts_are_one_line_before_torchrun_starts(tmp_path):

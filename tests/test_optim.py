@@ -15,7 +15,7 @@ import torch
 
 from titan_core.config.errors import ConfigError
 from titan_core.lr_schedule import build_lr_scheduler
-from titan_core.optim import build_optimizer
+from titan_core.optim import OptimizerOptions, build_optimizer
 
 
 def _lrs(steps: int, n: int | None = None, **schedule) -> list[float]:
@@ -147,6 +147,32 @@ def test_unsupported_choices_raise_naming_the_key():
         build_optimizer([p], lr=0.1, implementation="apex", device_type="cpu")
     with pytest.raises(ConfigError, match=r"optimizer\.name"):
         build_optimizer([p], name="SGD", lr=0.1, device_type="cpu")
+
+
+def test_options_are_the_keywords_as_one_value():
+    import dataclasses
+    import inspect
+
+    options = OptimizerOptions(lr=0.1, name="Adam", betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, implementation="for-loop")
+    by_options = build_optimizer([torch.nn.Parameter(torch.ones(2))], options, device_type="cpu")
+    by_keywords = build_optimizer(
+        [torch.nn.Parameter(torch.ones(2))], name="Adam", lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0,
+        implementation="for-loop", device_type="cpu",
+    )
+    assert type(by_options) is type(by_keywords) is torch.optim.Adam
+    strip = lambda group: {k: v for k, v in group.items() if k != "params"}  # noqa: E731
+    assert strip(by_options.param_groups[0]) == strip(by_keywords.param_groups[0])
+    defaults = inspect.signature(build_optimizer).parameters
+    for field in dataclasses.fields(OptimizerOptions):
+        if field.name != "lr":
+            assert defaults[field.name].default == field.default, field.name
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match="not both"):
+        build_optimizer([p], options, lr=0.2, device_type="cpu")
+    with pytest.raises(TypeError, match="needs lr"):
+        build_optimizer([p], device_type="cpu")
+    with pytest.raises(ConfigError, match=r"optimizer\.name"):
+        build_optimizer([p], OptimizerOptions(lr=0.1, name="SGD"), device_type="cpu")
 
 
 def test_foreach_and_for_loop_agree_after_three_steps():

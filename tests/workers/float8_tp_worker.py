@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/workers/float8_tp_worker.py OUT_JSON
 
-For each float8 recipe, the trainer's own `build_model_parts` builds a seeded tiny
+For each float8 recipe, the trainer's own model setup (`assemble_model`) builds a seeded tiny
 Llama converted to float8 and split TP=2. Hooks placed after TP's own record what
 each linear really receives (a float8 DTensor, all-gathered in float8, or a
 high-precision one); one forward and backward on a fixed batch is compared with the
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_core.converters import Converters
-from titan_core.model_setup import build_model_parts
+from titan_core.model_setup import assemble_model
 from titan_models import get_model_spec
 from titan_models.llama3 import llama3_flavors
 from titan_parallel import Float8Options, ParallelDims, ParallelOptions, apply_float8
@@ -61,8 +61,8 @@ def run(recipe: str, tokens, labels) -> dict:
     options = Float8Options(recipe_name=recipe, auto_filter_small_kn=False, emulate=True)
     dims = ParallelDims(tp=2, world_size=2)
     mesh = dims.build_mesh("cpu")
-    model = build_model_parts(
-        spec, ARGS, mesh, dims, ParallelOptions(), torch.device("cpu"), SEED, converters=Converters(float8=options)
+    model = assemble_model(
+        spec, ARGS, mesh, ParallelOptions(), torch.device("cpu"), SEED, converters=Converters(float8=options)
     ).parts[0]
     seen: dict[str, dict] = {}
 

@@ -3,6 +3,7 @@
 - `CheckpointManager`: periodic, atomic (`step-N.tmp` renamed to `step-N`), verified
   (a manifest of sizes and CRC-32), optionally async saves of the model, optimizer, RNG
   and JSON states; resume into any layout (FSDP, TP, pipeline stages, another world size).
+  Its settings are keywords, or one frozen `CheckpointOptions` (`options=`).
 - Hugging Face safetensors: read, write (sharded, with index and config.json), and
   `convert_hf_to_dcp` for a model whose names you map.
 - Single-process DCP and torch files, format detection, `atomic_output` for
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     # checkpointing a training run
     "CheckpointManager": "manager",
+    "CheckpointOptions": "options",
     "LoadModelFn": "manager",
     "SaveModelFn": "manager",
     "JsonStateful": "json_states",
@@ -51,7 +53,34 @@ _EXPORTS: dict[str, str] = {
     "cast_floating": "dtypes",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ASYNC_MODES",
+    "AsyncMode",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointOptions",
+    "JsonStateful",
+    "LoadModelFn",
+    "SaveModelFn",
+    "atomic_output",
+    "cast_floating",
+    "convert_hf_to_dcp",
+    "copy_extra_files",
+    "detect_format",
+    "parse_dtype",
+    "read_dcp_state_dict",
+    "read_dcp_tensor_shapes",
+    "read_hf_config",
+    "read_hf_state_dict",
+    "read_torch_state_dict",
+    "resolve_hf_source",
+    "write_dcp_checkpoint",
+    "write_dcp_state_dict",
+    "write_hf_checkpoint",
+    "write_hf_config",
+    "write_torch_state_dict",
+]
 
 if TYPE_CHECKING:
     from titan_ckpt.argument_checks import ASYNC_MODES, AsyncMode
@@ -76,6 +105,7 @@ if TYPE_CHECKING:
     from titan_ckpt.hf_to_dcp import convert_hf_to_dcp
     from titan_ckpt.json_states import JsonStateful
     from titan_ckpt.manager import CheckpointManager, LoadModelFn, SaveModelFn
+    from titan_ckpt.options import CheckpointOptions
     from titan_ckpt.torch_files import read_torch_state_dict, write_torch_state_dict
 
 

@@ -51,7 +51,8 @@ def check_arguments(
         )
     if optimizers and len(optimizers) != len(model_parts):
         raise CheckpointError(
-            f"optimizers has {len(optimizers)} entries for {len(model_parts)} model parts; pass one optimizer per model part (pipeline stage)",
+            f"optimizers has {len(optimizers)} entries for {len(model_parts)} model parts; "
+            "pass one optimizer per model part (pipeline stage)",
             arguments=("optimizers",),
         )
     known = (*RESERVED_STATES, *states)

@@ -62,7 +62,8 @@ def read_metadata_safely(path: Path) -> Metadata:
             metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as err:
         raise CheckpointError(
-            f"{path}: {err}; it is not plain DCP metadata, so it is not loaded (restore the checkpoint or pick another with load_step)",
+            f"{path}: {err}; it is not plain DCP metadata, so it is not loaded "
+            "(restore the checkpoint or pick another with load_step)",
             arguments=("load_step",),
         ) from None
     except (EOFError, ValueError, TypeError, AttributeError) as err:
@@ -87,9 +88,10 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata_safely(Path(self._get_metadata_path(kwargs.get("rank"))))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -111,5 +113,6 @@ class ChecksummingWriter(FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
         results = future.wait()
+        assert self.rank is not None  # set again by set_up_storage_writer, before any write
         write_rank_sums(Path(self.path), self.rank, {r.storage_data.relative_path for r in results}, self.checksums)
         return future

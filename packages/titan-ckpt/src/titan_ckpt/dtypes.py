@@ -64,4 +64,4 @@ def state_dict_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     for tensor in state_dict.values():
         if tensor.is_floating_point():
             sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
-    return max(sizes, key=sizes.get) if sizes else torch.float32
+    return max(sizes, key=sizes.__getitem__) if sizes else torch.float32

@@ -24,7 +24,9 @@ class CheckpointError(ValueError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A checkpoint file or folder that does not exist (also a `FileNotFoundError`); the message names the path and the fix.
+    """A checkpoint file or folder that does not exist (also a `FileNotFoundError`).
+
+    The message names the path and the fix.
 
     Args:
         message: one line: what is missing and what to point to instead.

@@ -59,7 +59,8 @@ def resolve_hf_source(source: str | os.PathLike, revision: str | None = None) ->
                 get_token(),
             )
             raise CheckpointNotFoundError(
-                f"{source} is neither a local path nor a Hub repo that can be downloaded or found in the cache ({reason}); "
+                f"{source} is neither a local path nor a Hub repo that can be downloaded "
+                f"or found in the cache ({reason}); "
                 "check the path or repo id, and for gated repos log in with `hf auth login` or set HF_TOKEN"
             ) from None
 

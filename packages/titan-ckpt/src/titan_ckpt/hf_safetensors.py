@@ -230,11 +230,11 @@ def write_hf_checkpoint(
         else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     )
     with progress_bar(f"writing {folder.name}", sum(sizes.values()), progress) as bar:
-        for group, name in zip(groups, names):
+        for group, name in zip(groups, names, strict=True):
             save_file({k: state_dict[k].contiguous() for k in group}, str(folder / name), metadata={"format": "pt"})
             bar.update(sum(sizes[k] for k in group))
     if len(groups) > 1:
-        weight_map = {k: name for group, name in zip(groups, names) for k in group}
+        weight_map = {k: name for group, name in zip(groups, names, strict=True) for k in group}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     write_hf_config(folder, {**config, "torch_dtype": dtype_name(state_dict_dtype(state_dict))})

@@ -40,7 +40,8 @@ def to_json_text(name: str, state: Any) -> str:
         return json.dumps(state, sort_keys=True)
     except (TypeError, ValueError) as err:
         raise CheckpointError(
-            f"the '{name}' state is not plain JSON data ({err}); its state_dict() must return numbers, strings, lists and dicts"
+            f"the '{name}' state is not plain JSON data ({err}); "
+            "its state_dict() must return numbers, strings, lists and dicts"
         ) from None
 
 
@@ -70,7 +71,8 @@ def read_json_state(folder: Path, name: str) -> Any:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(
-            f"{path} is missing; pick another checkpoint with load_step, or leave '{name}' out with exclude_from_loading",
+            f"{path} is missing; pick another checkpoint with load_step, "
+            f"or leave '{name}' out with exclude_from_loading",
             arguments=("load_step", "exclude_from_loading"),
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

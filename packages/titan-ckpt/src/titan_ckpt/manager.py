@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,7 @@ from titan_ckpt.json_states import (
     write_json_state,
 )
 from titan_ckpt.manifest import MANIFEST_FILE, find_damaged_file, read_manifest, write_manifest
+from titan_ckpt.options import CheckpointOptions
 from titan_ckpt.step_folders import list_complete_steps, prune, publish, remove_tmp_folders, step_folder, tmp_folder
 
 logger = logging.getLogger("titan")
@@ -58,6 +61,25 @@ SaveModelFn = Callable[[Path, Mapping[str, torch.Tensor]], None]
 parts' full weights (under pipeline parallel, only its stages')."""
 
 
+def _one_form(
+    folder: str | Path | None, options: CheckpointOptions | None, keywords: CheckpointOptions
+) -> CheckpointOptions:
+    """The settings a manager was given: `options`, or `folder` with the setting keywords, never a mix.
+
+    Args:
+        folder: the `folder` argument.
+        options: the `options` argument.
+        keywords: the setting keywords as given (their defaults where not given), with `folder` or "".
+    """
+    if options is None:
+        if folder is None:
+            raise TypeError("CheckpointManager needs a folder, or options=CheckpointOptions(folder=...)")
+        return keywords
+    if folder is not None or keywords != CheckpointOptions(folder=""):
+        raise TypeError("CheckpointManager takes options= or folder with the setting keywords, not both")
+    return options
+
+
 class CheckpointManager:
     """Saves and restores a run's model, optimizer, JSON states and RNG with torch.distributed.checkpoint.
 
@@ -65,12 +87,14 @@ class CheckpointManager:
     at the same points.
 
     Args:
-        folder: the run's checkpoint folder; it holds the `step-N` folders.
+        folder: the run's checkpoint folder; it holds the `step-N` folders (or `options.folder`).
         model_parts: the model, or this rank's pipeline stages (FSDP/TP-sharded or not).
         optimizers: one per model part.
         states: JSON states by name, e.g. {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}:
             objects whose `state_dict()` is plain JSON data, the same on every rank.
         device: the device the run computes on (picks the RNG state to save).
+        options: `folder` and every setting below but the two functions, as one value
+            (`CheckpointOptions`); pass either it or `folder` and the setting keywords, not both.
         enable: when False, `load` restores nothing and `save` writes nothing.
         interval: save every this many steps (and at the last step).
         keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
@@ -95,12 +119,13 @@ class CheckpointManager:
 
     def __init__(
         self,
-        folder: str | Path,
+        folder: str | Path | None = None,
         *,
         model_parts: Sequence[nn.Module],
         optimizers: Sequence[torch.optim.Optimizer] = (),
         states: Mapping[str, JsonStateful] | None = None,
         device: torch.device = torch.device("cpu"),
+        options: CheckpointOptions | None = None,
         enable: bool = True,
         interval: int = 500,
         keep_latest_k: int = 10,
@@ -115,46 +140,68 @@ class CheckpointManager:
         save_model_fn: SaveModelFn | None = None,
         checksums: bool = True,
     ):
+        keywords = CheckpointOptions(
+            folder="" if folder is None else folder,
+            enable=enable,
+            interval=interval,
+            keep_latest_k=keep_latest_k,
+            async_mode=async_mode,
+            last_save_model_only=last_save_model_only,
+            export_dtype=export_dtype,
+            load_step=load_step,
+            exclude_from_loading=tuple(exclude_from_loading),
+            initial_load_path=initial_load_path,
+            initial_load_model_only=initial_load_model_only,
+            checksums=checksums,
+        )
+        o = _one_form(folder, options, keywords)
+        self.options = o
         self.states = dict(states or {})
         check_arguments(
             model_parts,
             optimizers,
             self.states,
-            interval=interval,
-            keep_latest_k=keep_latest_k,
-            async_mode=async_mode,
-            load_step=load_step,
-            exclude_from_loading=exclude_from_loading,
+            interval=o.interval,
+            keep_latest_k=o.keep_latest_k,
+            async_mode=o.async_mode,
+            load_step=o.load_step,
+            exclude_from_loading=o.exclude_from_loading,
         )
         if not dist.is_initialized():
             raise RuntimeError(
-                "CheckpointManager needs torch.distributed initialised; call torch.distributed.init_process_group first "
+                "CheckpointManager needs torch.distributed initialised; "
+                "call torch.distributed.init_process_group first "
                 '(one process: init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1))'
             )
-        self.folder = Path(folder)
+        self.folder = Path(o.folder)
         self.model_parts, self.optimizers = list(model_parts), list(optimizers)
-        self.device, self.enable = device, enable
-        self.interval, self.keep_latest_k = interval, keep_latest_k
-        self.last_save_model_only, self.export_dtype = last_save_model_only, export_dtype
-        self.load_step, self.exclude = load_step, set(exclude_from_loading)
-        self.initial_load_path = None if initial_load_path is None else Path(initial_load_path)
-        self.initial_load_model_only = initial_load_model_only
+        self.device, self.enable = device, o.enable
+        self.interval, self.keep_latest_k = o.interval, o.keep_latest_k
+        self.last_save_model_only, self.export_dtype = o.last_save_model_only, o.export_dtype
+        self.load_step, self.exclude = o.load_step, set(o.exclude_from_loading)
+        self.initial_load_path = None if o.initial_load_path is None else Path(o.initial_load_path)
+        self.initial_load_model_only = o.initial_load_model_only
         self.load_model_fn, self.save_model_fn = load_model_fn, save_model_fn
-        self.checksums = checksums
+        self.checksums = o.checksums
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.async_mode: AsyncMode = async_mode
-        if enable and async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+        self.async_mode: AsyncMode = o.async_mode
+        if o.enable and o.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             logger.warning(
-                "checkpoint: async_mode='async_with_pinned_mem' needs CUDA for pinned memory; this CPU-only run saves as 'async'"
+                "checkpoint: async_mode='async_with_pinned_mem' needs CUDA for pinned memory; "
+                "this CPU-only run saves as 'async'"
             )
             self.async_mode = "async"
         self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
-        self._pending: tuple[int, object, Path, dict] | None = None  # (step, future, tmp folder, manifest info)
+        self._pending: tuple[int, Future[Any], Path, dict] | None = None  # (step, future, tmp folder, manifest info)
         self.last_blocked_s = 0.0  # how long the last save held the training loop
         self._saved_step: int | None = None  # the step of the newest save started
         # Checkpoint collectives get their own gloo group: the background writer's
         # collectives must not interleave with the training loop's on the default group.
-        self.pg = dist.new_group(backend="gloo") if enable else None
+        self.pg: dist.ProcessGroup | None = None
+        if o.enable:
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+            self.pg = group
 
     # ---- saving ---------------------------------------------------------------------------------
 
@@ -194,7 +241,8 @@ class CheckpointManager:
             raise CheckpointError("a seed checkpoint needs a manager with enable=True", arguments=("enable",))
         if list_complete_steps(self.folder):
             raise CheckpointError(
-                f"{self.folder} already holds checkpoints; a seed checkpoint goes into an empty one: pick another folder",
+                f"{self.folder} already holds checkpoints; "
+                "a seed checkpoint goes into an empty one: pick another folder",
                 arguments=("folder",),
             )
         remove_tmp_folders(self.folder)  # one process: no other rank is writing
@@ -224,7 +272,10 @@ class CheckpointManager:
         with_json: bool,
         external: bool,
     ) -> None:
-        """Write `step-N.tmp` (DCP, in the background when asked; or the model through `save_model_fn`) and complete it."""
+        """Write `step-N.tmp` (DCP, in the background when asked; or the model through `save_model_fn`).
+
+        Then complete it (rename to `step-N` once written).
+        """
         self.wait()  # one save in flight at a time
         self._saved_step = step
         start = time.perf_counter()
@@ -243,6 +294,7 @@ class CheckpointManager:
             for name, text in texts.items():
                 write_json_state(tmp, name, text)
         if external:
+            assert self.save_model_fn is not None  # `external` means there is one
             dist.barrier(group=self.pg)  # the folder exists before any rank writes into it
             self.save_model_fn(tmp, ms.get_full_model_state(self.model_parts, dtype))
             dist.barrier(group=self.pg)
@@ -278,7 +330,10 @@ class CheckpointManager:
     def _collect(
         self, model_only: bool, dtype: torch.dtype | None, *, with_dcp: bool, with_json: bool
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """The tensors of a save by DCP key (the live ones: DCP stages or writes them) and its JSON texts by state name."""
+        """The tensors of a save by DCP key and its JSON texts by state name.
+
+        The tensors are the live ones: DCP stages or writes them.
+        """
         tensors: dict[str, torch.Tensor] = {}
         if with_dcp:
             for state in ms.get_part_states(self.model_parts):
@@ -411,7 +466,8 @@ class CheckpointManager:
         verified = (path / MANIFEST_FILE).is_file()
         if not verified and names != {"model"}:
             raise CheckpointError(
-                f"initial_load_path={path} has no {MANIFEST_FILE}, so only its model weights can be loaded; set initial_load_model_only=True",
+                f"initial_load_path={path} has no {MANIFEST_FILE}, so only its model weights can be loaded; "
+                "set initial_load_model_only=True",
                 arguments=("initial_load_path", "initial_load_model_only"),
             )
         if not verified and self.rank == 0:
@@ -438,7 +494,8 @@ class CheckpointManager:
         if "model" in names and external:
             if self.load_model_fn is None:
                 raise CheckpointError(
-                    f"{folder} holds its model weights in another format; set load_model_fn to read them, or pick a DCP checkpoint with load_step",
+                    f"{folder} holds its model weights in another format; set load_model_fn to read them, "
+                    "or pick a DCP checkpoint with load_step",
                     arguments=("load_model_fn", "load_step"),
                 )
             ms.set_full_model_state(self.model_parts, dict(self.load_model_fn(folder)), str(folder))

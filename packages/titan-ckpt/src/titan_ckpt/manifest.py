@@ -186,7 +186,7 @@ def check_file(folder: Path, name: str, entry: dict[str, int], checksums: bool) 
 
 
 def find_damaged_file(
-    folder: Path, manifest: dict[str, Any], checksums: bool, group: dist.ProcessGroup
+    folder: Path, manifest: dict[str, Any], checksums: bool, group: dist.ProcessGroup | None
 ) -> tuple[str, str] | None:
     """Check every file of `folder` against its manifest, the files split over the ranks of `group`.
 
@@ -197,7 +197,7 @@ def find_damaged_file(
         folder: the step folder.
         manifest: its manifest.
         checksums: also compare CRC-32.
-        group: the ranks sharing the work (a CPU/gloo group).
+        group: the ranks sharing the work (a CPU/gloo group; None: the default group).
     """
     names = sorted(manifest["files"])
     rank, world = dist.get_rank(group), dist.get_world_size(group)

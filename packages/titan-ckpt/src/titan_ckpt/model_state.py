@@ -70,16 +70,17 @@ def get_part_states(model_parts: Sequence[nn.Module]) -> list[dict[str, torch.Te
     Raises:
         CheckpointError: a non-tensor entry (a module's `get_extra_state`), which DCP would pickle.
     """
-    states = [get_model_state_dict(part) for part in model_parts]
-    for state in states:
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = plain_tensor(value)
-            else:
+    states: list[dict[str, torch.Tensor]] = []
+    for part in model_parts:
+        state: dict[str, torch.Tensor] = {}
+        for key, value in get_model_state_dict(part).items():
+            if not isinstance(value, torch.Tensor):
                 raise CheckpointError(
                     f"model state '{key}' is a {type(value).__name__}, not a tensor; DCP would pickle it, "
                     "so the checkpoint manager refuses it: keep module extra state in tensors or buffers"
                 )
+            state[key] = plain_tensor(value)
+        states.append(state)
     return states
 
 
@@ -91,7 +92,8 @@ def set_part_states(model_parts: Sequence[nn.Module], states: Sequence[dict[str,
         states: one state dict per part.
     """
     for part, state in zip(model_parts, states, strict=True):
-        set_model_state_dict(part, state)
+        # torch types the state as a dict of `ValueType` (invariant), not a Mapping: a typing gap
+        set_model_state_dict(part, state)  # type: ignore[arg-type]
 
 
 def get_optimizer_states(
@@ -113,7 +115,7 @@ def get_optimizer_states(
             "pass one optimizer per model part (pipeline stage)",
             arguments=("optimizers",),
         )
-    return [get_optimizer_state_dict(part, optim) for part, optim in zip(model_parts, optimizers)]
+    return [get_optimizer_state_dict(part, optim) for part, optim in zip(model_parts, optimizers, strict=True)]
 
 
 def flatten_optimizer_tensors(states: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -131,8 +133,9 @@ def flatten_optimizer_tensors(states: Sequence[dict[str, Any]]) -> dict[str, tor
             for name, value in per_param.items():
                 if not isinstance(value, torch.Tensor):
                     raise CheckpointError(
-                        f"optimizer state '{fqn}.{name}' is a {type(value).__name__}, not a tensor; the checkpoint manager "
-                        "saves tensor optimizer state only: pass optimizers that keep tensors (torch.optim's do)",
+                        f"optimizer state '{fqn}.{name}' is a {type(value).__name__}, not a tensor; "
+                        "the checkpoint manager saves tensor optimizer state only: "
+                        "pass optimizers that keep tensors (torch.optim's do)",
                         arguments=("optimizers",),
                     )
                 flat[f"{OPTIMIZER_PREFIX}{fqn}.{name}"] = value
@@ -176,7 +179,7 @@ def set_optimizer_states(
                 )
             groups = [
                 {**group, **{k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}}
-                for group, saved in zip(groups, settings)
+                for group, saved in zip(groups, settings, strict=True)
             ]
         set_optimizer_state_dict(part, optim, {"state": state["state"], "param_groups": groups})
 
@@ -192,19 +195,24 @@ def check_against_metadata(wanted: dict[str, torch.Tensor], metadata: Metadata, 
     Raises:
         CheckpointError: a missing key or a shape mismatch (the first one, and how many more).
     """
-    stored = metadata.state_dict_metadata
-    missing = [k for k in wanted if not isinstance(stored.get(k), TensorStorageMetadata)]
+    shapes = {
+        key: tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    missing = [k for k in wanted if k not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"{where} has no tensor '{missing[0]}'{more}; it was saved from another model: pick model_parts of the model "
-            "it was saved from, or leave that state out with exclude_from_loading",
+            f"{where} has no tensor '{missing[0]}'{more}; it was saved from another model: "
+            "pick model_parts of the model it was saved from, or leave that state out with exclude_from_loading",
             arguments=("model_parts", "exclude_from_loading"),
         )
     for key, tensor in wanted.items():
-        if tuple(stored[key].size) != tuple(tensor.shape):
+        if shapes[key] != tuple(tensor.shape):
             raise CheckpointError(
-                f"{where}: '{key}' has shape {tuple(stored[key].size)} in the checkpoint but {tuple(tensor.shape)} in this run; "
+                f"{where}: '{key}' has shape {shapes[key]} in the checkpoint "
+                f"but {tuple(tensor.shape)} in this run; "
                 "pick model_parts of the shape it was saved with",
                 arguments=("model_parts",),
             )
@@ -221,6 +229,7 @@ def get_full_model_state(model_parts: Sequence[nn.Module], dtype: torch.dtype | 
     out = {}
     for part in model_parts:
         for key, value in get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)).items():
+            assert isinstance(value, torch.Tensor), f"model state '{key}' is not a tensor"
             value = plain_tensor(value)
             cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
             out[key] = value.to(device="cpu", dtype=cast)

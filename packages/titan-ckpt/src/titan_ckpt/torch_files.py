@@ -26,7 +26,8 @@ def read_torch_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, pickle with code, ...
         raise CheckpointError(
-            f"{path} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}); it is damaged or not a plain state dict"
+            f"{path} cannot be loaded with torch.load(weights_only=True) ({type(err).__name__}); "
+            "it is damaged or not a plain state dict"
         ) from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]

@@ -14,7 +14,10 @@ import typer
 def generate(
     source: str = typer.Argument(
         ...,
-        help="A titan train run folder (newest step), a checkpoint/step-N folder, or a Hugging Face folder or Hub repo id.",
+        help=(
+            "A titan train run folder (newest step), a checkpoint/step-N folder,"
+            " or a Hugging Face folder or Hub repo id."
+        ),
     ),
     prompt: list[str] | None = typer.Option(
         None, "--prompt", "-p", help="Text to continue; repeat for a batch (default: one empty prompt)."

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import typer
 
+from titan_cli.convert_cmd import convert
+from titan_cli.estimate_cmd import _PASS_THROUGH as _EST
+from titan_cli.estimate_cmd import estimate_memory
+from titan_cli.generate_cmd import generate
+from titan_cli.plan_cmd import _PASS_THROUGH as _PLAN
+from titan_cli.plan_cmd import plan
+from titan_cli.tokenize_cmd import tokenize
+
 app = typer.Typer(
     name="titan",
     help="Pretrain large language models with PyTorch, from one CPU to thousands of GPUs.",
@@ -88,23 +96,13 @@ def train(
     )
 
 
-from titan_cli.convert_cmd import convert
-
-app.command()(convert)  # noqa: E402, E702  (`titan convert`; typer only at import)
-from titan_cli.estimate_cmd import _PASS_THROUGH as _EST
-from titan_cli.estimate_cmd import estimate_memory
-
-app.command("estimate-memory", context_settings=_EST)(estimate_memory)  # noqa: E402, E702
-from titan_cli.plan_cmd import _PASS_THROUGH as _PLAN
-from titan_cli.plan_cmd import plan
-
-app.command("plan", context_settings=_PLAN)(plan)  # noqa: E402, E702
-from titan_cli.tokenize_cmd import tokenize
-
-app.command()(tokenize)  # noqa: E402, E702  (`titan tokenize`; typer only at import)
-from titan_cli.generate_cmd import generate
-
-app.command()(generate)  # noqa: E402, E702  (`titan generate`; typer only at import)
+# The subcommands live in their own modules, which import only typer at start-up;
+# registered here, after `train`, so `titan --help` lists them in this order.
+app.command()(convert)
+app.command("estimate-memory", context_settings=_EST)(estimate_memory)
+app.command("plan", context_settings=_PLAN)(plan)
+app.command()(tokenize)
+app.command()(generate)
 
 if __name__ == "__main__":
     app()

@@ -15,7 +15,10 @@ _DEFAULT_SHARD_TOKENS = 100_000_000  # titan_core.data.token_shards.DEFAULT_SHAR
 def tokenize(
     inputs: list[str] = typer.Argument(
         ...,
-        help="Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name; read in the order given.",
+        help=(
+            "Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name;"
+            " read in the order given."
+        ),
     ),
     output: str = typer.Option(
         ..., "--output", "-o", help="Folder to create (train with --training.dataset_path DIR)."

@@ -1,8 +1,8 @@
-"""Checkpointing for the trainer: the `checkpoint` config section -> `titan_ckpt.CheckpointManager`.
+"""Checkpointing for the trainer: the resolved job's `CheckpointOptions` -> `titan_ckpt.CheckpointManager`.
 
 The trainer calls, in order (see `titan_core.trainer`):
 
-    self.checkpointer = build_checkpointer(cfg.checkpoint, ...)   # after optimizer + LR schedule
+    self.checkpointer = build_checkpointer(job.checkpoint, ...)   # after optimizer + LR schedule
     self.checkpointer.load()                                       # before the loop: step, data, optimizer, LR, RNG
     self.checkpointer.save(step, last_step=...)                    # after every step
     self.checkpointer.close()                                      # at the end, waits for a background save
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titan_ckpt import CheckpointManager, LoadModelFn, SaveModelFn, parse_dtype
+from titan_ckpt import CheckpointManager, CheckpointOptions, LoadModelFn, SaveModelFn, parse_dtype
 from titan_core.config.schema import Checkpoint
+from titan_core.job.options import checkpoint_options
 
 __all__ = ["SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
 
@@ -48,9 +49,9 @@ class SchedulersState:
 
 
 def build_checkpointer(
-    ckpt: Checkpoint,
+    options: CheckpointOptions | Checkpoint,
     *,
-    run_folder: Path,
+    run_folder: Path | None = None,
     model_parts: Sequence[nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
     lr_schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
@@ -60,40 +61,41 @@ def build_checkpointer(
     load_model_fn: LoadModelFn | None = None,
     save_model_fn: SaveModelFn | None = None,
 ) -> CheckpointManager:
-    """Build the run's checkpoint manager from the `checkpoint` section (disabled: it does nothing).
+    """Build the run's checkpoint manager (disabled: it does nothing).
 
     Args:
-        ckpt: the job config's `checkpoint` section.
-        run_folder: `job.dump_folder`; checkpoints go to `run_folder / ckpt.folder`.
+        options: the resolved job's `checkpoint` (`titan_core.job.Job.checkpoint`); or, the former form,
+            the config's `checkpoint` section with `run_folder`.
+        run_folder: only with a config section: `job.dump_folder`; checkpoints go to `run_folder / ckpt.folder`.
         model_parts: the model, or this rank's pipeline stages.
         optimizers: one per model part.
         lr_schedulers: one per optimizer.
         dataloader: the `PackedLoader` (its JSON state is the global stream position).
         train_state: the `TrainState` (step, tokens seen).
         device: the device the run computes on.
-        load_model_fn: reads `initial_load_path` in Hugging Face format (for `initial_load_in_hf`).
-        save_model_fn: writes the last save in Hugging Face format (for `last_save_in_hf`).
+        load_model_fn: reads `initial_load_path` in Hugging Face format (`checkpoint.initial_load_in_hf`,
+            see `hf_checkpoint_hooks`).
+        save_model_fn: writes the last save in Hugging Face format (`checkpoint.last_save_in_hf`).
 
-    The rules across the `checkpoint` keys are checked with the whole job (`titan_core.job_check`).
+    The rules across the `checkpoint` keys are checked with the whole job (`titan_core.job`).
     """
+    if isinstance(options, Checkpoint):  # the config section: resolved here the way `resolve` does it
+        if run_folder is None:
+            raise TypeError("build_checkpointer(config section, ...) needs run_folder")
+        section = options
+        options = checkpoint_options(section, run_folder)
+        load_model_fn = load_model_fn if section.initial_load_in_hf else None
+        save_model_fn = save_model_fn if section.last_save_in_hf else None
+    elif run_folder is not None:
+        raise TypeError("build_checkpointer(CheckpointOptions, ...) takes its folder from the options, not run_folder")
     return CheckpointManager(
-        run_folder / ckpt.folder,
         model_parts=model_parts,
         optimizers=optimizers,
         states={"lr_scheduler": SchedulersState(lr_schedulers), "dataloader": dataloader, "train_state": train_state},
         device=device,
-        enable=ckpt.enable,
-        interval=ckpt.interval,
-        keep_latest_k=ckpt.keep_latest_k,
-        async_mode=ckpt.async_mode,
-        last_save_model_only=ckpt.last_save_model_only,
-        export_dtype=parse_dtype(ckpt.export_dtype),
-        load_step=ckpt.load_step,
-        exclude_from_loading=ckpt.exclude_from_loading,
-        initial_load_path=ckpt.initial_load_path,
-        initial_load_model_only=ckpt.initial_load_model_only,
-        load_model_fn=load_model_fn if ckpt.initial_load_in_hf else None,
-        save_model_fn=save_model_fn if ckpt.last_save_in_hf else None,
+        options=options,
+        load_model_fn=load_model_fn,
+        save_model_fn=save_model_fn,
     )
 
 

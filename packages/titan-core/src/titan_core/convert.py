@@ -74,6 +74,7 @@ class ParityReport:
         """True when skipped or when the logits agree (finite, KL within `PARITY_MAX_KL`)."""
         if self.skipped is not None:
             return True
+        assert self.max_abs_diff is not None and self.kl is not None  # None only when skipped
         return math.isfinite(self.max_abs_diff) and math.isfinite(self.kl) and self.kl <= PARITY_MAX_KL
 
     def describe(self) -> str:
@@ -309,8 +310,18 @@ def _hf_adapter(model_name: str) -> HFAdapter[Any]:
     return adapter
 
 
+def _needs_adapter(adapter: HFAdapter[Any] | None, path: Path) -> HFAdapter[Any]:
+    """`adapter`, or a one-line error: `path` holds Hugging Face names or a config.json to read."""
+    if adapter is None:
+        raise ConfigError(
+            f"{path} is in Hugging Face form and this model has no Hugging Face adapter (ModelSpec.hf_adapter); "
+            "pass --flavor, or a checkpoint in Titan's names"
+        )
+    return adapter
+
+
 def resolve_source_args(
-    src: Path, src_format: str, adapter: HFAdapter[Any], model_name: str, flavor: str | None
+    src: Path, src_format: str, adapter: HFAdapter[Any] | None, model_name: str, flavor: str | None
 ) -> tuple[Any, dict[str, Any], Path]:
     """The model's args for a source checkpoint, the config.json to build on, and the
     folder whose tokenizer files travel along.
@@ -321,7 +332,7 @@ def resolve_source_args(
     Args:
         src: source path (local).
         src_format: "hf", "dcp" or "torch".
-        adapter: the model's Hugging Face adapter.
+        adapter: the model's Hugging Face adapter (None: it has none; a config.json cannot be read).
         model_name: registry name.
         flavor: named shape, or None.
 
@@ -331,12 +342,12 @@ def resolve_source_args(
     folder = src if src.is_dir() else src.parent
     if src_format == "hf":
         config = read_hf_config(src)
-        return adapter.args_from_hf_config(config), config, src
+        return _needs_adapter(adapter, src).args_from_hf_config(config), config, src
     if flavor is not None:
         return get_model_args(model_name, flavor), {}, folder
     if (folder / CONFIG_FILE).is_file():
         config = read_hf_config(folder)
-        return adapter.args_from_hf_config(config), config, folder
+        return _needs_adapter(adapter, folder).args_from_hf_config(config), config, folder
     run = find_run_config(folder)
     if run is not None:
         toml_path, model = run[0], run[1].get("model", {})
@@ -356,7 +367,7 @@ def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[
 
 
 def load_titan_state_dict(
-    path: Path, fmt: str, args: Any, adapter: HFAdapter[Any], expected: dict[str, torch.Size]
+    path: Path, fmt: str, args: Any, adapter: HFAdapter[Any] | None, expected: dict[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
     """Read a checkpoint of any format as a Titan-named full state dict on CPU.
 
@@ -364,16 +375,16 @@ def load_titan_state_dict(
         path: the checkpoint (local).
         fmt: "hf", "dcp" or "torch".
         args: the model's args (for the RoPE permutation and tied embeddings).
-        adapter: the model's Hugging Face adapter.
+        adapter: the model's Hugging Face adapter (None: it has none; Hugging Face weights cannot be read).
         expected: the model's names and shapes (`expected_shapes`); a DCP folder is read for these only.
     """
     if fmt == "hf":
-        return adapter.from_hf(read_hf_state_dict(path), args)
+        return _needs_adapter(adapter, path).from_hf(read_hf_state_dict(path), args)
     if fmt == "dcp":
         return read_dcp_model(path, args, expected)
     raw = read_torch_state_dict(torch_file_of(path))
     if "model.embed_tokens.weight" in raw or "lm_head.weight" in raw:  # a Hugging Face pytorch_model.bin
-        return adapter.from_hf(raw, args)
+        return _needs_adapter(adapter, path).from_hf(raw, args)
     return _with_tied_output(_strip_prefix(raw, "model."), args)
 
 
@@ -386,7 +397,8 @@ def read_dcp_model(folder: Path, args: Any, expected: dict[str, torch.Size]) -> 
     names = [prefix + k for k in expected if prefix + k in stored]
     if not names:
         raise ConfigError(
-            f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); point to a Titan DCP checkpoint"
+            f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); "
+            "point to a Titan DCP checkpoint"
         )
     loaded = read_dcp_state_dict(folder, names)
     return _with_tied_output({k[len(prefix) :]: v for k, v in loaded.items()}, args)

@@ -2,7 +2,9 @@
 
 The trainer passes the result to `build_model_parts`, which converts the meta model
 before the pipeline split and parallelism (`titan_parallel.float8`). Whether the
-options can run is checked once, by `titan_core.job_check` (rule "converters").
+options can run is checked once, by `titan_core.job` (rule "converters"), which
+keeps what `build_converters` returned on the resolved job. `FLOAT8_KEYS` /
+`MX_KEYS` name the key behind each field, for the errors that name the field.
 """
 
 from __future__ import annotations
@@ -19,6 +21,20 @@ class Converters:
 
     float8: Float8Options | None = None
     mx: MXOptions | None = None
+
+
+FLOAT8_KEYS: dict[str, str] = {
+    "recipe_name": "float8.recipe_name",
+    "enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather",
+    "precompute_float8_dynamic_scale_for_fsdp": "float8.precompute_float8_dynamic_scale_for_fsdp",
+    "filter_fqns": "float8.filter_fqns",
+    "auto_filter_small_kn": "float8.auto_filter_small_kn",
+    "emulate": "float8.emulate",
+}
+"""`Float8Options` field -> config key."""
+
+MX_KEYS: dict[str, str] = {"recipe_name": "mx.recipe_name", "filter_fqns": "mx.filter_fqns"}
+"""`MXOptions` field -> config key."""
 
 
 def float8_options(cfg: JobConfig, device_type: str) -> Float8Options:

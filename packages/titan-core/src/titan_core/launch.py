@@ -1,7 +1,7 @@
 """Launching a training job: check it, start its processes, report a failure as one line.
 
-`titan train` calls `launch`: it checks the whole job in this process
-(`titan_core.job_check`), then trains here for one process or starts N under
+`titan train` calls `launch`: it resolves the whole job in this process
+(`titan_core.job`), then trains here for one process or starts N under
 torchrun's elastic agent (run in this process, so that a failed rank is reported
 by its message rather than by the launcher's traceback). Each started process
 runs `python -m titan_core.launch [--config X] [--section.key value ...]`, i.e.
@@ -79,11 +79,11 @@ def setup_logging() -> None:
 
 
 def error_line(error: BaseException) -> str:
-    """The one line a user error is reported as: library argument names become config keys."""
+    """The one line a user error is reported as; a library error also names the config keys of its arguments."""
     if getattr(error, "arguments", ()):
-        from titan_core.job_check import as_config_error
+        from titan_core.job import config_error
 
-        error = as_config_error(error)
+        error = config_error(error)  # looked up in the table of the library that raised it
     return f"titan: error: {error}"
 
 
@@ -164,10 +164,10 @@ def check_job_here(argv: list[str], world_size: int | None, *, max_restarts: int
     """Check the whole job in this process; print one line and return 2 when it cannot run, else 0."""
     try:
         config, _, overrides = split_args(argv)
-        from titan_core.job_check import check_job
+        from titan_core.job import resolve
 
         cfg = load_config(config, overrides)
-        check_job(cfg, world_size)
+        resolve(cfg, world_size)
     except USER_ERRORS as e:
         if os.environ.get("TITAN_TRACEBACK"):
             raise

@@ -19,7 +19,6 @@ import torch.nn as nn
 from titan_core.converters import Converters
 from titan_models import ModelSpec
 from titan_parallel import (
-    ParallelDims,
     ParallelMesh,
     ParallelOptions,
     PipelineConfig,
@@ -33,13 +32,17 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+    from titan_core.job import Job
+
 
 @dataclass
 class ModelParts:
-    """What one rank trains: its model parts, and under pipeline parallel the stages, the schedule
-    and the microbatches it runs per step."""
+    """What one rank trains: its model parts, whether FSDP wraps them (then its mixed-precision policy
+    casts to the compute dtype), and under pipeline parallel the stages, the schedule and the
+    microbatches it runs per step."""
 
     parts: list[nn.Module]
+    fsdp: bool = False
     schedule: _PipelineSchedule | None = None
     stages: list[PipelineStage] | None = None
     n_microbatches: int = 1
@@ -47,58 +50,82 @@ class ModelParts:
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
-    @property
-    def has_last_stage(self) -> bool:
-        return self.stages is None or any(stage.is_last for stage in self.stages)
+
+def build_model_parts(job: Job, mesh: ParallelMesh, device: torch.device, seed: int, *, loss_fn: LossFn) -> ModelParts:
+    """Build, split, parallelize and initialise this rank's share of the job's model.
+
+    Args:
+        job: the resolved job (model, options, converters, pipeline stages as its rules cut them).
+        mesh: the parallel mesh built from `job.dims`.
+        device: where parameters live.
+        seed: the init seed, the same on every rank.
+        loss_fn: `(logits, labels) -> loss` for the pipeline's last stage, already normalised
+            (`titan_core.step.StepLoss`): the schedule backpropagates it unchanged.
+    """
+    return assemble_model(
+        job.spec,
+        job.model_args,
+        mesh,
+        job.parallel,
+        device,
+        seed,
+        names_per_stage=job.names_per_stage,
+        pipeline=job.pipeline,
+        local_batch_size=job.cfg.training.local_batch_size,
+        loss_fn=loss_fn,
+        converters=job.converters,
+    )
 
 
-def build_model_parts(
+def assemble_model(
     spec: ModelSpec,
     model_args: Any,
     mesh: ParallelMesh,
-    dims: ParallelDims,
     options: ParallelOptions,
     device: torch.device,
     seed: int,
     *,
-    pipeline: PipelineConfig = PipelineConfig(),
+    names_per_stage: list[list[str]] | None = None,
+    pipeline: PipelineConfig | None = None,
     local_batch_size: int = 1,
     loss_fn: LossFn | None = None,
-    converters: Converters = Converters(),
+    converters: Converters | None = None,
 ) -> ModelParts:
-    """Build, split, parallelize and initialise this rank's share of the model.
+    """`build_model_parts` from plain arguments (for tests that build a model without a job config).
 
     Args:
         spec: the model family (builder and plan).
         model_args: the model's shape.
-        mesh: the parallel mesh.
-        dims: the parallel degrees.
+        mesh: the parallel mesh (its `dims` say the degrees).
         options: what `parallelize` applies to each part.
         device: where parameters live.
         seed: the init seed, the same on every rank.
-        pipeline: how to cut and schedule stages (used when dims.pp > 1; checked by `check_pipeline`).
+        names_per_stage: under pipeline parallel, each stage's module names (`check_pipeline`'s result).
+        pipeline: how to schedule the stages (pipeline parallel only).
         local_batch_size: sequences per micro-batch on this rank (split into pipeline micro-batches).
-        loss_fn: `(logits, labels) -> loss` for the pipeline's last stage, already normalised
-            (`titan_core.step.StepLoss`): the schedule backpropagates it unchanged.
+        loss_fn: the pipeline's last-stage loss, already normalised.
         converters: float8 / MXFP8 linears, swapped in on the meta model before anything is split.
     """
+    dims, converters = mesh.dims, converters or Converters()
+    fsdp = uses_fsdp(mesh, options)  # decided once here, as `parallelize` decides it
     with torch.device("meta"):
         model = spec.build(model_args)
     plan = spec.plan
     if converters.float8 is not None:
         from titan_parallel import apply_float8
 
-        fsdp_shards = mesh["dp_shard_cp"].size() if uses_fsdp(mesh, options) else 1
+        fsdp_shards = mesh["dp_shard_cp"].size() if fsdp else 1
         apply_float8(model, converters.float8, fsdp_shards=fsdp_shards)
     if converters.mx is not None:
         from titan_parallel import apply_mx
 
         apply_mx(model, converters.mx, device.type)
     if dims.pp > 1:
-        from titan_parallel import build_pipeline, check_pipeline, split_model
+        from titan_parallel import build_pipeline, split_model
 
-        n_layers = len(model.get_submodule(plan.blocks))
-        names = check_pipeline(pipeline, pp=dims.pp, n_layers=n_layers, local_batch_size=local_batch_size, plan=plan)
+        if names_per_stage is None or pipeline is None or loss_fn is None:
+            raise ValueError("pipeline parallel needs names_per_stage, pipeline and loss_fn (the job has them)")
+        names = names_per_stage
         stage_modules = split_model(model, plan, names, mesh["pp"], pipeline.schedule)
     else:
         stage_modules = [StageModule(0, model)]
@@ -110,10 +137,8 @@ def build_model_parts(
         stage_modules = [StageModule(i, parallelize(m, plan, mesh, options)) for i, m in stage_modules]
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
     parts = [s.module for s in stage_modules]
-    if dims.pp == 1:
-        return ModelParts(parts)
-    if loss_fn is None:
-        raise ValueError("build_model_parts needs loss_fn under pipeline parallel: the last stage computes the loss")
+    if dims.pp == 1 or pipeline is None or loss_fn is None:
+        return ModelParts(parts, fsdp)
     pipe = build_pipeline(
         stage_modules,
         pipeline,
@@ -124,7 +149,7 @@ def build_model_parts(
         loss_fn=loss_fn,
         scale_loss=False,  # the step runner's `StepLoss` normalises, in one place
     )
-    return ModelParts(parts, pipe.schedule, pipe.stages, pipe.n_microbatches)
+    return ModelParts(parts, fsdp, pipe.schedule, pipe.stages, pipe.n_microbatches)
 
 
 @torch.no_grad()
@@ -139,16 +164,16 @@ def init_weights(parts: list[nn.Module], spec: ModelSpec, model_args: Any, devic
         part.to_empty(device=device)
         if device.type == "cuda":
             torch.manual_seed(seed)
-            part.init_weights(buffer_device=device)
+            part.init_weights(buffer_device=device)  # type: ignore[operator]  # the model's own method
             continue
         with warnings.catch_warnings():  # DTensor warns that CPU random ops are not sharded: overwritten below
             warnings.simplefilter("ignore", UserWarning)
-            part.init_weights(buffer_device=device)  # buffers (RoPE); parameters are overwritten next
+            part.init_weights(buffer_device=device)  # type: ignore[operator]  # buffers (RoPE); params overwritten next
     if device.type == "cuda":
         return
     reference = spec.build(model_args)
     torch.manual_seed(seed)
-    reference.init_weights()
+    reference.init_weights()  # type: ignore[operator]
     full = reference.state_dict()
     for part in parts:
         copy_full_state(part, full)

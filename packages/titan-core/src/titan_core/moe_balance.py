@@ -14,12 +14,17 @@ The bias only changes which experts are chosen, never the weights of their outpu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan
+
+if TYPE_CHECKING:
+    from titan_models.moe import MoE
 
 
 class ExpertLoadBalancer:
@@ -43,13 +48,13 @@ class ExpertLoadBalancer:
     ):
         self.group = group
         self.pp_group = pp_group if plan.moe is not None else None  # a dense model gathers nothing
-        self.layers: list[tuple[str, nn.Module]] = []  # (block name, MoE module), in forward order
+        self.layers: list[tuple[str, MoE]] = []  # (block name, MoE module), in forward order
         for part in parts if plan.moe is not None else ():
             container = get_submodule_or_none(part, plan.blocks)
             for name, block in container.named_children() if container is not None else ():
-                moe = get_submodule_or_none(block, plan.moe)
+                moe = get_submodule_or_none(block, plan.moe or "")
                 if moe is not None:
-                    self.layers.append((name, moe))
+                    self.layers.append((name, cast("MoE", moe)))
         self.last_counts: torch.Tensor | None = None  # (layers, experts) global counts of the last step
 
     @torch.no_grad()
@@ -65,7 +70,7 @@ class ExpertLoadBalancer:
         counts = torch.stack([moe.tokens_per_expert for _, moe in self.layers])  # (layers, experts)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(counts, group=self.group)
-        for (_, moe), load in zip(self.layers, counts):
+        for (_, moe), load in zip(self.layers, counts, strict=True):
             coeff = moe.args.load_balance_coeff
             if coeff is not None:
                 delta = coeff * torch.sign(load.mean() - load)
@@ -89,7 +94,10 @@ class ExpertLoadBalancer:
         """
         counts: dict[str, list[int]] = {}
         if self.last_counts is not None:
-            counts = {name: [int(c) for c in row] for (name, _), row in zip(self.layers, self.last_counts.tolist())}
+            counts = {
+                name: [int(c) for c in row]
+                for (name, _), row in zip(self.layers, self.last_counts.tolist(), strict=True)
+            }
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             stages: list[dict[str, list[int]]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
             dist.all_gather_object(stages, counts, group=self.pp_group)
@@ -97,11 +105,13 @@ class ExpertLoadBalancer:
         if not counts:
             return {}
         counts = dict(sorted(counts.items(), key=lambda item: int(item[0]) if item[0].isdigit() else item[0]))
-        values: dict[str, object] = {}
+        loads: dict[str, float] = {}
         for name, row in counts.items():
             mean = max(sum(row) / len(row), 1e-9)
-            values[f"moe/layer{name}/max_load"] = max(row) / mean
-            values[f"moe/layer{name}/min_load"] = min(row) / mean
-        values["moe/max_load"] = max(v for k, v in values.items() if k.endswith("/max_load"))
-        values["moe/tokens_per_expert"] = counts
-        return values
+            loads[f"moe/layer{name}/max_load"] = max(row) / mean
+            loads[f"moe/layer{name}/min_load"] = min(row) / mean
+        return {
+            **loads,
+            "moe/max_load": max(v for k, v in loads.items() if k.endswith("/max_load")),
+            "moe/tokens_per_expert": counts,
+        }

@@ -1,6 +1,8 @@
 """`build_optimizer`: Adam or AdamW with the chosen step kernel.
 
-The trainer maps the `optimizer.*` config keys onto the plain arguments here.
+The `optimizer.*` config keys become one `OptimizerOptions` when the job is
+resolved (`titan_core.job`); `build_optimizer` takes it, or the same plain
+keyword arguments.
 Weight decay applies to every parameter, norms and biases included, as in
 torchtitan: one parameter group keeps the optimizer state simple to shard and
 to checkpoint.
@@ -8,16 +10,17 @@ to checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from titan_core.config.errors import ConfigError
 
-__all__ = ["build_optimizer", "OPTIMIZERS", "IMPLEMENTATIONS"]
+__all__ = ["build_optimizer", "OptimizerOptions", "OPTIMIZERS", "IMPLEMENTATIONS"]
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "AdamW": torch.optim.AdamW,
     "Adam": torch.optim.Adam,
 }
@@ -61,11 +64,33 @@ def _check_fused_supported(params: list[Any], device_type: str) -> None:
             )
 
 
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """What `build_optimizer` builds: the optimizer, its hyperparameters and its step kernel.
+
+    Args:
+        lr: peak learning rate; the LR scheduler scales it.
+        name: "AdamW" or "Adam" (config key `optimizer.name`).
+        betas: Adam's (beta1, beta2) moment decays.
+        eps: added to the denominator.
+        weight_decay: decay coefficient.
+        implementation: "for-loop", "foreach" or "fused" (see `build_optimizer`).
+    """
+
+    lr: float
+    name: str = "AdamW"
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "foreach"
+
+
 def build_optimizer(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    options: OptimizerOptions | None = None,
     *,
     name: str = "AdamW",
-    lr: float,
+    lr: float | None = None,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     weight_decay: float = 0.1,
@@ -81,6 +106,8 @@ def build_optimizer(
     Args:
         params: parameters (or param-group dicts) to optimize, e.g. `model.parameters()`;
             FSDP2's DTensor parameters work with every implementation.
+        options: every setting below but `device_type`, as one value; pass either it or the
+            keywords (`lr` at least), not both.
         name: "AdamW" or "Adam" (config key `optimizer.name`).
         lr: peak learning rate; the LR scheduler scales it.
         betas: Adam's (beta1, beta2) moment decays.
@@ -97,7 +124,16 @@ def build_optimizer(
     Raises:
         ConfigError: an unknown name or implementation, or "fused" on an
             unsupported device type or dtype.
+        TypeError: neither `options` nor `lr`, or `options` with setting keywords.
     """
+    keywords = OptimizerOptions(0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation)
+    if options is None:
+        if lr is None:
+            raise TypeError("build_optimizer needs lr, or options=OptimizerOptions(lr=...)")
+        options = keywords
+    elif lr is not None or keywords != OptimizerOptions(0.0):
+        raise TypeError("build_optimizer takes options= or the setting keywords, not both")
+    name, implementation = options.name, options.implementation
     if name not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name: unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     if implementation not in IMPLEMENTATIONS:
@@ -105,19 +141,19 @@ def build_optimizer(
             f"optimizer.implementation: unknown implementation {implementation!r}; "
             f"choose one of {', '.join(IMPLEMENTATIONS)}"
         )
-    params = list(params)
+    param_list: list[Any] = list(params)
     if implementation == "fused":
-        _check_fused_supported(params, device_type)
+        _check_fused_supported(param_list, device_type)
     kernel = {
         "for-loop": {"foreach": False, "fused": False},
         "foreach": {"foreach": True, "fused": False},
         "fused": {"foreach": False, "fused": True},
     }[implementation]
     return OPTIMIZERS[name](
-        params,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
+        param_list,
+        lr=options.lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
         **kernel,
     )

@@ -52,6 +52,7 @@ class Profiler:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     def _save_trace(self, prof) -> None:
+        assert self.folder is not None  # the trace profiler exists only with a folder
         out = self.folder / f"iteration_{self._step}"
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out / f"rank{self.rank}_trace.json"))

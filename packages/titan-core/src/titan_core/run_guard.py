@@ -37,10 +37,11 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
 from titan_ckpt import CheckpointManager
 from titan_ckpt.step_folders import list_complete_steps
 
@@ -113,7 +114,7 @@ class RunGuard:
         self.stop_requested = False  # some rank got a stop signal (agreed at the last poll)
         self._status = torch.zeros(9, device=device)  # see the slots above; float32 holds step numbers < 2**24
         self._status[_LOSS] = float("nan")
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal -> the handler it had
 
     def __enter__(self) -> RunGuard:
         if threading.current_thread() is threading.main_thread():
@@ -154,11 +155,17 @@ class RunGuard:
         s[_IN_A_ROW] = (s[_IN_A_ROW] + 1) * bad
         s[_MAX_IN_A_ROW] = torch.maximum(s[_MAX_IN_A_ROW], s[_IN_A_ROW])
         s[_STOP] = torch.maximum(s[_STOP], flags[2])
-        mine = torch.stack([
-            torch.full((), float(step), device=self.device), flags[0], flags[1],
-            loss.detach().float().reshape(()) if loss is not None else torch.full((), float("nan"), device=self.device),
-            grad_norm.detach().float().reshape(()).to(self.device),
-        ])
+        mine = torch.stack(
+            [
+                torch.full((), float(step), device=self.device),
+                flags[0],
+                flags[1],
+                loss.detach().float().reshape(())
+                if loss is not None
+                else torch.full((), float("nan"), device=self.device),
+                grad_norm.detach().float().reshape(()).to(self.device),
+            ]
+        )
         s[_FIRST_STEP:] = torch.where(first.bool(), mine, s[_FIRST_STEP:])
         return bad
 
@@ -227,7 +234,8 @@ class NonFinitePolicy:
         if self.in_a_row > self.max_in_a_row:
             raise NonFiniteError(
                 f"{what}, {self.in_a_row} steps in a row (training.max_nonfinite_in_a_row={self.max_in_a_row}): "
-                f"stopped{self._checkpoint_note()}; the run diverged: lower optimizer.lr or raise lr_scheduler.warmup_steps"
+                f"stopped{self._checkpoint_note()}; the run diverged: "
+                "lower optimizer.lr or raise lr_scheduler.warmup_steps"
             )
         if self.policy == "skip_step":
             self.skipped += report.dropped

@@ -42,21 +42,22 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_grad_norm_
 from titan_parallel.precision import mixed_precision_context
 
 if TYPE_CHECKING:
-    from titan_parallel import ParallelMesh
-
     from titan_core.model_setup import ModelParts
     from titan_core.moe_balance import ExpertLoadBalancer
     from titan_core.run_guard import RunGuard
+    from titan_models.moe import MoE
+    from titan_parallel import ParallelMesh
 
 __all__ = ["Batch", "StepLoss", "StepResult", "StepRunner", "cross_entropy_loss"]
 
@@ -88,7 +89,7 @@ class StepLoss:
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], divisor: int = 1):
         self.fn = fn
         self.divisor = divisor
-        self.aux_layers: list[torch.nn.Module] = []  # MoE layers whose auxiliary loss follows the divisor
+        self.aux_layers: list[MoE] = []  # MoE layers whose auxiliary loss follows the divisor
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.fn(logits, labels) / self.divisor
@@ -139,7 +140,6 @@ class StepRunner:
         mesh: the parallel mesh (the `cp` and `pp` meshes are used).
         device: where the step computes.
         param_dtype: the compute dtype.
-        fsdp: whether the parts are FSDP-wrapped (then FSDP casts; else autocast does, see module doc).
         loss_parallel: under TP, the loss runs on vocab-sharded logits (`loss_parallel()`).
         accum_steps: micro-batches per step.
         max_norm: gradient clipping norm (<= 0: measure only).
@@ -157,7 +157,6 @@ class StepRunner:
         mesh: ParallelMesh,
         device: torch.device,
         param_dtype: torch.dtype,
-        fsdp: bool,
         loss_parallel: bool,
         accum_steps: int,
         max_norm: float,
@@ -166,12 +165,23 @@ class StepRunner:
     ):
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
-        self.param_dtype, self.fsdp = param_dtype, fsdp
+        self.param_dtype, self.fsdp = param_dtype, model.fsdp  # FSDP casts to the compute dtype, else autocast
         self.loss_parallel = loss_parallel and mesh["tp"].size() > 1
         self.cp_mesh = mesh["cp"] if mesh["cp"].size() > 1 else None  # sliced once: slicing reads the mesh
         self.pp_mesh = mesh["pp"] if mesh["pp"].size() > 1 else None
         self.accum_steps, self.max_norm = accum_steps, max_norm
         self.balancer, self.after_step = balancer, after_step
+        # Torch's pipeline schedule over this rank's stages, or without pipeline parallel a one-stage schedule
+        # with the same interface (`step`, `eval`; stages with `is_first` / `is_last`).
+        self.schedule: Any
+        self.stages: list[Any]
+        if model.schedule is not None:
+            self.schedule, self.stages = model.schedule, list(model.stages or [])
+            if not hasattr(self.schedule, "eval"):
+                setattr(self.schedule, "eval", _no_pipeline_eval)  # noqa: B010  # an older torch
+        else:
+            self.schedule = OneStageSchedule(model.parts[0], loss)
+            self.stages = [self.schedule]
         if balancer is not None:
             loss.aux_layers = [moe for _, moe in balancer.layers]
         self.train_divisor = accum_steps * model.n_microbatches
@@ -199,36 +209,19 @@ class StepRunner:
         return inputs, labels
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, backward: bool) -> torch.Tensor | None:
-        """One micro-batch through the model: the sum of its (divided) losses, None off the last stage."""
+        """One micro-batch through the schedule: the sum of its (divided) losses, None off the last stage."""
+        schedule, stages = self.schedule, self.stages
+        losses: list[torch.Tensor] | None = [] if any(stage.is_last for stage in stages) else None
+        args = (inputs,) if any(stage.is_first for stage in stages) else ()
+        target = labels if losses is not None else None
         with self.forward_context():
-            if self.model.schedule is not None:
-                loss = self._pipeline(inputs, labels, backward=backward)
-            else:  # no pipeline: a one-stage schedule
-                loss = self.loss(self.model.parts[0](inputs), labels)
-                if backward:
-                    loss.backward()
-        if isinstance(loss, DTensor):  # a replicated scalar under loss parallel
-            loss = loss.full_tensor()
-        return loss.detach() if loss is not None else None
-
-    def _pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, backward: bool) -> torch.Tensor | None:
-        stages, schedule = self.model.stages or [], self.model.schedule
-        has_first = any(stage.is_first for stage in stages)
-        has_last = any(stage.is_last for stage in stages)
-        losses: list[torch.Tensor] | None = [] if has_last else None
-        args = (inputs,) if has_first else ()
-        target = labels if has_last else None
-        if backward:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        else:
-            if not hasattr(schedule, "eval"):
-                raise RuntimeError(
-                    f"validation under pipeline parallel needs a torch whose pipeline schedules have eval() "
-                    f"(this is {torch.__version__}); set validation.enable = false or upgrade torch"
-                )
-            schedule.eval(*args, target=target, losses=losses)
+            if backward:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target, losses=losses)
         if losses is None:
             return None
+        losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
         return torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
 
     def step(self, batches: Sequence[Batch], guard: RunGuard | None = None, *, step: int = 0) -> StepResult:
@@ -281,6 +274,37 @@ class StepRunner:
         """
         with self.loss.divided_by(self.model.n_microbatches):
             return self._forward_backward(*self.place(inputs, labels), backward=False)
+
+
+class OneStageSchedule:
+    """The whole model as a one-stage pipeline schedule: `step` runs forward, loss and backward of one
+    micro-batch, `eval` forward and loss, with the interface of torch's pipeline schedules, so the
+    runner has one code path with and without pipeline parallel.
+
+    Args:
+        module: the model (this rank's only part).
+        loss_fn: `(logits, labels) -> loss` to backpropagate (`StepLoss`).
+    """
+
+    is_first = is_last = True  # it is its own (only) stage
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.module, self.loss_fn = module, loss_fn
+
+    def step(self, inputs: torch.Tensor, *, target: torch.Tensor, losses: list[torch.Tensor], **_: object) -> None:
+        loss = self.loss_fn(self.module(inputs), target)
+        loss.backward()
+        losses.append(loss)
+
+    def eval(self, inputs: torch.Tensor, *, target: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        losses.append(self.loss_fn(self.module(inputs), target))
+
+
+def _no_pipeline_eval(*args: object, **kwargs: object) -> None:
+    raise RuntimeError(
+        f"validation under pipeline parallel needs a torch whose pipeline schedules have eval() "
+        f"(this is {torch.__version__}); set validation.enable = false or upgrade torch"
+    )
 
 
 def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:

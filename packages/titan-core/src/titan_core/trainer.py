@@ -15,19 +15,16 @@ import dataclasses
 import logging
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from titan_ckpt.dtypes import parse_dtype
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
-from titan_core.converters import build_converters
 from titan_core.data import build_loader, build_tokenizer, loader_factory
-from titan_core.job_check import check_job, pipeline_config
+from titan_core.job import resolve
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
@@ -39,10 +36,8 @@ from titan_core.profiling import Profiler
 from titan_core.run_guard import NonFinitePolicy, RunGuard
 from titan_core.step import Batch, StepLoss, StepResult, StepRunner, cross_entropy_loss
 from titan_core.validation import Validator
-from titan_parallel import ParallelOptions, uses_fsdp
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
-from titan_parallel.precision import resolve_param_dtype
 
 logger = logging.getLogger("titan")
 
@@ -87,8 +82,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: JobConfig, *, tensor_context: contextlib.AbstractContextManager | None = None):
-        self.cfg = cfg
-        t, p = cfg.training, cfg.parallelism
+        t = cfg.training
         self.device = resolve_device(t.device)
         self.rank, self.world_size = init_distributed(
             self.device,
@@ -97,10 +91,13 @@ class Trainer:
             trace_folder=Path(cfg.job.dump_folder) / "comm_traces",
         )
         self.tokenizer = build_tokenizer(cfg.model.hf_assets_path)
-        # Every rule of a valid job, checked again here for `torchrun -m titan_core.launch` users.
-        job = check_job(cfg, self.world_size, tokenizer_vocab_size=self.tokenizer.vocab_size)
-        self.dims, self.spec, self.model_args = job.dims, job.spec, job.model_args
+        # Every rule of a valid job, once more in this rank (for `torchrun -m titan_core.launch` users); from here
+        # on everything is built from the frozen job alone.
+        job = self.job = resolve(cfg, self.world_size, tokenizer_vocab_size=self.tokenizer.vocab_size)
+        assert job.dims is not None and job.global_batch is not None and job.accum_steps is not None  # world size known
+        self.cfg, self.dims, self.spec, self.model_args = job.cfg, job.dims, job.spec, job.model_args
         self.global_batch, self.accum_steps = job.global_batch, job.accum_steps  # micro-batches per step
+        self.options = job.parallel
         self.mesh = self.dims.build_mesh(self.device.type)
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         # Everything below allocates tensors: a caller's context (e.g. the traced memory estimate's
@@ -126,26 +123,10 @@ class Trainer:
                 )
             self.n_params = self.spec.count_params(self.model_args)
             self.n_active_params = self.spec.active_params(self.model_args)
-            with warnings.catch_warnings():
-                if self.rank != 0:  # the slow-bf16 warning is said once, by rank 0
-                    warnings.simplefilter("ignore", UserWarning)
-                param_dtype, dtype_reason = resolve_param_dtype(t.mixed_precision_param, self.device)
             if self.rank == 0:
-                logger.info("compute dtype %s", dtype_reason)
-            self.options = ParallelOptions(
-                param_dtype=param_dtype,
-                reduce_dtype=parse_dtype(t.mixed_precision_reduce),
-                reshard_after_forward=p.fsdp_reshard_after_forward,
-                cpu_offload=t.enable_cpu_offload,
-                dp_mode=p.dp_mode,
-                loss_parallel=not p.disable_loss_parallel,
-                async_tp=p.enable_async_tensor_parallel,
-                cp_rotate_method=p.context_parallel_rotate_method,
-                ac_mode=cfg.activation_checkpoint.mode,
-                ac_selective_option=cfg.activation_checkpoint.selective_ac_option,
-                compile=cfg.compile.enable and "model" in cfg.compile.components,
-                pipeline_parallel=self.dims.pp > 1,
-            )
+                logger.info("compute dtype %s", job.dtype_reason)
+                if job.dtype_warning:
+                    logger.warning("%s", job.dtype_warning)
             loss_fn = cross_entropy_loss
             if cfg.compile.enable and "loss" in cfg.compile.components:
                 if self.dims.tp > 1 and self.options.loss_parallel:
@@ -156,32 +137,11 @@ class Trainer:
                 else:
                     loss_fn = torch.compile(cross_entropy_loss)
             self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
-            self.model = build_model_parts(
-                self.spec,
-                self.model_args,
-                self.mesh,
-                self.dims,
-                self.options,
-                self.device,
-                self.seed,
-                pipeline=pipeline_config(cfg),
-                local_batch_size=t.local_batch_size,
-                loss_fn=self.loss,
-                converters=build_converters(cfg, self.device.type),  # [float8] / [mx]: swapped in on the meta model
-            )
+            self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
             # One optimizer and LR schedule per model part (pipeline stage), so that
             # checkpoints key optimizer state by the full model's parameter names.
             self.optimizers = [
-                build_optimizer(
-                    part.parameters(),
-                    name=cfg.optimizer.name,
-                    lr=cfg.optimizer.lr,
-                    betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
-                    eps=cfg.optimizer.eps,
-                    weight_decay=cfg.optimizer.weight_decay,
-                    implementation=cfg.optimizer.implementation,
-                    device_type=self.device.type,
-                )
+                build_optimizer(part.parameters(), job.optimizer, device_type=self.device.type)
                 for part in self.model.parts
             ]
             self.lr_schedulers = [
@@ -196,10 +156,10 @@ class Trainer:
                 for optimizer in self.optimizers
             ]
             self.state = TrainState()
-            # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG (titan_core.checkpointing)
+            # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
+            # (titan_core.checkpointing)
             self.checkpointer = build_checkpointer(
-                cfg.checkpoint,
-                run_folder=self.run_folder,
+                job.checkpoint,
                 model_parts=self.model.parts,
                 optimizers=self.optimizers,
                 lr_schedulers=self.lr_schedulers,
@@ -223,8 +183,7 @@ class Trainer:
                 self.loss,
                 mesh=self.mesh,
                 device=self.device,
-                param_dtype=param_dtype,
-                fsdp=uses_fsdp(self.mesh, self.options),  # FSDP casts to the compute dtype, else autocast does
+                param_dtype=self.options.param_dtype,
                 loss_parallel=self.options.loss_parallel,
                 accum_steps=self.accum_steps,
                 max_norm=t.max_norm,
@@ -277,7 +236,8 @@ class Trainer:
 
     def _float8_after_step(self):
         """[float8] after each optimizer step: every float8-gathered weight's scale in one all-reduce."""
-        if not ("float8" in self.cfg.model.converters and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp):
+        float8 = self.job.converters.float8
+        if float8 is None or not float8.precompute_float8_dynamic_scale_for_fsdp:
             return None
         from titan_parallel.float8 import precompute_float8_scales
 
@@ -304,6 +264,21 @@ class Trainer:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
 
+    def _step_values(self, result: StepResult, data_wait_s: float, meter: ThroughputMeter) -> dict[str, object]:
+        """A log step's figures: the only place the loop reads device values (after the step is queued)."""
+        avg, mx = self._reduce_loss(result.loss)
+        return {
+            "loss/global_avg": avg,
+            "loss/global_max": mx,
+            "optim/grad_norm": result.grad_norm.item(),
+            "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
+            **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
+            "time/data_wait_ms": 1000 * data_wait_s,
+            **self.balancer.metrics(),
+            **meter.read(),
+            **memory_stats(self.device),
+        }
+
     def _save_and_stop(self, signal_name: str | None) -> None:
         """A stop signal reached some rank: save this step's full state, so that the next start resumes."""
         self.stopped_by = signal_name or "a stop signal sent to another rank"
@@ -311,7 +286,8 @@ class Trainer:
         self.checkpointer.save(self.state.step, force=True)  # [checkpoint] skipped if this step is already saved
         self.checkpointer.wait()
         if self.rank == 0:
-            saved = f"checkpoint step-{self.state.step} saved ({time.perf_counter() - started:.1f} s); start the same command again to resume"
+            took = time.perf_counter() - started
+            saved = f"checkpoint step-{self.state.step} saved ({took:.1f} s); start the same command again to resume"
             logger.info(
                 "stopped by %s after step %d: %s",
                 self.stopped_by,
@@ -358,7 +334,8 @@ class Trainer:
         if self.rank == 0:
             active = f", {self.n_active_params / 1e6:.1f}M active" if self.n_active_params != self.n_params else ""
             logger.info(
-                "%s | model %s/%s (%.1fM params%s) | %d processes (%s) | global batch %d x %d tokens, %d micro-batch(es) | %s",
+                "%s | model %s/%s (%.1fM params%s) | %d processes (%s) | global batch %d x %d tokens, "
+                "%d micro-batch(es) | %s",
                 cfg.job.description,
                 cfg.model.name,
                 cfg.model.flavor,
@@ -418,28 +395,15 @@ class Trainer:
                     self.checkpointer.save(step, last_step=step == t.steps)  # [checkpoint]
                     if profiler is not None:
                         profiler.step(step)
+                    if log_step or guard.stop_requested:
+                        values = self._step_values(result, data_wait_s / steps_since_log, meter)
+                        data_wait_s, steps_since_log = 0.0, 0
+                        losses.append(float(values["loss/global_avg"]))  # type: ignore[arg-type]  # a float
+                        metrics.log(step, values)
                     if validator is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                        val_loss = validator.validate()
+                        metrics.log(step, {"validation/loss": validator.validate()})
                         self.balancer.reset()  # validation's routing is not training load
-                        metrics.log(step, {"validation/loss": val_loss})
                         meter.reset()  # validation time is not training throughput
-                    if not log_step and not guard.stop_requested:
-                        continue
-                    avg, mx = self._reduce_loss(result.loss)
-                    values = {
-                        "loss/global_avg": avg,
-                        "loss/global_max": mx,
-                        "optim/grad_norm": result.grad_norm.item(),
-                        "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
-                        **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
-                        "time/data_wait_ms": 1000 * data_wait_s / steps_since_log,
-                        **self.balancer.metrics(),
-                        **meter.read(),
-                        **memory_stats(self.device),
-                    }
-                    data_wait_s, steps_since_log = 0.0, 0
-                    losses.append(avg)
-                    metrics.log(self.state.step, values)
                 if guard.stop_requested and self.state.step < t.steps:
                     self._save_and_stop(guard.signal_received)
             except RuntimeError as error:  # a collective timed out or lost a peer: raise naming the rank at fault

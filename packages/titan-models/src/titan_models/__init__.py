@@ -23,7 +23,17 @@ _EXPORTS: dict[str, str] = {
     "ModelConfigError": "errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ActivationBytes",
+    "ActivationLayout",
+    "HFAdapter",
+    "ModelConfigError",
+    "ModelSpec",
+    "get_model_args",
+    "get_model_spec",
+    "register_model_spec",
+    "registered_model_specs",
+]
 
 if TYPE_CHECKING:
     from titan_models.errors import ModelConfigError

@@ -2,4 +2,7 @@
 
 
 class ModelConfigError(ValueError):
-    """A model config that cannot work, in one line naming the key (`model.flavor`) or file (`config.json`) and the fix."""
+    """A model config that cannot work.
+
+    One line naming the key (`model.flavor`) or file (`config.json`) and the fix.
+    """

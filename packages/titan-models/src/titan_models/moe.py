@@ -109,7 +109,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     if grouped_mm_supported(x, weight):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    pieces = [rows @ w.T for rows, w in zip(x.split(counts.tolist()), weight)]  # each (count_e, out)
+    pieces = [rows @ w.T for rows, w in zip(x.split(counts.tolist()), weight, strict=True)]  # each (count_e, out)
     return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
 
 
@@ -227,9 +227,14 @@ class MoE(nn.Module):
     Buffers: `expert_bias` `(experts,)` (persistent: checkpoints keep it) and
     `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
     last read it (not persistent). `aux_loss_scale` multiplies the auxiliary loss's gradient: the
-    trainer sets it to one over what it divides the language-model loss by (gradient-accumulation
-    steps x pipeline microbatches).
+    trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
+    loss by (gradient-accumulation steps x pipeline microbatches). The auxiliary loss enters the backward
+    here, inside the block, rather than being returned: under FSDP the router's weights are gathered
+    only while the block's own backward runs.
     """
+
+    expert_bias: torch.Tensor
+    tokens_per_expert: torch.Tensor
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -239,7 +244,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.num_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-        self.aux_loss_scale = 1.0
+        self.aux_loss_scale: float = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args:

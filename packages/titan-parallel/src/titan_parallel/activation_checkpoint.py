@@ -10,12 +10,14 @@ Modes (`apply_ac`'s `ac_mode`, checked by `titan_parallel.layout.check_ac`):
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 from titan_parallel.layout import check_ac
 from titan_parallel.modules import get_submodule_or_none
@@ -47,11 +49,14 @@ _SAVE_OPS = _ops(
 )
 
 
-def _op_policy():
-    def make_contexts():
+_Contexts = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
+
+
+def _op_policy() -> Callable[[], _Contexts]:
+    def make_contexts() -> _Contexts:
         counts: dict[str, int] = defaultdict(int)
 
-        def policy(ctx, func, *args, **kwargs):
+        def policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             mode = "recompute" if ctx.is_recompute else "forward"
             if func == torch.ops.aten.mm.default:
                 counts[f"{mode}_mm"] += 1

@@ -93,11 +93,17 @@ class CommWatch:
         self.grace_s, self.poll_s = grace_s, poll_s
         self._first_step_done = self._failed = False
         set_collective_timeout(init_timeout_s)
-        self.store = dist.group.WORLD.get_group_store() if world_size > 1 else None
+        self.store: dist.Store | None = None
+        if world_size > 1:
+            world = dist.group.WORLD
+            assert world is not None  # the default process group is initialised
+            self.store = world.get_group_store()
         self._stop = threading.Event()
         self._answerer = None
         if self.store is not None:
-            self._answerer = threading.Thread(target=self._answer_dump_request, name="titan-comm-watch", daemon=True)
+            self._answerer = threading.Thread(
+                target=self._answer_dump_request, args=(self.store,), name="titan-comm-watch", daemon=True
+            )
             self._answerer.start()
 
     def step_done(self, step: int) -> None:
@@ -118,11 +124,12 @@ class CommWatch:
 
         Any other error returns, for the caller to re-raise.
         """
-        if self.store is None or not is_collective_failure(error):
+        store = self.store
+        if store is None or not is_collective_failure(error):
             return
         self._failed = True
         try:
-            report = self._report(error, step)
+            report = self._report(store, error, step)
         except Exception as store_error:  # the store went down with the job: say what is known
             report = f"{self._what(error)} in step {step} ({DOCS}); the job's store did not answer: {store_error}"
         raise CollectiveError(report) from error
@@ -138,9 +145,10 @@ class CommWatch:
             return "a collective lost its connection to a peer (a rank died?)"
         return f"a collective timed out after {self.timeout_s:g} s"
 
-    def _report(self, error: BaseException, step: int) -> str:
-        store, failed_key = self.store, f"{_PREFIX}/failed"
-        store.append(failed_key, f"{self.rank},")  # one key for all: one read per poll, whatever the world size
+    def _report(self, store: dist.Store, error: BaseException, step: int) -> str:
+        failed_key = f"{_PREFIX}/failed"
+        # one key for all: one read per poll, whatever the world size (torch's stub lacks `Store.append`)
+        store.append(failed_key, f"{self.rank},")  # type: ignore[attr-defined]
         store.set(f"{_PREFIX}/dump", str(self.rank))  # every rank's answerer dumps its stack
         deadline = time.monotonic() + self._grace_s()
         while True:  # the others waiting in the same collective fail about now too
@@ -156,14 +164,14 @@ class CommWatch:
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL) or the network failed"
             )
         for r in waited_for[:8]:
-            lines.append(f"rank {r} is stuck or dead: {self._last_seen(r)}")
+            lines.append(f"rank {r} is stuck or dead: {self._last_seen(store, r)}")
         if len(waited_for) > 8:
             lines.append(f"... and {len(waited_for) - 8} more ranks: {waited_for[8:]}")
         lines.append(f"Python stacks: {self.stack_folder}; {DOCS}")
         return "\n  ".join(lines)
 
-    def _last_seen(self, rank: int) -> str:
-        store, key = self.store, f"{_PREFIX}/step/{rank}"
+    def _last_seen(self, store: dist.Store, rank: int) -> str:
+        key = f"{_PREFIX}/step/{rank}"
         if store.check([key]):
             step, when = store.get(key).decode().split()
             seen = f"it finished step {step} {time.time() - float(when):.1f} s ago"
@@ -173,22 +181,22 @@ class CommWatch:
             return f"{seen}; it is alive, its stack is in {store.get(f'{_PREFIX}/stack/{rank}').decode()}"
         return f"{seen}; it did not answer (dead, or stuck holding the GIL)"
 
-    def _answer_dump_request(self) -> None:
+    def _answer_dump_request(self, store: dist.Store) -> None:
         """Thread: when a rank asks (a collective failed), dump this rank's stack and gloo trace, once;
         then leave unless this rank failed too (it raises) or finished."""
         key = f"{_PREFIX}/dump"
         while not self._stop.wait(self.poll_s):
             try:
-                if not self.store.check([key]):
+                if not store.check([key]):
                     continue
-                failed_rank = self.store.get(key).decode()
+                failed_rank = store.get(key).decode()
                 self.stack_folder.mkdir(parents=True, exist_ok=True)
                 path = self.stack_folder / f"rank_{self.rank}.txt"
                 with open(path, "w") as f:
                     faulthandler.dump_traceback(f, all_threads=True)
                 if self.gloo_trace:
                     dump_gloo_trace(self.rank)
-                self.store.set(f"{_PREFIX}/stack/{self.rank}", str(path))
+                store.set(f"{_PREFIX}/stack/{self.rank}", str(path))
             except Exception:  # the store or the folder is gone: the job is ending anyway
                 failed_rank = "?"
             if self._stop.wait(self._grace_s() + 5.0) or self._failed:

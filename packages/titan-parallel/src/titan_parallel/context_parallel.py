@@ -114,7 +114,8 @@ def apply_cp(
         parent = get_submodule_or_none(block, parent_path) if parent_path else block
         if parent is None or not isinstance(getattr(parent, name, None), nn.Module):
             raise ValueError(
-                f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; fix the model's plan"
+                f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; "
+                "fix the model's plan"
             )
         core = getattr(parent, name)
         setattr(parent, name, RingAttention(group, cp_rotate_method, scale=getattr(core, "scale", None)))

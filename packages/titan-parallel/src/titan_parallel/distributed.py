@@ -65,8 +65,8 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()

@@ -66,7 +66,7 @@ def check_ep(model: nn.Module, plan: ModelPlan, ep: int) -> None:
             arguments=("ep",),
         )
     for moe in layers:
-        experts = moe.experts.w1.shape[0]
+        experts = moe.get_submodule("experts").get_parameter("w1").shape[0]
         if experts % ep:
             raise ParallelConfigError(
                 f"ep={ep} does not divide the {experts} experts of each MoE layer; choose a divisor", arguments=("ep",)
@@ -139,7 +139,14 @@ def apply_ep(model: nn.Module, plan: ModelPlan, ep_mesh: DeviceMesh) -> nn.Modul
 
     for moe in moe_modules(model, plan):
         exchange = ExpertDispatch(ep_mesh)
-        distribute_module(moe.experts, ep_mesh, partition, input_fn=exchange.dispatch, output_fn=exchange.combine)
+        # torch types distribute_module's input_fn/output_fn as returning None; they return the new inputs/outputs
+        distribute_module(
+            moe.get_submodule("experts"),
+            ep_mesh,
+            partition,
+            input_fn=exchange.dispatch,
+            output_fn=exchange.combine,  # type: ignore[arg-type]
+        )
     return model
 
 

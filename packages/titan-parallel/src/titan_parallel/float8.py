@@ -32,12 +32,15 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
 
 from titan_parallel.layout import ParallelConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 logger = logging.getLogger("titan")
 
@@ -173,7 +176,8 @@ def check_float8(options: Float8Options) -> None:
         )
     if options.precompute_float8_dynamic_scale_for_fsdp and not options.enable_fsdp_float8_all_gather:
         raise ParallelConfigError(
-            "precompute_float8_dynamic_scale_for_fsdp=True needs enable_fsdp_float8_all_gather=True; set both or neither",
+            "precompute_float8_dynamic_scale_for_fsdp=True needs enable_fsdp_float8_all_gather=True; "
+            "set both or neither",
             arguments=("precompute_float8_dynamic_scale_for_fsdp", "enable_fsdp_float8_all_gather"),
         )
     if not options.emulate and needs_emulation(torch.device("cuda")):
@@ -267,11 +271,15 @@ def is_tensorwise_float8(module: nn.Module) -> bool:
     )
 
 
-def float8_tp_style_classes() -> tuple[type, type, type]:
+def float8_tp_style_classes() -> tuple[type[ColwiseParallel], type[RowwiseParallel], type[PrepareModuleInput]]:
     """torchao's (colwise, rowwise, prepare-input) float8 tensor-parallel styles."""
     tp = import_torchao("torchao.float8.float8_tensor_parallel")
     _gather_float8_as_bytes_on_cpu()
     return tp.Float8ColwiseParallel, tp.Float8RowwiseParallel, tp.PrepareFloat8ModuleInput
+
+
+_CPU_BYTE_GATHERS: set[Callable] = set()
+"""The handlers `_gather_float8_as_bytes_on_cpu` installed in torchao's op table (each installed once)."""
 
 
 def _gather_float8_as_bytes_on_cpu() -> None:
@@ -292,7 +300,7 @@ def _gather_float8_as_bytes_on_cpu() -> None:
     )
     for op in funcols:
         torchao_gather = ops.FLOAT8_OPS_TABLE[op]
-        if getattr(torchao_gather, "gathers_bytes_on_cpu", False):
+        if torchao_gather in _CPU_BYTE_GATHERS:
             continue
 
         def gather(aten_op, args, kwargs=None, torchao_gather=torchao_gather):
@@ -304,7 +312,7 @@ def _gather_float8_as_bytes_on_cpu() -> None:
                 out.view(x._data.dtype), x._scale, x._orig_dtype, x._linear_mm_config, x._gemm_input_role
             )
 
-        gather.gathers_bytes_on_cpu = True
+        _CPU_BYTE_GATHERS.add(gather)
         ops.FLOAT8_OPS_TABLE[op] = gather
 
 

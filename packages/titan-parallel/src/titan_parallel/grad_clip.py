@@ -39,7 +39,7 @@ def clip_grad_norm_(
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values():
-        grads = [p.grad for p in group]
+        grads = [p.grad for p in group if p.grad is not None]  # all of them (filtered above); narrows the type
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
         # A Partial or Replicate DTensor: materialise the global value.
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)

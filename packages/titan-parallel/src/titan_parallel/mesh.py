@@ -82,7 +82,7 @@ def init_parallel_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
         device_type: "cuda" or "cpu".
     """
     if dims.ep == 1:
-        shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+        shape: tuple[int, ...] = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         flat = {name: root[names]._flatten(name) for name, names in FLATTENED.items()}
         return ParallelMesh(root, flat, dims)

@@ -39,7 +39,7 @@ import copy
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -174,7 +174,7 @@ class StageModule(NamedTuple):
         module: the pruned copy of the model the stage runs.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, as the public name has since v0.1
     module: nn.Module
 
 
@@ -214,7 +214,7 @@ def split_model(
 def _prune_to_stage(model: nn.Module, plan: ModelPlan, keep: set[str]) -> nn.Module:
     """A deep copy of `model` without the blocks and first/last modules not in `keep`."""
     stage = copy.deepcopy(model)
-    blocks = stage.get_submodule(plan.blocks)
+    blocks = cast(nn.ModuleDict, stage.get_submodule(plan.blocks))
     for key in list(blocks.keys()):
         if f"{plan.blocks}.{key}" not in keep:
             del blocks[key]
@@ -233,7 +233,8 @@ def _check_untied_across_stages(model: nn.Module, names_per_stage: list[list[str
         unit = next((u for u in stage_of if name.startswith(u + ".")), None)
         if unit is None:
             raise ValueError(
-                f"parameter '{name}' belongs to no pipeline unit; add its module to ModelPlan.pp_first or pp_last (or to the blocks)"
+                f"parameter '{name}' belongs to no pipeline unit; "
+                "add its module to ModelPlan.pp_first or pp_last (or to the blocks)"
             )
         first = owners.setdefault(id(param), (name, stage_of[unit]))
         if first[1] != stage_of[unit]:
@@ -293,7 +294,8 @@ def build_schedule(
     single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
     if single and len(stages) != 1:
         raise ValueError(
-            f"schedule '{schedule}' runs one stage per rank but this rank has {len(stages)}; split with the same schedule"
+            f"schedule '{schedule}' runs one stage per rank but this rank has {len(stages)}; "
+            "split with the same schedule"
         )
 
     def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,8 @@ def stages_per_rank(
         ]
         raise ParallelConfigError(
             f"schedule={schedule!r} runs {_STAGES_PER_RANK[kind.placement]} per rank, but {where} "
-            f"= {per_rank} per rank on pp={pp}; use {wanted} stages or a schedule running {per_rank} per rank ({', '.join(fits)})",
+            f"= {per_rank} per rank on pp={pp}; use {wanted} stages "
+            f"or a schedule running {per_rank} per rank ({', '.join(fits)})",
             arguments=("schedule", "pp", *origin_arguments),
         )
     return per_rank
@@ -224,7 +225,8 @@ def stage_module_names(
     if n_stages > units:
         raise ParallelConfigError(
             f"{n_stages} stages but only {units} units to cut (n_layers={n_layers} + first_stage_less_layers={first} "
-            f"+ last_stage_less_layers={last}); use at most {units} stages: fewer pp ranks or a larger layers_per_stage",
+            f"+ last_stage_less_layers={last}); use at most {units} stages: "
+            "fewer pp ranks or a larger layers_per_stage",
             arguments=("n_layers", "first_stage_less_layers", "last_stage_less_layers", "pp", "layers_per_stage"),
         )
     per_stage, extra = divmod(units, n_stages)

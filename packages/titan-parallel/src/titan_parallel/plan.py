@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class TPStyle(str, enum.Enum):
+class TPStyle(enum.StrEnum):
     """How one module is split by tensor parallel (with sequence parallel).
 
     Activations between blocks are sharded on the sequence dim, `Shard(1)`;
@@ -31,7 +31,8 @@ class TPStyle(str, enum.Enum):
     NORM = "norm"
     """A norm run on the sequence-sharded activation, weight replicated (sequence parallel)."""
     BLOCK_INPUT = "block_input"
-    """A sub-block (attention, feed-forward) whose first positional input is all-gathered from `Shard(1)` to `Replicate()`."""
+    """A sub-block (attention, feed-forward) whose first positional input is all-gathered
+    from `Shard(1)` to `Replicate()`."""
     OUTPUT = "output"
     """The final projection to the vocab: colwise; `Shard(-1)` logits under loss parallel, else `Replicate()`."""
     HEAD_NORM = "head_norm"

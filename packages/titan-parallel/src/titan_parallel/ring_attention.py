@@ -107,7 +107,10 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_l
 
 
 def _exchange(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list]:
-    """Start sending `send` to the next rank of the ring and receiving the previous rank's; returns (buffer, requests)."""
+    """Start sending `send` to the next rank of the ring and receiving the previous rank's.
+
+    Returns (buffer, requests).
+    """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     recv = torch.empty_like(send)
     ops = [
@@ -133,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
         own_mask = positions.unsqueeze(1) >= positions.unsqueeze(0)  # (seqlen, seqlen)
         kv = torch.stack([k, v])  # (2, bs, n_kv_heads, 1, seqlen, head_dim)
         for step in range(size):
-            requests: list = []
+            requests = []
             if step + 1 < size:
                 next_kv, requests = _exchange(kv, group)  # overlaps with this step's compute
             source = (rank - step) % size
@@ -164,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         dkv = torch.zeros_like(kv)  # gradient of the K/V now held, accumulated over the ranks it visited
         for step in range(size):
-            kv_requests: list = []
+            kv_requests = []
             if step + 1 < size:
                 next_kv, kv_requests = _exchange(kv, group)  # overlaps with this step's compute
             source = (rank - step) % size
@@ -196,8 +199,11 @@ class _RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None
 
 
-def _to_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """`(bs, heads, seqlen, head_dim)` q, k, v -> float32 `(bs, n_kv_heads, n_rep, seqlen, head_dim)` q and `(..., 1, ...)` k, v."""
+def _to_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(bs, heads, seqlen, head_dim)` q, k, v -> float32 grouped by KV head.
+
+    q becomes `(bs, n_kv_heads, n_rep, seqlen, head_dim)`, k and v `(bs, n_kv_heads, 1, seqlen, head_dim)`.
+    """
     bs, n_heads, seqlen, head_dim = q.shape
     n_kv_heads = k.size(1)
     if n_heads % n_kv_heads:

@@ -97,12 +97,13 @@ class ReplicatedParallel(ParallelStyle):
     """`TPStyle.REPLICATED`: weights `Replicate()`, inputs taken as `Replicate()`, a plain local output."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch types distribute_module's input_fn/output_fn as returning None; they return the new inputs/outputs
         return distribute_module(
             module,
             device_mesh,
             None,
-            input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),
-            output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out,
+            input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),  # type: ignore[arg-type]
+            output_fn=lambda mod, out, mesh: out.to_local() if isinstance(out, DTensor) else out,  # type: ignore[arg-type]
         )
 
 
@@ -110,11 +111,12 @@ class SumGradParallel(ParallelStyle):
     """`TPStyle.SUM_GRAD`: an identity whose output gradient, a partial sum on each TP rank, is summed over them."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch types distribute_module's input_fn/output_fn as returning None; they return the new inputs/outputs
         return distribute_module(
             module,
             device_mesh,
             None,
-            input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),
+            input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),  # type: ignore[arg-type]
             output_fn=lambda mod, out, mesh: out.to_local(grad_placements=(Partial(),)),
         )
 

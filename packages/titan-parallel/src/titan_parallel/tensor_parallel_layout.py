@@ -6,6 +6,8 @@ can check a layout on the meta model without importing `torch.distributed.tensor
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 from titan_parallel.layout import ParallelConfigError, at_least
@@ -15,7 +17,7 @@ from titan_parallel.plan import ModelPlan, TPStyle
 __all__ = ["check_tp"]
 
 
-def _model_args(model: nn.Module) -> object | None:
+def _model_args(model: nn.Module) -> Any:
     """The model's ModelArgs-like object (its `args`, `model_args` or `config` attribute), if any."""
     for name in ("args", "model_args", "config"):
         args = getattr(model, name, None)

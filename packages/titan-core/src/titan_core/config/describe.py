@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from titan_core.config.keys import split_optional, strip_annotated
+from titan_core.config.keys import section_fields, split_optional, strip_annotated
 from titan_core.config.schema import JobConfig
 from titan_core.config.toml_dump import format_toml_value
 
@@ -22,7 +22,7 @@ def config_help() -> str:
     for section_name, section_field in JobConfig.model_fields.items():
         lines.append("")
         lines.append(f"[{section_name}]  {section_field.description or ''}".rstrip())
-        for key, field in section_field.annotation.model_fields.items():
+        for key, field in section_fields(section_name).items():
             lines.append(
                 f"  --{section_name}.{key} {describe_type(field)}  (default {describe_default(field.default)})"
             )

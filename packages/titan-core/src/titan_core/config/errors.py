@@ -6,7 +6,17 @@ caller would catch for the same fault (`except ImportError`, `except FileNotFoun
 
 
 class ConfigError(ValueError):
-    """A config problem, told in one line that names the key (or file) and the fix."""
+    """A config problem, told in one line that names the key (or file) and the fix.
+
+    Args:
+        message: the line.
+        keys: the config keys the message names as the ones to change, where known (e.g. a
+            library error's arguments looked up by `titan_core.job.naming.config_error`).
+    """
+
+    def __init__(self, message: str = "", *, keys: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys: tuple[str, ...] = tuple(keys)
 
 
 class MissingPackageError(ConfigError, ImportError):

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from titan_core.config.errors import ConfigError
-from titan_core.config.schema import JobConfig
+from titan_core.config.schema import JobConfig, Section
 
 HELP_HINT = "run `titan train --help-config` to list every key"
 
@@ -33,7 +33,18 @@ def section_fields(section: str) -> dict[str, FieldInfo]:
     Args:
         section: a section name from `list_sections()`.
     """
-    return JobConfig.model_fields[section].annotation.model_fields
+    return section_model(section).model_fields
+
+
+def section_model(section: str) -> type[Section]:
+    """The model class of one section (every field of `JobConfig` is a `Section`).
+
+    Args:
+        section: a section name from `list_sections()`.
+    """
+    model = JobConfig.model_fields[section].annotation
+    assert isinstance(model, type) and issubclass(model, Section), f"[{section}] is not a Section"
+    return model
 
 
 def suggest_key(dotted: str) -> str | None:

@@ -3,8 +3,9 @@
 The defaults ARE the built-in default run: a small Llama 3 ("debugmodel") on
 the offline Python-stdlib corpus with the byte tokenizer, on CPU, about a
 minute. The schema checks each value's type and range; the rules across keys
-(degrees, divisibility, schedules, combinations) are `titan_core.job_check`'s. Every field is documented by the string on the line below it; those
-strings are also what `titan train --help-config` prints.
+(degrees, divisibility, schedules, combinations) are `titan_core.job`'s. Every
+field is documented by the string on the line below it; those strings are also
+what `titan train --help-config` prints.
 """
 
 from typing import Annotated, Literal
@@ -75,9 +76,7 @@ class Optimizer(Section):
     weight_decay: NonNegativeFloat = 0.1
     """Decoupled (AdamW) or L2 (Adam) weight decay."""
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
-    """Kernel the optimizer step uses: 'fused' (one kernel; on CUDA and CPU) is the fastest and drops a
-    non-finite step's update on the device, so a good step never waits for the GPU; 'foreach' and 'for-loop'
-    read the run guard's verdict on the host every step."""
+    """Optimizer step kernel: 'fused' (CUDA, CPU) is fastest and drops a NaN step on the device, no host sync."""
 
 
 class LRScheduler(Section):
@@ -105,7 +104,7 @@ class Training(Section):
     local_batch_size: PositiveInt = 8
     """Sequences per micro-batch on each data-parallel rank."""
     global_batch_size: int = -1
-    """Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree, larger values accumulate gradients and must be a multiple of it."""
+    """Sequences per step, all ranks; -1 = local_batch_size x DP degree; a multiple of that accumulates gradients."""
     seq_len: PositiveInt = 256
     """Tokens per sequence."""
     max_norm: PositiveFloat = 1.0
@@ -113,7 +112,7 @@ class Training(Section):
     steps: PositiveInt = 60
     """Optimizer steps to train for."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Compute dtype of forward/backward (the master copy stays float32): 'auto' = bfloat16 on a GPU or CPU with native bf16 (AVX512-BF16/AMX), else float32."""
+    """Compute dtype (master copy fp32): 'auto' = bf16 on a GPU or CPU with native bf16 (AVX512-BF16/AMX), else fp32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter / all-reduce under FSDP."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -121,7 +120,7 @@ class Training(Section):
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state on CPU."""
     on_nonfinite: Literal["stop", "skip_step", "rollback"] = "stop"
-    """A NaN/inf loss or grad norm: 'stop' (exit naming the step; the last checkpoint stays intact), 'skip_step' (drop the update, go on), 'rollback' (reload the last checkpoint, go on with the next data)."""
+    """NaN/inf loss or grad norm: 'stop' (exit), 'skip_step' (drop the update), 'rollback' (reload ckpt, next data)."""
     max_nonfinite_in_a_row: PositiveInt = 3
     """Consecutive non-finite steps tolerated by 'skip_step' / 'rollback' before the run stops."""
     prefetch_batches: NonNegativeInt = 2
@@ -141,7 +140,7 @@ class Parallelism(Section):
     data_parallel_shard_degree: int = -1
     """FSDP shards; -1 = the rest of the world after the other degrees."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: 'default' = yes, except under pipeline parallel (kept for the micro-batches)."""
+    """Free gathered params after forward: 'default' = yes, except under pipeline parallel (kept for microbatches)."""
     dp_mode: str = "fsdp"
     """Data parallelism flavour: 'fsdp' (FSDP2 sharding, HSDP with replicas) or 'ddp' (replication)."""
     tensor_parallel_degree: Degree = 1
@@ -171,7 +170,7 @@ class Parallelism(Section):
     context_parallel_rotate_method: str = "allgather"
     """How ring attention exchanges key/value shards: 'allgather' or 'rotate'."""
     expert_parallel_degree: Degree = 1
-    """Mixture-of-Experts models: split the experts over this many ranks, carved from the FSDP x context-parallel ranks (adds no processes)."""
+    """MoE: split the experts over this many ranks, carved from the FSDP x CP ranks (adds no processes)."""
 
     @field_validator("data_parallel_shard_degree")
     @classmethod
@@ -244,17 +243,17 @@ class Float8(Section):
     """Float8 linears through torchao (when model.converters has 'float8')."""
 
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """Scaling: 'tensorwise' (fastest; float8 all-gathers), 'rowwise' (more accurate), 'rowwise_with_gw_hp' (rowwise, weight gradients in high precision)."""
+    """Scaling: 'tensorwise' (fastest; fp8 all-gather), 'rowwise' (more accurate), 'rowwise_with_gw_hp' (+ hp wgrad)."""
     enable_fsdp_float8_all_gather: bool = False
-    """FSDP all-gathers weights in float8 (half bf16's traffic); tensorwise only, and only when FSDP shards over 2+ ranks."""
+    """FSDP all-gathers weights in float8 (half bf16's traffic); tensorwise only, and only with FSDP over 2+ ranks."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
     """Compute every weight's float8 scale in one all-reduce after the optimizer step (with the float8 all-gather)."""
     filter_fqns: list[str] = ["output"]
     """Linears whose name contains any of these stay in high precision (the output projection by default)."""
     auto_filter_small_kn: bool = True
-    """Also leave linears whose GEMM is too small to gain from float8 (torchao's H100 thresholds); false converts every linear with dims divisible by 16."""
+    """Skip linears too small to gain from float8 (torchao's H100 limits); false: all with dims divisible by 16."""
     emulate: Literal["auto"] | bool = "auto"
-    """Emulate the float8 matmuls in fp32: 'auto' = unless on a CUDA GPU of compute capability 8.9+ (H100, L4); true works anywhere (for tests)."""
+    """Emulate float8 matmuls in fp32: 'auto' = unless on a CUDA GPU of capability 8.9+ (H100, L4); true = anywhere."""
 
 
 class MX(Section):

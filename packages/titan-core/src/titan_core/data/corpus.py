@@ -126,7 +126,7 @@ def list_stdlib_files(root: Path) -> list[Path]:
     Args:
         root: the stdlib folder.
     """
-    files = []
+    files: list[Path] = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [name for name in subfolders if name not in _STDLIB_SKIP]
         files.extend(Path(folder, name) for name in names if name.endswith(".py"))

@@ -20,6 +20,7 @@ temporary folder is removed, so an output folder is either complete or absent.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -278,7 +279,7 @@ class _ShardWriter:
     def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, log: Callable[[str], None] | None):
         self.folder, self.dtype, self.shard_tokens, self.log = folder, dtype, shard_tokens, log
         self.shards: list[ShardInfo] = []
-        self.file = None
+        self.file: BinaryIO | None = None
         self.offsets: list[int] = [0]
 
     def add(self, wrapped: np.ndarray) -> None:
@@ -291,6 +292,7 @@ class _ShardWriter:
 
     def close_shard(self) -> None:
         name = f"shard-{len(self.shards):05d}"
+        assert self.file is not None  # called with a shard open
         self.file.close()
         self.file = None
         np.asarray(self.offsets, dtype=np.int64).tofile(self.folder / f"{name}.idx")
@@ -316,6 +318,7 @@ def _init_worker(tokenizer: Tokenizer, dtype: np.dtype) -> None:
 
 
 def _encode_batch(texts: list[str]) -> list[np.ndarray]:
+    assert _WORKER is not None  # set by `_init_worker` in each worker process
     return [wrap_document(text, *_WORKER) for text in texts]
 
 
@@ -355,7 +358,7 @@ def _encode_all(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype,
         texts = iter(documents)
         while True:
             while len(pending) < 2 * workers:
-                batch = [text for _, text in zip(range(_DOCS_PER_TASK), texts)]
+                batch = list(itertools.islice(texts, _DOCS_PER_TASK))
                 if not batch:
                     break
                 pending.append(pool.apply_async(_encode_batch, (batch,)))

@@ -97,17 +97,19 @@ class CachedAttention(nn.Module):
             `(bs, n_heads, n, v_head_dim)`.
         """
         state = self.cache
-        if self.keys is None:
+        keys, values = self.keys, self.values
+        if keys is None or values is None:
             bs, kv_heads = k.shape[:2]
-            self.keys = k.new_zeros(bs, kv_heads, state.max_len, k.size(-1))  # (bs, n_kv_heads, max_len, head_dim)
-            self.values = v.new_zeros(bs, kv_heads, state.max_len, v.size(-1))  # (bs, n_kv_heads, max_len, v_head_dim)
+            # (bs, n_kv_heads, max_len, head_dim) and (bs, n_kv_heads, max_len, v_head_dim)
+            keys = self.keys = k.new_zeros(bs, kv_heads, state.max_len, k.size(-1))
+            values = self.values = v.new_zeros(bs, kv_heads, state.max_len, v.size(-1))
         end = state.start + q.size(2)
-        self.keys[:, :, state.start : end] = k
-        self.values[:, :, state.start : end] = v
+        keys[:, :, state.start : end] = k
+        values[:, :, state.start : end] = v
         return F.scaled_dot_product_attention(
             q,
-            self.keys[:, :, :end],
-            self.values[:, :, :end],
+            keys[:, :, :end],
+            values[:, :, :end],
             attn_mask=state.attn_mask,
             scale=self.scale,
             enable_gqa=q.size(1) != k.size(1),
@@ -141,7 +143,8 @@ def kv_cache(
     """
     if plan.attention is None:
         raise ConfigError(
-            f"model {type(model).__name__} names no attention core (ModelPlan.attention); give its plan one, or pass --no-kv-cache"
+            f"model {type(model).__name__} names no attention core (ModelPlan.attention); "
+            "give its plan one, or pass --no-kv-cache"
         )
     parent_path, _, name = plan.attention.rpartition(".")
     cache = KVCache(batch_size, max_len, device)
@@ -150,9 +153,10 @@ def kv_cache(
         for block in iter_blocks(model, plan):
             parent = get_submodule_or_none(block, parent_path) if parent_path else block
             original = getattr(parent, name, None) if parent is not None else None
-            if not isinstance(original, nn.Module):
+            if parent is None or not isinstance(original, nn.Module):
                 raise ConfigError(
-                    f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; fix the model's plan"
+                    f"block {type(block).__name__} has no module at ModelPlan.attention '{plan.attention}'; "
+                    "fix the model's plan"
                 )
             scale = getattr(original, "scale", None)  # a family with its own softmax scale (e.g. MLA) keeps it
             layer = CachedAttention(cache, float(scale) if isinstance(scale, (int, float)) else None)

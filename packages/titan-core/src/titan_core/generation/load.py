@@ -106,7 +106,8 @@ def build_empty(spec: ModelSpec[Any], args: Any, device: torch.device, dtype: to
     for param in model.parameters():  # unique parameters: a tied weight stays one tensor
         param.data = param.data.to(dtype)
     model.to_empty(device=device)
-    model.init_weights(buffer_device=device)
+    # every family's model has `init_weights`; nn.Module.__getattr__ is typed Tensor | Module
+    model.init_weights(buffer_device=device)  # type: ignore[operator]
     return model
 
 

@@ -75,8 +75,8 @@ def load_prompt_codec(checkpoint: Path, vocab_size: int) -> PromptCodec:
         )
         raise ConfigError(f"the {source} has {tokenizer.vocab_size} tokens, the model {vocab_size}; {hint}")
     add_bos = True
-    if own:
-        add_bos = read_tokenizer_config(Path(path) / "tokenizer_config.json").get("add_bos_token", True) is not False
+    if own and path is not None:  # the checkpoint's own tokenizer has a folder
+        add_bos = read_tokenizer_config(path / "tokenizer_config.json").get("add_bos_token", True) is not False
     eos_ids = {tokenizer.eos_id, *_generation_eos_ids(folder)}
     return PromptCodec(tokenizer, add_bos, tuple(sorted(i for i in eos_ids if 0 <= i < vocab_size)), source)
 
@@ -89,13 +89,16 @@ def _tokenizer_path(folder: Path) -> tuple[Path | None, str, bool]:
     except MissingFileError:
         pass
     run = find_run_config(folder)
-    assets = run[1].get("model", {}).get("hf_assets_path") if run is not None else None
+    if run is None:
+        return None, "byte tokenizer", False
+    toml_path, run_config = run
+    assets = run_config.get("model", {}).get("hf_assets_path")
     if assets is None:
         return None, "byte tokenizer", False
     path = Path(assets).expanduser()
     if not path.exists():
         raise ConfigError(
-            f"{run[0]}: model.hf_assets_path {assets} does not exist here; copy the tokenizer files into {folder}"
+            f"{toml_path}: model.hf_assets_path {assets} does not exist here; copy the tokenizer files into {folder}"
         )
     return path, f"tokenizer of {path}", False
 

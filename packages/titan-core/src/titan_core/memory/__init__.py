@@ -62,5 +62,6 @@ def estimate_memory(
         from titan_core.memory.advise import judge
 
         job, _ = check_target_job(cfg, world_size, device_type)
+        assert job.global_batch is not None, "a job resolved for a world size has its global batch"
         judge(estimate, cfg, budget, device_bytes, job.global_batch, device_type)
     return estimate

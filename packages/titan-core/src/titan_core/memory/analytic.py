@@ -11,13 +11,18 @@ block's backward, and the optimizer step. `docs/memory.md` writes every term out
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig
-from titan_core.job_check import CheckedJob
+from titan_core.job import Job
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job
+
+if TYPE_CHECKING:
+    from titan_models import ActivationBytes
+    from titan_parallel import ParallelDims
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
 """Bytes per element of the dtypes a config names (`training.mixed_precision_param` / `_reduce`)."""
@@ -29,8 +34,8 @@ class _StageParams:
     """Element counts of the parameters one rank holds for one set of modules."""
 
     sharded: int = 0  # local shard (after TP and FSDP), what the optimizer steps
-    unsharded_blocks: list[int] | None = None  # per block, after TP only: what FSDP all-gathers
-    unsharded_root: dict[str, int] | None = None  # per root unit (embedding, output, rest), after TP
+    unsharded_blocks: list[int] = field(default_factory=list)  # per block, after TP only: what FSDP all-gathers
+    unsharded_root: dict[str, int] = field(default_factory=dict)  # per root unit (embedding, output, rest), after TP
     matmul: int = 0  # after TP: the weights autocast copies to the compute dtype
     buffers: int = 0  # bytes
 
@@ -45,7 +50,7 @@ def estimate_analytic(cfg: JobConfig, world_size: int, *, device_type: str | Non
             says so, else 'cuda'.
 
     Raises:
-        ConfigError: the layout breaks a rule of `titan_core.job_check`, or the model family has
+        ConfigError: the layout breaks a rule of `titan_core.job`, or the model family has
             no activation formulas (`ModelSpec.activation_bytes`).
     """
     job, notes = check_target_job(cfg, world_size, device_type)
@@ -70,10 +75,14 @@ def compute_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
     return 2 if native_bf16(torch.device("cpu"))[0] else 4
 
 
-def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
+def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     from titan_models import ActivationLayout
 
-    cfg, dims = job.cfg, job.dims
+    cfg, world_size = job.cfg, job.world_size
+    dims, _ = _sized(job)
+    assert world_size is not None, "an estimate's job is resolved for a world size"
+    activation_bytes = job.spec.activation_bytes
+    assert activation_bytes is not None, "estimate_analytic refuses a family without activation formulas"
     t, p = cfg.training, cfg.parallelism
     b = compute_dtype_bytes(cfg, job.device_type)
     fsdp = p.dp_mode == "fsdp" and (dims.dp_replicate * dims.dp_shard * dims.cp > 1 or t.enable_cpu_offload)
@@ -88,7 +97,7 @@ def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
         device_type=job.device_type,
         loss_parallel=not p.disable_loss_parallel,
     )
-    act = job.spec.activation_bytes(job.model_args, layout)
+    act = activation_bytes(job.model_args, layout)
     stages = _stage_names(job)
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
@@ -101,13 +110,21 @@ def _estimate(job: CheckedJob, notes: list[str]) -> MemoryEstimate:
         notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
     if cfg.compile.enable:
         notes.append("compile: eager memory is estimated; compiled blocks and loss usually need less (an upper bound)")
-    return MemoryEstimate("analytic", job.world_size, describe_layout(job, b), ranks, notes=notes)
+    return MemoryEstimate("analytic", world_size, describe_layout(job, b), ranks, notes=notes)
 
 
-def describe_layout(job: CheckedJob, compute_bytes: int) -> str:
+def _sized(job: Job) -> tuple[ParallelDims, int]:
+    """`job.dims` and `job.accum_steps`: `resolve` leaves them None only without a world size, and an
+    estimate's job always has one (`check_target_job`)."""
+    assert job.dims is not None and job.accum_steps is not None, "an estimate's job is resolved for a world size"
+    return job.dims, job.accum_steps
+
+
+def describe_layout(job: Job, compute_bytes: int) -> str:
     """The layout as both tiers print it: the degrees above 1, then the run's shape, e.g.
     'dp_shard=8 (bf16 compute; AC selective (op); local batch 1 x seq 8192)'."""
-    cfg, dims = job.cfg, job.dims
+    cfg = job.cfg
+    dims, accum_steps = _sized(job)
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     degrees = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "1 rank"
     extras = [
@@ -117,35 +134,36 @@ def describe_layout(job: CheckedJob, compute_bytes: int) -> str:
     if dims.pp > 1:
         extras.append(f"{p.pipeline_parallel_schedule}, microbatch {p.pipeline_parallel_microbatch_size}")
     extras.append(f"local batch {t.local_batch_size} x seq {t.seq_len}")
-    if job.accum_steps > 1:
-        extras.append(f"{job.accum_steps} accumulation steps")
+    if accum_steps > 1:
+        extras.append(f"{accum_steps} accumulation steps")
     return f"{degrees} ({'; '.join(extras)})"
 
 
-def _degrees(dims) -> dict[str, int]:
+def _degrees(dims: ParallelDims) -> dict[str, int]:
     names = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     return {n: getattr(dims, n) for n in names if getattr(dims, n) > 1}
 
 
-def _stage_names(job: CheckedJob) -> list[list[str]]:
+def _stage_names(job: Job) -> list[list[str]]:
     """Module names of each stage; one stage holding everything without pipeline parallel."""
     if job.names_per_stage:
         return job.names_per_stage
     return [[name for name, _ in job.meta_model().named_children()]]
 
 
-def _tp_styles(job: CheckedJob) -> tuple[dict[str, str], dict[str, str]]:
+def _tp_styles(job: Job) -> tuple[dict[str, str], dict[str, str]]:
     plan = job.spec.plan
     return {m: s.value for m, s in plan.tp}, {m: s.value for m, s in plan.block_tp}
 
 
-def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _StageParams:
+def _count_params(job: Job, module_names: list[str], shards: int) -> _StageParams:
     """Parameters of the modules `module_names` (top-level names or `blocks.i`) on one rank."""
     model = job.meta_model()
     plan = job.spec.plan
-    tp, ep = job.dims.tp, job.dims.ep
+    dims, _ = _sized(job)
+    tp, ep = dims.tp, dims.ep
     root_styles, block_styles = _tp_styles(job)
-    out = _StageParams(unsharded_blocks=[], unsharded_root={})
+    out = _StageParams()
     seen: set[int] = set()
     for name in module_names:
         module = model.get_submodule(name)
@@ -185,7 +203,7 @@ def _count_params(job: CheckedJob, module_names: list[str], shards: int) -> _Sta
     return out
 
 
-def _buffer_bytes(job: CheckedJob) -> int:
+def _buffer_bytes(job: Job) -> int:
     """Buffers every stage holds (the root's, e.g. the RoPE table), in bytes."""
     return sum(buf.numel() * buf.element_size() for buf in job.meta_model().buffers())
 
@@ -216,10 +234,22 @@ def inflight_microbatches(schedule: str, pp: int, pp_rank: int, stages_per_rank:
     return min(chunks, microbatches * v) / v
 
 
-def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, stage_buffers) -> RankMemory:
+def _rank_memory(
+    job: Job,
+    pp_rank: int,
+    stages: list[list[str]],
+    act: ActivationBytes,
+    b: int,
+    reduce_b: int,
+    fsdp: bool,
+    shards: int,
+    tokens: int,
+    stage_buffers: int,
+) -> RankMemory:
     from titan_parallel.pipeline_layout import stage_indices
 
-    cfg, dims = job.cfg, job.dims
+    cfg = job.cfg
+    dims, accum_steps = _sized(job)
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     plan = job.spec.plan
     if dims.pp > 1:
@@ -270,7 +300,7 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, s
 
     offload = t.enable_cpu_offload  # parameters, gradients and optimizer state live in host memory
     # Gradients of earlier micro-batches (accumulation steps, or pipeline micro-batches) live through a backward.
-    grads_during_bwd = grad_bytes if (job.accum_steps > 1 or n_micro > 1) and not offload else 0
+    grads_during_bwd = grad_bytes if (accum_steps > 1 or n_micro > 1) and not offload else 0
     if fsdp and dims.pp > 1:
         # Under pipeline parallel FSDP reduces once, after the last micro-batch: until then it keeps the
         # stage's unsharded gradients, in the reduce dtype (torch.distributed.pipelining turns the sync off).
@@ -327,10 +357,10 @@ def _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, s
     )
 
 
-def _expand_blocks(job: CheckedJob, names: list[str]) -> list[str]:
+def _expand_blocks(job: Job, names: list[str]) -> list[str]:
     """Stage module names with the block container (`layers`) spelled out block by block."""
     blocks = job.spec.plan.blocks
-    out = []
+    out: list[str] = []
     for name in names:
         if name == blocks:
             out.extend(f"{blocks}.{child}" for child, _ in job.meta_model().get_submodule(blocks).named_children())
@@ -339,7 +369,7 @@ def _expand_blocks(job: CheckedJob, names: list[str]) -> list[str]:
     return out
 
 
-def _block_activations(act, block_names: list[str]) -> list:
+def _block_activations(act: ActivationBytes, block_names: list[str]) -> list[ActivationBytes]:
     """The `ActivationBytes` of each block named `<blocks>.<layer index>`: the family's `per_block` entry where
     its blocks differ (DeepSeek-V3's dense and MoE blocks), else `act` itself."""
     if not act.per_block:
@@ -347,8 +377,9 @@ def _block_activations(act, block_names: list[str]) -> list:
     return [act.per_block[int(name.rsplit(".", 1)[1])] for name in block_names]
 
 
-def _saved_per_block(acts: list, mode: str, option: str) -> list[int]:
-    """Bytes per token each block (of `ActivationBytes` `acts`) keeps for backward under the activation checkpointing mode."""
+def _saved_per_block(acts: list[ActivationBytes], mode: str, option: str) -> list[int]:
+    """Bytes per token each block (of `ActivationBytes` `acts`) keeps for backward under the activation
+    checkpointing mode."""
     if mode == "full":
         return [a.block_input for a in acts]
     if mode == "selective" and option == "op":
@@ -359,19 +390,21 @@ def _saved_per_block(acts: list, mode: str, option: str) -> list[int]:
     return [a.block for a in acts]
 
 
-def _block_backward_peak(acts: list, saved: list[int], mode: str, option: str, tokens: int) -> int:
+def _block_backward_peak(acts: list[ActivationBytes], saved: list[int], mode: str, option: str, tokens: int) -> int:
     """Bytes a block's backward adds to the saved activations, at the block where the sum peaks.
 
     Block j's backward holds its recompute under AC and the gradients of its activations; by then the blocks
     after it have freed what they kept of this micro-batch (`saved`, bytes per token). Where every block is
     alike the last block's backward is the peak.
     """
-    best, freed = None, 0
-    for a, kept in zip(reversed(acts), reversed(saved)):
+    best: int | None = None
+    freed = 0
+    for a, kept in zip(reversed(acts), reversed(saved), strict=True):
         recompute = tokens * (a.block if mode == "full" or (mode == "selective" and option != "op") else 0)
         if mode == "selective" and option == "op":
             recompute = tokens * (a.block - a.block_op)
         net = tokens * a.block_backward + recompute - freed
         best = net if best is None or net > best else best
         freed += tokens * kept
+    assert best is not None, "at least one block (the caller passes the head's figures without blocks)"
     return best

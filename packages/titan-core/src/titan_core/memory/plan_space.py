@@ -4,7 +4,7 @@ A layout (`titan_core.memory.step_cost.Layout`) is the parallel degrees, the pip
 schedule and micro-batch, the batch split, activation checkpointing and CPU offload.
 `candidate_layouts` lists those whose degrees multiply to the GPU count and whose batch
 split gives the global batch exactly; `refuse_by_rule` runs on each the rules of
-titan-parallel that need no model (the same rules `titan_core.job_check` runs).
+titan-parallel that need no model (the same rules `titan_core.job` runs).
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
         cfg: the job config, for the model's plan and the pipeline's first / last stage weights.
         seq_len: tokens per sequence.
     """
-    from titan_core.job_check import as_config_error
+    from titan_core.job.naming import config_error
+    from titan_core.job.rules import CONTEXT_PARALLEL_KEYS, PIPELINE_RULE_KEYS
     from titan_models import get_model_spec
     from titan_parallel import ParallelConfigError
     from titan_parallel.layout import check_cp
@@ -165,5 +166,5 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
             stage_module_names(get_model_spec(cfg.model.name).plan, args.n_layers, n_stages, **less)
             count_microbatches(t.local_batch, t.microbatch, n_stages, t.schedule)
     except ParallelConfigError as e:
-        return str(as_config_error(e))
+        return str(config_error(e, {**CONTEXT_PARALLEL_KEYS, **PIPELINE_RULE_KEYS}))
     return None

@@ -89,7 +89,7 @@ class MemoryEstimate:
     def to_json(self) -> dict[str, Any]:
         """The estimate as plain JSON types: bytes per component, per stage."""
         out = asdict(self)
-        for rank, r in zip(out["ranks"], self.ranks):
+        for rank, r in zip(out["ranks"], self.ranks, strict=True):
             rank["total"] = r.total
         out["peak"] = self.peak
         out["fits"] = self.fits

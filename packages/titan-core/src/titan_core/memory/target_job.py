@@ -1,4 +1,4 @@
-"""The job an estimate is for: checked by every rule of `titan_core.job_check`, for the target device.
+"""The job an estimate is for: resolved by every rule of `titan_core.job`, for the target device.
 
 An estimate runs on any host (a laptop sizing a 512-GPU job), so the checks do not
 look for the GPUs here, and a tokenizer that is not on this host (the shipped
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_core.config.schema import JobConfig
-from titan_core.job_check import CheckedJob, check_job
+from titan_core.job import Job, resolve
 
 
 def target_device(cfg: JobConfig) -> str:
@@ -18,11 +18,11 @@ def target_device(cfg: JobConfig) -> str:
     return "cpu" if cfg.training.device == "cpu" else "cuda"
 
 
-def check_target_job(cfg: JobConfig, world_size: int, device_type: str | None = None) -> tuple[CheckedJob, list[str]]:
+def check_target_job(cfg: JobConfig, world_size: int, device_type: str | None = None) -> tuple[Job, list[str]]:
     """Check `cfg` for `world_size` ranks of `device_type` (default: `target_device(cfg)`).
 
     Returns:
-        The checked job, and notes on what was assumed (one line each).
+        The resolved job, and notes on what was assumed (one line each).
 
     Raises:
         ConfigError: a rule is broken; one line naming the key.
@@ -38,5 +38,5 @@ def check_target_job(cfg: JobConfig, world_size: int, device_type: str | None = 
         except ValueError:
             vocab = 0  # the model_shape rule names the unknown model.name / model.flavor
         notes.append(f"model.hf_assets_path={assets} is not on this host: the flavor's vocab ({vocab}) is assumed")
-    job = check_job(cfg, world_size, tokenizer_vocab_size=vocab, target_device=device_type or target_device(cfg))
+    job = resolve(cfg, world_size, tokenizer_vocab_size=vocab, target_device=device_type or target_device(cfg))
     return job, notes

@@ -31,7 +31,8 @@ from titan_core.memory.target_job import check_target_job, target_device
 
 
 class TraceUnsupported(Exception):
-    """The layout uses a feature torch cannot trace on fake tensors in one process; the analytic tier is used instead."""
+    """The layout uses a feature torch cannot trace on fake tensors in one process; the analytic tier is used
+    instead."""
 
 
 def untraceable_feature(cfg: JobConfig) -> str | None:
@@ -273,11 +274,12 @@ def _real_device_meshes() -> Iterator[None]:
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
 
-    DeviceMesh.__init__ = real_init
+    # Patching the class's constructor for the trace is the point; restored below.
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
     try:
         yield
     finally:
-        DeviceMesh.__init__ = init
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

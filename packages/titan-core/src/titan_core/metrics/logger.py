@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from tqdm import tqdm
@@ -62,7 +63,7 @@ def _paint(text: str, label: str, color: bool) -> str:
     return f"{_COLORS[label]}{text}{_RESET}" if color else text
 
 
-def format_metrics_line(step: int, total_steps: int, metrics: dict[str, float | None], color: bool = False) -> str:
+def format_metrics_line(step: int, total_steps: int, metrics: Mapping[str, float | None], color: bool = False) -> str:
     """The console line for one step, e.g. `step  12/60  loss 5.4321 (max 5.50)  ...`.
 
     Args:

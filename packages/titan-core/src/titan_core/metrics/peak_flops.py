@@ -90,15 +90,14 @@ def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
         FLOP/s, or None for a GPU or dtype not in the table.
     """
     if dtype in (torch.bfloat16, torch.float16):
-        column = 2
+        tensor_core = True
     elif dtype == torch.float32:
-        column = 3
+        tensor_core = False
     else:
         return None
-    for row in _GPU_PEAKS:
-        word, qualifier = row[0], row[1]
+    for word, qualifier, tensor_tflops, fp32_tflops in _GPU_PEAKS:
         if _has_word(device_name, word) and (qualifier is None or _has_word(device_name, qualifier)):
-            return row[column] * TERA
+            return (tensor_tflops if tensor_core else fp32_tflops) * TERA
     return None
 
 

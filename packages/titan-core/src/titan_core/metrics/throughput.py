@@ -110,7 +110,7 @@ class ThroughputMeter:
                 non_data_parallel_size=self.non_data_parallel_size,
             )
             mfu, tflops = figures["throughput/mfu_pct"], figures["throughput/tflops"]
-            if mfu is not None and mfu > 100 and self.raise_peak is not None:
+            if mfu is not None and tflops is not None and mfu > 100 and self.raise_peak is not None:
                 self.peak_flops = self.raise_peak(tflops * 1e12)
                 figures["throughput/mfu_pct"] = 100 * tflops * 1e12 / self.peak_flops
         self._tokens = 0

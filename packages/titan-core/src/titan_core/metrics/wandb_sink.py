@@ -81,15 +81,18 @@ class WandbSink:
             raise ConfigError(MISSING_WANDB) from None
         folder = os.environ.get("WANDB_DIR") or str(options.run_folder)
         Path(folder).mkdir(parents=True, exist_ok=True)
+        self._run: wandb.Run | None = None
         try:
             self._run = wandb.init(project=options.project, name=options.name, config=dict(options.config), dir=folder)
         except wandb.errors.Error as e:  # no API key, no network, ...: the fix is the user's
             raise ConfigError(
-                f"metrics.enable_wandb: wandb.init failed ({str(e).rstrip('.')}); run `wandb login`, or set WANDB_MODE=offline"
+                f"metrics.enable_wandb: wandb.init failed ({str(e).rstrip('.')}); "
+                "run `wandb login`, or set WANDB_MODE=offline"
             ) from None
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Record `values` (keyed by TensorBoard tag) at `step`."""
+        assert self._run is not None, "WandbSink.log after close()"
         self._run.log(dict(values), step=step)
 
     def close(self) -> None:

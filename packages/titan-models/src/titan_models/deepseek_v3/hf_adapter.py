@@ -162,7 +162,8 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
         if sorted(by_expert) != list(range(args.moe.num_experts)):
             missing = sorted(set(range(args.moe.num_experts)) - set(by_expert))
             raise ModelConfigError(
-                f"layer {layer} lacks experts {missing[:8]} of {args.moe.num_experts}; pass every shard of the checkpoint"
+                f"layer {layer} lacks experts {missing[:8]} of {args.moe.num_experts}; "
+                "pass every shard of the checkpoint"
             )
         titan[f"layers.{layer}.moe.experts.{weight}"] = torch.stack([by_expert[j] for j in range(args.moe.num_experts)])
     if args.tie_word_embeddings and "tok_embeddings.weight" in titan:
@@ -185,7 +186,8 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     model_type = config.get("model_type", "deepseek_v3")
     if model_type != "deepseek_v3":
         raise ModelConfigError(
-            f"config.json model_type '{model_type}' is not 'deepseek_v3'; only DeepSeek-V3-architecture checkpoints convert"
+            f"config.json model_type '{model_type}' is not 'deepseek_v3'; "
+            "only DeepSeek-V3-architecture checkpoints convert"
         )
     if config.get("quantization_config"):
         raise ModelConfigError("config.json has quantization_config (an FP8 checkpoint); dequantize it to bf16 first")
@@ -195,7 +197,8 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         )
     if config.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(
-            f"config.json hidden_act '{config['hidden_act']}' is not supported; Titan's DeepSeek-V3 uses 'silu' (SwiGLU)"
+            f"config.json hidden_act '{config['hidden_act']}' is not supported; "
+            "Titan's DeepSeek-V3 uses 'silu' (SwiGLU)"
         )
     if config.get("rope_interleave", True) is False:
         raise ModelConfigError(
@@ -206,7 +209,7 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         raise ModelConfigError(
             f"config.json num_key_value_heads must equal num_attention_heads={n_heads} for MLA; fix config.json"
         )
-    rope = dict(config.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or rope
     moe = MoEArgs(
         num_experts=int(config["n_routed_experts"]),

@@ -316,10 +316,11 @@ class TransformerBlock(nn.Module):
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
         h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)
         ffn = self.feed_forward if self.feed_forward is not None else self.moe
+        assert ffn is not None  # a block has one of the two
         return h + ffn(self.ffn_norm(h))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Norms to ones; output-side weights (`wo`, `w2`, `w3`, experts' too) use std `0.02 / sqrt(2 * (layer_id + 1))`.
+        """Norms to ones; output-side weights (`wo`, `w2`, `w3`, experts') use std `0.02 / sqrt(2 * (layer_id + 1))`.
 
         Args:
             buffer_device: where the MoE's buffers go; None keeps their device.
@@ -330,13 +331,15 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(out_std)
         if self.feed_forward is not None:
             self.feed_forward.init_weights(out_std)
-        else:
+        elif self.moe is not None:
             self.moe.init_weights(out_std, buffer_device)
 
 
 class Transformer(nn.Module):
     """DeepSeek-V3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
     and deletes entries of `layers`; the forward then skips them."""
+
+    rope_cache: torch.Tensor  # a non-persistent buffer, registered in __init__
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -400,8 +403,10 @@ class Transformer(nn.Module):
                 init_trunc_normal_(shared.weight, 0.02)
         elif self.tok_embeddings is not None:
             init_trunc_normal_(self.tok_embeddings.weight, 0.02)
+        device = torch.device(buffer_device) if buffer_device is not None else None
         for layer in self.layers.values():
-            layer.init_weights(torch.device(buffer_device) if buffer_device is not None else None)
+            # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
+            layer.init_weights(device)  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:

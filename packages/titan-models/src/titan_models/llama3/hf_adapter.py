@@ -183,7 +183,7 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     head_dim = config.get("head_dim")
     hidden = int(config["intermediate_size"])
     base_hidden = int(2 * (4 * dim) / 3)
-    rope = dict(config.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(config.get("rope_parameters") or {})
     rope_theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     scaling = config.get("rope_scaling") or rope
     args = ModelArgs(
@@ -215,7 +215,8 @@ def _rope_scaling_from_hf(scaling: dict[str, Any]) -> RopeScaling | None:
         return None
     if rope_type != "llama3":
         raise ModelConfigError(
-            f"config.json rope_scaling type '{rope_type}' is not supported; Titan's Llama knows 'llama3' scaling or none"
+            f"config.json rope_scaling type '{rope_type}' is not supported; "
+            "Titan's Llama knows 'llama3' scaling or none"
         )
     return RopeScaling(
         factor=float(scaling["factor"]),

@@ -21,11 +21,30 @@ t = tensor parallel degree (sequence parallel splits what lies between blocks):
 
 from __future__ import annotations
 
-from titan_models.llama3.model import ModelArgs
+from typing import Protocol
+
 from titan_models.spec import ActivationBytes, ActivationLayout
 
 
-def activation_bytes(args: ModelArgs, layout: ActivationLayout) -> ActivationBytes:
+class BlockShape(Protocol):
+    """The shape `activation_bytes` reads: Llama 3's `ModelArgs`, and Qwen3's and DeepSeek-V3's,
+    whose dense parts they count with it."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def attention_head_dim(self) -> int: ...
+    @property
+    def ffn_hidden_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def activation_bytes(args: BlockShape, layout: ActivationLayout) -> ActivationBytes:
     """Saved-for-backward bytes per rank-local token of a Llama 3 model run as `layout` says.
 
     Args:

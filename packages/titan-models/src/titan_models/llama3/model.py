@@ -76,7 +76,8 @@ class ModelArgs:
             )
         if self.attention_head_dim % 2 != 0:
             raise ModelConfigError(
-                f"ModelArgs head_dim={self.attention_head_dim} must be even for RoPE; change head_dim (or dim / n_heads)"
+                f"ModelArgs head_dim={self.attention_head_dim} must be even for RoPE; "
+                "change head_dim (or dim / n_heads)"
             )
 
     @property
@@ -278,6 +279,8 @@ class Transformer(nn.Module):
     """Llama 3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
     and deletes entries of `layers`; the forward then skips them."""
 
+    rope_cache: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -347,7 +350,8 @@ class Transformer(nn.Module):
         elif self.tok_embeddings is not None:
             init_trunc_normal_(self.tok_embeddings.weight, 0.02)
         for layer in self.layers.values():
-            layer.init_weights()
+            # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
+            layer.init_weights()  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:

@@ -91,12 +91,12 @@ def to_hf_state_dict(state_dict: StateDict, args: ModelArgs) -> StateDict:
             hf[_TOP_NAMES[name]] = tensor
             continue
         match = _TITAN_LAYER.fullmatch(name)
-        leaf = match.group(2) if match is not None else None
+        layer, leaf = match.groups() if match is not None else ("", "")
         if leaf in names:
-            hf[f"model.layers.{match.group(1)}.{names[leaf]}"] = tensor
+            hf[f"model.layers.{layer}.{names[leaf]}"] = tensor
         elif args.moe is not None and leaf in _EXPERT_PROJ:
             for j, expert in enumerate(tensor.unbind(0)):
-                hf[f"model.layers.{match.group(1)}.mlp.experts.{j}.{_EXPERT_PROJ[leaf]}.weight"] = expert
+                hf[f"model.layers.{layer}.mlp.experts.{j}.{_EXPERT_PROJ[leaf]}.weight"] = expert
         elif args.moe is not None and leaf == _EXPERT_BIAS:
             if bool(tensor.any()):
                 raise ModelConfigError(
@@ -139,14 +139,13 @@ def from_hf_state_dict(hf_state_dict: StateDict, args: ModelArgs) -> StateDict:
             titan[_HF_TOP_NAMES[name]] = tensor
             continue
         match = _HF_LAYER.fullmatch(name)
-        leaf = match.group(2) if match is not None else ""
+        layer, leaf = match.groups() if match is not None else ("", "")
         expert = _HF_EXPERT.fullmatch(leaf) if args.moe is not None else None
         if leaf in hf_names:
-            titan[f"layers.{match.group(1)}.{hf_names[leaf]}"] = tensor
+            titan[f"layers.{layer}.{hf_names[leaf]}"] = tensor
         elif expert is not None:
-            experts.setdefault((match.group(1), _HF_EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = tensor
+            experts.setdefault((layer, _HF_EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = tensor
         elif args.moe is not None and leaf in _HF_FUSED:
-            layer = match.group(1)
             if leaf == "mlp.experts.down_proj":
                 titan[f"layers.{layer}.moe.experts.w2"] = tensor  # (experts, dim, hidden)
             else:
@@ -160,14 +159,15 @@ def from_hf_state_dict(hf_state_dict: StateDict, args: ModelArgs) -> StateDict:
                 else ""
             )
             raise ModelConfigError(f"'{name}' is not a {arch} parameter{hint}")
+    num_experts = args.moe.num_experts if args.moe is not None else 0  # `experts` is empty without `moe`
     for (layer, leaf), by_index in experts.items():
-        missing = sorted(set(range(args.moe.num_experts)) - set(by_index))
+        missing = sorted(set(range(num_experts)) - set(by_index))
         if missing:
             raise ModelConfigError(
-                f"layer {layer} lacks mlp.experts.{missing[0]}.{_EXPERT_PROJ[leaf]}.weight; the checkpoint is incomplete "
-                f"or config.json num_experts={args.moe.num_experts} is wrong"
+                f"layer {layer} lacks mlp.experts.{missing[0]}.{_EXPERT_PROJ[leaf]}.weight; "
+                f"the checkpoint is incomplete or config.json num_experts={num_experts} is wrong"
             )
-        titan[f"layers.{layer}.{leaf}"] = torch.stack([by_index[j] for j in range(args.moe.num_experts)])
+        titan[f"layers.{layer}.{leaf}"] = torch.stack([by_index[j] for j in range(num_experts)])
     if args.moe is not None:
         layers = {m.group(1) for k in titan if (m := _TITAN_LAYER.fullmatch(k))}
         for layer in layers:
@@ -189,7 +189,8 @@ def _check_supported(config: dict[str, Any], model_type: str) -> None:
         raise ModelConfigError(f"config.json model_type '{found}' is not '{model_type}'; {fix}")
     if config.get("attention_bias", False):
         raise ModelConfigError(
-            "config.json attention_bias=true is not supported by Titan's Qwen3 (no biases); use a checkpoint without biases"
+            "config.json attention_bias=true is not supported by Titan's Qwen3 (no biases); "
+            "use a checkpoint without biases"
         )
     if config.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(
@@ -204,7 +205,7 @@ def _check_supported(config: dict[str, Any], model_type: str) -> None:
 
 def _rope_theta(config: dict[str, Any]) -> float:
     """RoPE base from the transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`) layout."""
-    rope = dict(config.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type != "default":

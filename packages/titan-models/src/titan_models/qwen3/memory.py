@@ -97,7 +97,7 @@ def moe_bytes(moe: MoEArgs, dim: int, layout: ActivationLayout, done: int) -> Fe
     """
     b, e, k, h, h_s = layout.compute_bytes, moe.num_experts, moe.top_k, moe.hidden_dim, moe.shared_hidden_dim
     grouped = layout.device_type == "cuda" and b == 2  # `grouped_mm_supported`: bf16 on Hopper and newer
-    widths = [e]  # the router
+    widths: list[float] = [e]  # the router
     if not grouped:
         widths += [k * h / e] * e + [k * h / e] * e + [k * dim / e] * e  # w1, w3, w2: one matmul per expert
     if h_s:

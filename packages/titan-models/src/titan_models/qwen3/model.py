@@ -187,6 +187,8 @@ class Transformer(nn.Module):
     """Qwen3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
     and deletes entries of `layers`; the forward then skips them."""
 
+    rope_cache: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -253,7 +255,8 @@ class Transformer(nn.Module):
         elif self.tok_embeddings is not None:
             init_trunc_normal_(self.tok_embeddings.weight, 0.02)
         for layer in self.layers.values():
-            layer.init_weights(buffer_device)
+            # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
+            layer.init_weights(buffer_device)  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:

@@ -1,0 +1,49 @@
+"""`CheckpointOptions`: `CheckpointManager`'s plain settings as one frozen value.
+
+A caller that resolves its settings before it builds the model (a launcher checking
+a whole job) keeps them here and passes `CheckpointManager(options=...)`; the
+keyword form (`CheckpointManager(folder, interval=...)`) builds the same value.
+Errors name these fields, as the manager's keywords are named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from titan_ckpt.argument_checks import AsyncMode
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Where and how often a `CheckpointManager` saves, and what it loads.
+
+    Args:
+        folder: the run's checkpoint folder; it holds the `step-N` folders.
+        enable: when False, `load` restores nothing and `save` writes nothing.
+        interval: save every this many steps (and at the last step).
+        keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
+        async_mode: "disabled", "async" or "async_with_pinned_mem" (see `CheckpointManager`).
+        last_save_model_only: the last step saves only the model weights (plus the small JSON states).
+        export_dtype: dtype of the weights in that model-only save.
+        load_step: step to resume from; -1 = the newest complete one.
+        exclude_from_loading: states not restored, from "model", "optimizer", "rng" and the manager's `states` names.
+        initial_load_path: a checkpoint to start from when `folder` has none.
+        initial_load_model_only: load only the model weights from `initial_load_path`.
+        checksums: record and check CRC-32 of every file (else sizes only).
+    """
+
+    folder: str | Path
+    enable: bool = True
+    interval: int = 500
+    keep_latest_k: int = 10
+    async_mode: AsyncMode = "disabled"
+    last_save_model_only: bool = False
+    export_dtype: torch.dtype = torch.float32
+    load_step: int = -1
+    exclude_from_loading: tuple[str, ...] = ()
+    initial_load_path: str | Path | None = None
+    initial_load_model_only: bool = True
+    checksums: bool = True

@@ -1,0 +1,369 @@
+"""Every rule of a valid job, in the order `resolve` runs each of them once: `RULES`.
+
+The rules live with the code they protect: titan-parallel states what makes a
+layout valid (`ParallelDims`, `check_tp`, `check_cp`, `check_pipeline`, ...) and
+raises `ParallelConfigError` naming its own arguments (`tp`, `microbatch_size`,
+...). A rule here feeds it the job's values, built once as the library's own
+options (`titan_core.job.options`), and declares the config key behind each
+argument (`Rule.keys`), so that the error names the key to change. A rule that
+is Titan's alone (the global batch, validation's batch under pipeline parallel) is
+written here and names its keys itself.
+
+Each rule reads what the rules before it established from the `Draft` and adds
+its own; `resolve` freezes the draft into the `Job` once every rule passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+from titan_core.config.errors import ConfigError, MissingPackageError
+from titan_core.config.schema import JobConfig
+from titan_core.job.meta_model import build_meta_model
+from titan_core.job.naming import RUN_KEYS, naming
+from titan_core.job.options import (
+    DEVICE_KEY,
+    DIMS_KEYS,
+    PARALLEL_OPTION_KEYS,
+    PIPELINE_KEYS,
+    parallel_dims,
+    parallel_options,
+    pipeline_config,
+)
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from titan_core.converters import Converters
+    from titan_models import ModelSpec
+    from titan_parallel import ParallelDims, ParallelOptions, PipelineConfig
+
+
+@dataclass
+class Draft:
+    """What the rules have established so far (private to `titan_core.job`; `resolve` freezes it).
+
+    A field without a default is set by the rule that establishes it (see `Job` for each);
+    reading it before that rule ran raises AttributeError.
+    """
+
+    cfg: JobConfig
+    world_size: int | None
+    target_device: str | None
+    tokenizer_vocab_size: int
+    device_type: str = field(init=False)
+    parallel: ParallelOptions = field(init=False)
+    dtype_reason: str = field(init=False)
+    dtype_warning: str | None = None
+    spec: ModelSpec = field(init=False)
+    model_args: Any = field(init=False)
+    hf_source: str | None = None
+    vocab_widened_from: int | None = None
+    dims: ParallelDims | None = None
+    global_batch: int | None = None
+    accum_steps: int | None = None
+    pipeline: PipelineConfig = field(init=False)
+    names_per_stage: list[list[str]] | None = None
+    converters: Converters = field(init=False)
+    meta: nn.Module | None = None
+
+    def meta_model(self) -> nn.Module:
+        """The whole model on the meta device, built on first use."""
+        if self.meta is None:
+            self.meta = build_meta_model(self.spec, self.model_args)
+        return self.meta
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of a valid job.
+
+    Args:
+        name: what it checks, e.g. "pipeline".
+        check: raises at the first broken condition; records what it establishes on the draft.
+        keys: argument -> config key, for the library calls `check` makes (`titan_core.job.naming`).
+    """
+
+    name: str
+    check: Callable[[Draft], None]
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+
+def _device(d: Draft) -> None:
+    """`training.device = 'cuda'` needs a visible GPU; fixes the device type and the compute dtype
+    (`training.mixed_precision_param` on that device), and with them the parallel options."""
+    import torch
+
+    from titan_parallel import resolve_device
+
+    t = d.cfg.training
+    if d.target_device is None:
+        device = resolve_device(t.device)
+    else:  # checked for another host: `training.device` is not looked up here
+        device = torch.device(d.target_device)
+    d.device_type = device.type
+    param_dtype, d.dtype_reason, d.dtype_warning = _compute_dtype(t.mixed_precision_param, device)
+    d.parallel = parallel_options(d.cfg, param_dtype)
+
+
+def _compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str, str | None]:
+    """`resolve_param_dtype(name, device)`, and its warning kept for the run to log once, not said here.
+
+    A CUDA device this host does not have (an estimate for another host) is taken to have native bf16.
+    """
+    import torch
+
+    from titan_parallel.precision import resolve_param_dtype
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        dtype = torch.float32 if name == "float32" else torch.bfloat16
+        return dtype, f"{name}: {str(dtype).removeprefix('torch.')}, assumed for a CUDA device (none here)", None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dtype, reason = resolve_param_dtype(name, device)
+    return dtype, reason, "; ".join(str(w.message) for w in caught) or None
+
+
+def _model_shape(d: Draft) -> None:
+    """The model name and flavor exist; a tokenizer larger than a Hugging Face checkpoint's vocab is refused."""
+    from titan_core.data import build_tokenizer
+    from titan_models import ModelConfigError, get_model_args, get_model_spec
+
+    cfg = d.cfg
+    try:
+        d.spec = get_model_spec(cfg.model.name)
+        args = get_model_args(cfg.model.name, cfg.model.flavor)
+    except ModelConfigError as e:  # unknown name or flavor: the message names model.name / model.flavor
+        raise ConfigError(str(e)) from None
+    vocab = d.tokenizer_vocab_size or build_tokenizer(cfg.model.hf_assets_path).vocab_size
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_in_hf and ckpt.initial_load_path:
+        # Any checkpoint of the family: the shape comes from its own config.json, not model.flavor.
+        from titan_ckpt import read_hf_config, resolve_hf_source
+
+        if d.spec.hf_adapter is None:
+            raise ConfigError(
+                f"checkpoint.initial_load_in_hf: model.name={cfg.model.name!r} has no Hugging Face adapter; "
+                "load a DCP checkpoint instead"
+            )
+        d.hf_source = str(resolve_hf_source(ckpt.initial_load_path))
+        args = d.spec.hf_adapter.args_from_hf_config(read_hf_config(d.hf_source))
+        if vocab > args.vocab_size:
+            raise ConfigError(
+                f"the tokenizer in model.hf_assets_path has {vocab} tokens but the checkpoint "
+                f"checkpoint.initial_load_path={ckpt.initial_load_path} only {args.vocab_size}; "
+                "use the checkpoint's own tokenizer"
+            )
+    elif vocab > args.vocab_size:
+        # A flavor's vocab is a default: a larger tokenizer (e.g. Llama 3's on a small flavor) widens it.
+        d.vocab_widened_from = args.vocab_size
+        args = dataclasses.replace(args, vocab_size=vocab)
+    d.tokenizer_vocab_size = vocab
+    d.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
+
+
+def _degrees(d: Draft) -> None:
+    """The parallel degrees multiply to the world size; DDP replicates whole models only."""
+    from titan_parallel import check_data_parallel
+
+    if d.world_size is None:
+        return
+    d.dims = parallel_dims(d.cfg, d.world_size)
+    check_data_parallel(d.dims, d.parallel.dp_mode)
+
+
+def _batch(d: Draft) -> None:
+    """`training.global_batch_size` is a multiple of local_batch_size x the data-parallel degree."""
+    if d.dims is None:
+        return
+    t = d.cfg.training
+    per_step = t.local_batch_size * d.dims.dp
+    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch} must be a multiple of training.local_batch_size x "
+            f"data-parallel degree = {t.local_batch_size} x {d.dims.dp} = {per_step}; change one of them"
+        )
+    d.global_batch, d.accum_steps = global_batch, global_batch // per_step
+
+
+def _tensor_parallel(d: Draft) -> None:
+    """The TP degree divides the heads, the feed-forward width and the vocab; async TP needs compile on CUDA."""
+    from titan_parallel import check_async_tp, check_tp
+
+    tp = d.cfg.parallelism.tensor_parallel_degree
+    check_tp(d.meta_model(), d.spec.plan, tp)
+    if d.parallel.async_tp:
+        check_async_tp(tp, d.device_type, d.parallel.compile)
+
+
+def _expert_parallel(d: Draft) -> None:
+    """The expert-parallel degree divides each MoE layer's experts (and is carved from dp_shard x cp)."""
+    from titan_parallel.expert_parallel import check_ep
+
+    check_ep(d.meta_model(), d.spec.plan, d.cfg.parallelism.expert_parallel_degree)
+
+
+def _context_parallel(d: Draft) -> None:
+    """The sequence splits into 2 x cp chunks (x tp under sequence parallel); a known K/V exchange."""
+    from titan_parallel import check_cp, check_rotate_method
+
+    p = d.cfg.parallelism
+    check_cp(d.cfg.training.seq_len, p.context_parallel_degree, p.tensor_parallel_degree)
+    args = d.model_args if p.context_parallel_degree > 1 else None  # MLA's key and value head dims differ
+    check_rotate_method(
+        d.parallel.cp_rotate_method, getattr(args, "qk_head_dim", None), getattr(args, "v_head_dim", None)
+    )
+
+
+def _activation_checkpoint(d: Draft) -> None:
+    """A known AC mode; 'selective' takes 'op' or a positive int."""
+    from titan_parallel import check_ac
+
+    check_ac(d.parallel.ac_mode, d.parallel.ac_selective_option)
+
+
+def _pipeline(d: Draft) -> None:
+    """A known schedule; stages that divide over the ranks as the schedule places them; enough micro-batches.
+    The module names of each stage are kept for the model setup (pipeline parallel only)."""
+    from titan_parallel import check_pipeline
+
+    d.pipeline = pipeline_config(d.cfg)
+    pp = d.cfg.parallelism.pipeline_parallel_degree
+    names_per_stage = check_pipeline(
+        d.pipeline,
+        pp=pp,
+        n_layers=len(cast("nn.ModuleDict", d.meta_model().get_submodule(d.spec.plan.blocks))),
+        local_batch_size=d.cfg.training.local_batch_size,
+        plan=d.spec.plan,
+    )
+    if pp == 1:
+        return  # one stage: the schedule's name was checked, there is nothing to cut
+    d.names_per_stage = names_per_stage
+    v, t = d.cfg.validation, d.cfg.training
+    if v.enable and v.local_batch_size not in (None, t.local_batch_size):
+        # The schedule cuts every batch into the microbatches it was built for.
+        raise ConfigError(
+            f"validation.local_batch_size={v.local_batch_size} differs from training.local_batch_size="
+            f"{t.local_batch_size}; under pipeline parallel validation runs the training schedule: unset it"
+        )
+
+
+def _converters(d: Draft) -> None:
+    """One converter per linear; [float8] options that work together; MXFP8 only on hardware that has it;
+    torchao installed."""
+    from titan_core.converters import FLOAT8_KEYS, MX_KEYS, build_converters
+    from titan_parallel.float8 import INSTALL_HINT, check_float8, check_mx
+
+    names = d.cfg.model.converters
+    if "float8" in names and "mx" in names:
+        raise ConfigError("model.converters lists both 'float8' and 'mx'; a linear is converted once: keep one")
+    d.converters = build_converters(d.cfg, d.device_type)
+    if d.converters.float8 is not None:
+        with naming(FLOAT8_KEYS):  # each call has its own table: `recipe_name` is float8.recipe_name here
+            check_float8(d.converters.float8)
+    if d.converters.mx is not None:
+        with naming({**MX_KEYS, "device_type": DEVICE_KEY}, prefix="model.converters = ['mx']: "):
+            check_mx(d.converters.mx, d.device_type)
+    if names and importlib.util.find_spec("torchao") is None:
+        raise MissingPackageError(
+            f"model.converters = {list(names)} needs torchao, which is not installed; {INSTALL_HINT}"
+        )
+
+
+def _checkpoint(d: Draft) -> None:
+    """[checkpoint] keys (and training.on_nonfinite='rollback') that need checkpoint.enable; a seed checkpoint
+    on one process; a Hugging Face export of the model only, from an unpipelined model."""
+    ckpt = d.cfg.checkpoint
+    if not ckpt.enable:
+        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
+            if getattr(ckpt, key):
+                raise ConfigError(f"checkpoint.{key} is set but checkpoint.enable is false; add --checkpoint.enable")
+    if ckpt.create_seed_checkpoint and d.world_size not in (None, 1):
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint runs on one process, not {d.world_size}; "
+            "launch it with --nproc-per-node 1"
+        )
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true"
+        )
+    if d.cfg.training.on_nonfinite == "rollback" and not ckpt.enable:
+        raise ConfigError(
+            "training.on_nonfinite = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true"
+        )
+    if ckpt.last_save_in_hf and d.cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
+            "`titan convert <run>/checkpoint/step-N OUT --to hf`"
+        )
+
+
+def _profiling(d: Draft) -> None:
+    """A profiled step has a warm-up step before it; memory snapshots record CUDA's allocator."""
+    from titan_core.profiling import MIN_FREQ
+
+    pr = d.cfg.profiling
+    if (pr.enable_profiling or pr.enable_memory_snapshot) and pr.profile_freq < MIN_FREQ:
+        raise ConfigError(f"profiling.profile_freq must be >= {MIN_FREQ}, got {pr.profile_freq}")
+    if pr.enable_memory_snapshot and d.device_type != "cuda":
+        raise ConfigError(
+            "profiling.enable_memory_snapshot records the CUDA caching allocator and needs a CUDA device; "
+            "set it to false on CPU"
+        )
+
+
+def _metrics(d: Draft) -> None:
+    """`metrics.enable_wandb` needs the optional wandb package (`titan-core[wandb]`)."""
+    if d.cfg.metrics.enable_wandb:
+        from titan_core.metrics.wandb_sink import require_wandb
+
+        require_wandb()
+
+
+def _keys(table: Mapping[str, str], *fields: str) -> dict[str, str]:
+    """The entries of `table` for `fields`."""
+    return {name: table[name] for name in fields}
+
+
+DEGREES_KEYS = {**DIMS_KEYS, **_keys(PARALLEL_OPTION_KEYS, "dp_mode")}
+"""`ParallelDims(...)` and `check_data_parallel(dims, dp_mode)`."""
+TENSOR_PARALLEL_KEYS = {
+    **_keys(DIMS_KEYS, "tp"),
+    **_keys(PARALLEL_OPTION_KEYS, "async_tp", "compile"),
+    **_keys(RUN_KEYS, "device_type"),
+}
+"""`check_tp(model, plan, tp)` and `check_async_tp(tp, device_type, compile)`."""
+CONTEXT_PARALLEL_KEYS = {
+    **_keys(DIMS_KEYS, "cp", "tp"),
+    **_keys(PARALLEL_OPTION_KEYS, "cp_rotate_method"),
+    **_keys(RUN_KEYS, "seq_len"),
+}
+"""`check_cp(seq_len, cp, tp)` and `check_rotate_method(cp_rotate_method, ...)`."""
+AC_KEYS = _keys(PARALLEL_OPTION_KEYS, "ac_mode", "ac_selective_option")
+"""`check_ac(ac_mode, ac_selective_option)`."""
+PIPELINE_RULE_KEYS = {**PIPELINE_KEYS, **_keys(DIMS_KEYS, "pp"), **_keys(RUN_KEYS, "n_layers", "local_batch_size")}
+"""`check_pipeline(config, pp=, n_layers=, local_batch_size=, plan=)`."""
+
+RULES: tuple[Rule, ...] = (
+    Rule("device", _device, _keys(RUN_KEYS, "device")),
+    Rule("model_shape", _model_shape),
+    Rule("degrees", _degrees, DEGREES_KEYS),
+    Rule("batch", _batch),
+    Rule("tensor_parallel", _tensor_parallel, TENSOR_PARALLEL_KEYS),
+    Rule("expert_parallel", _expert_parallel, _keys(DIMS_KEYS, "ep")),
+    Rule("context_parallel", _context_parallel, CONTEXT_PARALLEL_KEYS),
+    Rule("activation_checkpoint", _activation_checkpoint, AC_KEYS),
+    Rule("pipeline", _pipeline, PIPELINE_RULE_KEYS),
+    Rule("converters", _converters),  # two library calls, each with its own table
+    Rule("checkpoint", _checkpoint),
+    Rule("profiling", _profiling),
+    Rule("metrics", _metrics),
+)
+"""Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""
