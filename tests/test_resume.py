@@ -203,7 +203,8 @@ def test_truncated_shard_is_detected_and_named(reference, tmp_path):
     assert proc.returncode == 2
     error = output.strip().splitlines()[-1]
     assert error.startswith("titan: error: checkpoint file") and str(shard) in error, error
-    assert "truncated" in error and "checkpoint.load_step=4" in error, error  # titan-ckpt's load_step=4, as its config key
+    # titan-ckpt's own argument, then its config key by lookup
+    assert "truncated" in error and "load_step=4" in error and "(load_step set by checkpoint.load_step)" in error, error
 
 
 def test_load_step_and_exclude_from_loading(reference, tmp_path):

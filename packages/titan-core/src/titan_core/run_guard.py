@@ -169,10 +169,6 @@ class RunGuard:
         s[_FIRST_STEP:] = torch.where(first.bool(), mine, s[_FIRST_STEP:])
         return bad
 
-    def host_verdict(self, found_inf: torch.Tensor) -> bool:
-        """`found_inf` read on the host (a sync): for optimizers that cannot drop an update on the device."""
-        return bool(found_inf.item())
-
     def poll_due(self, step: int) -> bool:
         """Whether the loop must poll after `step` for stop signals (every `poll_every` steps)."""
         return step % self.poll_every == 0

@@ -242,25 +242,26 @@ class StepRunner:
                 total = loss if total is None else total + loss
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=self.pp_mesh)
         found_inf = guard.observe(total, grad_norm, step) if guard is not None else None
-        if found_inf is not None and not self.device_drop and guard is not None and guard.host_verdict(found_inf):
-            self.lr_step()  # the update is dropped, the schedule follows the step counter
-            if self.balancer is not None:
-                self.balancer.after_backward(found_inf=found_inf)
-            return StepResult(total, grad_norm, found_inf)
-        if self.balancer is not None:
+        if self.balancer is not None:  # expert biases move unless found_inf (on the device)
             self.balancer.after_backward(found_inf=found_inf)
+        if found_inf is None or self.device_drop:
+            self._optimizer_step(found_inf)  # a bad update is dropped inside the fused kernels
+        elif not bool(found_inf.item()):  # foreach / for-loop: the verdict is read on the host (one sync)
+            self._optimizer_step(None)
+        self.lr_step()  # the schedule follows the step counter, dropped steps included
+        return StepResult(total, grad_norm, found_inf)
+
+    def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:
         for optimizer in self.optimizers:
-            if found_inf is not None and self.device_drop:
+            if found_inf is not None:
                 optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by Adam/AdamW's fused step
             try:
                 optimizer.step()
             finally:
-                if found_inf is not None and self.device_drop:
+                if found_inf is not None:
                     del optimizer.found_inf  # type: ignore[attr-defined]
-        self.lr_step()
         if self.after_step is not None:
             self.after_step()
-        return StepResult(total, grad_norm, found_inf)
 
     def lr_step(self) -> None:
         for scheduler in self.lr_schedulers:
