@@ -1,9 +1,10 @@
 """Every parallel layout against one process: the parity matrix.
 
-Each layout trains the debug model for 10 steps in fp32 from the same seeded
-init (on CPU every rank builds the full model from the seed and keeps its
-shards, so all layouts start from bit-identical weights) on the same global
-batch of 8 sequences, and its per-step global loss is compared with one process.
+Each layout trains the debug model for 10 steps in fp32 (bf16 rows: below), validating at steps 5
+and 10 (except compiled rows), from
+the same seeded init (on CPU every rank builds the full model from the seed and
+keeps its shards, so all layouts start from bit-identical weights) on the same
+global batch of 8 sequences, and its per-step global loss is compared with one process.
 
     uv run python tests/parity_matrix.py            # prints the table (all layouts)
     uv run python tests/parity_matrix.py tp2 cp2_rotate
@@ -15,6 +16,47 @@ fp32 results at ~1e-7 relative per step; AdamW's normalised updates carry such
 perturbations forward without damping, and over 10 steps we measured up to a few
 times 1e-6. A real bug (a wrong shard, a missed gradient, a mis-scaled loss, a
 wrong RoPE position) moves the loss by 1e-3 or more within two steps.
+
+bf16 rows (`dtype="bfloat16"`): FSDP 2, TP 2, PP 2 (1F1B) and Qwen3-MoE with EP 2, each
+against a one-process bf16 run of the same model. FSDP's `MixedPrecisionPolicy` casts for one
+rank as for N (`titan_parallel.uses_fsdp`), so the reference and the layouts take one dtype
+path; tests/test_precision.py checks that path dtype by dtype. Skipped, with the reason, on a
+CPU without native bf16 (`titan_parallel.precision.native_bf16`): there bf16 matmuls run
+~150x slower than fp32.
+
+bf16 tolerance. bf16 keeps 8 significant bits: unit roundoff u = 2^-8 ~ 3.9e-3, against
+fp32's 2^-24. A different summation order flips which way some bf16 products and
+gradients round, and AdamW carries that forward as it does in fp32, 2^16 times larger
+at the source. Measured 2026-11-26 on a 2-core Intel Xeon with AMX and AVX512-BF16
+(torch 2.15, gloo, OMP_NUM_THREADS=1) at 9aac953 (foreach AdamW), max |loss diff| over
+10 steps, seeds 7, 8 and 9 (the rows re-run at 01982c9, fused AdamW: 0.8e-3 .. 1.6e-3):
+
+    summation order only, same bf16 path (FSDP 2, TP 2, PP 2;       Llama 3   0.9e-3 .. 2.8e-3
+      one micro-batch of 8 vs two of 4; EP 2 for the MoE)           Qwen3-MoE 1.2e-3 .. 1.0e-2
+    bf16 vs its fp32 twin (one process)                              Llama 3   2.0e-3 .. 2.4e-3
+                                                                     Qwen3-MoE 5.3e-3 .. 1.7e-2
+    injected bugs, bf16 (Llama 3 FSDP 2 unless said):
+      half of one linear's gradient lost on one rank                 5.4e-3 (4.6e-3 at step 2 in fp32)
+      half of one block's gradients lost on one rank                 8.7e-2; Qwen3-MoE EP 2: 2.4e-2
+      one rank's loss scaled x2 before backward                      2.6e-1
+
+At step 1 (same weights, forward only) layouts differ by <= 1e-5, except TP (up to 1.3e-3:
+each rank's partial sum of a row-parallel matmul is rounded to bf16 before the sum). u
+itself sits between drift and bugs: `BF16_TOLERANCE` = u ~ 3.9e-3 for dense rows (1.4x
+above the largest drift measured, 1.4x below the smallest bug injected) and
+`BF16_MOE_TOLERANCE` = 4u ~ 1.6e-2 for the MoE row, where a token whose top-k experts flip
+on a rounding difference takes another path, so drift grows faster (1.5x above its largest
+drift, 1.5x below the bug). DeepSeek-V3 is not used: its expert-bias update steps by the
+sign of each expert's load, so one flipped token can move a bias, and its bf16 drift at
+seed 7 (5.7e-3 EP 2, 7.8e-3 FSDP 2, 7.6e-3 two micro-batches) hides what the rows look for.
+
+What bf16 rows cannot see: bugs below those bounds (a bug that moves the fp32 loss by 1e-3
+within two steps is the fp32 rows' to catch; every layout has one), and the dtype path
+itself. The old path (autocast on one data-parallel rank, FSDP's casts on N) moved bf16
+losses by 1.6e-3 .. 3.8e-3 (Llama 3 FSDP 2; 3.2e-3 at 01982c9) and 2.7e-3 .. 1.1e-2
+(Qwen3-MoE EP 2) over the same seeds: no wider than summation order's drift, so no loss
+bound separates the two, and these rows pass under the old path; test_precision.py's
+dtype-by-dtype check fails there.
 """
 
 from __future__ import annotations
@@ -26,10 +68,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from titan_run import TINY, losses, run_titan  # noqa: E402
+from titan_run import TINY, losses, run_titan, validation_losses  # noqa: E402
 
 GLOBAL_BATCH = 8
 TOLERANCE = 2e-5
+BF16_TOLERANCE = 2.0**-8  # bf16's unit roundoff; see the module docstring
+BF16_MOE_TOLERANCE = 4 * 2.0**-8
 
 P = "--parallelism."
 
@@ -45,6 +89,8 @@ class Layout:
     # DETAIL wrapper process group in torch 2.15 on gloo.
     debug_detail: bool = True
     model: tuple[str, ...] = ()  # --model.* arguments; () = the default Llama 3 debug model
+    dtype: str = "float32"  # training.mixed_precision_param of the layout and its one-process reference
+    tolerance: float = TOLERANCE  # max |loss diff| from the reference over the 10 steps
 
 
 # Mixture-of-Experts rows: the DeepSeek-V3 debug model (MLA, a dense first block then MoE blocks,
@@ -100,45 +146,78 @@ LAYOUTS = [
     Layout("moe_ep2_tp2", 4, 2, (EP, "2", f"{P}tensor_parallel_degree", "2"), model=DEEPSEEK),
     # Qwen3-MoE under TP: QK-norm on head-sharded activations, the MoE replicated over the TP ranks.
     Layout("qwen3_moe_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), model=QWEN3_MOE),
+    # bf16, against a one-process bf16 reference: FSDP casts for 1 rank as for N (the tolerance: module docstring).
+    Layout("bf16_fsdp2", 2, 2, (), dtype="bfloat16", tolerance=BF16_TOLERANCE),
+    Layout("bf16_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), dtype="bfloat16", tolerance=BF16_TOLERANCE),
+    Layout("bf16_pp2_1F1B", 2, 1, _pp("1F1B"), dtype="bfloat16", tolerance=BF16_TOLERANCE),
+    Layout("bf16_qwen3_moe_ep2", 2, 2, (EP, "2"), model=QWEN3_MOE, dtype="bfloat16", tolerance=BF16_MOE_TOLERANCE),
 ]
 
 
+# Validation at steps 5 and 10 through the step runner's forward (pipeline schedules' eval included): its loss is
+# compared like the training losses. Compiled rows leave it out (an eval-mode forward recompiles every block).
+VALIDATION = ("--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "1")
+
+
+def validates(layout: Layout) -> bool:
+    return "--compile.enable" not in layout.args
+
+
 def run_layout(layout: Layout, folder: Path) -> list[float]:
-    run_titan(folder, *TINY, *layout.model, "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
-              nproc=layout.nproc, debug_detail=layout.debug_detail)
-    return losses(folder)
+    """The layout's 10 training losses, then its 2 validation losses (when it validates)."""
+    run_titan(folder, *TINY, *layout.model, "--training.mixed_precision_param", layout.dtype,
+              "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
+              *(VALIDATION if validates(layout) else ()), nproc=layout.nproc, debug_detail=layout.debug_detail)
+    return losses(folder) + validation_losses(folder)
 
 
-def reference_losses(folder: Path, model: tuple[str, ...] = ()) -> list[float]:
-    run_titan(folder, *TINY, *model, "--training.local_batch_size", str(GLOBAL_BATCH))
-    return losses(folder)
+def reference_losses(folder: Path, model: tuple[str, ...] = (), dtype: str = "float32") -> list[float]:
+    """One process's 10 training losses and 2 validation losses."""
+    run_titan(folder, *TINY, *model, "--training.mixed_precision_param", dtype,
+              "--training.local_batch_size", str(GLOBAL_BATCH), *VALIDATION)
+    return losses(folder) + validation_losses(folder)
 
 
-def max_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == 10, (len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a, b))
+def bf16_skip_reason() -> str | None:
+    """Why bf16 rows cannot run on this CPU, or None when it computes bf16 natively."""
+    import torch
+
+    from titan_parallel.precision import native_bf16
+
+    native, why = native_bf16(torch.device("cpu"))
+    return None if native else f"bf16 rows need native bf16, but {why}: bf16 matmuls would run ~150x slower than fp32"
+
+
+def max_diff(reference: list[float], layout: list[float]) -> float:
+    """Max |difference| of the 10 training losses, and of the 2 validation losses when the layout has them."""
+    assert len(reference) == 12 and len(layout) in (10, 12), (len(reference), len(layout))
+    return max(abs(x - y) for x, y in zip(reference, layout, strict=False))
 
 
 def main(names: list[str]) -> int:
     chosen = [lay for lay in LAYOUTS if not names or lay.name in names]
+    if (skip := bf16_skip_reason()) and any(lay.dtype == "bfloat16" for lay in chosen):
+        print(f"skipping the bf16 rows: {skip}")
+        chosen = [lay for lay in chosen if lay.dtype != "bfloat16"]
     with tempfile.TemporaryDirectory() as tmp:
-        refs: dict[tuple[str, ...], list[float]] = {}
-        for model in dict.fromkeys(lay.model for lay in chosen):
-            refs[model] = reference_losses(Path(tmp) / f"ref{len(refs)}", model)
-            name = " ".join(model[1::2]) or "llama3 debugmodel"
-            print(f"reference {name} (1 process): losses {refs[model][0]:.6f} -> {refs[model][-1]:.6f}; tolerance {TOLERANCE:g}")
-        print(f"{'layout':<28}{'procs':>6}{'max |loss diff|':>18}{'seconds':>9}  ok")
+        refs: dict[tuple[tuple[str, ...], str], list[float]] = {}
+        for key in dict.fromkeys((lay.model, lay.dtype) for lay in chosen):
+            refs[key] = reference_losses(Path(tmp) / f"ref{len(refs)}", *key)
+            name = " ".join(key[0][1::2]) or "llama3 debugmodel"
+            print(f"reference {name} {key[1]} (1 process): losses {refs[key][0]:.6f} -> {refs[key][-1]:.6f}")
+        print(f"{'layout':<28}{'procs':>6}{'max |loss diff|':>18}{'tolerance':>11}{'seconds':>9}  ok")
         failed = 0
         for layout in chosen:
             start = time.perf_counter()
             try:
-                diff = max_diff(refs[layout.model], run_layout(layout, Path(tmp) / layout.name))
+                diff = max_diff(refs[layout.model, layout.dtype], run_layout(layout, Path(tmp) / layout.name))
             except AssertionError as e:  # the run itself failed: show why, go on
                 print(str(e)[-1500:])
                 diff = float("nan")
-            ok = diff <= TOLERANCE
+            ok = diff <= layout.tolerance
             failed += not ok
-            print(f"{layout.name:<28}{layout.nproc:>6}{diff:>18.2e}{time.perf_counter() - start:>9.1f}  {'yes' if ok else 'NO'}")
+            print(f"{layout.name:<28}{layout.nproc:>6}{diff:>18.2e}{layout.tolerance:>11.2g}"
+                  f"{time.perf_counter() - start:>9.1f}  {'yes' if ok else 'NO'}")
     return 1 if failed else 0
 
 

@@ -1,14 +1,17 @@
-"""The compute dtype that suits the machine, mixed precision without FSDP, and async TP refused
-before any process starts."""
+"""The compute dtype that suits the machine, one bf16 casting path for 1 and N ranks, and async TP
+refused before any process starts."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 from titan_parallel import ParallelOptions, mixed_precision_context, resolve_param_dtype, uses_fsdp
-from titan_run import TINY, run_titan
+from titan_run import REPO, TINY, run_titan, titan_env
 
 CPU = torch.device("cpu")
 
@@ -56,13 +59,61 @@ class FakeMesh:
         return type("Dim", (), {"size": lambda self: size})()
 
 
-def test_fsdp_only_where_there_is_something_to_shard():
+BF16 = ParallelOptions(param_dtype=torch.bfloat16)
+
+
+def test_fsdp_where_it_shards_or_casts():
+    # fp32: FSDP only where there is something to shard
     assert not uses_fsdp(FakeMesh(), ParallelOptions())  # one data-parallel rank: plain parameters
     assert not uses_fsdp(FakeMesh(tp=2), ParallelOptions())  # TP alone
     assert uses_fsdp(FakeMesh(dp_shard_cp=2), ParallelOptions())
     assert uses_fsdp(FakeMesh(dp_replicate=2), ParallelOptions())  # HSDP with one shard
     assert uses_fsdp(FakeMesh(), ParallelOptions(cpu_offload=True))  # offload is FSDP's
+    # bf16: FSDP casts on every world size, one data-parallel rank included (one process, TP or PP alone)
+    assert uses_fsdp(FakeMesh(), BF16)
+    assert uses_fsdp(FakeMesh(tp=2), BF16)
+    assert uses_fsdp(FakeMesh(dp_shard_cp=2), BF16)
+    # DDP never: autocast casts, on 1 and N ranks alike
     assert not uses_fsdp(FakeMesh(dp_replicate=2), ParallelOptions(dp_mode="ddp"))
+    assert not uses_fsdp(FakeMesh(), ParallelOptions(param_dtype=torch.bfloat16, dp_mode="ddp"))
+
+
+def dtype_paths(nproc: int, *layouts: str) -> dict:
+    """One bf16 step per layout on `nproc` gloo ranks, as tests/workers/precision_worker.py records it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "tests/workers/precision_worker.py", *layouts]
+    # No TORCH_DISTRIBUTED_DEBUG=DETAIL: DDP's reducer crashes under its wrapper process group (torch 2.15, gloo).
+    env = titan_env(debug_detail=False)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PRECISION ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(lines[0].removeprefix("PRECISION "))
+
+
+def test_bf16_takes_one_dtype_path_on_one_and_two_ranks():
+    one, two = dtype_paths(1, "fsdp", "ddp"), dtype_paths(2, "fsdp", "tp", "ddp")
+
+    # FSDP casts: on one rank as on two, and under TP alone (one data-parallel rank).
+    path = one["fsdp"]
+    assert all(run["fsdp"] and run["wrapped"] for run in (path, two["fsdp"], two["tp"]))
+    modules = path["modules"]
+    assert {"tok_embeddings", "layers.0", "layers.1", "layers.0.attention.wq", "norm", "output"} <= set(modules)
+    for name, seen in modules.items():
+        assert seen["params"] in ([], ["bfloat16"]), (name, seen)  # every weight gathered in bf16
+        tokens_in = name in ("<root>", "tok_embeddings")
+        assert set(seen["inputs"]) == ({"int64"} if tokens_in else {"bfloat16"}), (name, seen)
+        assert seen["output"] == "bfloat16", (name, seen)  # the residual stream (the blocks' outputs) included
+    assert path["loss"] == "float32"  # cross-entropy on fp32 logits
+    assert set(path["grads"].values()) == {"float32"}  # gradients land on the fp32 master weights
+    assert two["fsdp"] == path and two["tp"] == path
+
+    # DDP: autocast on one rank and two: fp32 weights and residual stream, bf16 matmul outputs.
+    ddp = one["ddp"]
+    assert not ddp["fsdp"] and not ddp["wrapped"] and two["ddp"] == ddp
+    wq = ddp["modules"]["layers.0.attention.wq"]
+    assert wq == {"params": ["float32"], "inputs": ["float32"], "output": "bfloat16"}
+    assert ddp["modules"]["tok_embeddings"]["output"] == ddp["modules"]["layers.0"]["output"] == "float32"
+    assert ddp != path  # what one rank computed before FSDP cast there: bf16 differed in kind from N ranks
 
 
 def test_autocast_casts_where_fsdp_does_not():
@@ -82,12 +133,16 @@ ASYNC_TP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_a
 def test_titan_train_refuses_async_tp_before_starting_processes(tmp_path):
     # Through `titan train` as a user runs it: one line, exit 2, and no torchrun traceback,
     # because the config is checked before torchrun starts the two processes.
-    for extra, names in (([], ("compile.enable", "CUDA device")), (["--compile.enable", "true"], ("CUDA device",))):
+    async_tp, device = "async_tp set by parallelism.enable_async_tensor_parallel", "device_type set by training.device"
+    cases = (
+        ([], ("needs compile=True and a CUDA device", async_tp, "compile set by compile.enable", device)),
+        (["--compile.enable", "true"], ("needs a CUDA device", async_tp, device)),
+    )
+    for extra, names in cases:
         proc = run_titan(tmp_path / "run", *TINY, *ASYNC_TP, *extra, nproc=2, check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1, proc.stderr[-2000:]
-        assert lines[0].startswith("titan: error: parallelism.enable_async_tensor_parallel needs ")
+        assert lines[0].startswith("titan: error: async_tp needs ")
         assert all(name in lines[0] for name in names), lines[0]
-        assert ("needs compile.enable" in lines[0]) == (not extra)
         assert not (tmp_path / "run").exists()

@@ -54,4 +54,8 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 
 def losses(dump_folder: Path) -> list[float]:
-    return [r["loss/global_avg"] for r in read_metrics(dump_folder)]
+    return [r["loss/global_avg"] for r in read_metrics(dump_folder) if "loss/global_avg" in r]
+
+
+def validation_losses(dump_folder: Path) -> list[float]:
+    return [r["validation/loss"] for r in read_metrics(dump_folder) if "validation/loss" in r]

@@ -68,9 +68,9 @@ def apply_fsdp(
         fully_shard(unit, reshard_after_forward=reshard, **config)
     if expert_mesh is not None:
         for moe in moe_modules(model, plan):
-            if is_expert_parallel(moe.experts):
+            if is_expert_parallel(moe.get_submodule("experts")):
                 experts = fully_shard(
-                    moe.experts,
+                    moe.get_submodule("experts"),
                     reshard_after_forward=reshard,
                     shard_placement_fn=lambda _: Shard(1),
                     **{**config, "mesh": expert_mesh},
@@ -105,7 +105,8 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Replicate `model` over `mesh` with gradient all-reduce (composable DDP).
 
     Mixed precision is not applied here: under DDP, parameters stay in their own
-    dtype (use FSDP for bf16 compute through `MixedPrecisionPolicy`).
+    dtype and the step's `mixed_precision_context` (autocast) computes in bf16, on 1
+    and N ranks alike (FSDP casts through `MixedPrecisionPolicy` instead).
 
     Args:
         model: the materialised model (DDP buckets real gradients).

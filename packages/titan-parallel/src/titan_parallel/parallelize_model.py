@@ -23,7 +23,7 @@ import torch.nn as nn
 from titan_parallel.activation_checkpoint import apply_ac
 from titan_parallel.compile import apply_compile, compile_backend
 from titan_parallel.fsdp import apply_ddp, apply_fsdp
-from titan_parallel.layout import check_ac, check_async_tp, check_data_parallel, check_rotate_method
+from titan_parallel.layout import ParallelDims, check_ac, check_async_tp, check_data_parallel, check_rotate_method
 from titan_parallel.mesh import ParallelMesh
 from titan_parallel.plan import ModelPlan
 
@@ -33,7 +33,8 @@ class ParallelOptions:
     """What to apply beyond the mesh's degrees; defaults apply nothing optional.
 
     Args:
-        param_dtype: compute dtype of parameters under FSDP (bf16 = mixed precision).
+        param_dtype: compute dtype (bf16 = mixed precision): FSDP's when it is not fp32 (see `uses_fsdp`),
+            autocast's under DDP.
         reduce_dtype: gradient reduction dtype under FSDP.
         reshard_after_forward: FSDP policy, "default" | "always" | "never".
         cpu_offload: FSDP keeps parameters and optimizer state on the CPU.
@@ -61,23 +62,36 @@ class ParallelOptions:
     pipeline_parallel: bool = False
 
 
-def uses_fsdp(mesh: ParallelMesh, options: ParallelOptions) -> bool:
+def uses_fsdp(mesh: ParallelMesh | ParallelDims, options: ParallelOptions) -> bool:
     """Whether `parallelize` wraps the model with FSDP for this mesh and options.
 
-    FSDP runs when the data-parallel mesh (`dp_replicate` x `dp_shard_cp`) has more than
-    one rank, or for CPU offload. With a single data-parallel rank there is nothing to
-    shard: FSDP would only turn every parameter into a DTensor and slow each step (the
-    optimizer over DTensors measured ~2.5x slower than over plain tensors), so the model
-    keeps plain (or TP-sharded) parameters and mixed precision comes from
-    `titan_parallel.precision.mixed_precision_context` instead.
+    The one place this is decided: `parallelize` wraps by it, and the model setup asks it once
+    for the step (autocast only where it is False) and for float8 (how many ranks gather).
+    Under `dp_mode="fsdp"` FSDP runs when:
+
+    - the data-parallel mesh (`dp_replicate` x `dp_shard_cp`) has more than one rank;
+    - the compute dtype (`param_dtype`) is not fp32, even on a single data-parallel rank
+      (one process, or TP / PP alone): FSDP's `MixedPrecisionPolicy` then casts for one
+      rank as for N (bf16 parameters and activations, gradients reduced in `reduce_dtype`),
+      so bf16 means the same on every world size. `torch.autocast` would compute otherwise
+      (fp32 embeddings, residual stream and norms around bf16 matmuls). On one process
+      this costs the default run ~6% tokens/s on a 2-core CPU (docs/performance.md);
+    - CPU offload, which is FSDP's.
+
+    fp32 on one data-parallel rank skips FSDP: nothing to cast or shard, and FSDP would only
+    turn every parameter into a DTensor (the optimizer over DTensors measured ~2.5x slower
+    than over plain tensors). Under `dp_mode="ddp"` FSDP never runs: DDP computes bf16 by
+    `titan_parallel.precision.mixed_precision_context` (autocast) on 1 and N ranks alike.
 
     Args:
         mesh: the parallel mesh.
-        options: the parallel options (`dp_mode`, `cpu_offload`).
+        options: the parallel options (`dp_mode`, `param_dtype`, `cpu_offload`).
     """
     if options.dp_mode == "ddp":
         return False
-    return options.cpu_offload or mesh["dp_replicate"].size() * mesh["dp_shard_cp"].size() > 1
+    dims = mesh.dims if isinstance(mesh, ParallelMesh) else mesh  # the degrees alone decide (memory estimates)
+    data_parallel = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    return data_parallel or options.param_dtype != torch.float32 or options.cpu_offload
 
 
 def check_options(mesh: ParallelMesh, options: ParallelOptions) -> None:

@@ -6,9 +6,13 @@ Two questions, answered by asking torch rather than parsing /proc:
   device from Ampere on does; a CPU does with AVX512-BF16 or AMX. On an AVX2-only
   CPU torch has no fast bf16 kernel: a bf16 matmul measured 0.9 GFLOP/s there
   against 143 GFLOP/s in fp32, so "auto" picks fp32 on such a machine.
-- `mixed_precision_context(...)`: FSDP2 applies mixed precision itself (its
-  `MixedPrecisionPolicy` casts the gathered parameters). Where the model is not
-  wrapped by FSDP (one data-parallel rank, or DDP), `torch.autocast` does it instead.
+- `mixed_precision_context(...)`: how the compute dtype is applied. Under
+  `dp_mode="fsdp"` FSDP2's `MixedPrecisionPolicy` casts (weights gathered in bf16,
+  so activations and the residual stream are bf16 too) on every world size, one
+  rank included (`titan_parallel.uses_fsdp`): bf16 means the same on 1 and N
+  ranks, and the context is a no-op. Under DDP `torch.autocast` casts instead, on
+  1 and N ranks alike: bf16 matmuls around fp32 weights, embeddings, norms and
+  residual stream, a different recipe from FSDP's.
 """
 
 from __future__ import annotations
@@ -42,10 +46,8 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
         ]
         if features:
             return True, f"this CPU has {' and '.join(features)}"
-        return (
-            False,
-            f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})",
-        )
+        capability = torch.backends.cpu.get_cpu_capability()
+        return False, f"this CPU has neither AVX512-BF16 nor AMX (torch's CPU capability: {capability})"
     return False, f"no bf16 check for device type {device.type!r}"
 
 
@@ -78,12 +80,12 @@ def resolve_param_dtype(name: str, device: torch.device) -> tuple[torch.dtype, s
 def mixed_precision_context(
     device_type: str, param_dtype: torch.dtype, *, fsdp: bool
 ) -> contextlib.AbstractContextManager:
-    """`torch.autocast` to `param_dtype` when FSDP does not apply mixed precision itself, else a no-op.
+    """`torch.autocast` to `param_dtype` when FSDP does not apply mixed precision itself (DDP), else a no-op.
 
     Args:
         device_type: "cuda" or "cpu".
         param_dtype: the compute dtype; fp32 needs no context.
-        fsdp: whether the model is wrapped by FSDP (whose policy casts parameters).
+        fsdp: whether the model is wrapped by FSDP (whose policy casts parameters), as `uses_fsdp` says.
     """
     if fsdp or param_dtype == torch.float32:
         return contextlib.nullcontext()

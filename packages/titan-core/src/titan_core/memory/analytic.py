@@ -77,6 +77,7 @@ def compute_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
 
 def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     from titan_models import ActivationLayout
+    from titan_parallel import uses_fsdp
 
     cfg, world_size = job.cfg, job.world_size
     dims, _ = _sized(job)
@@ -85,7 +86,7 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     assert activation_bytes is not None, "estimate_analytic refuses a family without activation formulas"
     t, p = cfg.training, cfg.parallelism
     b = compute_dtype_bytes(cfg, job.device_type)
-    fsdp = p.dp_mode == "fsdp" and (dims.dp_replicate * dims.dp_shard * dims.cp > 1 or t.enable_cpu_offload)
+    fsdp = uses_fsdp(dims, job.parallel)  # the same rule `parallelize` wraps by (bf16 on one rank included)
     shards = dims.dp_shard * dims.cp if fsdp else 1
     reduce_b = DTYPE_BYTES[t.mixed_precision_reduce] if fsdp else 4
     layout = ActivationLayout(
