@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from titan_core.job.rules import NO_EVAL_SCHEDULES  # noqa: E402
 from titan_run import TINY, losses, run_titan, validation_losses  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -155,12 +156,14 @@ LAYOUTS = [
 
 
 # Validation at steps 5 and 10 through the step runner's forward (pipeline schedules' eval included): its loss is
-# compared like the training losses. Compiled rows leave it out (an eval-mode forward recompiles every block).
+# compared like the training losses. Compiled rows leave it out (an eval-mode forward recompiles every block), and
+# so do the V schedules, whose forward-only pass fails in torch.
 VALIDATION = ("--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "1")
 
 
 def validates(layout: Layout) -> bool:
-    return "--compile.enable" not in layout.args
+    """Compiled rows, and the V schedules (whose eval() fails in torch; the job check refuses it), do not validate."""
+    return "--compile.enable" not in layout.args and not any(s in layout.args for s in NO_EVAL_SCHEDULES)
 
 
 def run_layout(layout: Layout, folder: Path) -> list[float]:

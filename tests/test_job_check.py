@@ -100,6 +100,8 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
          ["(enable_fsdp_float8_all_gather set by float8.enable_fsdp_float8_all_gather, recipe_name set by float8.recipe_name)"]),
         (["--validation.enable", "true", "--validation.local_batch_size", "2", "--parallelism.pipeline_parallel_degree",
           "2"], ["validation.local_batch_size=2", "training.local_batch_size=8", "pipeline parallel"]),
+        (["--validation.enable", "true", "--parallelism.pipeline_parallel_degree", "2",
+          "--parallelism.pipeline_parallel_schedule", "DualPipeV"], ["validation.enable", "'DualPipeV'", "schedule.eval"]),
         (["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "2"],
          ["checkpoint.create_seed_checkpoint", "not 2"]),
         (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], ["checkpoint.last_save_model_only"]),

@@ -229,6 +229,10 @@ def _activation_checkpoint(d: Draft) -> None:
     check_ac(d.parallel.ac_mode, d.parallel.ac_selective_option)
 
 
+NO_EVAL_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Pipeline schedules whose forward-only pass fails in torch (validation is refused under them)."""
+
+
 def _pipeline(d: Draft) -> None:
     """A known schedule; stages that divide over the ranks as the schedule places them; enough micro-batches.
     The module names of each stage are kept for the model setup (pipeline parallel only)."""
@@ -247,6 +251,15 @@ def _pipeline(d: Draft) -> None:
         return  # one stage: the schedule's name was checked, there is nothing to cut
     d.names_per_stage = names_per_stage
     v, t = d.cfg.validation, d.cfg.training
+    schedule = d.cfg.parallelism.pipeline_parallel_schedule
+    if v.enable and schedule in NO_EVAL_SCHEDULES:
+        # torch 2.15's forward-only pass of a V schedule asserts "can't steal_bwd_input if this stage doesn't
+        # have backward" (measured with both V schedules on 2 ranks).
+        raise ConfigError(
+            f"validation.enable: torch's forward-only pass (schedule.eval) fails under the V schedule "
+            f"parallelism.pipeline_parallel_schedule='{schedule}'; pick another schedule or set validation.enable "
+            "to false"
+        )
     if v.enable and v.local_batch_size not in (None, t.local_batch_size):
         # The schedule cuts every batch into the microbatches it was built for.
         raise ConfigError(
