@@ -89,8 +89,10 @@ def uses_fsdp(mesh: ParallelMesh | ParallelDims, options: ParallelOptions) -> bo
     """
     if options.dp_mode == "ddp":
         return False
-    dims = mesh.dims if isinstance(mesh, ParallelMesh) else mesh  # the degrees alone decide (memory estimates)
-    data_parallel = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    if isinstance(mesh, ParallelDims):  # the degrees alone (memory estimates, before any mesh exists)
+        data_parallel = mesh.dp_replicate * mesh.dp_shard * mesh.cp > 1
+    else:
+        data_parallel = mesh["dp_replicate"].size() * mesh["dp_shard_cp"].size() > 1
     return data_parallel or options.param_dtype != torch.float32 or options.cpu_offload
 
 
