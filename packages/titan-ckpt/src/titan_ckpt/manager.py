@@ -221,7 +221,7 @@ class CheckpointManager:
         self._complete_pending(block=force)
         if force and self._saved_step == step:
             return False
-        if step % self.interval and not last_step and not force:
+        if not force and not self.due(step, last_step=last_step):
             return False
         model_only = last_step and self.last_save_model_only and not force
         dtype = self.export_dtype if model_only else None
@@ -229,6 +229,10 @@ class CheckpointManager:
         external = model_only and self.save_model_fn is not None
         self._save(step, model_only=model_only, dtype=dtype, background=background, with_json=True, external=external)
         return True
+
+    def due(self, step: int, *, last_step: bool = False) -> bool:
+        """Whether `save(step, last_step=...)` writes a checkpoint (enabled, and `interval` or the last step)."""
+        return self.enable and (step % self.interval == 0 or last_step)
 
     def save_seed(self) -> Path:
         """Save the freshly initialised model alone as `step-0` (a seed checkpoint, written by one

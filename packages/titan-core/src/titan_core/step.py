@@ -169,7 +169,7 @@ class StepRunner:
         self.loss_parallel = loss_parallel and mesh["tp"].size() > 1
         self.cp_mesh = mesh["cp"] if mesh["cp"].size() > 1 else None  # sliced once: slicing reads the mesh
         self.pp_mesh = mesh["pp"] if mesh["pp"].size() > 1 else None
-        self.accum_steps, self.max_norm = accum_steps, max_norm
+        self.max_norm = max_norm
         self.balancer, self.after_step = balancer, after_step
         # Torch's pipeline schedule over this rank's stages, or without pipeline parallel a one-stage schedule
         # with the same interface (`step`, `eval`; stages with `is_first` / `is_last`).
@@ -184,8 +184,7 @@ class StepRunner:
             self.stages = [self.schedule]
         if balancer is not None:
             loss.aux_layers = [moe for _, moe in balancer.layers]
-        self.train_divisor = accum_steps * model.n_microbatches
-        loss.set_divisor(self.train_divisor)
+        loss.set_divisor(accum_steps * model.n_microbatches)
         # The fused kernels take the guard's verdict on the device; the others need it on the host.
         self.device_drop = all(_takes_found_inf(opt) for opt in self.optimizers)
 

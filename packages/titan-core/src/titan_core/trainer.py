@@ -387,7 +387,7 @@ class Trainer:
                     steps_since_log += 1
                     meter.add_tokens(tokens_per_step // self.dims.dp)
                     log_step = step % cfg.metrics.log_freq == 0 or step == t.steps
-                    save_step = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps)
+                    save_step = self.checkpointer.due(step, last_step=step == t.steps)
                     if log_step or save_step or guard.poll_due(step):  # the host reads the guard (a sync)
                         if self.nonfinite.after_poll(guard.poll(), step) == "rolled back":
                             continue  # the step counter is the checkpoint's now
