@@ -54,6 +54,7 @@ def config_error(config_file, overrides) -> str:
 
 SPEC_DEFAULTS = {
     "job.dump_folder": "./outputs",
+    "job.description": "",
     "model.name": "llama3",
     "model.flavor": "debugmodel",
     "model.hf_assets_path": None,
@@ -64,7 +65,7 @@ SPEC_DEFAULTS = {
     "optimizer.beta2": 0.95,
     "optimizer.eps": 1e-8,
     "optimizer.weight_decay": 0.1,
-    "optimizer.implementation": "fused",
+    "optimizer.implementation": "auto",
     "lr_scheduler.warmup_steps": 10,
     "lr_scheduler.decay_ratio": None,
     "lr_scheduler.decay_type": "linear",
@@ -80,6 +81,8 @@ SPEC_DEFAULTS = {
     "training.mixed_precision_param": "auto",
     "training.mixed_precision_reduce": "float32",
     "training.device": "auto",
+    "training.fused_loss": True,
+    "training.attention_backend": "auto",
     "training.enable_cpu_offload": False,
     "training.on_nonfinite": "stop",
     "training.max_nonfinite_in_a_row": 3,
@@ -160,9 +163,9 @@ def test_defaults_are_the_spec_default_run():
     for dotted, expected in SPEC_DEFAULTS.items():
         assert get(cfg, dotted) == expected, dotted
     assert cfg == JobConfig()
-    # The schema has exactly the spec's keys (plus job.description), no more.
+    # The schema has exactly the spec's keys, no more.
     dumped = {f"{s}.{k}" for s, table in cfg.model_dump().items() for k in table}
-    assert dumped == set(SPEC_DEFAULTS) | {"job.description"}
+    assert dumped == set(SPEC_DEFAULTS)
 
 
 def test_every_field_is_documented_and_listed_in_help():
@@ -276,12 +279,19 @@ def test_bool_flags(overrides, expected):
         (["--compile.components", "model"], "compile.components", ["model"]),
         (["--compile.components", "loss,model"], "compile.components", ["loss", "model"]),
         (["--compile.components", "model, loss"], "compile.components", ["model", "loss"]),
-        (["--compile.components=[\"loss\"]"], "compile.components", ["loss"]),
-        (["--checkpoint.exclude_from_loading", "optimizer,dataloader"], "checkpoint.exclude_from_loading", ["optimizer", "dataloader"]),
+        (['--compile.components=["loss"]'], "compile.components", ["loss"]),
+        (
+            ["--checkpoint.exclude_from_loading", "optimizer,dataloader"],
+            "checkpoint.exclude_from_loading",
+            ["optimizer", "dataloader"],
+        ),
         (["--checkpoint.exclude_from_loading", ""], "checkpoint.exclude_from_loading", []),
         (["--checkpoint.exclude_from_loading", "[]"], "checkpoint.exclude_from_loading", []),
         (
-            ["--parallelism.module_fqns_per_model_part", '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]'],
+            [
+                "--parallelism.module_fqns_per_model_part",
+                '[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]',
+            ],
             "parallelism.module_fqns_per_model_part",
             [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]],
         ),
@@ -354,7 +364,10 @@ def test_range_checks(tmp_path):
     for bad in ("0", "-2"):
         message = config_error(None, ["--parallelism.data_parallel_shard_degree", bad])
         assert "parallelism.data_parallel_shard_degree" in message and "-1" in message
-    assert load_config(None, ["--parallelism.data_parallel_shard_degree", "-1"]).parallelism.data_parallel_shard_degree == -1
+    assert (
+        load_config(None, ["--parallelism.data_parallel_shard_degree", "-1"]).parallelism.data_parallel_shard_degree
+        == -1
+    )
     assert "training.global_batch_size" in config_error(None, ["--training.global_batch_size", "0"])
     assert load_config(None, ["--training.global_batch_size", "64"]).training.global_batch_size == 64
     assert "checkpoint.keep_latest_k" in config_error(None, ["--checkpoint.keep_latest_k", "-1"])

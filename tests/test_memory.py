@@ -32,13 +32,27 @@ def test_8b_fsdp8_model_states_are_the_published_count_over_8():
     shard = LLAMA31_8B_PARAMS // 8  # every 8B weight's rows divide by 8: no FSDP padding
     assert rank.parameters == 4 * shard + ROPE_8B
     assert rank.optimizer == 8 * shard
-    # the 8B config: selective op AC, seq 8192, batch 1; 12 x V x T fp32 bytes at the loss's backward
-    assert rank.detail["logits_transient"] == 12 * 128256 * 8192
+    # the 8B config: selective op AC, seq 8192, batch 1: the fused loss holds one chunk of logits at a time,
+    # 2093 rows (1 GiB of fp32 logits), 12 x V bytes per row at its peak; the plain loss all 8192 rows
+    assert rank.detail["logits_transient"] == 12 * 128256 * (2**30 // (4 * 128256))
+    plain = estimate_analytic(load_config("llama3_8b", ["--training.fused_loss", "false"]), 8).ranks[0]
+    assert plain.detail["logits_transient"] == 12 * 128256 * 8192
 
 
 def test_activations_scale_with_tokens_and_tp_divides_them():
-    base = ["--training.device", "cuda", "--training.mixed_precision_param", "bfloat16", "--training.seq_len", "4096",
-            "--activation_checkpoint.mode", "none"]
+    base = [
+        "--training.device",
+        "cuda",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--training.seq_len",
+        "4096",
+        "--activation_checkpoint.mode",
+        "none",
+        "--training.fused_loss",
+        "false",
+    ]  # the fused loss keeps
+    # its output-weight gradient, which does not scale with tokens
     one = estimate_analytic(load_config("llama3_8b", base), 8).ranks[0].detail["saved_activations_per_microbatch"]
     double = estimate_analytic(load_config("llama3_8b", [*base, "--training.local_batch_size", "2"]), 8)
     assert double.ranks[0].detail["saved_activations_per_microbatch"] == pytest.approx(2 * one, rel=1e-6)
@@ -49,7 +63,9 @@ def test_activations_scale_with_tokens_and_tp_divides_them():
 
 def test_ac_modes_order_and_full_keeps_one_input_per_block():
     def saved(mode: str, option: str = "2") -> int:
-        cfg = load_config("llama3_8b", ["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option])
+        cfg = load_config(
+            "llama3_8b", ["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option]
+        )
         return estimate_analytic(cfg, 8).ranks[0].detail["saved_activations_per_microbatch"]
 
     none, op, every2, full = saved("none"), saved("selective", "op"), saved("selective", "2"), saved("full")
@@ -59,10 +75,19 @@ def test_ac_modes_order_and_full_keeps_one_input_per_block():
 
 
 def test_pipeline_1f1b_first_stage_holds_pp_microbatches():
-    cfg = load_config("llama3_8b", [
-        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B",
-        "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full",
-    ])
+    cfg = load_config(
+        "llama3_8b",
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "4",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--training.local_batch_size",
+            "8",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    )
     est = estimate_analytic(cfg, 8)
     assert [r.detail["microbatches_in_flight_x1000"] for r in est.ranks] == [4000, 3000, 2000, 1000]
 
@@ -78,9 +103,14 @@ def test_budget_parsing_and_usable_part():
 
 @pytest.mark.parametrize(
     "config, ranks",
-    [("llama3_debugmodel", ["--nproc-per-node", "1"]), ("llama3_10m", ["--nproc-per-node", "2"]),
-     ("llama3_110m", ["--nproc-per-node", "4"]), ("llama3_8b", ["--nproc-per-node", "8"]),
-     ("llama3_70b", ["--nproc-per-node", "8", "--nnodes", "32"]), ("llama3_405b", ["--nproc-per-node", "8", "--nnodes", "64"])],
+    [
+        ("llama3_debugmodel", ["--nproc-per-node", "1"]),
+        ("llama3_10m", ["--nproc-per-node", "2"]),
+        ("llama3_110m", ["--nproc-per-node", "4"]),
+        ("llama3_8b", ["--nproc-per-node", "8"]),
+        ("llama3_70b", ["--nproc-per-node", "8", "--nnodes", "32"]),
+        ("llama3_405b", ["--nproc-per-node", "8", "--nnodes", "64"]),
+    ],
 )
 def test_every_shipped_config_prints_its_table(config, ranks):
     result = _cli("--config", config, *ranks, "--gpu-memory", "H100")
@@ -102,21 +132,43 @@ def test_json_totals_are_the_sum_of_components_per_stage():
 
 
 def test_does_not_fit_names_a_fix_that_fits():
-    result = _cli("--config", "llama3_8b", "--nproc-per-node", "8", "--gpu-memory", "40GiB",
-                  "--activation_checkpoint.mode", "none")
+    result = _cli(
+        "--config",
+        "llama3_8b",
+        "--nproc-per-node",
+        "8",
+        "--gpu-memory",
+        "40GiB",
+        "--activation_checkpoint.mode",
+        "none",
+    )
     assert result.exit_code == 1, result.output
     assert "does NOT fit" in result.output
     fix = next(line for line in result.output.splitlines() if line.startswith("cheapest fix: "))
     flags = fix.removeprefix("cheapest fix: ").split(" (")[0].split(":")[0].split()
-    fixed = estimate_memory(load_config("llama3_8b", ["--activation_checkpoint.mode", "none", *flags]), 8, gpu_memory="40GiB")
+    fixed = estimate_memory(
+        load_config("llama3_8b", ["--activation_checkpoint.mode", "none", *flags]), 8, gpu_memory="40GiB"
+    )
     assert fixed.fits
 
 
 def test_impossible_layout_is_one_line_naming_the_key():
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_cli", "estimate-memory", "--config", "llama3_8b", "--nproc-per-node", "8",
-         "--parallelism.tensor_parallel_degree", "3"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "titan_cli",
+            "estimate-memory",
+            "--config",
+            "llama3_8b",
+            "--nproc-per-node",
+            "8",
+            "--parallelism.tensor_parallel_degree",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
@@ -131,14 +183,21 @@ def test_rules_are_the_trainers():
 def test_traced_tier_runs_the_step_and_falls_back_naming_what_it_cannot_trace():
     traced = _cli("--config", "llama3_debugmodel", "--nproc-per-node", "2", "--traced", "--json")
     assert traced.exit_code == 0, traced.output
-    data = json.loads(traced.output[traced.output.index("{"):])
+    data = json.loads(traced.output[traced.output.index("{") :])
     assert data["tier"] == "traced" and data["world_size"] == 2
     (rank,) = data["ranks"]
     assert rank["total"] == rank["detail"]["tracker_total"]  # the components add up to the tracker's peak
     shard = rank["parameters"] - rank["detail"]["tracker_buffer"]  # the rank's fp32 parameter shards
     assert 0 <= rank["optimizer"] - 2 * shard < 4096  # AdamW's two fp32 moments, and a scalar step per parameter
-    pipeline = _cli("--config", "llama3_debugmodel", "--nproc-per-node", "2", "--traced",
-                    "--parallelism.pipeline_parallel_degree", "2")
+    pipeline = _cli(
+        "--config",
+        "llama3_debugmodel",
+        "--nproc-per-node",
+        "2",
+        "--traced",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+    )
     assert pipeline.exit_code == 0, pipeline.output
     assert "analytic estimate, 2 ranks" in pipeline.output
     assert "note: not traced: pipeline parallel (parallelism.pipeline_parallel_degree > 1)" in pipeline.output

@@ -22,8 +22,12 @@ BS, SEQ = 2, 64
 LAYOUT = ActivationLayout(compute_bytes=4, tp=1, cp=1, seq_len=SEQ, device_type="cpu")
 
 # (model.name, flavor, a block of each kind: DeepSeek-V3 debugmodel's block 0 is dense, block 1 MoE)
-FAMILIES = [("qwen3", "debugmodel", 0), ("qwen3_moe", "debugmodel_moe", 0),
-            ("deepseek_v3", "debugmodel", 0), ("deepseek_v3", "debugmodel", 1)]
+FAMILIES = [
+    ("qwen3", "debugmodel", 0),
+    ("qwen3_moe", "debugmodel_moe", 0),
+    ("deepseek_v3", "debugmodel", 0),
+    ("deepseek_v3", "debugmodel", 1),
+]
 
 
 def _model(name: str, flavor: str) -> torch.nn.Module:
@@ -75,18 +79,46 @@ def test_the_head_and_loss_keep_what_the_formula_says(name, flavor):
 def test_the_estimate_counts_each_block_by_its_kind():
     """DeepSeek-V3 debugmodel (1 dense block of 4): the saved activations are the dense block's once and the
     MoE block's three times, on one stage; split over two pipeline stages, each stage counts its own."""
-    base = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.device", "cpu",
-            "--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.local_batch_size", "2"]
+    base = [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "debugmodel",
+        "--training.device",
+        "cpu",
+        "--training.mixed_precision_param",
+        "float32",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "2",
+        "--training.fused_loss",
+        "false",
+    ]  # the plain loss: its saved log-softmax is `act.logits_saved`
     cfg = load_config(None, base)
     args = get_model_args("deepseek_v3", "debugmodel")
-    act = get_model_spec("deepseek_v3").activation_bytes(args, ActivationLayout(compute_bytes=4, seq_len=256, device_type="cpu"))
+    act = get_model_spec("deepseek_v3").activation_bytes(
+        args, ActivationLayout(compute_bytes=4, seq_len=256, device_type="cpu")
+    )
     dense, moe = act.per_block[0], act.per_block[1]
     assert dense.block != moe.block and act.block == min(dense.block, moe.block)
     tokens = 2 * 256
     (rank,) = estimate_analytic(cfg, 1).ranks
-    assert rank.detail["saved_activations_per_microbatch"] == tokens * (dense.block + 3 * moe.block + act.head + act.logits_saved)
-    pp = load_config(None, [*base, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                            "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    assert rank.detail["saved_activations_per_microbatch"] == tokens * (
+        dense.block + 3 * moe.block + act.head + act.logits_saved
+    )
+    pp = load_config(
+        None,
+        [
+            *base,
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+        ],
+    )
     first, last = estimate_analytic(pp, 2).ranks
     microbatch = 256
     assert first.detail["saved_activations_per_microbatch"] == microbatch * (dense.block + moe.block)
@@ -99,7 +131,15 @@ EP_JOB = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--npro
 def test_expert_parallel_estimate_prints_a_table_and_gathers_fewer_experts():
     """EP 2 on 2 ranks: the table prints; each rank gathers half the experts of a block (FSDP's gathered
     figure is smaller), while the sharded model states are the same (EP x FSDP still splits them 2 ways)."""
-    command = [sys.executable, "-m", "titan_cli", "estimate-memory", *EP_JOB, "--parallelism.expert_parallel_degree", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "titan_cli",
+        "estimate-memory",
+        *EP_JOB,
+        "--parallelism.expert_parallel_degree",
+        "2",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -108,7 +148,9 @@ def test_expert_parallel_estimate_prints_a_table_and_gathers_fewer_experts():
         assert any(line.startswith(component) for line in lines), component
 
     def rank(ep: int) -> dict:
-        result = CliRunner().invoke(app, ["estimate-memory", *EP_JOB, "--parallelism.expert_parallel_degree", str(ep), "--json"])
+        result = CliRunner().invoke(
+            app, ["estimate-memory", *EP_JOB, "--parallelism.expert_parallel_degree", str(ep), "--json"]
+        )
         assert result.exit_code == 0, result.output
         (only,) = json.loads(result.output)["ranks"]
         return only

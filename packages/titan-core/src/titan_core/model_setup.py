@@ -43,6 +43,8 @@ class ModelParts:
 
     parts: list[nn.Module]
     fsdp: bool = False
+    head: nn.Module | None = None
+    """The output projection computing the loss (`titan_parallel.fuse_output_loss`), on the rank holding it."""
     schedule: _PipelineSchedule | None = None
     stages: list[PipelineStage] | None = None
     n_microbatches: int = 1
@@ -74,6 +76,8 @@ def build_model_parts(job: Job, mesh: ParallelMesh, device: torch.device, seed: 
         local_batch_size=job.cfg.training.local_batch_size,
         loss_fn=loss_fn,
         converters=job.converters,
+        fused_loss=job.cfg.training.fused_loss,
+        compiled_loss=job.cfg.compile.enable and "loss" in job.cfg.compile.components,
     )
 
 
@@ -90,6 +94,8 @@ def assemble_model(
     local_batch_size: int = 1,
     loss_fn: LossFn | None = None,
     converters: Converters | None = None,
+    fused_loss: bool = False,
+    compiled_loss: bool = False,
 ) -> ModelParts:
     """`build_model_parts` from plain arguments (for tests that build a model without a job config).
 
@@ -105,6 +111,9 @@ def assemble_model(
         local_batch_size: sequences per micro-batch on this rank (split into pipeline micro-batches).
         loss_fn: the pipeline's last-stage loss, already normalised.
         converters: float8 / MXFP8 linears, swapped in on the meta model before anything is split.
+        fused_loss: the output projection computes the loss in token chunks (`titan_parallel.fuse_output_loss`);
+            `ModelParts.head` is it, and the parts return hidden states.
+        compiled_loss: compile the fused loss's per-chunk arithmetic.
     """
     dims, converters = mesh.dims, converters or Converters()
     fsdp = uses_fsdp(mesh, options)  # decided once here, as `parallelize` decides it
@@ -129,6 +138,12 @@ def assemble_model(
         stage_modules = split_model(model, plan, names, mesh["pp"], pipeline.schedule)
     else:
         stage_modules = [StageModule(0, model)]
+    head = None
+    if fused_loss:
+        from titan_parallel.linear_cross_entropy import fuse_output_loss
+
+        for _, module in stage_modules:
+            head = fuse_output_loss(module, plan, compiled=compiled_loss) or head
     if options.dp_mode == "ddp":
         # DDP buckets the gradients of real parameters: materialise first, then wrap.
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
@@ -138,7 +153,7 @@ def assemble_model(
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
     parts = [s.module for s in stage_modules]
     if dims.pp == 1 or pipeline is None or loss_fn is None:
-        return ModelParts(parts, fsdp)
+        return ModelParts(parts, fsdp, head)
     pipe = build_pipeline(
         stage_modules,
         pipeline,
@@ -149,7 +164,7 @@ def assemble_model(
         loss_fn=loss_fn,
         scale_loss=False,  # the step runner's `StepLoss` normalises, in one place
     )
-    return ModelParts(parts, fsdp, pipe.schedule, pipe.stages, pipe.n_microbatches)
+    return ModelParts(parts, fsdp, head, pipe.schedule, pipe.stages, pipe.n_microbatches)
 
 
 @torch.no_grad()

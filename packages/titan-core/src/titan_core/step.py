@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_grad_norm_
 from titan_parallel.precision import mixed_precision_context
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from titan_models.moe import MoE
     from titan_parallel import ParallelMesh
 
-__all__ = ["Batch", "StepLoss", "StepResult", "StepRunner", "cross_entropy_loss"]
+__all__ = ["Batch", "HeadLoss", "StepLoss", "StepResult", "StepRunner", "cross_entropy_loss", "describe_loss"]
 
 logger = logging.getLogger("titan")
 
@@ -69,6 +70,33 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_batch
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class HeadLoss:
+    """`(hidden states, labels) -> mean token loss` through the fused output projection
+    (`titan_parallel.fuse_output_loss`): the model returns hidden states, and this head turns them
+    into the loss in token chunks, so the full logits never exist.
+
+    Args:
+        head: the model's output projection, made a `LinearCrossEntropyHead`.
+    """
+
+    def __init__(self, head: torch.nn.Module):
+        self.head = head
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden, labels=labels)  # through the module call: FSDP's and TP's hooks run
+
+
+def describe_loss(fused: bool, head: torch.nn.Module | None) -> str:
+    """One line for the start-up log: which loss the run computes, and why."""
+    if head is not None:
+        rows = getattr(head, "chunk_rows", None)
+        size = f"{rows} tokens" if rows else "chunks of at most 1 GiB of fp32 logits"
+        return f"output projection + cross-entropy fused, in {size} (training.fused_loss)"
+    if fused:
+        return "plain cross-entropy on full logits (this rank holds no plain nn.Linear output projection to fuse)"
+    return "plain cross-entropy on full fp32 logits (training.fused_loss = false)"
 
 
 class StepLoss:
@@ -145,6 +173,7 @@ class StepRunner:
         max_norm: gradient clipping norm (<= 0: measure only).
         balancer: the MoE load balancer (token counts, expert biases), or None.
         after_step: called after each applied optimizer step (e.g. float8's scale precompute).
+        attention_backends: SDPA kernels in priority order (`titan_parallel.attention_backend`); None: torch's.
     """
 
     def __init__(
@@ -162,6 +191,7 @@ class StepRunner:
         max_norm: float,
         balancer: ExpertLoadBalancer | None = None,
         after_step: Callable[[], None] | None = None,
+        attention_backends: Sequence[str] | None = None,
     ):
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
@@ -171,6 +201,7 @@ class StepRunner:
         self.pp_mesh = mesh["pp"] if mesh["pp"].size() > 1 else None
         self.max_norm = max_norm
         self.balancer, self.after_step = balancer, after_step
+        self.attention_backends = attention_backends
         # Torch's pipeline schedule over this rank's stages, or without pipeline parallel a one-stage schedule
         # with the same interface (`step`, `eval`; stages with `is_first` / `is_last`).
         self.schedule: Any
@@ -190,9 +221,10 @@ class StepRunner:
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Where forward and loss run: autocast where FSDP does not cast, loss parallel under TP."""
+        """Where forward and loss run: autocast where FSDP does not cast, loss parallel under TP, SDPA kernel order."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(mixed_precision_context(self.device.type, self.param_dtype, fsdp=self.fsdp))
+            stack.enter_context(sdpa_context(self.attention_backends))
             if self.loss_parallel:
                 from torch.distributed.tensor.parallel import loss_parallel
 

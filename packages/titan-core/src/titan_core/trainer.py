@@ -31,11 +31,13 @@ from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.model_setup import build_model_parts
 from titan_core.moe_balance import ExpertLoadBalancer
-from titan_core.optim import build_optimizer
+from titan_core.optim import build_optimizer, resolve_implementation
 from titan_core.profiling import Profiler
+from titan_core.run_banner import run_banner
 from titan_core.run_guard import NonFinitePolicy, RunGuard
-from titan_core.step import Batch, StepLoss, StepResult, StepRunner, cross_entropy_loss
+from titan_core.step import Batch, HeadLoss, StepLoss, StepResult, StepRunner, cross_entropy_loss, describe_loss
 from titan_core.validation import Validator
+from titan_parallel.attention_backend import choose_sdpa_backends
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
 
@@ -138,6 +140,14 @@ class Trainer:
                     loss_fn = torch.compile(cross_entropy_loss)
             self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
             self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
+            if self.model.head is not None:  # the output projection computes the loss, in token chunks
+                self.loss.fn = HeadLoss(self.model.head)
+            implementation, why = resolve_implementation(cfg.optimizer.implementation, self.device.type)
+            attention, attention_why = choose_sdpa_backends(t.attention_backend, self.device)
+            if self.rank == 0:
+                logger.info("loss: %s", describe_loss(t.fused_loss, self.model.head))
+                logger.info("optimizer step kernel: %s (%s)", implementation, why)
+                logger.info("attention kernel: %s", attention_why)
             # One optimizer and LR schedule per model part (pipeline stage), so that
             # checkpoints key optimizer state by the full model's parameter names.
             self.optimizers = [
@@ -187,6 +197,7 @@ class Trainer:
                 loss_parallel=self.options.loss_parallel,
                 accum_steps=self.accum_steps,
                 max_norm=t.max_norm,
+                attention_backends=attention,
                 balancer=self.balancer,
                 after_step=self._float8_after_step(),
             )
@@ -332,22 +343,7 @@ class Trainer:
             wandb=WandbOptions.from_config(cfg, self.run_folder) if cfg.metrics.enable_wandb else None,
         )
         if self.rank == 0:
-            active = f", {self.n_active_params / 1e6:.1f}M active" if self.n_active_params != self.n_params else ""
-            logger.info(
-                "%s | model %s/%s (%.1fM params%s) | %d processes (%s) | global batch %d x %d tokens, "
-                "%d micro-batch(es) | %s",
-                cfg.job.description,
-                cfg.model.name,
-                cfg.model.flavor,
-                self.n_params / 1e6,
-                active,
-                self.world_size,
-                self.dims,
-                self.global_batch,
-                t.seq_len,
-                self.accum_steps,
-                self.device,
-            )
+            logger.info("%s", run_banner(self.job))  # model, data, batch, dtype, layout (+ job.description)
         losses: list[float] = []
         tokens_per_step = self.global_batch * t.seq_len
         meter = ThroughputMeter(

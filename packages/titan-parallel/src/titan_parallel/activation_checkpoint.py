@@ -14,7 +14,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
-import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
@@ -40,6 +39,7 @@ def _ops(*names: str) -> set:
 # Ops whose outputs selective "op" mode keeps: expensive to recompute.
 _SAVE_OPS = _ops(
     "aten.mm",
+    "aten._scaled_mm",  # float8 linears (torchao): without it every float8 matmul was recomputed
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu",
@@ -48,6 +48,8 @@ _SAVE_OPS = _ops(
     "aten.max",
 )
 
+
+_MATMULS = _ops("aten.mm", "aten._scaled_mm")  # bf16 and float8 matmuls share the save-every-other count
 
 _Contexts = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
 
@@ -58,7 +60,7 @@ def _op_policy() -> Callable[[], _Contexts]:
 
         def policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             mode = "recompute" if ctx.is_recompute else "forward"
-            if func == torch.ops.aten.mm.default:
+            if func in _MATMULS:
                 counts[f"{mode}_mm"] += 1
                 # Save every other matmul: half the memory of saving all, little recompute.
                 if counts[f"{mode}_mm"] % 2 == 0:

@@ -75,12 +75,24 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
     if style is TPStyle.MOE_INPUT:
         return MoEReplicatedParallel()
     if style is TPStyle.OUTPUT:
-        return ColwiseParallel(
+        return OutputParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
     raise ValueError(f"unknown TPStyle {style!r}; add it to titan_parallel.tensor_parallel.build_tp_style")
+
+
+class OutputParallel(ColwiseParallel):
+    """`TPStyle.OUTPUT`: the colwise (vocab-sharded) output projection. When it returns the fused loss
+    (`titan_parallel.linear_cross_entropy`, a plain tensor, the same on every rank) rather than
+    logits, that passes through untouched."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def _as_replicated(inputs: tuple, mesh: DeviceMesh) -> tuple:

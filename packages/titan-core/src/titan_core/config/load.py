@@ -1,7 +1,9 @@
 """Build a `JobConfig` from defaults, a TOML file and command-line overrides.
 
 Precedence: command line > TOML file > schema defaults. Every problem raises
-`ConfigError` with one line that names the key (or file) and the fix.
+`ConfigError` with one line that names the key (or file) and the fix. torchtitan's
+quantization spellings (`[quantize.linear.float8]`, ...) are read as Titan's here
+(`titan_core.config.aliases`).
 """
 
 import re
@@ -13,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from titan_core.config.aliases import unalias_args, unalias_file, unalias_values
 from titan_core.config.errors import ConfigError
 from titan_core.config.keys import (
     describe_unknown_key,
@@ -42,9 +45,13 @@ def load_config(config_file: str | None, overrides: list[str] | tuple[str, ...] 
     origins: dict[str, str] = {}
     if config_file is not None:
         source = resolve_config_file(config_file)
-        values = read_config_file(source)
+        values, spelled = read_config_file(source)
         origins = {f"{section}.{key}": f"(in {source})" for section, table in values.items() for key in table}
-    cli_values, cli_origins = parse_overrides(list(overrides))
+        origins.update({key: f"(in {source}, as {alias})" for key, alias in spelled.items()})
+    cli_args, cli_spelled = unalias_args(list(overrides))
+    cli_values, cli_origins = parse_overrides(cli_args)
+    unalias_values(cli_values, cli_spelled, "on the command line")
+    cli_origins.update({key: f"(from --{alias})" for key, alias in cli_spelled.items()})
     for section, table in cli_values.items():
         values.setdefault(section, {}).update(table)
     origins.update(cli_origins)
@@ -86,13 +93,18 @@ def resolve_config_file(config_file: str) -> Traversable:
     raise ConfigError(f"config file '{config_file}' not found: give a TOML file path or a shipped config ({names})")
 
 
-def read_config_file(source: Traversable) -> dict[str, dict[str, Any]]:
-    """Read a TOML config and check that every section and key exists.
+def read_config_file(source: Traversable) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Read a TOML config, torchtitan's quantization spellings as Titan's, and check that every section
+    and key exists.
 
     An optional key may be written `key = "none"` to unset it.
 
     Args:
         source: the file (a path, or a shipped resource).
+
+    Returns:
+        (values, spelled): values[section][key]; spelled["float8.recipe_name"] =
+        "quantize.linear.float8.recipe_name" for each key written in torchtitan's spelling.
     """
     try:
         data = tomllib.loads(source.read_text(encoding="utf-8"))
@@ -101,6 +113,7 @@ def read_config_file(source: Traversable) -> dict[str, dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read config file {source}: {error}") from None
     origin = f"in {source}"
+    data, spelled = unalias_file(data, origin)
     for name, table in data.items():
         if name not in list_sections():
             raise ConfigError(describe_unknown_key(name, origin, what="section"))
@@ -110,7 +123,7 @@ def read_config_file(source: Traversable) -> dict[str, dict[str, Any]]:
             field = find_field(f"{name}.{key}", origin)
             if split_optional(field.annotation)[1] and _is_none_word(value):
                 table[key] = None
-    return data
+    return data, spelled
 
 
 def _is_none_word(value: Any) -> bool:

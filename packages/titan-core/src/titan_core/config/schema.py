@@ -43,8 +43,8 @@ class Job(Section):
 
     dump_folder: str = "./outputs"
     """Run folder: checkpoints, TensorBoard logs, traces and config.toml go under it."""
-    description: str = "Titan default run: Llama 3 debugmodel on the Python stdlib corpus"
-    """A line describing this run, printed at start-up."""
+    description: str = ""
+    """Your own line about this run, printed at start-up after the summary of its model, data and layout."""
 
 
 class Model(Section):
@@ -75,8 +75,8 @@ class Optimizer(Section):
     """Adam's epsilon, added to the denominator."""
     weight_decay: NonNegativeFloat = 0.1
     """Decoupled (AdamW) or L2 (Adam) weight decay."""
-    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
-    """Optimizer step kernel: 'fused' (CUDA, CPU) is fastest and drops a NaN step on the device, no host sync."""
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """Step kernel: 'auto' = 'fused' where torch has it for the device (fastest, drops a NaN step on the device)."""
 
 
 class LRScheduler(Section):
@@ -117,6 +117,10 @@ class Training(Section):
     """Dtype of gradient reduce-scatter / all-reduce under FSDP."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: 'auto' = CUDA when available, else CPU."""
+    fused_loss: bool = True
+    """Output projection + cross-entropy in token chunks, gradients taken in forward: no full logits, no fp32 copy."""
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """SDPA kernel order: 'auto' = cuDNN first on Hopper+ GPUs, flash first before; a name pins that kernel."""
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state on CPU."""
     on_nonfinite: Literal["stop", "skip_step", "rollback"] = "stop"
@@ -140,7 +144,7 @@ class Parallelism(Section):
     data_parallel_shard_degree: int = -1
     """FSDP shards; -1 = the rest of the world after the other degrees."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered params after forward: 'default' = yes, except under pipeline parallel (kept for microbatches)."""
+    """Free gathered params after forward: 'default' = yes, except under pipeline parallel or on one shard rank."""
     dp_mode: str = "fsdp"
     """Data parallelism flavour: 'fsdp' (FSDP2 sharding, HSDP with replicas) or 'ddp' (replication)."""
     tensor_parallel_degree: Degree = 1
@@ -283,7 +287,7 @@ class Metrics(Section):
     wandb_project: str = "titan"
     """W&B project name."""
     wandb_run_name: str | None = None
-    """W&B run name; unset = job.description."""
+    """W&B run name; unset = job.description, or W&B's own name when that is empty."""
 
 
 class Profiling(Section):

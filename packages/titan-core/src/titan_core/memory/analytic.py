@@ -19,6 +19,7 @@ from titan_core.config.schema import JobConfig
 from titan_core.job import Job
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job
+from titan_core.optim import resolve_implementation
 
 if TYPE_CHECKING:
     from titan_models import ActivationBytes
@@ -277,7 +278,12 @@ def _rank_memory(
     n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
     inflight = inflight_microbatches(p.pipeline_parallel_schedule, dims.pp, pp_rank, len(indices), n_micro)
     saved_blocks = tokens * sum(per_block)
-    saved_head = tokens * (act.head + act.logits_saved) if has_head else 0
+    fused = fused_loss_applies(job)
+    dim_bytes = b * job.model_args.dim  # one token's hidden state in the compute dtype
+    # The fused loss keeps the gradients it took in forward (hidden states, output weight), no logits.
+    output_numel = sum(v for k, v in params.unsharded_root.items() if k in plan.pp_last and k != "norm")
+    saved_loss = tokens * dim_bytes + b * output_numel if fused else tokens * act.logits_saved
+    saved_head = tokens * act.head + saved_loss if has_head else 0
     activations = inflight * saved_blocks + saved_head
     # What a block's backward adds: its recompute under AC, the gradients of its activations; of the
     # block whose backward peaks highest, net of what the blocks after it freed (the last block, where all
@@ -288,7 +294,10 @@ def _rank_memory(
     biggest_block = max(blocks, default=0)
     root = params.unsharded_root
     output_weight = sum(v for k, v in root.items() if k in plan.pp_last and k != "norm")
-    reshard = {"always": True, "never": False, "default": dims.pp == 1}[p.fsdp_reshard_after_forward]
+    one_shard_rank = dims.dp_shard * dims.cp == 1  # FSDP keeps a one-rank group's gathered copy (fsdp.py)
+    reshard = {"always": True, "never": False, "default": dims.pp == 1 and not one_shard_rank}[
+        p.fsdp_reshard_after_forward
+    ]
     if fsdp:
         gathered_fwd = 2 * b * biggest_block if reshard else b * sum(blocks) + b * sum(root.values())
         # backward: this block and the prefetched next gathered, its gradient in b bytes and the
@@ -306,11 +315,18 @@ def _rank_memory(
         # Under pipeline parallel FSDP reduces once, after the last micro-batch: until then it keeps the
         # stage's unsharded gradients, in the reduce dtype (torch.distributed.pipelining turns the sync off).
         grads_during_bwd += max(b, reduce_b) * (sum(blocks) + sum(root.values()))
-    opt_temp = {"foreach": 4 * params.sharded, "fused": 0}.get(cfg.optimizer.implementation, 0)
-    if cfg.optimizer.implementation == "for-loop":
+    implementation, _ = resolve_implementation(cfg.optimizer.implementation, job.device_type)
+    opt_temp = {"foreach": 4 * params.sharded, "fused": 0}.get(implementation, 0)
+    if implementation == "for-loop":
         opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)
-    logits_now = tokens * act.logits if has_head else 0
-    grad_logits = tokens * (act.logits // 6) if has_head else 0  # fp32 gradient of the logits, 2/12 of the peak
+    if fused:  # one chunk of logits at a time; backward only scales the kept gradients (one copy of each)
+        from titan_parallel.linear_cross_entropy import default_chunk_rows
+
+        logits_now = min(tokens, default_chunk_rows(job.model_args.vocab_size)) * act.logits if has_head else 0
+        grad_logits = saved_loss if has_head else 0
+    else:
+        logits_now = tokens * act.logits if has_head else 0
+        grad_logits = tokens * (act.logits // 6) if has_head else 0  # fp32 gradient of the logits, 2/12 of the peak
 
     moments = {
         # The loss's backward: every activation saved, the log-softmax and its gradients.
@@ -356,6 +372,15 @@ def _rank_memory(
         cpu_offloaded=(param_bytes + grad_bytes + opt_bytes) if offload else 0,
         detail=detail,
     )
+
+
+def fused_loss_applies(job: Job) -> bool:
+    """Whether the run computes the fused chunked loss (`training.fused_loss`, and an output projection
+    that float8 / MX leave a plain linear, as `fuse_output_loss` requires)."""
+    if not job.cfg.training.fused_loss:
+        return False
+    converted = [c.filter_fqns for c in (job.converters.float8, job.converters.mx) if c is not None]
+    return all("output" in filters for filters in converted)
 
 
 def _expand_blocks(job: Job, names: list[str]) -> list[str]:

@@ -46,13 +46,13 @@ class WandbOptions:
 
     Args:
         project: the W&B project (`metrics.wandb_project`).
-        name: the run's display name (`metrics.wandb_run_name`, else `job.description`).
+        name: the run's display name (`metrics.wandb_run_name`, else `job.description`; None = W&B picks one).
         config: the resolved job config as a plain dict, recorded as the run's config.
         run_folder: the default `dir` of the W&B files (`WANDB_DIR` wins when set).
     """
 
     project: str
-    name: str
+    name: str | None
     config: Mapping[str, Any]
     run_folder: Path
 
@@ -60,7 +60,8 @@ class WandbOptions:
     def from_config(cls, cfg: JobConfig, run_folder: Path) -> WandbOptions:
         """The `[metrics]` W&B keys of `cfg`, with `cfg` itself as the run's config."""
         m = cfg.metrics
-        return cls(m.wandb_project, m.wandb_run_name or cfg.job.description, cfg.model_dump(mode="json"), run_folder)
+        name = m.wandb_run_name or cfg.job.description or None
+        return cls(m.wandb_project, name, cfg.model_dump(mode="json"), run_folder)
 
 
 class WandbSink:

@@ -279,6 +279,10 @@ class Transformer(nn.Module):
     """Llama 3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
     and deletes entries of `layers`; the forward then skips them."""
 
+    skip_output = False
+    """True: forward returns the final hidden states and the caller applies `output`, fused with the loss
+    (`titan_parallel.fuse_output_loss`), so the full logits never exist."""
+
     rope_cache: torch.Tensor  # a non-persistent buffer, registered in __init__
 
     def __init__(self, args: ModelArgs):
@@ -322,7 +326,9 @@ class Transformer(nn.Module):
             h = layer(h, self.rope_cache, positions)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h  # (bs, seqlen, vocab_size)
+        if self.output is None or self.skip_output:
+            return h  # (bs, seqlen, dim): a stage without the output, or the loss applies it
+        return self.output(h)  # (bs, seqlen, vocab_size)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

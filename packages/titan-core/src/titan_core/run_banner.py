@@ -1,0 +1,90 @@
+"""The line `titan train` prints at start-up: what this run trains, on what, and how.
+
+Built from the resolved job, so it follows whatever model, data and layout the config
+asked for; `job.description`, a line the user writes, follows it when set.
+"""
+
+from __future__ import annotations
+
+from titan_core.data.corpus import looks_like_path
+from titan_core.job import Job
+
+
+def run_banner(job: Job) -> str:
+    """One line: model and size, data and tokenizer, batch and sequence length, dtype and device,
+    processes and layout, then `job.description` when set.
+
+    Args:
+        job: the resolved job (its world size known, as in a training process).
+    """
+    cfg, t = job.cfg, job.cfg.training
+    n_params = job.spec.count_params(job.model_args)
+    n_active = job.spec.active_params(job.model_args)
+    active = f", {n_active / 1e6:.1f}M active" if n_active != n_params else ""
+    data = f"data: {describe_dataset(t.dataset, t.dataset_path)}"
+    if cfg.validation.enable:
+        data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path)}"
+    tokenizer = f"tokenizer {cfg.model.hf_assets_path}" if cfg.model.hf_assets_path else "byte tokenizer"
+    parts = [
+        f"model {cfg.model.name}/{cfg.model.flavor} ({n_params / 1e6:.1f}M params{active})",
+        f"{data}, {tokenizer}",
+        _describe_batch(job),
+        _describe_compute(job),
+        _describe_layout(job),
+    ]
+    if cfg.job.description:
+        parts.append(cfg.job.description)
+    return " | ".join(parts)
+
+
+def describe_dataset(dataset: str, dataset_path: str | None) -> str:
+    """Where a `[training]` / `[validation]` section reads its documents from, in a few words.
+
+    Args:
+        dataset: the section's `dataset`.
+        dataset_path: the section's `dataset_path` (local files or token shards; wins over `dataset`).
+    """
+    if dataset_path:
+        return dataset_path if dataset == "stdlib" else f"{dataset} from {dataset_path}"
+    if dataset == "stdlib":
+        return "the built-in Python stdlib corpus"
+    return dataset if looks_like_path(dataset) else f"{dataset} (Hugging Face)"
+
+
+def _describe_batch(job: Job) -> str:
+    """'global batch 8 x seq_len 256, 1 micro-batch per step'."""
+    seq = f"seq_len {job.cfg.training.seq_len}"
+    if job.global_batch is None or job.accum_steps is None:  # the world size is not known yet
+        return f"local batch {job.cfg.training.local_batch_size} x {seq}"
+    plural = "es" if job.accum_steps > 1 else ""
+    return f"global batch {job.global_batch} x {seq}, {job.accum_steps} micro-batch{plural} per step"
+
+
+def _describe_compute(job: Job) -> str:
+    """'bfloat16 on cuda, float8 tensorwise, compiled, AC selective op'."""
+    dtype = str(job.parallel.param_dtype).removeprefix("torch.")
+    parts = [f"{dtype} on {job.device_type}"]
+    if job.converters.float8 is not None:
+        parts.append(f"float8 {job.converters.float8.recipe_name}")
+    if job.converters.mx is not None:
+        parts.append(f"MX {job.converters.mx.recipe_name}")
+    if job.cfg.compile.enable:
+        parts.append(f"compiled ({', '.join(job.cfg.compile.components)})")
+    ac = job.cfg.activation_checkpoint
+    if ac.mode != "none":
+        parts.append(f"AC {ac.mode}" + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""))
+    return ", ".join(parts)
+
+
+def _describe_layout(job: Job) -> str:
+    """'1 process', or '8 processes: dp_shard=2 x tp=4'."""
+    if job.dims is None:
+        return "world size not known yet"
+    d = job.dims
+    degrees = {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp}
+    split = " x ".join(f"{name}={value}" for name, value in degrees.items() if value > 1)
+    if d.ep > 1:
+        split += f", ep={d.ep}"
+    if d.world_size == 1:
+        return "1 process"
+    return f"{d.world_size} processes: {split}"

@@ -1,0 +1,277 @@
+"""The output projection and the cross-entropy as one op, in row chunks: the full logits never exist.
+
+A 128k vocabulary at 4 x 2048 tokens makes 2.1 GB of bf16 logits, 4.2 GB more once the
+plain loss casts them to fp32, and the same again for their gradient. Here the rows
+(tokens) are taken `chunk_rows` at a time: each chunk's logits are computed, reduced to
+its loss, turned straight into their gradient, and multiplied into the gradients of the
+hidden states and of the weight, all inside the forward (as Liger's fused linear
+cross-entropy does). The backward only scales those by the incoming gradient. The
+FLOPs are the plain path's (three matmuls); no logits are kept for backward, and at
+most one chunk of them exists at a time.
+
+Under tensor parallel the weight is vocab-sharded (`Shard(0)`): each rank computes
+its shard of every chunk's logits, and the log-sum-exp and the target logit are
+all-reduced over the TP group (Megatron's vocab-parallel cross-entropy). The hidden
+states' gradient leaves each rank as a partial sum (`Partial()`), which the input's
+redistribution reduce-scatters back to sequence shards.
+
+Torch has no such op (`F.cross_entropy` takes logits), hence this module. The
+per-chunk arithmetic (`_chunk_max_sumexp`, `_chunk_grad`) can be compiled: Inductor
+then reads each bf16 chunk of logits twice and never writes it in fp32.
+
+    loss = linear_cross_entropy(h, output.weight, labels)   # == F.cross_entropy(output(h).float(), labels)
+
+`fuse_output_loss` makes a model's output projection compute this loss when called
+with labels (`head(h, labels=labels)`), for the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial
+
+from titan_parallel.modules import get_submodule_or_none
+from titan_parallel.plan import ModelPlan, TPStyle
+
+__all__ = ["linear_cross_entropy", "fuse_output_loss", "LinearCrossEntropyHead", "default_chunk_rows"]
+
+IGNORE_INDEX = -100  # F.cross_entropy's default
+
+
+def default_chunk_rows(vocab_size: int, budget_bytes: int = 1 << 30) -> int:
+    """Rows per chunk so that one chunk of fp32 logits takes at most `budget_bytes` (1 GiB): 2,093 rows
+    for a 128,256-token vocabulary, i.e. 4 chunks at 8,192 tokens."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+def _chunk_max_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max and `sum(exp(logits - max))` in fp32; logits `(rows, vocab)`."""
+    x = logits.float()
+    peak = x.amax(dim=-1)
+    return peak, (x - peak.unsqueeze(-1)).exp().sum(dim=-1)
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`(softmax(logits) - onehot(target)) * scale` per row, in the logits' dtype.
+
+    `target` holds local vocab indices, -1 where the row's label is not on this rank (or ignored);
+    `scale` is 1 / (valid tokens) for valid rows, 0 for ignored ones.
+    """
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (columns.unsqueeze(0) == target.unsqueeze(-1)).float()  # (rows, vocab)
+    probs = (logits.float() - lse.unsqueeze(-1)).exp()
+    return ((probs - onehot) * scale.unsqueeze(-1)).to(logits.dtype)
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def _kernels(compiled: bool) -> tuple[Callable, Callable]:
+    if not compiled:
+        return _chunk_max_sumexp, _chunk_grad
+    if not _compiled:
+        _compiled["max_sumexp"] = torch.compile(_chunk_max_sumexp)
+        _compiled["grad"] = torch.compile(_chunk_grad)
+    return _compiled["max_sumexp"], _compiled["grad"]
+
+
+def _loss_and_grads(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_rows: int,
+    group: dist.ProcessGroup | None,
+    vocab_start: int,
+    ignore_index: int,
+    want_grads: bool,
+    compiled: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`."""
+    max_sumexp, grad_of = _kernels(compiled)
+    vocab_local = weight.shape[0]
+    valid = labels != ignore_index
+    count = valid.sum()  # on the device: no host sync
+    scale = valid.float() / count  # (rows,): 1 / valid tokens, 0 where ignored
+    local = labels - vocab_start
+    on_rank = valid & (local >= 0) & (local < vocab_local)
+    target = torch.where(on_rank, local, -1)  # (rows,) local index, or -1
+    grad_h = torch.empty_like(h) if want_grads else None
+    grad_w = torch.zeros_like(weight) if want_grads else None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        h_c = h[rows]
+        logits = h_c @ weight.t()  # (chunk, vocab_local)
+        peak, sumexp = max_sumexp(logits)
+        target_logit = logits.gather(1, target[rows].clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
+        target_logit = torch.where(on_rank[rows], target_logit, 0.0)
+        if group is not None:  # vocab-parallel: combine the shards' max, sum of exps and target logit
+            global_peak = peak.clone()
+            dist.all_reduce(global_peak, op=dist.ReduceOp.MAX, group=group)
+            sumexp = sumexp * (peak - global_peak).exp()
+            dist.all_reduce(sumexp, group=group)
+            dist.all_reduce(target_logit, group=group)
+            peak = global_peak
+        lse = peak + sumexp.log()  # (chunk,)
+        total = total + ((lse - target_logit) * valid[rows]).sum()
+        if want_grads:
+            assert grad_h is not None and grad_w is not None
+            g = grad_of(logits, lse, target[rows], scale[rows])  # (chunk, vocab_local), logits' dtype
+            del logits
+            torch.mm(g, weight, out=grad_h[rows])
+            grad_w.addmm_(g.t(), h_c)
+    return total / count, grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk_rows, group, vocab_start, ignore_index, compiled):
+        loss, grad_h, grad_w = _loss_and_grads(
+            h,
+            weight,
+            labels,
+            chunk_rows=chunk_rows,
+            group=group,
+            vocab_start=vocab_start,
+            ignore_index=ignore_index,
+            want_grads=True,
+            compiled=compiled,
+        )
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return (
+            grad_h * grad_loss.to(grad_h.dtype),
+            grad_w * grad_loss.to(grad_w.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_rows: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Mean token cross-entropy of `h @ weight.T` against `labels`, in row chunks (see the module docstring).
+
+    Equal to `F.cross_entropy((h @ weight.T).float().flatten(0, -2), labels.flatten(), ignore_index=...)`,
+    gradients included. Under `torch.autocast` the matmuls run in the autocast dtype, as `nn.Linear` would.
+
+    Args:
+        h: `(..., dim)` hidden states; a `Replicate()` DTensor under tensor parallel.
+        weight: `(vocab, dim)`; a `Shard(0)` DTensor (vocab-sharded) under tensor parallel.
+        labels: `(...)` token ids, `ignore_index` where no loss is taken.
+        chunk_rows: tokens per chunk; None: `default_chunk_rows(vocab)`.
+        ignore_index: label value that contributes nothing.
+        compiled: compile the per-chunk arithmetic (`torch.compile`).
+
+    Returns:
+        The 0-dim fp32 loss (a plain tensor, the same on every TP rank).
+    """
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        if mesh.ndim != 1 or mesh.size() == 1:
+            weight = weight.full_tensor()
+            h = h.full_tensor() if isinstance(h, DTensor) else h
+        else:
+            group, rank = mesh.get_group(), mesh.get_local_rank()
+            vocab = weight.shape[0]
+            if vocab % mesh.size():
+                raise ValueError(f"vocab size {vocab} is not divisible by the tensor-parallel degree {mesh.size()}")
+            vocab_start = rank * (vocab // mesh.size())
+            # Each rank's hidden-state gradient covers its vocab shard only: a partial sum over the group.
+            h = h.to_local(grad_placements=(Partial(),)) if isinstance(h, DTensor) else h
+            weight = weight.to_local()
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    rows = h.reshape(-1, h.shape[-1])  # (tokens, dim)
+    flat_labels = labels.reshape(-1)
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0] * (1 if group is None else dist.get_world_size(group)))
+    with torch.autocast(device_type, enabled=False):
+        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+            return _LinearCrossEntropy.apply(
+                rows, weight, flat_labels, chunk, group, vocab_start, ignore_index, compiled
+            )
+        loss, _, _ = _loss_and_grads(
+            rows,
+            weight,
+            flat_labels,
+            chunk_rows=chunk,
+            group=group,
+            vocab_start=vocab_start,
+            ignore_index=ignore_index,
+            want_grads=False,
+            compiled=compiled,
+        )
+        return loss
+
+
+class LinearCrossEntropyHead:
+    """Mixed into a model's output `nn.Linear` by `fuse_output_loss`: called with `labels=`, it returns
+    the mean token loss (`linear_cross_entropy`); called without, the logits, as before."""
+
+    chunk_rows: int | None = None
+    compiled_loss: bool = False
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)  # type: ignore[misc]
+        weight = self.weight  # type: ignore[attr-defined]
+        return linear_cross_entropy(h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss)
+
+
+def fuse_output_loss(
+    model: nn.Module, plan: ModelPlan, *, chunk_rows: int | None = None, compiled: bool = False
+) -> nn.Module | None:
+    """Make `model`'s output projection compute the loss, and its forward return the final hidden states.
+
+    Call on the (meta) model before tensor parallel and FSDP wrap it, so their hooks see the new
+    forward. The model must have a `skip_output` attribute (every Titan family does): set here,
+    its forward stops before the output projection. Then train with
+    `loss = head(model(tokens), labels=labels)`.
+
+    Args:
+        model: the model (or the pipeline stage holding the output projection).
+        plan: names the output projection (`TPStyle.OUTPUT` in `plan.tp`).
+        chunk_rows: tokens per chunk (None: `default_chunk_rows`).
+        compiled: compile the per-chunk arithmetic.
+
+    Returns:
+        The output projection, now a `LinearCrossEntropyHead`; None where `model` has none (a
+        pipeline stage without it) or it is not a plain `nn.Linear` (e.g. a float8 linear): the
+        plain loss on full logits is used there.
+    """
+    paths = [path for path, style in plan.tp if style is TPStyle.OUTPUT]
+    head = get_submodule_or_none(model, paths[0]) if paths else None
+    if head is None or type(head) is not nn.Linear or not hasattr(model, "skip_output"):
+        return None
+    head.__class__ = type("LinearCrossEntropyLinear", (LinearCrossEntropyHead, nn.Linear), {})
+    head.chunk_rows, head.compiled_loss = chunk_rows, compiled  # type: ignore[assignment]
+    setattr(model, "skip_output", True)  # noqa: B010  # an attribute of the family's model class
+    return head
+
+
+def chunk_count(tokens: int, vocab_size: int, chunk_rows: int | None = None) -> int:
+    """How many chunks `linear_cross_entropy` cuts `tokens` rows into."""
+    return math.ceil(tokens / (chunk_rows or default_chunk_rows(vocab_size)))

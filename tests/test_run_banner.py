@@ -1,0 +1,98 @@
+"""The start-up banner describes the run that was asked for: its model, data, batch, dtype and layout, with
+`job.description` beside it only when the user wrote one.
+
+Expected values are typed in from the config given and from published sizes (Llama 3.1 8B has 8,030,261,248
+parameters), not read back from the code.
+"""
+
+from pathlib import Path
+
+from titan_core.config import load_config
+from titan_core.job import resolve
+from titan_core.run_banner import run_banner
+
+OLD_DEFAULT = "Titan default run: Llama 3 debugmodel on the Python stdlib corpus"
+
+
+def banner(overrides: list[str], world_size: int = 1) -> str:
+    return run_banner(resolve(load_config(None, overrides), world_size))
+
+
+def test_the_banner_names_a_non_default_model_data_and_layout(tmp_path: Path):
+    corpus = tmp_path / "c4_sample.jsonl"
+    corpus.write_text('{"text": "the quick brown fox"}\n' * 20)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("jumps over the lazy dog\n" * 20)
+    line = banner(
+        [
+            "--model.flavor",
+            "8B",
+            "--training.dataset",
+            "c4",
+            "--training.dataset_path",
+            str(corpus),
+            "--validation.enable",
+            "--validation.dataset_path",
+            str(heldout),
+            "--training.seq_len",
+            "2048",
+            "--training.local_batch_size",
+            "4",
+            "--training.mixed_precision_param",
+            "float32",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--model.converters",
+            "float8",
+        ],
+        world_size=8,
+    )
+    assert "\n" not in line
+    assert "model llama3/8B (8030.3M params)" in line
+    assert f"data: c4 from {corpus}" in line
+    assert f"validation {heldout}" in line
+    assert "byte tokenizer" in line  # no model.hf_assets_path
+    # 8 ranks = dp_shard 4 x tp 2: 4 data-parallel ranks x local batch 4 = 16 sequences per step.
+    assert "global batch 16 x seq_len 2048, 1 micro-batch per step" in line
+    assert "float32 on cpu, float8 tensorwise" in line
+    assert line.endswith("| 8 processes: dp_shard=4 x tp=2")
+    for stale in ("debugmodel", "stdlib", OLD_DEFAULT):
+        assert stale not in line
+
+
+def test_the_default_run_says_what_it_runs_and_a_description_follows_when_set():
+    line = banner(["--training.mixed_precision_param", "float32"])
+    # debugmodel: dim 256, 6 blocks, 16 heads (head dim 16), 8 KV heads, FFN 768, vocab 2048. Per block
+    # 256*256*2 + 256*128*2 (attention) + 3*256*768 (FFN) + 2*256 (norms) = 786,944; x 6 + 2 * 2048*256
+    # (embedding, output) + 256 (final norm) = 5,770,496.
+    assert line == (
+        "model llama3/debugmodel (5.8M params) | data: the built-in Python stdlib corpus, byte tokenizer | "
+        "global batch 8 x seq_len 256, 1 micro-batch per step | float32 on cpu | 1 process"
+    )
+    described = banner(["--training.mixed_precision_param", "float32", "--job.description", "lr sweep, run 3"])
+    assert described == f"{line} | lr sweep, run 3"
+
+
+def test_a_moe_banner_counts_active_parameters_and_expert_parallel():
+    line = banner(
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--training.global_batch_size",
+            "32",
+            "--training.local_batch_size",
+            "4",
+        ],
+        world_size=2,
+    )
+    assert "model deepseek_v3/debugmodel (" in line and "M active)" in line
+    # 2 data-parallel ranks x local batch 4 = 8 sequences per micro-batch: 32 takes 4 of them.
+    assert "global batch 32 x seq_len 256, 4 micro-batches per step" in line
+    assert line.endswith("| 2 processes: dp_shard=2, ep=2")
+
+
+def test_no_shipped_default_claims_a_description():
+    assert load_config(None, []).job.description == ""
+    assert load_config("llama3_debugmodel", []).job.description == ""
