@@ -55,6 +55,13 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other eager kernels")
 
 
+def _annotation(event) -> bool:
+    """A `record_function` range drawn on the device timeline (FSDP's, the optimizer's), not a kernel."""
+    if getattr(event, "is_user_annotation", False):
+        return True
+    return event.name.startswith(("FSDP::", "ProfilerStep", "## ")) or "#" in event.name
+
+
 def profile_row(key: str, row: Row, steps: int, warmup: int, device: torch.device, dtype: str, out: Path) -> dict:
     trainer = Trainer(row_config(row, dtype, device, RUN_FOLDER))
     data = iter(trainer.loader)
@@ -75,7 +82,7 @@ def profile_row(key: str, row: Row, steps: int, warmup: int, device: torch.devic
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if device.type == "cuda" and not on_device:
+        if device.type == "cuda" and (not on_device or _annotation(event)):
             continue
         if device.type == "cpu" and (event.cpu_parent is not None or not event.name.startswith("aten::")):
             continue  # on CPU: top-level aten ops, the host's view
@@ -128,8 +135,6 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     flavors = bench_flavors(args.smoke)
-    if not args.smoke:
-        flavors["8B-x8"] = dataclasses.replace(flavors["8B"], n_layers=8, max_seq_len=8192)
     register_model_spec(dataclasses.replace(get_model_spec("llama3"), name=BENCH_MODEL, flavors=flavors))
     keys = ["smoke"] if args.smoke else (args.row or ["1B-compile"])
     results = {}

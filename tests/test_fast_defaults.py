@@ -6,13 +6,10 @@
   backend that cannot run fails rather than silently running another).
 - Selective "op" activation checkpointing saves float8 matmuls (`aten._scaled_mm`) as it saves
   bf16 ones, instead of recomputing every one of them.
-- FSDP over a one-rank shard group keeps its gathered copy and skips the all-gather, which on one
-  rank only copies a buffer onto itself: the same losses, bit for bit.
+- FSDP over a one-rank shard group keeps its gathered (compute-dtype) copy for backward by default.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
@@ -88,53 +85,31 @@ def test_selective_op_ac_saves_every_other_float8_matmul():
     assert counter.calls == 1
 
 
-def test_one_rank_fsdp_skips_the_all_gather_and_trains_identically(tmp_path, monkeypatch):
-    """In-process: a 1-rank FSDP bf16 model, 3 optimizer steps, with the no-op all-gather and with torch's."""
+def test_one_rank_fsdp_keeps_its_gathered_copy_for_backward(monkeypatch):
+    """On a one-rank shard group "default" does not reshard after forward (no memory to win but the
+    compute-dtype copy, and a second cast per unit in backward); "always" wins."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import titan_parallel.fsdp as fsdp
     from titan_models import get_model_args, get_model_spec
 
+    asked: list[bool] = []
+    real = fsdp.fully_shard
+    monkeypatch.setattr(fsdp, "fully_shard", lambda m, reshard_after_forward, **k: asked.append(reshard_after_forward)
+                        or real(m, reshard_after_forward=reshard_after_forward, **k))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29591")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         spec, args = get_model_spec("llama3"), get_model_args("llama3", "debugmodel")
-        calls = []
-        original_call = fsdp._OneRankAllGather.__call__
-
-        def counted(self, *a, **k):
-            calls.append(1)
-            return original_call(self, *a, **k)
-
-        monkeypatch.setattr(fsdp._OneRankAllGather, "__call__", counted)
-
-        def train(skip: bool) -> list[float]:
-            if not skip:
-                monkeypatch.setattr(fsdp, "_skip_one_rank_all_gathers", lambda *a: None)
-            torch.manual_seed(0)
-            model = spec.build(args)
-            model.init_weights()
-            fsdp.apply_fsdp(model, spec.plan, mesh, param_dtype=torch.bfloat16)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
-            out = []
-            for _ in range(3):
-                loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                out.append(loss.item())
-            return out
-
-        fast = train(skip=True)
-        # torch 2.15 skips a one-rank all-gather itself (ours is then never called); torch 2.11 does not
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-        torch_skips_it = "world_size == 1" in inspect.getsource(FSDPParamGroup.unshard)
-        assert calls or torch_skips_it, "the one-rank all-gather was not used"
-        assert fast == train(skip=False)
+        with torch.device("meta"):
+            fsdp.apply_fsdp(spec.build(args), spec.plan, mesh, param_dtype=torch.bfloat16)
+        assert asked and not any(asked)
+        asked.clear()
+        with torch.device("meta"):
+            fsdp.apply_fsdp(spec.build(args), spec.plan, mesh, reshard_after_forward="always")
+        assert all(asked[:-1]) and not asked[-1]  # the root keeps its parameters for backward
     finally:
         dist.destroy_process_group()

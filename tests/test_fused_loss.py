@@ -61,6 +61,15 @@ def test_equals_plain_cross_entropy_with_gradients(chunk_rows):
         _close(a, b)
 
 
+def test_the_compiled_per_chunk_arithmetic_equals_plain_cross_entropy():
+    """What `compile.enable` runs: Inductor's kernels for the per-chunk arithmetic (~10 s to compile here)."""
+    h, w, labels = _inputs(seed=4)
+    ref = _plain(h, w, labels)
+    got = _fused(h, w, labels, chunk_rows=16, compiled=True)
+    for a, b in zip(got, ref, strict=True):
+        _close(a, b)
+
+
 def test_batched_hidden_states_and_no_grad_evaluation():
     h, w, labels = _inputs(seed=1, ignored=0)
     ref = F.cross_entropy(h @ w.t(), labels)

@@ -258,6 +258,9 @@ def test_cli_generates_from_a_run(trained_run):
     assert result.exit_code == 0, result.output
     assert "step-2 (dcp)" in result.stderr and "byte tokenizer" in result.stderr  # the newest complete step
     assert "tokens in" in result.stderr and "KV cache" in result.stderr
+    # --dtype auto and --compile's default on CPU, said on the summary line; the decode figures apart from the prefill
+    assert "cpu float32 (auto: float32 on cpu), compile off (default off on cpu)" in result.stderr
+    assert "prefill 2 x " in result.stderr and "decode 7 steps x 2" in result.stderr, result.stderr
     assert result.stdout.startswith("def ") and "\n\nimport os" in result.stdout  # each prompt, continued, then a blank line
 
 
@@ -279,8 +282,9 @@ def test_resolve_checkpoint_of_a_run(trained_run):
         (["{run}", "--top-p", "1.5"], "--top-p 1.5 is outside (0, 1]"),
         (["{run}", "--flavor", "huge"], "unknown model.flavor 'huge'"),
         (["{run}", "--dtype", "int8"], "--dtype int8"),
+        (["{run}", "--compile", "--no-kv-cache"], "drop --compile or --no-kv-cache"),
     ],
-    ids=["missing-path", "top-p", "flavor", "dtype"],
+    ids=["missing-path", "top-p", "flavor", "dtype", "compile-without-cache"],
 )
 def test_cli_bad_input_is_one_line(trained_run, args, expected):
     result = _titan(*(a.format(run=trained_run) for a in args))
@@ -293,7 +297,7 @@ def test_help_does_not_import_torch():
     code = (
         "import sys; from typer.testing import CliRunner; from titan_cli.main import app\n"
         "out = CliRunner().invoke(app, ['generate', '--help']).output\n"
-        "assert '--no-kv-cache' in out and '--top-p' in out, out\n"
+        "assert '--no-kv-cache' in out and '--top-p' in out and '--no-compile' in out, out\n"
         "assert 'torch' not in sys.modules, 'titan generate --help imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

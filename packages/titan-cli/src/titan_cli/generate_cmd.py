@@ -30,7 +30,11 @@ def generate(
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
     device: str | None = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Parameter dtype: float32 or bfloat16."),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help="Parameter dtype: auto (bfloat16 on a CUDA GPU with bf16, else float32), float32, bfloat16.",
+    ),
     model_name: str | None = typer.Option(
         None,
         "--model-name",
@@ -42,6 +46,11 @@ def generate(
     no_kv_cache: bool = typer.Option(
         False, "--no-kv-cache", help="Recompute every sequence at each step (slow; for comparison)."
     ),
+    compile: bool | None = typer.Option(
+        None,
+        "--compile/--no-compile",
+        help="Compile the decode step (CUDA graphs on CUDA). Default: on for CUDA, off on CPU.",
+    ),
 ) -> None:
     """Continue each --prompt with text sampled from a model.
 
@@ -51,15 +60,25 @@ def generate(
 
     try:
         from titan_core.config.errors import ConfigError
-        from titan_core.generation import SamplingParams, load_model, load_prompt_codec
+        from titan_core.generation import (
+            SamplingParams,
+            load_model,
+            load_prompt_codec,
+            parameter_bytes,
+            resolve_compile,
+            speed_summary,
+        )
         from titan_core.generation import generate as generate_tokens
 
         prompts = prompt or [""]
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtype {dtype} is not float32 or bfloat16; pass one of them")
+        if dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"--dtype {dtype} is not auto, float32 or bfloat16; pass one of them")
+        if compile and no_kv_cache:
+            raise ConfigError("--compile compiles the KV cache's decode step; drop --compile or --no-kv-cache")
         loaded = load_model(source, model_name=model_name, flavor=flavor, device=device, dtype=dtype)
         codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
+        compiled, compile_reason = (False, "--no-kv-cache") if no_kv_cache else resolve_compile(compile, loaded.device)
         started = time.perf_counter()
         result = generate_tokens(
             loaded.model,
@@ -71,6 +90,7 @@ def generate(
             seed=seed,
             use_kv_cache=not no_kv_cache,
             max_seq_len=getattr(loaded.args, "max_seq_len", None),
+            compile=compiled,
         )
         elapsed = time.perf_counter() - started
     except (*USER_ERRORS, OSError) as err:  # a wrong input or an unreadable file; a bug keeps its traceback
@@ -79,11 +99,16 @@ def generate(
     for text, tokens in zip(prompts, result.tokens, strict=True):
         typer.echo(text + codec.decode(tokens))
         typer.echo("")
+    mode = "CUDA graphs" if loaded.device.type == "cuda" else "Inductor"
     typer.echo(
         f"model {loaded.spec.name} from {loaded.checkpoint} ({loaded.checkpoint_format}), "
-        f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}, {codec.source}",
+        f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')} ({loaded.dtype_reason}), "
+        f"compile {f'on, {mode}' if compiled else 'off'} ({compile_reason}), {codec.source}",
         err=True,
     )
+    if result.timing is not None:
+        summary = speed_summary(result.timing, parameter_bytes(loaded.model), result.kv_bytes_per_token, loaded.device)
+        typer.echo(summary, err=True)
     n_tokens = sum(len(t) for t in result.tokens)
     cache = (
         f", KV cache {result.kv_bytes_per_token / 1024:.1f} KiB/token" if result.kv_bytes_per_token else ", no KV cache"

@@ -48,7 +48,8 @@ def apply_fsdp(
             "default" = "always" except under pipeline parallel, where a stage runs
             several microbatches and re-gathering for each would cost too much, and where
             the shard dimension has one rank: there a "gathered" parameter is only its
-            compute-dtype copy, and freeing it costs a second cast in backward (see `_OneRankAllGather`).
+            compute-dtype copy, and freeing it costs a second cast (and, on torch 2.11, a
+            one-rank all-gather copy) per unit in backward.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
         pipeline_parallel: whether `model` is a pipeline stage (see `reshard_after_forward`).
         expert_mesh: under expert parallel, the ranks holding the same experts (`mesh["dp_shard_mod_ep"]`,
@@ -91,42 +92,7 @@ def apply_fsdp(
     # The root's own parameters (e.g. the final norm) are needed right at the end of
     # forward, so they stay gathered for backward.
     fully_shard(model, reshard_after_forward=False if not pipeline_parallel else reshard, **config)
-    if one_rank:
-        _skip_one_rank_all_gathers(model, mesh)
     return model
-
-
-class _OneRankAllGather:
-    """FSDP2's all-gather over a one-rank shard group, as the no-op it is.
-
-    FSDP2 copies each unit's shards (cast to the compute dtype) into the all-gather
-    output at this rank's offset, which on one rank is the whole output: the data is
-    already gathered. Torch 2.11 still issues the collective, a device-to-device copy of
-    every parameter per gather (2 bytes per parameter per gather in bf16; ~4% of a 1B
-    Llama's step on an H100); torch 2.15 skips it itself, and then this is never called.
-    This keeps the allocation and skips the copy. Set through
-    `FSDPModule.set_custom_all_gather` where torch has it.
-    """
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False) -> None:
-        # FSDP made `input_tensor` a view of `output_tensor` at offset 0: nothing to move.
-        assert input_tensor.data_ptr() == output_tensor.data_ptr() and input_tensor.numel() == output_tensor.numel()
-
-
-def _skip_one_rank_all_gathers(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Give every FSDP unit in `model` the no-op all-gather when its shard group has one rank."""
-    if mesh.ndim != 1:
-        return  # HSDP: the replicate dimension still all-reduces; keep torch's path
-    for module in model.modules():
-        setter = getattr(module, "set_custom_all_gather", None)
-        if setter is not None:
-            try:
-                setter(_OneRankAllGather())
-            except ValueError:  # several parameter groups (experts sharded on dim 1 over another mesh)
-                pass
 
 
 def _root_units(model: nn.Module, plan: ModelPlan) -> list[nn.Module]:

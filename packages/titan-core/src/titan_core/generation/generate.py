@@ -8,9 +8,17 @@ EOS keep being fed a filler token until the whole batch is done; their output is
 after the EOS.
 
 With the KV cache (`kv_cache.py`) the prompt is one forward and each new token one
-more forward of length 1. Without it (`use_kv_cache=False`) every step recomputes each
-sequence alone from its first token with the model as it was built: slow, but the
-plainest reference there is, which the tests compare the cache against.
+more forward of length 1. Three loops, all giving the same greedy tokens (the tests
+check it):
+
+- static (the default, `static_decode.py`): the cache preallocated, a fixed-shape
+  decode step with no host sync, optionally compiled (`compile=True`: CUDA graphs on
+  CUDA). The fast one.
+- dynamic (`static_cache=False`): the cache told where each forward goes by Python
+  ints, the mask rebuilt and `finished` read back at every step; the eager reference
+  the static step is checked against.
+- none (`use_kv_cache=False`): every step recomputes each sequence alone from its
+  first token with the model as it was built: slow, but the plainest reference there is.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ import torch
 from torch import nn
 
 from titan_core.config.errors import ConfigError
-from titan_core.generation.kv_cache import KVCache, kv_cache
+from titan_core.generation.decode_speed import DecodeClock, DecodeTiming
+from titan_core.generation.kv_cache import KVCache, kv_cache, left_pad
 from titan_core.generation.sampling import SamplingParams, sample_next_token
+from titan_core.generation.static_decode import StaticDecoder, cache_slots, compile_step, decode_static
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan
 
@@ -41,11 +51,13 @@ class GenerationResult:
         step_logits: when asked for, the last-position logits of every step, each `(bs, vocab)`
             float32 on CPU (rows of finished sequences included).
         kv_bytes_per_token: bytes the KV cache took per token of one sequence (0 without it).
+        timing: prefill and decode times (None when no token was asked for).
     """
 
     tokens: list[list[int]]
     step_logits: list[torch.Tensor] = field(default_factory=list)
     kv_bytes_per_token: int = 0
+    timing: DecodeTiming | None = None
 
 
 @torch.no_grad()
@@ -60,6 +72,10 @@ def generate(
     use_kv_cache: bool = True,
     max_seq_len: int | None = None,
     return_logits: bool = False,
+    static_cache: bool = True,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    compile_tuning: bool = False,
 ) -> GenerationResult:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -74,6 +90,12 @@ def generate(
         use_kv_cache: False recomputes every sequence from its start at each step.
         max_seq_len: the model's longest sequence (RoPE table length); None skips the check.
         return_logits: keep every step's logits in the result.
+        static_cache: with the cache, the static decode step (`static_decode.py`); False runs the
+            dynamic loop, the eager reference.
+        compile: compile the static decode step (`torch.compile`, CUDA graphs on CUDA with Inductor).
+        compile_backend: the `torch.compile` backend; "aot_eager" captures without generating code.
+        compile_tuning: on CUDA, tune Inductor's kernels too (`static_decode.CUDA_TUNING`): faster
+            steps for a first compile about three times as long.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token; pass a non-empty --prompt")
@@ -85,31 +107,73 @@ def generate(
             f"the longest prompt ({longest} token{'s' if longest != 1 else ''}) plus --max-new-tokens {max_new_tokens} "
             f"exceeds the model's max_seq_len {max_seq_len}; shorten the prompt or lower --max-new-tokens"
         )
+    if compile and not (use_kv_cache and static_cache):
+        raise ConfigError("only the static KV cache's decode step compiles; pass --no-compile with --no-kv-cache")
+    if not max_new_tokens:
+        return GenerationResult([[] for _ in prompts])
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    with ExitStack() as stack:
+        stack.enter_context(last_position_logits(model, plan))
+        if use_kv_cache and static_cache:
+            cache = stack.enter_context(
+                kv_cache(model, plan, len(prompts), cache_slots(prompts, max_new_tokens), device)
+            )
+            decoder = StaticDecoder(model, cache, prompts, max_new_tokens, sampling, eos_ids, generator)
+            step = compile_step(decoder.step, device, compile_backend, compile_tuning) if compile else decoder.step
+            new_tokens, step_logits, timing = decode_static(decoder, max_new_tokens, step, compile, return_logits)
+            kv_bytes = cache.bytes_per_token()
+        else:
+            new_tokens, step_logits, timing, kv_bytes = _decode_eager(
+                model, plan, prompts, max_new_tokens, sampling, eos_ids, generator, use_kv_cache, return_logits, stack
+            )
+    rows = _cut_after_eos(new_tokens.tolist(), set(eos_ids))
+    return GenerationResult(rows, step_logits, kv_bytes, timing)
+
+
+def _decode_eager(
+    model: nn.Module,
+    plan: ModelPlan,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_ids: Sequence[int],
+    generator: torch.Generator,
+    use_kv_cache: bool,
+    return_logits: bool,
+    stack: ExitStack,
+) -> tuple[torch.Tensor, list[torch.Tensor], DecodeTiming, int]:
+    """The reference loops (dynamic cache, or none): new tokens `(bs, n)`, step logits, timing, KV bytes/token."""
+    device = generator.device
+    longest = max(len(p) for p in prompts)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     filler = int(eos[0]) if eos.numel() else 0  # fed after a sequence ended; its outputs are never read
     new_tokens = torch.full((len(prompts), max_new_tokens), filler, dtype=torch.long, device=device)  # (bs, max_new)
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     n_steps, step_logits, cache = 0, [], None
-    with ExitStack() as stack:
-        stack.enter_context(last_position_logits(model, plan))
-        if use_kv_cache:
-            cache = stack.enter_context(kv_cache(model, plan, len(prompts), longest + max_new_tokens, device))
-            forward: _CachedForward | _UncachedForward = _CachedForward(model, cache, prompts, device)
-        else:
-            forward = _UncachedForward(model, prompts, device)
-        logits = forward.prefill() if max_new_tokens else None  # (bs, vocab)
-        while logits is not None:
-            if return_logits:
-                step_logits.append(logits.float().cpu())
-            token = torch.where(finished, filler, sample_next_token(logits, sampling, generator))  # (bs,)
-            new_tokens[:, n_steps] = token
-            n_steps += 1
-            finished |= torch.isin(token, eos)
-            logits = None if n_steps == max_new_tokens or bool(finished.all()) else forward.step(token)
+    if use_kv_cache:
+        cache = stack.enter_context(kv_cache(model, plan, len(prompts), longest + max_new_tokens, device))
+        forward: _CachedForward | _UncachedForward = _CachedForward(model, cache, prompts, device)
+    else:
+        forward = _UncachedForward(model, prompts, device)
+    clock = DecodeClock(device, len(prompts), longest, warmup_steps=0)
+    clock.start()
+    logits: torch.Tensor | None = forward.prefill()  # (bs, vocab)
+    while logits is not None:
+        if return_logits:
+            step_logits.append(logits.float().cpu())
+        token = torch.where(finished, filler, sample_next_token(logits, sampling, generator))  # (bs,)
+        new_tokens[:, n_steps] = token
+        n_steps += 1
+        finished |= torch.isin(token, eos)
+        if n_steps == 1:
+            clock.prefill_done()
+        if n_steps == max_new_tokens or bool(finished.all()):
+            break
+        clock.before_step()
+        logits = forward.step(token)
     kv_bytes = cache.bytes_per_token() if cache is not None else 0
-    return GenerationResult(_cut_after_eos(new_tokens[:, :n_steps].tolist(), set(eos_ids)), step_logits, kv_bytes)
+    return new_tokens[:, :n_steps], step_logits, clock.timing(), kv_bytes
 
 
 class _CachedForward:
@@ -124,13 +188,8 @@ class _CachedForward:
 
     def __init__(self, model: nn.Module, cache: KVCache, prompts: Sequence[Sequence[int]], device: torch.device):
         self.model, self.cache = model, cache
-        longest = max(len(p) for p in prompts)
-        self.tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)  # (bs, longest), left-padded
-        self.real = torch.zeros(len(prompts), longest, dtype=torch.bool, device=device)  # (bs, longest)
-        for row, prompt in enumerate(prompts):
-            self.tokens[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            self.real[row, longest - len(prompt) :] = True
-        self.next_slot = longest
+        self.tokens, self.real = left_pad(prompts, device)  # each (bs, longest), left-padded
+        self.next_slot = self.tokens.size(1)
         self.lengths = self.real.sum(-1, keepdim=True)  # (bs, 1): RoPE position of each sequence's next token
 
     def prefill(self) -> torch.Tensor:

@@ -11,11 +11,23 @@ Slots vs positions: slot i of the cache holds the i-th token fed to the model
 prompt). The caller passes RoPE positions to the model and tells the cache, per
 forward, where the new tokens go and which of them are real (`KVCache.prepare`);
 padding slots are never attended to.
+
+Two ways to feed it:
+
+- `prepare(start, real)` before each forward (the prompt, and the dynamic decode loop):
+  Python ints say where the tokens go, the mask is built for this forward, and the
+  attention reads only slots `0 .. start + n - 1`. Any length, any start.
+- `start_decode(slot)` once after the prompt (the static decode step): from then on
+  each forward feeds one token per sequence, written at the device tensor `slot`;
+  the attention reads every slot of the cache, those not yet written masked by an
+  additive bias the step updates in place. Every shape is fixed and nothing is
+  allocated or read back to the host, so the step can be compiled and captured in
+  one CUDA graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +37,18 @@ from torch import nn
 from titan_core.config.errors import ConfigError
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan
+
+
+def left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts left-padded to the longest: tokens `(bs, longest)` int64 (padding 0), and `real` `(bs, longest)`
+    bool, False on padding."""
+    longest = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long)  # (bs, longest)
+    real = torch.zeros(len(prompts), longest, dtype=torch.bool)  # (bs, longest)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        real[row, longest - len(prompt) :] = True
+    return tokens.to(device), real.to(device)
 
 
 class KVCache:
@@ -42,6 +66,9 @@ class KVCache:
         self.start = 0
         self.attn_mask = torch.ones(batch_size, 1, 0, 0, dtype=torch.bool, device=device)
         self.layers: list[CachedAttention] = []
+        self.decoding = False  # set once by start_decode; a mode, not a per-step branch
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,): slot of the token being decoded
+        self.bias = torch.zeros(0, device=device)  # (bs, 1, 1, max_len) from start_decode: 0 or -inf per slot
 
     def prepare(self, start: int, real: torch.Tensor) -> None:
         """Get ready for a forward whose tokens go into slots `start .. start + n - 1`.
@@ -53,6 +80,7 @@ class KVCache:
         n = real.size(1)
         if start + n > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} tokens; {start + n} were fed; raise max_len")
+        self.decoding = False
         self.start = start
         self.real[:, start : start + n] = real
         slots = torch.arange(start + n, device=real.device)  # (end,)
@@ -62,6 +90,33 @@ class KVCache:
         # which would reach real tokens through 0 * NaN in the next layer's values).
         allowed = (causal & self.real[:, None, None, : start + n]) | (slots[None, :] == query_slots)  # (bs, 1, n, end)
         self.attn_mask = allowed
+
+    def start_decode(self, last_slot: int) -> None:
+        """Switch to the static decode step: from now on `slot` says where each forward's one token goes.
+
+        Every layer's cache must exist (a prompt forward allocates them). Marks the cache
+        tensors as static addresses, so CUDA graphs read and write them in place.
+
+        Args:
+            last_slot: the last slot written so far; `advance` moves to the next one.
+        """
+        caches = [t for layer in self.layers for t in (layer.keys, layer.values)]
+        if not caches or any(t is None for t in caches):
+            raise ValueError("start_decode needs every layer's cache; run the prompt through the model first")
+        self.decoding = True
+        self.slot.fill_(last_slot)
+        bs, max_len = self.real.shape
+        dtype = self.layers[0].keys.dtype  # type: ignore[union-attr]  # checked above
+        # additive mask in the attention's dtype: 0 where a slot holds a real token, -inf elsewhere
+        self.bias = torch.zeros(bs, 1, 1, max_len, dtype=dtype, device=self.real.device)  # (bs, 1, 1, max_len)
+        self.bias.masked_fill_(~self.real[:, None, None, :], float("-inf"))
+        for tensor in (self.slot, self.bias, *caches):
+            torch._dynamo.mark_static_address(tensor)
+
+    def advance(self) -> None:
+        """Move to the next slot and let every query attend to it (in place: no allocation, no host sync)."""
+        self.slot.add_(1)
+        self.bias.index_fill_(-1, self.slot, 0.0)
 
     def bytes_per_token(self) -> int:
         """Bytes the caches of all layers take per token of one sequence (0 before the first forward)."""
@@ -103,6 +158,8 @@ class CachedAttention(nn.Module):
             # (bs, n_kv_heads, max_len, head_dim) and (bs, n_kv_heads, max_len, v_head_dim)
             keys = self.keys = k.new_zeros(bs, kv_heads, state.max_len, k.size(-1))
             values = self.values = v.new_zeros(bs, kv_heads, state.max_len, v.size(-1))
+        if state.decoding:
+            return self._decode(q, k, v, keys, values)
         end = state.start + q.size(2)
         keys[:, :, state.start : end] = k
         values[:, :, state.start : end] = v
@@ -114,6 +171,23 @@ class CachedAttention(nn.Module):
             scale=self.scale,
             enable_gqa=q.size(1) != k.size(1),
         )
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """One new token per sequence at `cache.slot`, attending over the whole cache (fixed shapes)."""
+        bs, n_heads, n, _ = q.shape
+        if n != 1:
+            raise ValueError(f"the static decode step feeds one token per sequence, not {n}; use prepare() for more")
+        keys.index_copy_(2, self.cache.slot, k)
+        values.index_copy_(2, self.cache.slot, v)
+        kv_heads = keys.size(1)
+        # Grouped-query attention without repeating the cache: the `n_heads / n_kv_heads` query heads
+        # that share a KV head (heads h with h // group equal, as enable_gqa pairs them) become that
+        # head's rows of queries, so each KV head is read once.
+        grouped = q.reshape(bs, kv_heads, n_heads // kv_heads, q.size(-1))  # (bs, n_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.cache.bias, scale=self.scale)
+        return out.reshape(bs, n_heads, 1, values.size(-1))  # (bs, n_heads, 1, v_head_dim)
 
     def bytes_per_token(self) -> int:
         """Bytes of this layer's cache per token of one sequence (keys + values, all heads)."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_ckpt.dtypes import parse_dtype
+from titan_ckpt.dtypes import DTYPES, parse_dtype
 from titan_ckpt.formats import detect_format
 from titan_ckpt.hf_hub import resolve_hf_source
 from titan_ckpt.step_folders import list_complete_steps, step_folder
@@ -44,6 +44,7 @@ class LoadedModel:
         checkpoint_format: "dcp", "hf" or "torch".
         device: where it runs.
         dtype: its parameters' dtype.
+        dtype_reason: why that dtype ("asked for", or the rule `--dtype auto` applied).
     """
 
     model: nn.Module
@@ -53,6 +54,7 @@ class LoadedModel:
     checkpoint_format: str
     device: torch.device
     dtype: torch.dtype
+    dtype_reason: str = "asked for"
 
 
 def load_model(
@@ -60,7 +62,7 @@ def load_model(
     model_name: str | None = None,
     flavor: str | None = None,
     device: str | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> LoadedModel:
     """Build a family's model and load a checkpoint's weights into it.
 
@@ -71,12 +73,13 @@ def load_model(
             config.json's `architectures`, else the run's config.toml, else Llama 3.
         flavor: named shape of a DCP/torch source (else from config.json beside it or the run's config.toml).
         device: "cpu", "cuda", "cuda:1", ...; None picks cuda when available.
-        dtype: "float32" or "bfloat16" (or "float16") for the parameters.
+        dtype: "auto" (`resolve_dtype`), "float32" or "bfloat16" (or "float16") for the parameters.
 
     Raises:
         ConfigError / CheckpointError / ModelConfigError: bad input, one line naming it and the fix.
     """
-    target, param_dtype = resolve_device(device), parse_dtype(dtype)
+    target = resolve_device(device)
+    param_dtype, dtype_reason = resolve_dtype(dtype, target)
     checkpoint = resolve_checkpoint(source)
     fmt = detect_format(checkpoint)
     name = model_name or infer_model_name(checkpoint, fmt)
@@ -92,7 +95,7 @@ def load_model(
     model = build_empty(spec, args, target, param_dtype)
     model.load_state_dict(state_dict, strict=True)  # copies, casting to each parameter's dtype
     model.eval().requires_grad_(False)
-    return LoadedModel(model, spec, args, checkpoint, fmt, target, param_dtype)
+    return LoadedModel(model, spec, args, checkpoint, fmt, target, param_dtype, dtype_reason)
 
 
 def build_empty(spec: ModelSpec[Any], args: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -126,6 +129,48 @@ def resolve_device(device: str | None) -> torch.device:
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA GPU is available here; pass --device cpu")
     return target
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The parameter dtype for `--dtype`, and why.
+
+    "auto" is bfloat16 on a CUDA GPU with native bf16 (`torch.cuda.is_bf16_supported`, emulation
+    not counted: Ampere and newer), else float32 (CPU, older GPUs); a named dtype is kept.
+
+    Args:
+        dtype: "auto", or a name `titan_ckpt.dtypes.parse_dtype` knows ("float32", "bfloat16", "float16").
+        device: where the model runs.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ConfigError(f"--dtype {dtype} is not a dtype; pass auto, float32 or bfloat16")
+        return parse_dtype(dtype), "asked for"
+    if device.type != "cuda":
+        return torch.float32, f"auto: float32 on {device.type}"
+    if torch.cuda.is_bf16_supported(including_emulation=False):  # asks the current GPU
+        return torch.bfloat16, "auto: bfloat16 on CUDA"
+    return torch.float32, "auto: this GPU has no native bfloat16"
+
+
+def resolve_compile(compile: bool | None, device: torch.device) -> tuple[bool, str]:
+    """Whether to compile the decode step (`--compile/--no-compile`), and why.
+
+    The default compiles on CUDA (CUDA graphs take the kernel launches off a step that is
+    otherwise bound by them) and not on CPU, where Inductor's C++ build takes longer than a
+    short generation saves.
+
+    Args:
+        compile: the option; None for the default.
+        device: where the model runs.
+    """
+    if compile is not None:
+        return compile, "asked for"
+    if device.type == "cuda":
+        return True, "default on CUDA"
+    return False, f"default off on {device.type}"
 
 
 def resolve_checkpoint(source: str) -> Path:

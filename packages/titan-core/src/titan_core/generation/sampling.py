@@ -3,6 +3,13 @@
 The order is the usual one (transformers' too): divide by the temperature, keep the
 top-k logits, keep the smallest nucleus of probability mass `top_p`, then draw one
 token from what is left with a seeded `torch.Generator`. Temperature 0 is greedy.
+
+The draw is the exponential race (gpt-fast's `multinomial_sample_one_no_sync`):
+`argmax(probs / E)` with `E ~ Exp(1)` drawn per token picks token i with probability
+`probs[i]`, as `torch.multinomial` does, but in plain tensor ops that `torch.compile`
+traces and a CUDA graph replays. The noise is drawn outside (`draw_noise`), from the
+seeded generator, so the compiled decode step and the eager loop draw the same tokens
+from the same seed.
 """
 
 from __future__ import annotations
@@ -75,6 +82,47 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution to draw from: temperature, then top-k, then top-p.
+
+    Args:
+        logits: `(bs, vocab)` logits of the last position.
+        params: temperature (> 0), top-k, top-p.
+
+    Returns:
+        `(bs, vocab)` float32 probabilities, zero where filtered.
+    """
+    logits = logits.float() / params.temperature
+    if params.top_k is not None:
+        logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    return logits.softmax(-1)
+
+
+def draw_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`Exp(1)` noise shaped like `like` `(bs, vocab)`, float32, from `generator` (None: torch's global one)."""
+    return torch.empty(like.shape, dtype=torch.float32, device=like.device).exponential_(generator=generator)
+
+
+def pick_next_token(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> torch.Tensor:
+    """The next token of each row, given the noise of the draw; no host sync, no data-dependent branch.
+
+    Args:
+        logits: `(bs, vocab)` logits of the last position.
+        params: greedy, or temperature / top-k / top-p.
+        noise: `(bs, vocab)` `Exp(1)` noise from `draw_noise`; unused (may be None) when greedy.
+
+    Returns:
+        `(bs,)` int64 token ids.
+    """
+    if params.greedy:
+        return logits.argmax(-1)
+    if noise is None:
+        raise ValueError("sampling needs noise from draw_noise; pass it, or use greedy SamplingParams")
+    # probs / E: a filtered token (prob 0) scores 0; the clamp keeps an E of exactly 0 from giving 0 / 0
+    return (sampling_probs(logits, params) / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(-1)
+
+
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -88,11 +136,5 @@ def sample_next_token(
     Returns:
         `(bs,)` int64 token ids.
     """
-    if params.greedy:
-        return logits.argmax(-1)
-    logits = logits.float() / params.temperature
-    if params.top_k is not None:
-        logits = top_k_filter(logits, params.top_k)
-    logits = top_p_filter(logits, params.top_p)
-    probs = logits.softmax(-1)  # (bs, vocab), zero where filtered
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    noise = None if params.greedy else draw_noise(logits, generator)
+    return pick_next_token(logits, params, noise)

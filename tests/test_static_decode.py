@@ -1,0 +1,225 @@
+"""The static decode step of `titan generate` against the eager references, on CPU in float32.
+
+Tiny Titan models (llama3, qwen3) with large random weights, a batch of prompts of
+different lengths: the static step (eager, and compiled with the `aot_eager` backend,
+the same Dynamo/AOT capture as Inductor without its slow C++ build) gives the same
+greedy tokens as recomputing every sequence from scratch (`use_kv_cache=False`) and as
+the dynamic cache loop, EOS included; the step compiles to one graph and reads nothing
+back to the host; `--dtype auto`, `--compile`'s default and the bandwidth table; the
+decode benchmark's smoke run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from titan_core.config.errors import ConfigError
+from titan_core.generation import (
+    GREEDY,
+    SamplingParams,
+    generate,
+    kv_cache,
+    peak_memory_bandwidth,
+    resolve_compile,
+    resolve_dtype,
+)
+from titan_core.generation.decode_speed import DecodeTiming
+from titan_core.generation.generate import last_position_logits
+from titan_core.generation.static_decode import StaticDecoder, cache_slots
+from titan_models import get_model_spec
+from titan_models.llama3.model import ModelArgs as Llama3Args
+from titan_models.qwen3.model import ModelArgs as Qwen3Args
+from titan_parallel.plan import ModelPlan
+from titan_run import REPO
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+PROMPTS = [[1, 5, 9, 33, 40, 7, 8, 100], [1, 200, 3], [7, 7, 11, 250, 19]]  # different lengths: left-padded
+NEW_TOKENS = 10
+TINY_ARGS = {
+    "llama3": Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64),
+    "qwen3": Qwen3Args(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=96, vocab_size=256, max_seq_len=64
+    ),
+}
+"""Family -> ModelArgs of a tiny model of it, grouped-query attention included."""
+
+
+@functools.cache
+def tiny_model(family: str) -> tuple[torch.nn.Module, ModelPlan]:
+    """A tiny model of `family` in eval mode and its plan; weights drawn with std 0.15 so that
+    greedy decoding does not settle on one token."""
+    spec = get_model_spec(family)
+    torch.manual_seed(0)
+    model = spec.build(TINY_ARGS[family])
+    model.init_weights()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    return model.eval().requires_grad_(False), spec.plan
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_ARGS))
+def tiny(request) -> tuple[torch.nn.Module, ModelPlan]:
+    """(model, plan) of each family in TINY_ARGS."""
+    return tiny_model(request.param)
+
+
+def test_static_step_matches_the_references(tiny):
+    model, plan = tiny
+    recompute = generate(model, plan, PROMPTS, NEW_TOKENS, use_kv_cache=False, return_logits=True)
+    dynamic = generate(model, plan, PROMPTS, NEW_TOKENS, static_cache=False).tokens
+    static = generate(model, plan, PROMPTS, NEW_TOKENS, return_logits=True)
+    assert static.tokens == dynamic == recompute.tokens
+    assert all(len(row) == NEW_TOKENS for row in static.tokens) and len(set(static.tokens[0])) > 3
+    for a, b in zip(static.step_logits, recompute.step_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert static.kv_bytes_per_token > 0 and static.timing is not None and static.timing.batch_size == len(PROMPTS)
+
+
+def test_compiled_step_matches_eager_with_eos(tiny):
+    model, plan = tiny
+    counters.clear()
+    free = generate(model, plan, PROMPTS, NEW_TOKENS, use_kv_cache=False).tokens
+    compiled = generate(model, plan, PROMPTS, NEW_TOKENS, compile=True, compile_backend="aot_eager").tokens
+    assert compiled == free
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1  # one graph, no break
+    eos = free[0][3]  # the first sequence's 4th token becomes the end of sequence
+    reference = generate(model, plan, PROMPTS, NEW_TOKENS, eos_ids=[eos], use_kv_cache=False).tokens
+    for kwargs in ({}, {"compile": True, "compile_backend": "aot_eager"}):
+        stopped = generate(model, plan, PROMPTS, NEW_TOKENS, eos_ids=[eos], **kwargs).tokens
+        assert stopped == reference, kwargs
+        assert stopped[0] == free[0][:4]  # cut after the EOS, kept as the last token
+        for row, full in zip(stopped, free, strict=True):
+            assert row == (full[: full.index(eos) + 1] if eos in full else full)
+
+
+def test_compiled_sampling_draws_what_eager_draws():
+    model, plan = tiny_model("llama3")  # one family: the draw does not depend on the model
+    hot = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
+    runs = [
+        generate(model, plan, PROMPTS, NEW_TOKENS, sampling=hot, seed=3, **kwargs).tokens
+        for kwargs in ({"use_kv_cache": False}, {}, {"compile": True, "compile_backend": "aot_eager"})
+    ]
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] != generate(model, plan, PROMPTS, NEW_TOKENS, sampling=GREEDY).tokens  # it did sample
+
+
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+@contextlib.contextmanager
+def host_reads(sites: list[str]) -> Iterator[None]:
+    """Record every call of a `torch.Tensor` method that reads a value back to the host."""
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name):
+        def counted(self, *args, **kwargs):
+            sites.append(name)
+            return saved[name](self, *args, **kwargs)
+
+        return counted
+
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, wrap(name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@torch.no_grad()
+def test_decode_step_reads_nothing_on_the_host(tiny):
+    model, plan = tiny
+    generator = torch.Generator().manual_seed(0)
+    with last_position_logits(model, plan), kv_cache(model, plan, 3, cache_slots(PROMPTS, 4), "cpu") as cache:
+        decoder = StaticDecoder(model, cache, PROMPTS, 4, SamplingParams(temperature=1.0, top_k=5), [2], generator)
+        decoder.prefill()
+        sites: list[str] = []
+        with host_reads(sites):
+            for _ in range(3):
+                decoder.draw()
+                decoder.step()
+        assert sites == []
+        assert decoder.count.tolist() == [4]
+
+
+def test_auto_dtype_and_compile_defaults(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu)[0] == torch.float32
+    assert resolve_compile(None, cpu)[0] is False
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert resolve_dtype("auto", gpu)[0] == torch.bfloat16  # native bf16 only: emulation does not count
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert resolve_dtype("auto", gpu)[0] == torch.float32
+    assert resolve_dtype("float32", gpu)[0] == torch.float32 and resolve_dtype("bfloat16", cpu)[0] == torch.bfloat16
+    assert resolve_compile(None, gpu)[0] is True and resolve_compile(False, gpu)[0] is False
+    assert resolve_compile(True, cpu)[0] is True
+    with pytest.raises(ConfigError, match="--dtype int8 is not a dtype; pass auto, float32 or bfloat16"):
+        resolve_dtype("int8", cpu)
+
+
+def test_compile_needs_the_static_cache(tiny):
+    model, plan = tiny
+    with pytest.raises(ConfigError, match="--no-kv-cache"):
+        generate(model, plan, PROMPTS, 2, use_kv_cache=False, compile=True)
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 3.35e12),
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA A100-SXM4-80GB", 2.0e12),
+        ("NVIDIA A100-PCIE-40GB", 1.555e12),
+        ("NVIDIA L4", 0.3e12),
+        ("NVIDIA B200", 8e12),
+        ("NVIDIA GH200 480GB", None),  # not the H200
+        ("NVIDIA L40S", None),  # not the L4
+        ("Tesla V100-SXM2-16GB", None),
+    ],
+)
+def test_peak_memory_bandwidth(name, peak):
+    assert peak_memory_bandwidth(name) == peak
+
+
+def test_bytes_per_step_adds_the_kv_cache_in_use():
+    # batch 2, prompt of 4 slots, 3 timed steps after 1 warm-up step: slots in use 4+2, 4+3, 4+4
+    timing = DecodeTiming(
+        batch_size=2,
+        prompt_slots=4,
+        prefill_s=0.1,
+        warmup_steps=1,
+        warmup_s=1.0,
+        steps=3,
+        decode_s=0.5,
+        kv_slots=6 + 7 + 8,
+    )
+    assert timing.bytes_per_step(param_bytes=1000, kv_bytes_per_token=10) == 1000 + 10 * 2 * (6 + 7 + 8) / 3
+    assert timing.steps_per_s == 6.0 and timing.tokens_per_s == 12.0
+
+
+def test_decode_bench_smoke():
+    """The benchmark's eager run (the compiled one is the step the tests above compile)."""
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    figures = bench.run_decode_bench("debugmodel", 8, "cpu", compile=False)
+    assert figures["tokens_match"] and figures["dtype"] == "float32" and list(figures["runs"]) == ["eager"]
+    eager = figures["runs"]["eager"]
+    assert len(eager["tokens"]) == 8 and eager["decode_steps"] == 7 and eager["warmup_steps"] == 0
+    assert eager["bandwidth_share"] is None and eager["decode_tokens_per_s"] > 0
+    assert eager["bytes_per_step"] > figures["parameter_bytes"]  # the KV cache adds to the weights
+    assert bench.first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_mismatch([1, 2, 3], [1, 5, 3]) == 1 and bench.first_mismatch([1, 2], [1, 2, 3]) == 2
