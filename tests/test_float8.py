@@ -44,7 +44,7 @@ from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import Float8Options, MXOptions, ParallelConfigError, apply_float8, apply_mx, check_float8, check_mx
 from titan_parallel.float8 import gains_from_float8
-from titan_parallel.tensor_parallel import planned_styles
+from titan_parallel.tensor_parallel import OutputParallel, planned_styles
 
 torchao = pytest.importorskip("torchao")
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel  # noqa: E402
@@ -116,7 +116,7 @@ def test_tp_chooses_float8_styles_from_module_types():
         assert tensorwise[name] is Float8ColwiseParallel, name
     assert tensorwise["attention.wo"] is tensorwise["feed_forward.w2"] is Float8RowwiseParallel
     assert tensorwise["attention"] is tensorwise["feed_forward"] is PrepareFloat8ModuleInput  # one float8 all-gather
-    assert tensorwise["output"] is ColwiseParallel  # the (unconverted) output projection
+    assert tensorwise["output"] is OutputParallel  # the (unconverted) output projection: plain colwise
 
     # torchao's float8 TP is tensorwise-only: rowwise float8 linears all-gather in high precision.
     rowwise = styles(emulated(recipe_name="rowwise", auto_filter_small_kn=False))

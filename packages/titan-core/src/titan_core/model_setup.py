@@ -45,6 +45,8 @@ class ModelParts:
     fsdp: bool = False
     head: nn.Module | None = None
     """The output projection computing the loss (`titan_parallel.fuse_output_loss`), on the rank holding it."""
+    head_owner: nn.Module | None = None
+    """The part holding `head`: inside the step it returns hidden states (`hidden_states_out`)."""
     schedule: _PipelineSchedule | None = None
     stages: list[PipelineStage] | None = None
     n_microbatches: int = 1
@@ -152,8 +154,9 @@ def assemble_model(
         stage_modules = [StageModule(i, parallelize(m, plan, mesh, options)) for i, m in stage_modules]
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
     parts = [s.module for s in stage_modules]
+    head_owner = next((p for p in parts if any(m is head for m in p.modules())), None) if head is not None else None
     if dims.pp == 1 or pipeline is None or loss_fn is None:
-        return ModelParts(parts, fsdp, head)
+        return ModelParts(parts, fsdp, head, head_owner)
     pipe = build_pipeline(
         stage_modules,
         pipeline,
@@ -164,7 +167,7 @@ def assemble_model(
         loss_fn=loss_fn,
         scale_loss=False,  # the step runner's `StepLoss` normalises, in one place
     )
-    return ModelParts(parts, fsdp, head, pipe.schedule, pipe.stages, pipe.n_microbatches)
+    return ModelParts(parts, fsdp, head, head_owner, pipe.schedule, pipe.stages, pipe.n_microbatches)
 
 
 @torch.no_grad()

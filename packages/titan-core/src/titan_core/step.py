@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_grad_norm_
+from titan_parallel.linear_cross_entropy import hidden_states_out
 from titan_parallel.precision import mixed_precision_context
 
 if TYPE_CHECKING:
@@ -225,6 +226,8 @@ class StepRunner:
         with contextlib.ExitStack() as stack:
             stack.enter_context(mixed_precision_context(self.device.type, self.param_dtype, fsdp=self.fsdp))
             stack.enter_context(sdpa_context(self.attention_backends))
+            if self.model.head_owner is not None:  # the fused loss applies the output projection
+                stack.enter_context(hidden_states_out([self.model.head_owner]))
             if self.loss_parallel:
                 from torch.distributed.tensor.parallel import loss_parallel
 

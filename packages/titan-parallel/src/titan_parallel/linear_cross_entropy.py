@@ -31,8 +31,9 @@ with labels (`head(h, labels=labels)`), for the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,13 @@ from torch.distributed.tensor import DTensor, Partial
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan, TPStyle
 
-__all__ = ["linear_cross_entropy", "fuse_output_loss", "LinearCrossEntropyHead", "default_chunk_rows"]
+__all__ = [
+    "linear_cross_entropy",
+    "fuse_output_loss",
+    "hidden_states_out",
+    "LinearCrossEntropyHead",
+    "default_chunk_rows",
+]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default
 
@@ -256,12 +263,13 @@ class LinearCrossEntropyHead:
 def fuse_output_loss(
     model: nn.Module, plan: ModelPlan, *, chunk_rows: int | None = None, compiled: bool = False
 ) -> nn.Module | None:
-    """Make `model`'s output projection compute the loss, and its forward return the final hidden states.
+    """Make `model`'s output projection compute the loss when called with labels.
 
     Call on the (meta) model before tensor parallel and FSDP wrap it, so their hooks see the new
-    forward. The model must have a `skip_output` attribute (every Titan family does): set here,
-    its forward stops before the output projection. Then train with
-    `loss = head(model(tokens), labels=labels)`.
+    forward. The model must have a `skip_output` attribute (every Titan family does), which
+    `hidden_states_out` sets: inside it the forward stops before the output projection; outside,
+    the model returns logits as before. Train with
+    `with hidden_states_out([model]): loss = head(model(tokens), labels=labels)`.
 
     Args:
         model: the model (or the pipeline stage holding the output projection).
@@ -280,8 +288,21 @@ def fuse_output_loss(
         return None
     head.__class__ = type("LinearCrossEntropyLinear", (LinearCrossEntropyHead, nn.Linear), {})
     head.chunk_rows, head.compiled_loss = chunk_rows, compiled  # type: ignore[assignment]
-    setattr(model, "skip_output", True)  # noqa: B010  # an attribute of the family's model class
     return head
+
+
+@contextlib.contextmanager
+def hidden_states_out(models: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside the block, each of `models` (whose output projection `fuse_output_loss` fused with the loss)
+    returns its final hidden states instead of logits, for the loss to apply the projection."""
+    saved = [bool(getattr(m, "skip_output")) for m in models]  # noqa: B009
+    for model in models:
+        setattr(model, "skip_output", True)  # noqa: B010  # an attribute of the family's model class
+    try:
+        yield
+    finally:
+        for model, value in zip(models, saved, strict=True):
+            setattr(model, "skip_output", value)  # noqa: B010
 
 
 def chunk_count(tokens: int, vocab_size: int, chunk_rows: int | None = None) -> int:
