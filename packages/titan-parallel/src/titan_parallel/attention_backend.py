@@ -71,7 +71,11 @@ def choose_sdpa_backends(choice: str, device: torch.device) -> tuple[tuple[str, 
 
 
 def sdpa_context(backends: Sequence[str] | None) -> contextlib.AbstractContextManager:
-    """A context in which SDPA tries `backends` in order (none: torch's default, no context)."""
+    """A context in which SDPA tries `backends` in order.
+
+    Args:
+        backends: names in priority order (`choose_sdpa_backends`); None or empty: torch's default, no context.
+    """
     if not backends:
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel

@@ -32,7 +32,6 @@ with labels (`head(h, labels=labels)`), for the trainer.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -56,7 +55,12 @@ IGNORE_INDEX = -100  # F.cross_entropy's default
 
 def default_chunk_rows(vocab_size: int, budget_bytes: int = 1 << 30) -> int:
     """Rows per chunk so that one chunk of fp32 logits takes at most `budget_bytes` (1 GiB): 2,093 rows
-    for a 128,256-token vocabulary, i.e. 4 chunks at 8,192 tokens."""
+    for a 128,256-token vocabulary, i.e. 4 chunks at 8,192 tokens.
+
+    Args:
+        vocab_size: the full vocabulary (all tensor-parallel shards together).
+        budget_bytes: the most bytes one chunk of fp32 logits may take.
+    """
     return max(1, budget_bytes // (4 * vocab_size))
 
 
@@ -294,7 +298,11 @@ def fuse_output_loss(
 @contextlib.contextmanager
 def hidden_states_out(models: Sequence[nn.Module]) -> Iterator[None]:
     """Inside the block, each of `models` (whose output projection `fuse_output_loss` fused with the loss)
-    returns its final hidden states instead of logits, for the loss to apply the projection."""
+    returns its final hidden states instead of logits, for the loss to apply the projection.
+
+    Args:
+        models: models (or pipeline stages) with a `skip_output` attribute.
+    """
     saved = [bool(getattr(m, "skip_output")) for m in models]  # noqa: B009
     for model in models:
         setattr(model, "skip_output", True)  # noqa: B010  # an attribute of the family's model class
@@ -303,8 +311,3 @@ def hidden_states_out(models: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for model, value in zip(models, saved, strict=True):
             setattr(model, "skip_output", value)  # noqa: B010
-
-
-def chunk_count(tokens: int, vocab_size: int, chunk_rows: int | None = None) -> int:
-    """How many chunks `linear_cross_entropy` cuts `tokens` rows into."""
-    return math.ceil(tokens / (chunk_rows or default_chunk_rows(vocab_size)))

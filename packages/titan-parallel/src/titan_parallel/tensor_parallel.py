@@ -86,7 +86,13 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
 class OutputParallel(ColwiseParallel):
     """`TPStyle.OUTPUT`: the colwise (vocab-sharded) output projection. When it returns the fused loss
     (`titan_parallel.linear_cross_entropy`, a plain tensor, the same on every rank) rather than
-    logits, that passes through untouched."""
+    logits, that passes through untouched.
+
+    Args:
+        input_layouts: as `ColwiseParallel`'s (`Shard(1)`: sequence-parallel hidden states).
+        output_layouts: the logits' layout (`Shard(-1)` under loss parallel, else `Replicate()`).
+        use_local_output: return the logits as a local tensor rather than a DTensor.
+    """
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
