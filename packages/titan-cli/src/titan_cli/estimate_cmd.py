@@ -29,6 +29,12 @@ def estimate_memory(
         "--traced",
         help="Trace the real train step under FakeTensorMode (seconds; falls back to analytic where torch cannot).",
     ),
+    measure: bool = typer.Option(
+        False,
+        "--measure",
+        help="Run the job on this host's devices with 2 and 3 blocks per stage, two steps each, and extrapolate "
+        "the measured peak to the full depth (GPU: max_memory_allocated; CPU: live tensor bytes).",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object (bytes per component, per stage) for scripts."
     ),
@@ -38,21 +44,33 @@ def estimate_memory(
     Takes the same `--config` and `--section.key value` overrides as `titan train`.
     Prints parameters, gradients, optimizer states, activations, communication and
     temporary buffers per pipeline stage, the total, and with `--gpu-memory` a
-    verdict and the cheapest change that would make it fit. Formulas and measured
+    verdict and the cheapest change that would make it fit. `--measure` runs it on
+    this host instead, all ranks here, cut to a few blocks. Formulas and measured
     accuracy: docs/memory.md.
     """
     from titan_core.config import load_config
     from titan_core.launch import USER_ERRORS, error_line
+    from titan_core.memory.measured import MeasureError
 
+    if measure and nnodes > 1:
+        typer.echo(
+            "titan: error: --measure runs every rank on this host; measure with --nnodes 1 (and the ranks this host "
+            "has in --nproc-per-node), or estimate without --measure",
+            err=True,
+        )
+        raise typer.Exit(2)
     try:
         cfg = load_config(config, list(ctx.args))
         from titan_core.memory import estimate_memory as estimate
         from titan_core.memory import render_text
 
-        result = estimate(cfg, nproc_per_node * nnodes, gpu_memory=gpu_memory, traced=traced)
+        result = estimate(cfg, nproc_per_node * nnodes, gpu_memory=gpu_memory, traced=traced, measure=measure)
     except USER_ERRORS as e:  # bad input; a bug keeps its traceback
         typer.echo(error_line(e), err=True)
         raise typer.Exit(2) from None
+    except MeasureError as e:  # the job does not fit this host's devices even cut short
+        typer.echo(error_line(e), err=True)
+        raise typer.Exit(1) from None
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:

@@ -1,6 +1,6 @@
 """What an estimate says: per-rank memory by component, a verdict against a budget.
 
-Both tiers (`titan_core.memory.analytic`, `titan_core.memory.traced`) return a
+Every tier (`titan_core.memory.analytic`, `.traced`, `.measured`) returns a
 `MemoryEstimate`; `render_text` and `MemoryEstimate.to_json` are what
 `titan estimate-memory` prints.
 """
@@ -57,7 +57,7 @@ class MemoryEstimate:
     """Per-rank peak memory of one job layout, and whether it fits.
 
     Args:
-        tier: "analytic" or "traced".
+        tier: "analytic", "traced" or "measured".
         world_size: number of ranks.
         layout: the parallel degrees, e.g. "dp_shard=8" or "dp_shard=4, tp=2, pp=2".
         ranks: one entry per pipeline stage.
