@@ -35,6 +35,11 @@ def plan(
         None, "--host-memory", help="Host memory per node that CPU offload may fill, e.g. 1TiB; default: 2TiB."
     ),
     top: int = typer.Option(5, "--top", help="How many layouts to rank."),
+    expert_parallel: bool = typer.Option(
+        True,
+        "--expert-parallel/--no-expert-parallel",
+        help="Search expert-parallel degrees for a Mixture-of-Experts model (--no-expert-parallel: ep = 1).",
+    ),
     emit_config: str | None = typer.Option(
         None, "--emit-config", help="Write the best layout's config to this TOML file."
     ),
@@ -46,8 +51,8 @@ def plan(
     """Rank the layouts of a job that fit in memory by estimated step time.
 
     Searches FSDP / HSDP, context, tensor and pipeline parallel degrees,
-    schedules, micro-batches, batch splits, activation checkpointing and
-    CPU offload; keeps the layouts whose memory estimate fits; ranks them
+    expert parallel for Mixture-of-Experts models, schedules, micro-batches,
+    batch splits, activation checkpointing and CPU offload; keeps the layouts whose memory estimate fits; ranks them
     by a cost model of compute and exposed communication (docs/memory.md,
     "titan plan"). Takes `titan train`'s `--config` and `--section.key
     value` overrides; the search sets the keys it searches. Exit 1 when
@@ -75,6 +80,7 @@ def plan(
             global_batch=global_batch_size,
             top=top,
             host_memory=host_memory,
+            expert_parallel=expert_parallel,
         )
         result = search(prepare_plan(request))
         command = None

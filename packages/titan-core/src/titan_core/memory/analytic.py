@@ -100,6 +100,11 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         loss_parallel=not p.disable_loss_parallel,
     )
     act = activation_bytes(job.model_args, layout)
+    if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs keep the formulas)
+        from titan_core.memory.compiled_saved import compiled_block_bytes
+
+        act, compile_note = compiled_block_bytes(job, act)
+        notes.append(compile_note)
     stages = _stage_names(job)
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
@@ -110,8 +115,6 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     ]
     if "float8" in cfg.model.converters:
         notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
-    if cfg.compile.enable:
-        notes.append("compile: eager memory is estimated; compiled blocks and loss usually need less (an upper bound)")
     return MemoryEstimate("analytic", world_size, describe_layout(job, b), ranks, notes=notes)
 
 

@@ -4,13 +4,15 @@ The search, in order:
 
 1. `plan_space.candidate_layouts` lists every layout whose degrees multiply to the GPU
    count and whose batch split gives the global batch exactly: dp_replicate x dp_shard x
-   cp x tp x pp, pipeline schedule and micro-batch, local batch and accumulation,
-   activation checkpointing (none / selective op / full), CPU offload.
+   cp x tp x pp, for a Mixture-of-Experts model each expert-parallel degree the rules allow,
+   pipeline schedule and micro-batch, local batch and accumulation, activation
+   checkpointing (none / selective op / full), CPU offload.
 2. `plan_space.refuse_by_rule` runs the torch-free rules of titan-parallel on each (tp
    against the model's widths, cp against the sequence, pipeline stages and
-   micro-batches): rules `titan_core.job_check` runs, without building the model.
-3. `plan_bounds.memory_lower_bound` drops those whose model states, or whose first
-   pipeline ranks' states and kept activations, exceed the device budget, and
+   micro-batches), and `refuse_expert_parallel` the expert-parallel ones on the meta model:
+   rules `titan_core.job_check` runs, without building the model.
+3. `plan_bounds.memory_lower_bound` drops those whose model states, or whose pipeline
+   ranks' blocks (states, FSDP's gathered weights, kept activations), exceed the device budget, and
    `plan_bounds.host_lower_bound` those whose CPU-offloaded states exceed the host's
    memory: no estimate of them can fit.
 4. The rest are scored by the cost model (`titan_core.memory.step_cost`) and estimated in
@@ -38,14 +40,20 @@ from titan_core.config.load import validate_config
 from titan_core.config.overrides import parse_overrides
 from titan_core.memory.budget import GPU_MEMORY_GIB, parse_gpu_memory, usable_bytes
 from titan_core.memory.plan_bounds import degrees_and_schedule, host_lower_bound, memory_lower_bound, needs_at_least
-from titan_core.memory.plan_space import PLAN_SCHEDULES, candidate_layouts, layout_overrides, refuse_by_rule
+from titan_core.memory.plan_model import block_sizes, model_of, workload
+from titan_core.memory.plan_space import (
+    PLAN_SCHEDULES,
+    candidate_layouts,
+    layout_overrides,
+    refuse_by_rule,
+    refuse_expert_parallel,
+)
 from titan_core.memory.step_cost import (
     Cluster,
     Layout,
     StepCost,
     Workload,
     estimate_step_cost,
-    op_recompute_flops_per_token,
     tokens_per_second_per_gpu,
 )
 
@@ -73,6 +81,7 @@ class PlanRequest:
         global_batch: sequences per optimizer step; None = the config's.
         top: how many layouts to rank.
         host_memory: host memory per node, e.g. "2TiB": what CPU offload may fill; None = `HOST_MEMORY`.
+        expert_parallel: search expert-parallel degrees for a Mixture-of-Experts model (False: ep = 1 only).
     """
 
     config: str | None
@@ -85,6 +94,7 @@ class PlanRequest:
     global_batch: int | None = None
     top: int = 5
     host_memory: str | None = None
+    expert_parallel: bool = True
 
 
 @dataclass
@@ -199,46 +209,6 @@ def _cluster(request: PlanRequest, cfg: JobConfig) -> Cluster:
     return Cluster(request.gpus, min(request.gpus_per_node, request.gpus), peak)
 
 
-def workload(cfg: JobConfig) -> Workload:
-    """The model and batch of `cfg` as the cost model's numbers (a Llama-shaped family's args)."""
-    from titan_core.memory.analytic import DTYPE_BYTES, compute_dtype_bytes
-
-    spec, a = _model(cfg)
-    q_dim, kv_dim = a.n_heads * a.attention_head_dim, a.kv_heads * a.attention_head_dim
-    compute_bytes = compute_dtype_bytes(cfg, "cuda")
-    return Workload(
-        n_params=spec.count_params(a),
-        n_layers=a.n_layers,
-        dim=a.dim,
-        kv_dim=kv_dim,
-        flops_per_token=spec.flops_per_token(a, cfg.training.seq_len),
-        op_recompute_flops_per_token=op_recompute_flops_per_token(a.n_layers, a.dim, q_dim, kv_dim, a.ffn_hidden_dim),
-        seq_len=cfg.training.seq_len,
-        global_batch=cfg.training.global_batch_size,
-        gather_bytes=compute_bytes,
-        reduce_bytes=DTYPE_BYTES[cfg.training.mixed_precision_reduce],
-        act_bytes=compute_bytes,
-        fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,
-        cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
-    )
-
-
-def _model(cfg: JobConfig) -> tuple[Any, Any]:
-    """The model family's spec and args of `cfg`; a `ConfigError` naming model.name / model.flavor."""
-    from titan_models import get_model_args, get_model_spec
-
-    try:
-        spec, args = get_model_spec(cfg.model.name), get_model_args(cfg.model.name, cfg.model.flavor)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if spec.activation_bytes is None:
-        raise ConfigError(
-            f"model.name={cfg.model.name!r} has no activation formulas (ModelSpec.activation_bytes); "
-            "titan plan needs them"
-        )
-    return spec, args
-
-
 def layout_config(plan: Plan, layout: Layout) -> JobConfig:
     """The job config of `layout`: the user's config and overrides (`plan.base`), then the layout's tokens.
 
@@ -275,8 +245,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
 
         schedules = tuple(s for s in PLAN_SCHEDULES if s in available_schedules())
     cfg, w, c = plan.base, plan.workload, plan.cluster
-    spec, args = _model(cfg)
-    block_params = _smallest_block_params(spec, args)
+    spec, args = model_of(cfg)
+    sizes = block_sizes(cfg)
     compute_bytes = compute_dtype_bytes(cfg, "cuda")
     p = cfg.parallelism
     ends = (p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers)
@@ -285,6 +255,11 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
     def refuse(tp: int, cp: int, pp: int, schedule: str, local: int, microbatch: int) -> str | None:
         probe = Layout(tp=tp, cp=cp, pp=pp, schedule=schedule, local_batch=local, microbatch=microbatch)
         return refuse_by_rule(probe, args, cfg, w.seq_len)
+
+    @functools.cache
+    def refuse_ep(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int) -> str | None:
+        probe = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
+        return refuse_expert_parallel(probe, cfg)
 
     @functools.cache
     def activations(tp: int, cp: int) -> Any:
@@ -303,14 +278,17 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
 
     scored: list[Ranked] = []
     closest_bound = None
-    for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules):
+    experts = w.moe.num_experts if plan.request.expert_parallel else 0
+    for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts):
         plan.counts["layouts"] += 1
         refusal = refuse(t.tp, t.cp, t.pp, t.schedule, t.local_batch, t.microbatch)
+        refusal = refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep)
         if refusal is not None:
             plan.counts["rule"] += 1
             plan.rule_errors[refusal] += 1
             continue
-        bound = memory_lower_bound(t, w, activations(t.tp, t.cp), block_params, compute_bytes, ends)
+        act = None if cfg.compile.enable else activations(t.tp, t.cp)  # compiled: saves less than the formulas
+        bound = memory_lower_bound(t, w, act, sizes, compute_bytes, ends)
         over_host = t.offload and host_lower_bound(t, w, c.gpus_per_node) > plan.host_memory
         if bound > plan.usable or over_host:
             plan.counts["lower_bound"] += 1
@@ -325,7 +303,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
 
 
 SIMPLICITY_MARGIN = 0.02
-"""Step time a layout is charged per model-parallel dimension it uses (tp, cp, pp > 1), for ranking only: the
+"""Step time a layout is charged per model-parallel dimension it uses (tp, cp, pp, ep > 1), for ranking only: the
 cost model does not see the per-micro-batch and per-collective overheads of each, and cannot tell layouts
 within a few percent apart; among those, the simpler layout ranks first (e.g. FSDP alone over pp=4 x cp=2
 for an 8B model on 8 GPUs of 96 GiB, 2.20 s against 2.19 s)."""
@@ -334,7 +312,7 @@ for an 8B model on 8 GPUs of 96 GiB, 2.20 s against 2.19 s)."""
 def rank_key(ranked: Ranked) -> tuple[float, int]:
     """What layouts are ranked by: step time plus `SIMPLICITY_MARGIN` per model-parallel dimension, then memory."""
     t = ranked.layout
-    dims = (t.tp > 1) + (t.cp > 1) + (t.pp > 1)
+    dims = (t.tp > 1) + (t.cp > 1) + (t.pp > 1) + (t.ep > 1)
     return ranked.cost.seconds * (1 + SIMPLICITY_MARGIN * dims), ranked.peak
 
 
@@ -384,13 +362,3 @@ def _estimate_one(plan: Plan, ranked: Ranked, estimate: Estimator) -> bool:
     if ranked.peak > plan.usable and (c is None or not c.estimated or ranked.peak < c.peak):
         plan.closest = ranked  # the nearest to fitting: an estimate before a lower bound, then the smallest
     return False
-
-
-def _smallest_block_params(spec, args) -> int:
-    """Parameters of the model's smallest block, counted on the meta model (a DeepSeek-V3 has dense
-    and Mixture-of-Experts blocks; a lower bound takes the smaller)."""
-    import torch
-
-    with torch.device("meta"):
-        model = spec.build(args)
-    return min(sum(p.numel() for p in block.parameters()) for block in model.get_submodule(spec.plan.blocks).children())

@@ -4,14 +4,17 @@
 (`titan_core.memory.analytic`), so that no estimate goes below it: a layout over the
 budget by its bound is dropped without building its config. `needs_at_least` orders two
 layouts of the same degrees by the memory the estimate's formulas give them, so that one
-is skipped once a smaller one did not fit. `tests/test_plan.py` checks both against the
-estimate.
+is skipped once a smaller one did not fit. `tests/test_plan.py` and `tests/test_plan_ep.py`
+(Mixture-of-Experts layouts, with and without expert parallel) check both against the estimate.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
+from titan_core.memory.analytic import inflight_microbatches
 from titan_core.memory.step_cost import Layout, Workload
 
 STATE_BYTES_PER_PARAM = 16
@@ -25,11 +28,89 @@ AC_KEEPS = {"none": 2, "op": 1, "full": 0}
 """Activation checkpointing modes by how much they keep for backward: none keeps the most."""
 
 
+@dataclass(frozen=True)
+class BlockSizes:
+    """Parameters of each block, split by what divides them: what the bound counts a rank's blocks as.
+
+    Args:
+        blocks: (parameters outside the routed experts, routed experts' parameters) of each block, in order
+            (DeepSeek-V3's first blocks are dense, the rest MoE).
+    """
+
+    blocks: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class RankBlocks:
+    """What one pipeline rank's blocks hold, at least, at given tp and ep.
+
+    Args:
+        pp_rank: the rank's place in the pipeline (0 without PP).
+        count: blocks on the rank.
+        held: their parameters per TP rank before FSDP shards them: tensor parallel splits at most the
+            non-expert ones; the experts run whole on each TP rank (`TPStyle.MOE_INPUT`), and expert parallel
+            keeps the states FSDP's share (E / ep experts over dp_shard x cp / ep ranks).
+        gathered: their parameters FSDP gathers on the rank: each block's TP share and `E / ep` experts.
+        biggest: the largest block's share of `gathered`.
+    """
+
+    pp_rank: int
+    count: int
+    held: float
+    gathered: float
+    biggest: float
+
+
+@functools.cache
+def pipeline_rank_blocks(
+    sizes: BlockSizes, pp: int, schedule: str, end_weights: tuple[int, int], tp: int, ep: int
+) -> tuple[RankBlocks, ...]:
+    """The pipeline ranks' blocks, as titan-parallel cuts the stages (`stage_module_names`) and places them
+    (`stage_indices`), less the ranks that an earlier rank outweighs in every field: a later rank has no more
+    micro-batches in flight (`inflight_microbatches`), so its bound is no larger.
+
+    Args:
+        sizes: the model's blocks.
+        pp: pipeline degree (1: one rank holds every block).
+        schedule: the pipeline schedule.
+        end_weights: blocks' worth of the first and the last stage's other modules.
+        tp: tensor parallel degree.
+        ep: expert parallel degree.
+    """
+    from titan_parallel.pipeline_layout import count_stages, stage_indices, stage_module_names
+    from titan_parallel.plan import ModelPlan
+
+    n_layers = len(sizes.blocks)
+    if pp == 1:
+        placed = [list(range(n_layers))]
+    else:
+        less = {"first_stage_less_layers": end_weights[0], "last_stage_less_layers": end_weights[1]}
+        n_stages = count_stages(n_layers, pp, schedule, **less)
+        names = stage_module_names(ModelPlan(blocks="b"), n_layers, n_stages, **less)  # "b.<index>"
+        placed = [[int(n[2:]) for i in stage_indices(r, pp, n_stages, schedule) for n in names[i]] for r in range(pp)]
+    ranks: list[RankBlocks] = []
+    for r, indices in enumerate(placed):
+        shares = [
+            (sizes.blocks[i][0] / tp + sizes.blocks[i][1], sizes.blocks[i][0] / tp + sizes.blocks[i][1] / ep)
+            for i in indices
+        ]
+        gathered = [g for _, g in shares]
+        rank = RankBlocks(r, len(indices), sum(h for h, _ in shares), sum(gathered), max(gathered, default=0.0))
+        if not any(_outweighs(other, rank) for other in ranks):
+            ranks.append(rank)
+    return tuple(ranks)
+
+
+def _outweighs(a: RankBlocks, b: RankBlocks) -> bool:
+    """Whether rank `a`'s blocks hold no less than rank `b`'s in every field."""
+    return a.count >= b.count and a.held >= b.held and a.gathered >= b.gathered and a.biggest >= b.biggest
+
+
 def memory_lower_bound(
     layout: Layout,
     work: Workload,
-    act: Any,
-    block_params: int,
+    act: Any | None,
+    block_params: int | BlockSizes,
     compute_bytes: int = 2,
     end_weights: tuple[int, int] = (1, 1),
 ) -> int:
@@ -38,79 +119,74 @@ def memory_lower_bound(
     The larger of two moments of `titan_core.memory.analytic`, each counted short:
 
     - the optimizer step: the model states (`STATE_BYTES_PER_PARAM` per parameter over
-      dp_shard x cp x tp x pp; 0 under offload);
-    - the last block backward of pipeline ranks 0 and 1 (`_pipeline_ranks`): their blocks' states
-      (`RESIDENT_BYTES_PER_PARAM`, and the gradients under accumulation), the activations they
-      keep (`act`, the family's `ActivationBytes` at this tp and cp) for the micro-batches in
-      flight, one block's backward and recomputation, and FSDP's gathered blocks (three, or all
-      of the rank's where the weights stay gathered under PP).
+      dp_shard x cp x tp x pp, the routed experts' over dp_shard x cp x pp; 0 under offload);
+    - the last block backward of each pipeline rank (`pipeline_rank_blocks`): its blocks' states
+      (`RESIDENT_BYTES_PER_PARAM`, and the gradients under accumulation or pipeline micro-batches),
+      the activations they keep (`act`, the family's `ActivationBytes` at this tp and cp: its
+      smallest block's) for the micro-batches in flight, one block's backward and recomputation,
+      FSDP's gathered blocks (three of the biggest, or all of the rank's where the weights stay
+      gathered under PP; `E / ep` experts each) and under PP the stage's unsharded gradients, which
+      FSDP reduces once per run.
 
     Args:
         layout: the layout.
         work: the model and batch.
-        act: `ModelSpec.activation_bytes` at this layout's tp and cp.
-        block_params: parameters of one block.
+        act: `ModelSpec.activation_bytes` at this layout's tp and cp; None leaves activations out (a compiled
+            run: the estimate reads what the compiled graph keeps, which the eager formulas do not bound).
+        block_params: the blocks' sizes (`BlockSizes`), or the parameters of the smallest block of a dense model
+            (every block counted as that).
         compute_bytes: bytes of the compute dtype (FSDP gathers the weights in it).
         end_weights: blocks' worth the first and the last pipeline stage's other modules count for
             (`parallelism.pipeline_parallel_{first,last}_stage_less_layers`).
     """
     t = layout
-    shards = t.dp_shard * t.cp * t.tp
-    states = 0.0 if t.offload else STATE_BYTES_PER_PARAM * work.n_params / (shards * t.pp)
+    if isinstance(block_params, int):
+        block_params = BlockSizes(((block_params, 0),) * work.n_layers)
+    states = 0.0 if t.offload else model_states_per_rank(t, work)
     tokens = t.microbatch * work.seq_len // t.cp  # (micro)batch tokens on this rank
-    kept = {"none": act.block, "op": act.block_op, "full": act.block_input}[t.ac]
-    recompute = {"none": 0, "op": act.block - act.block_op, "full": act.block}[t.ac]
-    per_param = 0 if t.offload else RESIDENT_BYTES_PER_PARAM + (4 if t.accum > 1 else 0)  # + gradients if accumulating
+    kept = 0 if act is None else {"none": act.block, "op": act.block_op, "full": act.block_input}[t.ac]
+    recompute = 0 if act is None else {"none": 0, "op": act.block - act.block_op, "full": act.block}[t.ac]
+    accumulates = t.accum > 1 or t.microbatches > 1  # the gradients of earlier (micro-)batches live through backward
+    per_param = 0 if t.offload else RESIDENT_BYTES_PER_PARAM + (4 if accumulates else 0)
     fsdp = t.dp_replicate * t.dp_shard * t.cp > 1 or t.offload
     reshard = {"always": True, "never": False, "default": t.pp == 1}[work.fsdp_reshard]
     bound = states
-    for blocks, in_flight in _pipeline_ranks(t, work.n_layers, end_weights):
-        if blocks == 0:
+    for r in pipeline_rank_blocks(block_params, t.pp, t.schedule, end_weights, t.tp, t.ep):
+        if r.count == 0:
             continue
-        backward = tokens * (act.block_backward + recompute)  # one block's backward and recomputation
-        gathered = (3 if reshard else blocks) * compute_bytes * block_params / t.tp if fsdp else 0
-        rank = per_param * blocks * block_params / shards + in_flight * tokens * blocks * kept + backward + gathered
+        in_flight = inflight_microbatches(t.schedule, t.pp, r.pp_rank, t.stages_per_rank, t.microbatches)
+        backward = 0 if act is None else tokens * (act.block_backward + recompute)  # a block's backward, recompute
+        gathered = 0.0
+        if fsdp:
+            gathered = compute_bytes * (3 * r.biggest if reshard else r.gathered)
+            if t.pp > 1:  # FSDP reduces once per pipeline run: the stage's unsharded gradients wait until then
+                gathered += max(compute_bytes, work.reduce_bytes) * r.gathered
+        held = per_param * r.held / (t.dp_shard * t.cp)
+        rank = held + in_flight * tokens * r.count * kept + backward + gathered
         bound = max(bound, rank)
     return int(bound)
 
 
+def model_states_per_rank(layout: Layout, work: Workload) -> float:
+    """Bytes of fp32 parameters, gradients and AdamW moments a rank holds at least: `STATE_BYTES_PER_PARAM` per
+    parameter over dp_shard x cp x tp x pp, the routed experts' over dp_shard x cp x pp (TP does not split them;
+    expert parallel keeps FSDP's share)."""
+    t = layout
+    experts = work.moe.expert_params
+    states = STATE_BYTES_PER_PARAM * (work.n_params - experts) / (t.dp_shard * t.cp * t.tp * t.pp)
+    return states + STATE_BYTES_PER_PARAM * experts / (t.dp_shard * t.cp * t.pp)
+
+
 def host_lower_bound(layout: Layout, work: Workload, gpus_per_node: int) -> int:
     """Host bytes per node that CPU offload needs at least: each GPU's fp32 parameters, gradients and AdamW moments
-    (`STATE_BYTES_PER_PARAM` per parameter over dp_shard x cp x tp x pp), for the node's GPUs."""
-    t = layout
-    return int(STATE_BYTES_PER_PARAM * work.n_params / (t.dp_shard * t.cp * t.tp * t.pp) * gpus_per_node)
-
-
-def _pipeline_ranks(layout: Layout, n_layers: int, end_weights: tuple[int, int]) -> list[tuple[int, float]]:
-    """(blocks held, micro-batches in flight) at least, of pipeline ranks 0 and 1 (the whole model without PP).
-
-    Stages get `units // stages` units or one more, units = blocks + the first and the last
-    stage's `end_weights`, which those stages hold fewer blocks by; rank 0 holds the first
-    stage (and under V schedules the last), rank 1 the last when pp = 2.
-    In flight: `titan_core.memory.analytic.inflight_microbatches`, as the estimate counts them.
-    """
-    from titan_core.memory.analytic import inflight_microbatches
-    from titan_parallel.pipeline_layout import schedule_kind
-
-    t = layout
-    if t.pp == 1:
-        return [(n_layers, 1.0)]
-    v, m = t.stages_per_rank, t.microbatches
-    first, last = end_weights
-    per_stage = (n_layers + first + last) // (t.pp * v)
-    v_shaped = schedule_kind(t.schedule).placement == "v"  # rank 0 holds the first and the last stage
-    ranks = []
-    for r in (0, 1):
-        ends = first + (last if v_shaped else 0) if r == 0 else (last if t.pp == 2 and not v_shaped else 0)
-        blocks = max(0, v * per_stage - ends)
-        ranks.append((blocks, inflight_microbatches(t.schedule, t.pp, r, v, m)))
-    return ranks
+    (`model_states_per_rank`), for the node's GPUs."""
+    return int(model_states_per_rank(layout, work) * gpus_per_node)
 
 
 def degrees_and_schedule(layout: Layout) -> tuple:
-    """What `needs_at_least` compares only within: dp_replicate, dp_shard, cp, tp, pp and the schedule."""
+    """What `needs_at_least` compares only within: dp_replicate, dp_shard, cp, tp, pp, ep and the schedule."""
     t = layout
-    return (t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.schedule)
+    return (t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.schedule)
 
 
 def needs_at_least(layout: Layout, other: Layout) -> bool:

@@ -25,6 +25,7 @@ COLUMNS = (
     "cp",
     "tp",
     "pp",
+    "ep",
     "schedule",
     "mbs",
     "local x accum",
@@ -35,7 +36,13 @@ COLUMNS = (
     "tok/s/GPU",
     "why",
 )
-"""The table's columns: the degrees, the pipeline, the batch split, checkpointing, offload, the estimates."""
+"""The table's columns: the degrees, the pipeline, the batch split, checkpointing, offload, the estimates. "ep" is
+shown for Mixture-of-Experts models only (`columns`)."""
+
+
+def columns(plan: Plan) -> tuple[str, ...]:
+    """The table's columns for `plan`: `COLUMNS`, without "ep" for a dense model (whose ep is always 1)."""
+    return COLUMNS if plan.workload.moe.num_experts else tuple(c for c in COLUMNS if c != "ep")
 
 
 def format_seconds(seconds: float) -> str:
@@ -43,16 +50,17 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
-def _row(i: int, ranked: Ranked) -> list[str]:
-    """The cells of table row `i` (one per `COLUMNS`)."""
+def _row(i: int, ranked: Ranked, names: tuple[str, ...]) -> list[str]:
+    """The cells of table row `i`, one per column of `names` (of `COLUMNS`)."""
     t, piped = ranked.layout, ranked.layout.pp > 1
-    return [
+    cells = [
         str(i),
         str(t.dp_replicate),
         str(t.dp_shard),
         str(t.cp),
         str(t.tp),
         str(t.pp),
+        str(t.ep),
         t.schedule if piped else "-",
         str(t.microbatch) if piped else "-",
         f"{t.local_batch} x {t.accum}",
@@ -63,6 +71,7 @@ def _row(i: int, ranked: Ranked) -> list[str]:
         f"{ranked.tokens_per_gpu:,.0f}",
         ranked.cost.dominant(),
     ]
+    return [cell for name, cell in zip(COLUMNS, cells, strict=True) if name in names]
 
 
 def describe_request(plan: Plan) -> str:
@@ -89,12 +98,13 @@ def describe_counts(plan: Plan) -> str:
 
 def render_plan(plan: Plan) -> str:
     """The ranked layouts as a table, then the search's counts and the cost model's figures."""
-    rows = [list(COLUMNS)] + [_row(i, r) for i, r in enumerate(plan.fits, 1)]
-    widths = [max(len(row[j]) for row in rows) for j in range(len(COLUMNS))]
+    names = columns(plan)
+    rows = [list(names)] + [_row(i, r, names) for i, r in enumerate(plan.fits, 1)]
+    widths = [max(len(row[j]) for row in rows) for j in range(len(names))]
     left = {"schedule", "AC", "offload", "why"}
     lines = [describe_request(plan), ""]
     for row in rows:
-        cells = [c.ljust(w) if name in left else c.rjust(w) for name, c, w in zip(COLUMNS, row, widths, strict=True)]
+        cells = [c.ljust(w) if name in left else c.rjust(w) for name, c, w in zip(names, row, widths, strict=True)]
         lines.append("  ".join(cells).rstrip())
     lines += ["", describe_counts(plan)]
     if plan.rule_errors:
@@ -122,6 +132,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "cp": t.cp,
                 "tp": t.tp,
                 "pp": t.pp,
+                "ep": t.ep,
                 "schedule": t.schedule if t.pp > 1 else None,
                 "microbatch": t.microbatch if t.pp > 1 else None,
                 "local_batch": t.local_batch,

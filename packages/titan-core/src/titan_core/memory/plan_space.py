@@ -3,8 +3,10 @@
 A layout (`titan_core.memory.step_cost.Layout`) is the parallel degrees, the pipeline
 schedule and micro-batch, the batch split, activation checkpointing and CPU offload.
 `candidate_layouts` lists those whose degrees multiply to the GPU count and whose batch
-split gives the global batch exactly; `refuse_by_rule` runs on each the rules of
-titan-parallel that need no model (the same rules `titan_core.job` runs).
+split gives the global batch exactly, and for a Mixture-of-Experts model each expert
+parallel degree the rules allow (`expert_degrees`); `refuse_by_rule` runs on each the
+rules of titan-parallel that need no model (the same rules `titan_core.job` runs), and
+`refuse_expert_parallel` the expert-parallel ones.
 """
 
 from __future__ import annotations
@@ -41,14 +43,34 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_degrees(dp_shard: int, cp: int, num_experts: int) -> list[int]:
+    """The expert-parallel degrees a layout may take: 1, and each `cp x d` (d a divisor of `dp_shard`) that
+    divides `num_experts` (`ParallelDims`' and `check_ep`'s rules: EP is carved from the FSDP x CP ranks).
+
+    Args:
+        dp_shard: FSDP shards.
+        cp: context parallel degree.
+        num_experts: routed experts per MoE layer; 0 (a dense model) gives [1].
+    """
+    if num_experts < 1:
+        return [1]
+    return [1] + [cp * d for d in divisors(dp_shard) if cp * d > 1 and num_experts % (cp * d) == 0]
+
+
 def candidate_layouts(
-    gpus: int, gpus_per_node: int, seq_len: int, global_batch: int, schedules: tuple[str, ...]
+    gpus: int,
+    gpus_per_node: int,
+    seq_len: int,
+    global_batch: int,
+    schedules: tuple[str, ...],
+    num_experts: int = 0,
 ) -> Iterator[Layout]:
     """Every layout whose degrees multiply to `gpus` and whose batch split is exactly `global_batch`.
 
     HSDP (dp_replicate > 1) is searched only with shard groups of whole nodes; CP while each
     rank keeps `MIN_TOKENS_PER_CP_RANK` tokens; CPU offload only where FSDP shards; pipeline
-    micro-batches in whole multiples of the pipeline degree.
+    micro-batches in whole multiples of the pipeline degree; expert parallel, for a
+    Mixture-of-Experts model, at each of `expert_degrees`.
 
     Args:
         gpus: GPUs in the job.
@@ -56,6 +78,7 @@ def candidate_layouts(
         seq_len: tokens per sequence.
         global_batch: sequences per optimizer step.
         schedules: pipeline schedules to search.
+        num_experts: routed experts per MoE layer; 0 for a dense model (or to search without expert parallel).
     """
     for tp in divisors(gpus):
         for cp in (c for c in divisors(gpus // tp) if c == 1 or seq_len // c >= MIN_TOKENS_PER_CP_RANK):
@@ -67,8 +90,9 @@ def candidate_layouts(
                     shard = dp // rep
                     if rep > 1 and (shard * cp * tp) % gpus_per_node:
                         continue
-                    degrees = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp}
-                    yield from _batch_layouts(degrees, global_batch // dp, schedules)
+                    for ep in expert_degrees(shard, cp, num_experts):
+                        degrees = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
+                        yield from _batch_layouts(degrees, global_batch // dp, schedules)
 
 
 def _batch_layouts(degrees: dict[str, int], seqs_per_rank: int, schedules: tuple[str, ...]) -> Iterator[Layout]:
@@ -114,6 +138,8 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
         str(t.tp),
         "--parallelism.pipeline_parallel_degree",
         str(t.pp),
+        "--parallelism.expert_parallel_degree",
+        str(t.ep),
         "--parallelism.pipeline_parallel_schedule",
         t.schedule,
         "--parallelism.pipeline_parallel_schedule_csv",
@@ -167,4 +193,33 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
             count_microbatches(t.local_batch, t.microbatch, n_stages, t.schedule)
     except ParallelConfigError as e:
         return str(config_error(e, {**CONTEXT_PARALLEL_KEYS, **PIPELINE_RULE_KEYS}))
+    return None
+
+
+def refuse_expert_parallel(layout: Layout, cfg: JobConfig) -> str | None:
+    """The message of the expert-parallel rule `layout` breaks, or None: `ParallelDims`' (ep is cp times a
+    divisor of dp_shard) and `check_ep`'s (ep divides each MoE layer's experts; the model has some) on the
+    meta model, as `titan_core.job` runs them.
+
+    Args:
+        layout: the layout (its degrees are read).
+        cfg: the job config, for the model.
+    """
+    from titan_core.job.meta_model import build_meta_model
+    from titan_core.job.naming import config_error
+    from titan_core.job.options import DIMS_KEYS
+    from titan_models import get_model_args, get_model_spec
+    from titan_parallel import ParallelConfigError, ParallelDims
+    from titan_parallel.expert_parallel import check_ep
+
+    t = layout
+    if t.ep == 1:
+        return None
+    spec = get_model_spec(cfg.model.name)
+    try:
+        world = t.dp_replicate * t.dp_shard * t.cp * t.tp * t.pp
+        ParallelDims(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, world_size=world, ep=t.ep)
+        check_ep(build_meta_model(spec, get_model_args(cfg.model.name, cfg.model.flavor)), spec.plan, t.ep)
+    except ParallelConfigError as e:
+        return str(config_error(e, DIMS_KEYS))
     return None

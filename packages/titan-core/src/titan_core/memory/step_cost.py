@@ -7,13 +7,16 @@ terms, per rank and per optimizer step:
 
 - compute: `flops_per_token x tokens / gpus / (peak x MFU_EFFICIENCY)`;
 - recompute: activation checkpointing's extra forward (full: +1/3 of the training
-  FLOPs; selective "op": the matmuls it does not keep, `op_recompute_flops_per_token`);
+  FLOPs; selective "op": the matmuls it does not keep, `Workload.op_recompute_flops_per_token`);
 - tp, cp, pp_p2p: tensor parallel's all-gathers / reduce-scatters of activations,
   context parallel's K/V exchange and the pipeline's activation sends, times the share
   of each on the critical path (`TP_EXPOSED`, `CP_EXPOSED`, `PP_P2P_EXPOSED`);
+- ep, moe_tp: expert parallel's all-to-alls, and the MoE compute TP repeats on each TP
+  rank (`titan_core.memory.expert_cost`);
 - bubble: the pipeline's idle share of a step (`bubble_fraction`);
-- fsdp: parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduce), of
-  which `FSDP_OVERLAP` hides behind compute as long as compute is longer;
+- fsdp: parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduce; a MoE's
+  experts over the ranks holding the same experts), of which `FSDP_OVERLAP` hides behind
+  compute as long as compute is longer;
 - offload, optimizer: CPU offload's host <-> device copies, and the AdamW step.
 
 A collective's time is the ring algorithm's `(n - 1) / n x bytes / bandwidth`: at
@@ -25,6 +28,8 @@ dimension's group holds ranks `stride` apart (`group_strides`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from titan_core.memory.expert_cost import MoEWork, ep_all_to_all_seconds, ep_group_strides, moe_tp_seconds
 
 MFU_EFFICIENCY = 0.45
 """Share of the GPU's dense bf16 peak the matmuls reach when nothing waits on communication. torchtitan's
@@ -125,6 +130,7 @@ class Workload:
         act_bytes: bytes per activation element (2 for bf16).
         fsdp_reshard: `parallelism.fsdp_reshard_after_forward`: "default", "always" or "never".
         cp_rotate_method: "allgather" or "rotate".
+        moe: the Mixture-of-Experts layers' numbers (`MoEWork()`, all 0, for a dense model).
     """
 
     n_params: int
@@ -140,6 +146,7 @@ class Workload:
     act_bytes: int = 2
     fsdp_reshard: str = "default"
     cp_rotate_method: str = "allgather"
+    moe: MoEWork = MoEWork()
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ class Layout:
         accum: gradient-accumulation steps per optimizer step.
         ac: activation checkpointing: "none", "op" (selective op) or "full".
         offload: CPU offload of parameters, gradients and optimizer states.
+        ep: expert parallel degree: experts split over `ep` ranks carved from dp_shard x cp (no more GPUs).
     """
 
     dp_replicate: int = 1
@@ -173,6 +181,7 @@ class Layout:
     accum: int = 1
     ac: str = "none"
     offload: bool = False
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -185,8 +194,8 @@ class Layout:
         return self.local_batch // self.microbatch if self.pp > 1 else 1
 
     def describe(self) -> str:
-        """The degrees above 1, e.g. 'dp_shard=8 tp=8 pp=8'."""
-        names = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        """The degrees above 1, e.g. 'dp_shard=8 tp=8 pp=8 ep=8'."""
+        names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
         return " ".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) > 1) or "1 GPU"
 
 
@@ -195,7 +204,7 @@ class StepCost:
     """Seconds one optimizer step takes, by term.
 
     Args:
-        terms: seconds per term (compute, recompute, tp, cp, pp_p2p, bubble, fsdp, offload, optimizer).
+        terms: seconds per term (compute, recompute, tp, cp, pp_p2p, ep, moe_tp, bubble, fsdp, offload, optimizer).
         notes: the link each communication term ran over ("NVLink" or "network"), e.g. {"tp": "NVLink"}.
     """
 
@@ -253,8 +262,9 @@ def within_node(stride: int, size: int, gpus_per_node: int) -> bool:
 
 
 def group_bandwidth(name: str, layout: Layout, cluster: Cluster) -> tuple[float, str]:
-    """Bus bandwidth per GPU (bytes/s) of group `name` (a key of `group_strides`), and 'NVLink' or 'network'."""
-    stride, size = group_strides(layout)[name]
+    """Bus bandwidth per GPU (bytes/s) of group `name` (a key of `group_strides` or `ep_group_strides`), and 'NVLink'
+    or 'network'."""
+    stride, size = {**group_strides(layout), **ep_group_strides(layout)}[name]
     if within_node(stride, size, cluster.gpus_per_node):
         return cluster.intra_node_bw, "NVLink"
     return cluster.inter_node_bw, "network"
@@ -280,23 +290,6 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
         return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
     flush = (pp - 1) / (microbatches + pp - 1)
     return flush * (ZERO_BUBBLE_RESIDUAL if kind == "zero" else 1.0)
-
-
-def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> float:
-    """FLOPs per token that selective "op" checkpointing recomputes in a Llama block.
-
-    It keeps every other matmul's output (`titan_parallel.activation_checkpoint`); in a
-    block's forward order wq, wk, wv, wo, w1, w3, w2 it recomputes the 2nd, 4th and 6th:
-    wk (dim x kv_dim), wo (q_dim x dim) and w3 (dim x ffn_dim), 2 FLOPs per weight each.
-
-    Args:
-        n_layers: blocks.
-        dim: residual width.
-        q_dim: query heads x head dim.
-        kv_dim: kv heads x head dim.
-        ffn_dim: feed-forward hidden width.
-    """
-    return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
 
 
 def recompute_flops_per_token(ac: str, work: Workload) -> float:
@@ -347,12 +340,17 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
         act = w.act_bytes * t.microbatch * w.seq_len / t.cp * w.dim / t.tp  # (mbs, seq / cp / tp, dim) under SP
         sends = 2 * t.stages_per_rank * seqs / t.microbatch
         pp_p2p = PP_P2P_EXPOSED * sends * act / bandwidth("pp", "pp_p2p")
-    busy = compute + recompute + tp + cp + pp_p2p
+    ep, ep_link = ep_all_to_all_seconds(t, w, c)
+    if t.ep > 1:
+        cost.notes["ep"] = ep_link
+    moe_tp = moe_tp_seconds(t, w, c)
+    busy = compute + recompute + moe_tp + tp + cp + pp_p2p + ep
     f = bubble_fraction(t.schedule, t.pp, t.microbatches, t.stages_per_rank)
     bubble = busy * f / (1 - f)  # idle = f of (busy + idle)
 
     shard = t.dp_shard * t.cp
-    rank_params = w.n_params / (t.tp * t.pp)  # what this rank's FSDP group shards
+    rank_params = (w.n_params - w.moe.expert_params) / (t.tp * t.pp)  # what its FSDP group shards, experts aside
+    rank_experts = w.moe.expert_params / (t.ep * t.pp)  # its E / ep experts: not split by TP; sharded over shard / ep
     reshard = {"always": True, "never": False, "default": t.pp == 1}[w.fsdp_reshard]
     gathers = t.accum * (2 * t.microbatches if reshard else 1)  # unresharded weights stay gathered over a run
     reduces = t.accum  # each micro-step reduce-scatters (under PP once per run, after its last micro-batch)
@@ -361,13 +359,19 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
         bw = bandwidth("fsdp", "fsdp")
         fsdp += gathers * ring_seconds(shard, w.gather_bytes * rank_params, bw)
         fsdp += reduces * ring_seconds(shard, w.reduce_bytes * rank_params, bw)
+    if rank_experts and shard // t.ep > 1:  # the experts over the ranks holding the same ones
+        bw = bandwidth("experts", "fsdp")
+        fsdp += gathers * ring_seconds(shard // t.ep, w.gather_bytes * rank_experts, bw)
+        fsdp += reduces * ring_seconds(shard // t.ep, w.reduce_bytes * rank_experts, bw)
+    expert_shard = rank_experts * t.ep / shard  # the experts' share of a rank's shard
     if t.dp_replicate > 1:  # HSDP: all-reduce (= reduce-scatter + all-gather) of each gradient shard
         bw = bandwidth("replicate", "fsdp")
-        fsdp += reduces * 2 * ring_seconds(t.dp_replicate, w.reduce_bytes * rank_params / shard, bw)
-    window = compute + recompute
+        grads = w.reduce_bytes * rank_params / shard + w.reduce_bytes * expert_shard
+        fsdp += reduces * 2 * ring_seconds(t.dp_replicate, grads, bw)
+    window = compute + recompute + moe_tp
     fsdp_exposed = max((1 - FSDP_OVERLAP) * fsdp, fsdp - window)
 
-    shard_params = rank_params / shard
+    shard_params = rank_params / shard + expert_shard
     offload = 0.0
     if t.offload:  # fp32 shards copied in before each all-gather, gradients out after each reduce-scatter
         pcie = (gathers + reduces) * 4 * shard_params / PCIE_BYTES_PER_S
@@ -377,9 +381,11 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     cost.terms = {
         "compute": compute,
         "recompute": recompute,
+        "moe_tp": moe_tp,
         "tp": tp,
         "cp": cp,
         "pp_p2p": pp_p2p,
+        "ep": ep,
         "bubble": bubble,
         "fsdp": fsdp_exposed,
         "offload": offload,

@@ -1,0 +1,349 @@
+"""What one block keeps for backward under `torch.compile`: read from the compiled graph, not derived.
+
+The eager formulas (`ModelSpec.activation_bytes`) count what autograd saves op by op. A
+compiled block saves what AOTAutograd's partitioner decides: it traces the block's joint
+forward + backward graph and cuts it (Inductor's `min_cut_rematerialization_partition`,
+after Inductor's joint-graph passes), recomputing cheap element-wise results in backward
+rather than keeping them. This module asks the partitioner itself:
+
+1. One block of the model (`compiled_block_bytes` takes the first: a dense family's
+   blocks are alike; `measure_block` caches by the block's parameter shapes) is copied from
+   the meta model, cast to the compute dtype (what FSDP's mixed precision gathers) and given
+   fake CPU storage (`FakeTensorMode`: shapes, no memory), wrapped for activation
+   checkpointing by `titan_parallel.apply_ac` as the trainer wraps it.
+2. It is compiled with `torch.compile(fullgraph=True, dynamic=False)` and Inductor's own
+   `compile_fx`, whose `inner_compile` (the hook that would generate code) is replaced by one that
+   records the forward graph the partitioner produced and runs it as is; the block is
+   called once on a fake `(batch, seq, dim)` input. Nothing is generated or built.
+3. The forward graph returns the block's output, then the tensors it saves for
+   backward. Their bytes, each storage once, less the block's parameters and buffers
+   (the model states count those) and with the block's input counted (it is what the
+   previous block produced), divided by `batch x seq`, are the bytes per token.
+
+Results are cached per (family, block shape, batch, seq, dtype, AC kind) for the process.
+A measurement takes 1-2.5 s on a busy 2-core Xeon; the first in a process also imports
+Inductor, 13-25 s there (with Python's bytecode cache off, as on that machine).
+
+Device: fake CUDA tensors can be created without a GPU, but autograd's engine asks the
+CUDA driver for a device context when it runs a backward (the joint trace runs one), so
+the block is traced on fake CPU tensors. What that changes for a GPU: SDPA is CPU's flash
+kernel, which saves what CUDA's flash / cuDNN kernels save (q, k, v, the output, an fp32
+log-sum-exp per head and token; CUDA's also keep two scalars of RNG state); RMSNorm is
+decomposed by Inductor on both devices (`aten._fused_rms_norm` is in its decomposition
+table); the partitioner does not look at the device. Inductor's CUDA-only joint-graph
+passes (matmul padding) are not run.
+
+Not measured (the analytic tier keeps the eager formulas there, and says so): tensor and
+context parallel (TP compiles each child of a block around eager sequence-parallel norms;
+CP's ring attention breaks the graph), float8 / MX linears, autocast (DDP with a bf16
+compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
+models (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph
+on fake tensors, and under AC it refuses the MoE forward's side effect inside the checkpoint;
+DeepSeek-V3's dense blocks trace, but CPU SDPA runs their unequal q/k and v head widths through
+the math kernel, which keeps the attention matrix CUDA's kernels do not).
+
+Private torch APIs used (written against torch 2.15, the version here; the GPU machine runs
+2.11, where this module has not been run):
+- `torch._inductor.compile_fx.compile_fx(gm, example_inputs, inner_compile=...)`: Inductor's
+  backend with its code generator swapped out (its `inner_compile` keyword), and the
+  `is_backward` keyword Inductor passes that hook.
+- `torch._functorch.aot_autograd.make_boxed_func`: the calling convention an
+  `inner_compile` result must follow.
+- `torch._subclasses.fake_tensor.FakeTensorMode` (documented, but under `torch._`).
+- FX's `node.meta["val"]`, the fake value AOTAutograd records on each node of its graphs.
+Public but low-level: `torch.multiprocessing.reductions.StorageWeakRef` (a storage's identity).
+Nothing of torch is patched.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from titan_core.job import Job
+    from titan_models import ActivationBytes
+
+AC_KINDS = ("none", "op", "full")
+"""What a block can run as: no AC, selective "op" AC, or checkpointed whole (full AC; selective N's
+checkpointed blocks)."""
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a compiled block's forward keeps for backward.
+
+    Args:
+        name: the forward graph's node name (e.g. 'mm_4', 'getitem_5', 'primals_2').
+        shape: its shape.
+        dtype: its dtype.
+        nbytes: bytes of its storage.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockSaved:
+    """What one compiled block keeps for backward at one shape.
+
+    Args:
+        tensors: the saved tensors counted (parameters and buffers left out), each storage once.
+        tokens: batch x seq of the measured call.
+    """
+
+    tensors: tuple[SavedTensor, ...]
+    tokens: int
+
+    @property
+    def total(self) -> int:
+        """Bytes kept for backward by the block, for its `tokens` tokens."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def per_token(self) -> int:
+        """Bytes per token, rounded."""
+        return round(self.total / self.tokens)
+
+
+_CACHE: dict[tuple[Any, ...], BlockSaved] = {}
+
+
+def block_signature(block: nn.Module) -> tuple[Any, ...]:
+    """What tells kinds of block apart: its class and every parameter's name, shape and dtype."""
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+    return (type(block).__qualname__, params)
+
+
+def measure_block(
+    meta_block: nn.Module,
+    *,
+    family: str,
+    blocks_path: str,
+    rope_shape: Sequence[int],
+    dim: int,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    ac: str,
+) -> BlockSaved:
+    """What `meta_block` keeps for backward when compiled, for a `(batch, seq_len)` input (cached).
+
+    Args:
+        meta_block: one block of the model, on the meta device (left untouched: a copy is traced).
+        family: the model family (`model.name`), for the cache key.
+        blocks_path: the plan's block container (`ModelPlan.blocks`), for `apply_ac`.
+        rope_shape: shape of the model's RoPE table (`rope_cache`), the blocks' second input.
+        dim: width of the block's input (the model's `dim`).
+        batch: sequences per (micro-)batch.
+        seq_len: tokens per sequence on this rank.
+        dtype: the compute dtype: the parameters' and the input's.
+        ac: one of `AC_KINDS`.
+
+    Raises:
+        ValueError: an unknown `ac`.
+    """
+    if ac not in AC_KINDS:
+        raise ValueError(f"ac={ac!r} is not one of {AC_KINDS}")
+    key = (family, block_signature(meta_block), tuple(rope_shape), dim, batch, seq_len, dtype, ac)
+    if key not in _CACHE:
+        _CACHE[key] = _trace(meta_block, blocks_path, tuple(rope_shape), (batch, seq_len, dim), dtype, ac)
+    return _CACHE[key]
+
+
+def _wrapped(block: nn.Module, blocks_path: str, ac: str) -> nn.Module:
+    """`block` wrapped for activation checkpointing as `titan_parallel.apply_ac` wraps a model's first block."""
+    from titan_parallel import ModelPlan
+    from titan_parallel.activation_checkpoint import apply_ac
+
+    if ac == "none":
+        return block
+    holder = nn.Module()
+    holder.add_module(blocks_path, nn.ModuleDict({"0": block}))
+    plan = ModelPlan(blocks=blocks_path)
+    if ac == "full":
+        apply_ac(holder, plan, "full")
+    else:
+        apply_ac(holder, plan, "selective", "op")
+    container = holder.get_submodule(blocks_path)
+    assert isinstance(container, nn.ModuleDict)
+    return container["0"]
+
+
+def _call_block(block: nn.Module, hidden: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    return block(hidden, rope_cache=rope)  # as the model's forward calls each block
+
+
+def _trace(
+    meta_block: nn.Module,
+    blocks_path: str,
+    rope_shape: tuple[int, ...],
+    input_shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    ac: str,
+) -> BlockSaved:
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recorded: dict[str, Any] = {}
+
+    def record_forward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if not kwargs.get("is_backward", False):  # the backward is compiled lazily, never here
+            recorded["forward"] = gm
+        return make_boxed_func(gm.forward)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # Dynamo lifts parameters into inputs (as `nn.Parameter`); the block's input is the one that needs grad.
+        recorded["counted"] = [
+            not isinstance(t, nn.Parameter) and isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        ]
+        recorded["outputs"] = len(_outputs(gm))
+        return cast("Callable[..., Any]", compile_fx(gm, example_inputs, inner_compile=record_forward))
+
+    block = copy.deepcopy(meta_block)
+    with FakeTensorMode():
+        _fake_storage(block, dtype)
+        hidden = torch.empty(input_shape, dtype=dtype, requires_grad=True)  # (batch, seq, dim)
+        rope = torch.empty(rope_shape, dtype=dtype)  # FSDP's mixed precision casts the blocks' inputs
+    unit = _wrapped(block, blocks_path, ac)
+    # A fresh code object: Dynamo keeps its compiled graphs on the code object, so each trace starts anew
+    # and none counts towards another's recompile limit.
+    fn = types.FunctionType(_call_block.__code__.replace(), _call_block.__globals__, "_call_block")
+    # dynamic=False: static shapes, as a training run compiles its fixed-shape blocks (Dynamo would otherwise
+    # mark sizes dynamic once it has seen this function at two shapes)
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(unit, hidden, rope)
+    batch, seq_len, _ = input_shape
+    return _saved(recorded["forward"], recorded["counted"], recorded["outputs"], batch * seq_len)
+
+
+def _fake_storage(block: nn.Module, dtype: torch.dtype) -> None:
+    """Give `block`'s parameters (cast to `dtype`, as FSDP gathers them) and buffers (kept in their dtype)
+    storage on the CPU, in place; under `FakeTensorMode` the storage is fake."""
+    for module in block.modules():
+        for name, p in module.named_parameters(recurse=False):
+            data = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
+            module.register_parameter(name, nn.Parameter(data, requires_grad=p.requires_grad))
+        for name, buf in module.named_buffers(recurse=False):
+            module.register_buffer(name, torch.empty(buf.shape, dtype=buf.dtype))  # persistence: irrelevant here
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    (output,) = gm.graph.find_nodes(op="output")
+    values = output.args[0]
+    return list(values) if isinstance(values, (tuple, list)) else [values]
+
+
+def _saved(forward: torch.fx.GraphModule, counted: list[bool], n_outputs: int, tokens: int) -> BlockSaved:
+    """The saved tensors of a partitioned forward graph: its outputs after the block's own, tensors only,
+    each storage once, the graph inputs left out unless `counted`."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    inputs = forward.graph.find_nodes(op="placeholder")
+    assert len(inputs) == len(counted), f"forward graph has {len(inputs)} inputs, Dynamo's graph {len(counted)}"
+    skipped = {
+        StorageWeakRef(n.meta["val"].untyped_storage())
+        for n, c in zip(inputs, counted, strict=True)
+        if not c and isinstance(n.meta.get("val"), torch.Tensor)
+    }
+    seen: set[StorageWeakRef] = set()
+    tensors = []
+    for node in _outputs(forward)[n_outputs:]:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            continue  # saved sizes (SymInts) and constants
+        storage = StorageWeakRef(value.untyped_storage())
+        if storage in skipped or storage in seen:
+            continue
+        seen.add(storage)
+        nbytes = value.untyped_storage().nbytes()
+        tensors.append(SavedTensor(node.name, tuple(value.shape), value.dtype, nbytes))
+    return BlockSaved(tuple(tensors), tokens)
+
+
+def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes, str]:
+    """`act` with a block's saved bytes (`block`, and `block_op` or `block_input` as the AC mode needs)
+    measured from the compiled block, and a note for the estimate saying so; `act` unchanged, and a note
+    saying why, where the compiled block is not measured (see the module docstring).
+
+    The block is measured on one sequence of `training.seq_len` tokens: what it saves grows with the
+    batch, but for the few tensors per position (RoPE's rotation, `seq_len x head_dim / 2` complex
+    numbers, a few hundred bytes per position), which a batch of B sequences counts B times, an
+    overcount under 1% of a block. One figure per token then serves every micro-batch size, as the
+    planner tries them.
+
+    Args:
+        job: the resolved job (compile on).
+        act: the family's eager figures for the job's layout.
+    """
+    from titan_parallel import uses_fsdp
+
+    cfg = job.cfg
+    dims = job.dims
+    assert dims is not None, "an estimate's job is resolved for a world size"
+    dtype = job.parallel.param_dtype
+    eager = "eager formulas for the blocks (an upper bound)"
+    why_not = None
+    if not job.parallel.compile:
+        why_not = "compile.components leaves the blocks eager"
+    elif dims.tp > 1 or dims.cp > 1:
+        why_not = "tensor / context parallel blocks are not measured compiled"
+    elif job.converters.float8 is not None or job.converters.mx is not None:
+        why_not = "float8 / MX linears are not measured compiled"
+    elif job.spec.plan.moe is not None or act.per_block:
+        why_not = "Mixture-of-Experts blocks are not measured compiled"
+    elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel):
+        why_not = "autocast's compiled blocks (DDP with a 16-bit compute dtype) are not measured"
+    if why_not is not None:
+        return act, f"compile: {why_not}; {eager}"
+    ac = cfg.activation_checkpoint
+    kinds = ["none"]
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        kinds.append("op")
+    elif ac.mode != "none":
+        kinds.append("full")
+    meta = job.meta_model()
+    block = next(iter(meta.get_submodule(job.spec.plan.blocks).children()))
+    rope = getattr(meta, "rope_cache", None)
+    if not isinstance(rope, torch.Tensor):
+        return act, f"compile: the model has no `rope_cache` to call a block with; {eager}"
+    try:
+        saved = {
+            kind: measure_block(
+                block,
+                family=cfg.model.name,
+                blocks_path=job.spec.plan.blocks,
+                rope_shape=tuple(rope.shape),
+                dim=job.model_args.dim,
+                batch=1,
+                seq_len=cfg.training.seq_len,
+                dtype=dtype,
+                ac=kind,
+            ).per_token
+            for kind in kinds
+        }
+    except Exception as e:  # torch raises many kinds; the eager formulas still bound the estimate
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return act, f"compile: tracing the compiled block failed ({first_line}); {eager}"
+    fields = {"none": "block", "op": "block_op", "full": "block_input"}
+    measured = dataclasses.replace(
+        act,
+        block=saved["none"],
+        block_op=saved.get("op", act.block_op),
+        block_input=saved.get("full", act.block_input),
+    )
+    figures = ", ".join(f"AC {k}: {v:,} (eager {getattr(act, fields[k]):,})" for k, v in saved.items())
+    return measured, (
+        "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
+        f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"
+    )

@@ -1,0 +1,122 @@
+"""What `titan plan` reads off the model: the cost model's numbers (`Workload`), and the blocks' sizes by
+what divides them (`BlockSizes`), for the memory lower bound.
+
+Parameters of Mixture-of-Experts layers are counted on the meta model (`build_meta_model`, shared with
+the job check): the routed experts of each MoE module (`ModelPlan.moe`) are what expert parallel
+splits, and tensor parallel does not (`TPStyle.MOE_INPUT` runs the MoE whole on each TP rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan_core.config import ConfigError, JobConfig
+from titan_core.memory.expert_cost import MoEWork
+from titan_core.memory.plan_bounds import BlockSizes
+from titan_core.memory.step_cost import Workload
+
+
+def model_of(cfg: JobConfig) -> tuple[Any, Any]:
+    """The model family's spec and args of `cfg`; a `ConfigError` naming model.name / model.flavor."""
+    from titan_models import get_model_args, get_model_spec
+
+    try:
+        spec, args = get_model_spec(cfg.model.name), get_model_args(cfg.model.name, cfg.model.flavor)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if spec.activation_bytes is None:
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} has no activation formulas (ModelSpec.activation_bytes); "
+            "titan plan needs them"
+        )
+    return spec, args
+
+
+def workload(cfg: JobConfig) -> Workload:
+    """The model and batch of `cfg` as the cost model's numbers (a Llama-shaped family's args)."""
+    from titan_core.memory.analytic import DTYPE_BYTES, compute_dtype_bytes
+
+    spec, a = model_of(cfg)
+    q_dim, kv_dim = a.n_heads * a.attention_head_dim, a.kv_heads * a.attention_head_dim
+    compute_bytes = compute_dtype_bytes(cfg, "cuda")
+    return Workload(
+        n_params=spec.count_params(a),
+        n_layers=a.n_layers,
+        dim=a.dim,
+        kv_dim=kv_dim,
+        flops_per_token=spec.flops_per_token(a, cfg.training.seq_len),
+        op_recompute_flops_per_token=op_recompute_flops_per_token(a.n_layers, a.dim, q_dim, kv_dim, a.ffn_hidden_dim),
+        seq_len=cfg.training.seq_len,
+        global_batch=cfg.training.global_batch_size,
+        gather_bytes=compute_bytes,
+        reduce_bytes=DTYPE_BYTES[cfg.training.mixed_precision_reduce],
+        act_bytes=compute_bytes,
+        fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,
+        cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
+        moe=moe_work(cfg),
+    )
+
+
+def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> float:
+    """FLOPs per token that selective "op" checkpointing recomputes in a Llama block.
+
+    It keeps every other matmul's output (`titan_parallel.activation_checkpoint`); in a
+    block's forward order wq, wk, wv, wo, w1, w3, w2 it recomputes the 2nd, 4th and 6th:
+    wk (dim x kv_dim), wo (q_dim x dim) and w3 (dim x ffn_dim), 2 FLOPs per weight each.
+
+    Args:
+        n_layers: blocks.
+        dim: residual width.
+        q_dim: query heads x head dim.
+        kv_dim: kv heads x head dim.
+        ffn_dim: feed-forward hidden width.
+    """
+    return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
+
+
+def _experts_name(plan: Any) -> str | None:
+    """The parameter-name prefix of a block's routed experts (`<moe>.experts.`), or None for a dense model."""
+    return None if plan.moe is None else f"{plan.moe}.experts."
+
+
+def block_sizes(cfg: JobConfig) -> BlockSizes:
+    """Each block's (non-expert, routed-expert) parameter counts, on the meta model."""
+    from titan_core.job.meta_model import build_meta_model
+
+    spec, args = model_of(cfg)
+    experts = _experts_name(spec.plan)
+    sizes = []
+    for block in build_meta_model(spec, args).get_submodule(spec.plan.blocks).children():
+        routed = sum(p.numel() for n, p in block.named_parameters() if experts and n.startswith(experts))
+        sizes.append((sum(p.numel() for p in block.parameters()) - routed, routed))
+    return BlockSizes(tuple(sizes))
+
+
+def moe_work(cfg: JobConfig) -> MoEWork:
+    """The Mixture-of-Experts layers' numbers of `cfg`'s model, counted on the meta model; `MoEWork()` when it
+    has none (`ModelPlan.moe` is None)."""
+    from titan_core.job.meta_model import build_meta_model
+    from titan_parallel.expert_parallel import moe_modules
+
+    spec, args = model_of(cfg)
+    if spec.plan.moe is None:
+        return MoEWork()
+    layers = moe_modules(build_meta_model(spec, args), spec.plan)
+    if not layers:
+        return MoEWork()
+    top_k = getattr(getattr(args, "moe", None), "top_k", None)
+    if not isinstance(top_k, int):
+        raise ConfigError(f"model.name={cfg.model.name!r} has MoE layers but its args have no moe.top_k")
+    num_experts = layers[0].get_submodule("experts").get_parameter("w1").shape[0]
+    routed = active = 0.0
+    for moe in layers:
+        expert = sum(p.numel() for p in moe.get_submodule("experts").parameters())
+        routed += expert
+        active += sum(p.numel() for p in moe.parameters()) - expert + expert * top_k / num_experts
+    return MoEWork(
+        expert_params=int(routed),
+        num_experts=num_experts,
+        top_k=top_k,
+        layers=len(layers),
+        flops_per_token=6 * active,  # forward and backward: 2 + 4 FLOPs per weight each token meets
+    )
