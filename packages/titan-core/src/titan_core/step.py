@@ -25,8 +25,11 @@ Mixture-of-Experts auxiliary losses take the same divisor (see `StepLoss.divisor
 The compute dtype is applied once, the same way on every world size: FSDP2's
 mixed-precision policy where the model is FSDP-wrapped (every `dp_mode="fsdp"`
 run computing in bf16, one rank included), `torch.autocast` under DDP
-(`titan_parallel.precision`). Under TP the loss runs in `loss_parallel()` on
-vocab-sharded logits.
+(`titan_parallel.precision`). By default the output projection computes the
+loss itself, in token chunks (`HeadLoss`, `titan_parallel.linear_cross_entropy`;
+vocab-parallel under TP): inside the step the model returns hidden states, and the
+full logits never exist. With `training.fused_loss = false` the plain loss runs on
+the logits, under TP in `loss_parallel()` on vocab-sharded logits.
 
 A good step reads nothing from the device on the host: no `.item()`, no copy of
 a flag. The guard's verdict is a device tensor that the fused optimizer kernels
