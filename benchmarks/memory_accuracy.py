@@ -158,11 +158,34 @@ def measure_rows(rows: list[Row]) -> dict[str, list[tuple[int, int]]]:
         return json.loads(out.read_text())
 
 
+def allocator_peak(prof, mark: str) -> int:
+    """The peak of c10's CPU allocator total, in the profile `prof` (`profile_memory=True`), from the start of
+    the `record_function(mark)` range on, less the total before the profile's first allocation.
+
+    The allocator's total runs on across profiles (bytes a previous row freed while no profile ran are never
+    taken off it): a profile's figures are counted from the total before its first allocation.
+    """
+    from torch._C._profiler import _EventType
+
+    start, allocations = None, []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            allocations.append(node)
+        elif node.name == mark:
+            start = node.start_time_ns
+        stack.extend(node.children)
+    assert start is not None, f"no {mark} event in the profile"
+    first = min(allocations, key=lambda a: a.start_time_ns).extra_fields
+    baseline = first.total_allocated - first.alloc_size
+    return max(a.extra_fields.total_allocated for a in allocations if a.start_time_ns >= start) - baseline
+
+
 def worker(spec: str, out: str) -> None:
     """One rank of a measurement launch: each row's trainer built and stepped under the profiler."""
     import torch
     import torch.distributed as dist
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -192,20 +215,7 @@ def worker(spec: str, out: str) -> None:
                         tracker.reset_mod_stats()
         live = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]) if tracker is not None else 0
         del trainer, tracker
-        start, allocations = None, []
-        stack = list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if node.tag == _EventType.Allocation:
-                allocations.append(node)
-            elif node.name == "memory_accuracy::steps":
-                start = node.start_time_ns
-            stack.extend(node.children)
-        # The allocator's total runs on across profiles (bytes a previous row freed while no profile ran are
-        # never taken off it): this profile's figures are counted from the total before its first allocation.
-        first = min(allocations, key=lambda a: a.start_time_ns).extra_fields
-        baseline = first.total_allocated - first.alloc_size
-        peak = max(a.extra_fields.total_allocated for a in allocations if a.start_time_ns >= start) - baseline
+        peak = allocator_peak(prof, "memory_accuracy::steps")
         peaks: list[tuple[int, int]] = [(0, 0)] * dist.get_world_size()
         dist.all_gather_object(peaks, (int(peak), live))
         results[row.name] = peaks

@@ -48,8 +48,9 @@ def _fused(h, w, labels, **kwargs):
     return loss.detach(), h.grad / 3.0, w.grad / 3.0
 
 
-def _close(a, b, rtol=1e-6):
-    assert torch.allclose(a, b, rtol=rtol, atol=rtol * b.abs().max().item()), (a - b).abs().max().item()
+def _rel_err(got, ref) -> float:
+    """Largest |got - ref| over the largest |ref|."""
+    return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 1, 8, TOKENS])
@@ -57,8 +58,8 @@ def test_equals_plain_cross_entropy_with_gradients(chunk_rows):
     h, w, labels = _inputs()
     ref = _plain(h, w, labels)
     got = _fused(h, w, labels, chunk_rows=chunk_rows)
-    for a, b in zip(got, ref, strict=True):
-        _close(a, b)
+    errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
 
 
 def test_the_compiled_per_chunk_arithmetic_equals_plain_cross_entropy():
@@ -66,8 +67,8 @@ def test_the_compiled_per_chunk_arithmetic_equals_plain_cross_entropy():
     h, w, labels = _inputs(seed=4)
     ref = _plain(h, w, labels)
     got = _fused(h, w, labels, chunk_rows=16, compiled=True)
-    for a, b in zip(got, ref, strict=True):
-        _close(a, b)
+    errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
 
 
 def test_batched_hidden_states_and_no_grad_evaluation():
@@ -75,7 +76,7 @@ def test_batched_hidden_states_and_no_grad_evaluation():
     ref = F.cross_entropy(h @ w.t(), labels)
     with torch.no_grad():
         got = linear_cross_entropy(h.view(1, TOKENS, DIM), w, labels.view(1, TOKENS), chunk_rows=6)
-    _close(got, ref)
+    assert _rel_err(got, ref) <= 1e-6
 
 
 def test_autocast_computes_the_matmuls_in_the_autocast_dtype():
@@ -126,8 +127,8 @@ def test_vocab_parallel_on_two_processes_equals_one_process():
         result = manager.dict()
         mp.spawn(_vocab_parallel_worker, args=(_free_port(), result), nprocs=2)
         got = (result["loss"], result["grad_h"], result["grad_w"])
-    for a, b in zip(got, ref, strict=True):
-        _close(a, b)
+    errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
 
 
 def test_a_run_with_the_fused_loss_trains_as_the_plain_loss(tmp_path):

@@ -22,17 +22,10 @@ from titan_core.memory.compiled_saved import measure_block
 from titan_models import ActivationLayout, get_model_args, get_model_spec
 from titan_run import REPO, titan_env
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from memory_accuracy import BASE  # noqa: E402  # the accuracy matrix's job: debugmodel, fp32, 4 x 256 tokens
+
 TARGET = 0.10
-BASE = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "256",
-    "--training.local_batch_size", "4",
-    "--training.mixed_precision_param", "float32",
-    "--training.dataset", "stdlib",
-    "--checkpoint.enable", "false",
-    "--metrics.enable_tensorboard", "false",
-    "--debug.seed", "7",
-]  # fmt: skip
 COMPILED = [*BASE, "--compile.enable", "true"]
 
 

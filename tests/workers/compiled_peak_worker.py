@@ -20,32 +20,16 @@ import time
 from pathlib import Path
 
 import torch
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from titan_core.config import load_config
 from titan_core.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from memory_accuracy import allocator_peak  # noqa: E402  # the accuracy matrix's reading of the allocator
+
 
 MARK = "compiled_peak::measured_step"
-
-
-def _allocator_peak(prof: profile) -> int:
-    """The peak of the allocator's total during the step marked `MARK`, less the total before the profile's
-    first allocation."""
-    start, allocations = None, []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            allocations.append(node)
-        elif node.name == MARK:
-            start = node.start_time_ns
-        stack.extend(node.children)
-    assert start is not None, f"no {MARK} event in the profile"
-    first = min(allocations, key=lambda a: a.start_time_ns).extra_fields
-    baseline = first.total_allocated - first.alloc_size
-    return max(a.extra_fields.total_allocated for a in allocations if a.start_time_ns >= start) - baseline
 
 
 def main(out: str, args: list[str]) -> None:
@@ -65,7 +49,7 @@ def main(out: str, args: list[str]) -> None:
         with record_function(MARK):
             trainer.train_step(batches[1])
         step_s = time.perf_counter() - start
-    Path(out).write_text(json.dumps({"peak": _allocator_peak(prof), "compile_s": compile_s, "step_s": step_s}))
+    Path(out).write_text(json.dumps({"peak": allocator_peak(prof, MARK), "compile_s": compile_s, "step_s": step_s}))
     trainer.loader.close()
 
 

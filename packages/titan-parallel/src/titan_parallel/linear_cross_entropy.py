@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -154,34 +155,15 @@ def _loss_and_grads(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_rows, group, vocab_start, ignore_index, compiled):
-        loss, grad_h, grad_w = _loss_and_grads(
-            h,
-            weight,
-            labels,
-            chunk_rows=chunk_rows,
-            group=group,
-            vocab_start=vocab_start,
-            ignore_index=ignore_index,
-            want_grads=True,
-            compiled=compiled,
-        )
+    def forward(ctx, h, weight, labels, loss_and_grads):
+        loss, grad_h, grad_w = loss_and_grads(h, weight, labels, want_grads=True)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return (
-            grad_h * grad_loss.to(grad_h.dtype),
-            grad_w * grad_loss.to(grad_w.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
 
 
 def linear_cross_entropy(
@@ -231,23 +213,18 @@ def linear_cross_entropy(
     rows = h.reshape(-1, h.shape[-1])  # (tokens, dim)
     flat_labels = labels.reshape(-1)
     chunk = chunk_rows or default_chunk_rows(weight.shape[0] * (1 if group is None else dist.get_world_size(group)))
+    run = partial(
+        _loss_and_grads,
+        chunk_rows=chunk,
+        group=group,
+        vocab_start=vocab_start,
+        ignore_index=ignore_index,
+        compiled=compiled,
+    )
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-            return _LinearCrossEntropy.apply(
-                rows, weight, flat_labels, chunk, group, vocab_start, ignore_index, compiled
-            )
-        loss, _, _ = _loss_and_grads(
-            rows,
-            weight,
-            flat_labels,
-            chunk_rows=chunk,
-            group=group,
-            vocab_start=vocab_start,
-            ignore_index=ignore_index,
-            want_grads=False,
-            compiled=compiled,
-        )
-        return loss
+            return _LinearCrossEntropy.apply(rows, weight, flat_labels, run)
+        return run(rows, weight, flat_labels, want_grads=False)[0]
 
 
 class LinearCrossEntropyHead:

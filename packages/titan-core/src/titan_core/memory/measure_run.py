@@ -58,6 +58,7 @@ def cut_config(cfg: JobConfig, n_layers: int, layers_per_stage: int | None) -> J
         n_layers: blocks of the cut model.
         layers_per_stage: blocks on every pipeline stage; None keeps the config's pipeline cut.
     """
+    from titan_core.memory.traced import drop_side_outputs
     from titan_models import get_model_args, get_model_spec
 
     flavors = get_model_spec(cfg.model.name).flavors
@@ -68,24 +69,13 @@ def cut_config(cfg: JobConfig, n_layers: int, layers_per_stage: int | None) -> J
     flavors[name] = dataclasses.replace(args, n_layers=n_layers)
     out = cfg.model_copy(deep=True)
     out.model.flavor = name
-    p, t = out.parallelism, out.training
+    p = out.parallelism
     if layers_per_stage is not None:
         p.pipeline_parallel_layers_per_stage = layers_per_stage
         p.pipeline_parallel_first_stage_less_layers = 0
         p.pipeline_parallel_last_stage_less_layers = 0
         p.module_fqns_per_model_part = None
-    t.dataset, t.dataset_path = "stdlib", None
-    assets = out.model.hf_assets_path
-    if assets is not None and not Path(assets).expanduser().exists():
-        out.model.hf_assets_path = None  # the byte tokenizer keeps the flavor's vocab, as `check_target_job` noted
-    out.checkpoint.enable = False
-    out.checkpoint.initial_load_path = None
-    out.checkpoint.create_seed_checkpoint = False
-    out.profiling.enable_profiling = False
-    out.profiling.enable_memory_snapshot = False
-    out.metrics.enable_tensorboard = False
-    out.metrics.enable_wandb = False
-    out.validation.enable = False
+    drop_side_outputs(out)
     return out
 
 

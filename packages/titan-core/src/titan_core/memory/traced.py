@@ -73,6 +73,31 @@ def untraceable_feature(cfg: JobConfig) -> str | None:
     return None
 
 
+def drop_side_outputs(out: JobConfig) -> None:
+    """In place: what a memory measurement of `out` must not read or write. The built-in corpus for the data,
+    the byte tokenizer where the tokenizer file is not on this host (the flavor's vocab is kept, as
+    `check_target_job` assumed); no checkpoints, profiles, metrics sinks or validation.
+
+    Args:
+        out: a copy of the job config, changed in place.
+    """
+    from pathlib import Path
+
+    out.training.dataset, out.training.dataset_path = "stdlib", None
+    assets = out.model.hf_assets_path
+    if assets is not None and not Path(assets).expanduser().exists():
+        out.model.hf_assets_path = None
+    out.checkpoint.enable = False
+    out.checkpoint.initial_load_path = None
+    out.checkpoint.last_save_in_hf = False
+    out.checkpoint.create_seed_checkpoint = False
+    out.profiling.enable_profiling = False
+    out.profiling.enable_memory_snapshot = False
+    out.metrics.enable_tensorboard = False
+    out.metrics.enable_wandb = False
+    out.validation.enable = False
+
+
 def trace_config(cfg: JobConfig, device_type: str) -> JobConfig:
     """`cfg` as the trace runs it: on the CPU, eager, on the offline corpus, without checkpoints or logs.
 
@@ -85,26 +110,13 @@ def trace_config(cfg: JobConfig, device_type: str) -> JobConfig:
         cfg: the job config.
         device_type: the target device, "cuda" or "cpu".
     """
-    from pathlib import Path
-
     out = cfg.model_copy(deep=True)
     t = out.training
     t.device = "cpu"
-    t.dataset, t.dataset_path = "stdlib", None
     if t.mixed_precision_param == "auto":
         t.mixed_precision_param = "bfloat16" if compute_dtype_bytes(cfg, device_type) == 2 else "float32"
-    assets = out.model.hf_assets_path
-    if assets is not None and not Path(assets).expanduser().exists():
-        out.model.hf_assets_path = None  # the byte tokenizer keeps the flavor's vocab, as `check_target_job` assumed
-    out.checkpoint.enable = False
-    out.checkpoint.initial_load_path = None
-    out.checkpoint.last_save_in_hf = False
-    out.checkpoint.create_seed_checkpoint = False
+    drop_side_outputs(out)
     out.compile.enable = False
-    out.profiling.enable_profiling = False
-    out.profiling.enable_memory_snapshot = False
-    out.metrics.enable_tensorboard = False
-    out.validation.enable = False
     out.debug.deterministic = False
     if out.debug.seed is None:
         out.debug.seed = 0
