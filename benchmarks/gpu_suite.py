@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -344,6 +345,7 @@ def run(row: Row, measure, args, device: torch.device, dtype: str, peak: float |
             result.update(measure(row, args, device, dtype, peak))
         except Exception as e:  # OOM, a compile error, a missing package: record it and go on
             result.update(status="failed", reason=one_line(e))
+            traceback.print_exc()  # into log.txt: a failed row is debugged from one run
     free_memory(device)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     if "tokens_per_s" in result:

@@ -37,7 +37,11 @@ export PYTHONPATH=${src%:}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 "$python" benchmarks/gpu_suite.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
 # The experts' grouped matmul on this GPU (bf16 `torch._grouped_mm` against the per-expert loop).
+# Memory: every estimate tier against the suite's measured peaks, the measured tier on this GPU,
+# and titan plan's micro-batch run for real (benchmarks/gpu_memory.py).
 case " $* " in
   *" --smoke "*) ;;
-  *) "$python" benchmarks/moe_grouped_mm.py 2>&1 | tee "$out/moe_grouped_mm.txt" ;;
+  *) timeout "${MEMORY_TIMEOUT_S:-200}" "$python" benchmarks/gpu_memory.py --suite "$out/results.json" --out "$out" \
+       --measure --plan 2>&1 | tee "$out/memory_log.txt" || echo "gpu_memory.py stopped (exit $?)"
+     timeout 60 "$python" benchmarks/moe_grouped_mm.py 2>&1 | tee "$out/moe_grouped_mm.txt" || true ;;
 esac

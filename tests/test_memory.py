@@ -35,8 +35,14 @@ def test_8b_fsdp8_model_states_are_the_published_count_over_8():
     # the 8B config: selective op AC, seq 8192, batch 1: the fused loss holds one chunk of logits at a time,
     # 2093 rows (1 GiB of fp32 logits), 12 x V bytes per row at its peak; the plain loss all 8192 rows
     assert rank.detail["logits_transient"] == 12 * 128256 * (2**30 // (4 * 128256))
+    # the plain loss compiled (the config compiles): Inductor's backward writes one bf16 gradient of the logits
     plain = estimate_analytic(load_config("llama3_8b", ["--training.fused_loss", "false"]), 8).ranks[0]
-    assert plain.detail["logits_transient"] == 12 * 128256 * 8192
+    assert plain.detail["logits_transient"] == 2 * 128256 * 8192
+    # eager, all 8192 rows at 12 x V bytes (bf16 logits, their fp32 copy, log-softmax, its gradient)
+    eager = ["--training.fused_loss", "false", "--compile.enable", "false"]
+    assert (
+        estimate_analytic(load_config("llama3_8b", eager), 8).ranks[0].detail["logits_transient"] == 12 * 128256 * 8192
+    )
 
 
 def test_activations_scale_with_tokens_and_tp_divides_them():
@@ -51,8 +57,10 @@ def test_activations_scale_with_tokens_and_tp_divides_them():
         "none",
         "--training.fused_loss",
         "false",
-    ]  # the fused loss keeps
-    # its output-weight gradient, which does not scale with tokens
+        "--compile.enable",
+        "false",
+    ]  # the fused loss keeps its output-weight gradient, which does not scale with tokens; eager: one
+    # set of formulas for TP 1 and 2 (compiled, TP 1's blocks and loss are measured from the graph)
     one = estimate_analytic(load_config("llama3_8b", base), 8).ranks[0].detail["saved_activations_per_microbatch"]
     double = estimate_analytic(load_config("llama3_8b", [*base, "--training.local_batch_size", "2"]), 8)
     assert double.ranks[0].detail["saved_activations_per_microbatch"] == pytest.approx(2 * one, rel=1e-6)

@@ -107,3 +107,19 @@ def test_layouts_not_measured_keep_the_eager_formulas_and_say_why():
     eager = estimate_analytic(load_config(None, [*BASE, *tp]), 2, device_type="cpu")
     assert [r.total for r in compiled.ranks] == [r.total for r in eager.ranks]
     assert any("tensor / context parallel" in n for n in compiled.notes), compiled.notes
+
+
+def test_the_compiled_loss_keeps_its_logits_in_the_compute_dtype():
+    """Compiled, the plain loss saves the logits as they come (bf16) and one fp32 log-sum-exp per token;
+    eager, it keeps the fp32 log-softmax (the family formula's 4 bytes per vocabulary entry)."""
+    from titan_core.memory.compiled_saved import measure_loss
+
+    vocab = 2048
+    saved = measure_loss(vocab, torch.bfloat16)
+    assert 2 * vocab <= saved <= 2 * vocab + 16, saved
+    assert measure_loss(vocab, torch.float32) - 4 * vocab == saved - 2 * vocab  # the same per-token extras
+    job = ["--model.flavor", "debugmodel", "--compile.enable", "true"]
+    plain = estimate_analytic(load_config(None, [*job, "--training.fused_loss", "false"]), 1, device_type="cuda")
+    assert any("the plain loss keeps" in n for n in plain.notes), plain.notes
+    fused = estimate_analytic(load_config(None, job), 1, device_type="cuda")
+    assert not any("the plain loss keeps" in n for n in fused.notes), fused.notes

@@ -83,6 +83,15 @@ def build_model_parts(job: Job, mesh: ParallelMesh, device: torch.device, seed: 
     )
 
 
+def loss_compiled_for(job: Job) -> bool:
+    """Whether `job` runs the plain loss compiled (`titan_core.step.loss_is_compiled`)."""
+    from titan_core.step import loss_is_compiled
+
+    assert job.dims is not None, "a job resolved for a world size has its degrees"
+    compile_loss = job.cfg.compile.enable and "loss" in job.cfg.compile.components
+    return loss_is_compiled(compile_loss, job.dims.tp, job.parallel.loss_parallel)
+
+
 def assemble_model(
     spec: ModelSpec,
     model_args: Any,

@@ -92,6 +92,18 @@ class HeadLoss:
         return self.head(hidden, labels=labels)  # through the module call: FSDP's and TP's hooks run
 
 
+def loss_is_compiled(compile_loss: bool, tp: int, loss_parallel: bool) -> bool:
+    """Whether the plain loss runs compiled: `compile.components` has "loss", and no TP loss parallel (a compiled
+    cross-entropy does not see `loss_parallel()`'s DTensor rules: on vocab-sharded logits it returned 0, torch 2.15).
+
+    Args:
+        compile_loss: `compile.enable` and "loss" in `compile.components`.
+        tp: the tensor-parallel degree.
+        loss_parallel: whether TP computes the loss on vocab-sharded logits.
+    """
+    return compile_loss and not (tp > 1 and loss_parallel)
+
+
 def describe_loss(fused: bool, head: torch.nn.Module | None) -> str:
     """One line for the start-up log: which loss the run computes, and why."""
     if head is not None:
@@ -100,7 +112,7 @@ def describe_loss(fused: bool, head: torch.nn.Module | None) -> str:
         return f"output projection + cross-entropy fused, in {size} (training.fused_loss)"
     if fused:
         return "plain cross-entropy on full logits (this rank holds no plain nn.Linear output projection to fuse)"
-    return "plain cross-entropy on full fp32 logits (training.fused_loss = false)"
+    return "plain cross-entropy on full logits (training.fused_loss = false)"
 
 
 class StepLoss:

@@ -29,13 +29,21 @@ from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
-from titan_core.model_setup import build_model_parts
+from titan_core.model_setup import build_model_parts, loss_compiled_for
 from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.optim import build_optimizer, resolve_implementation
 from titan_core.profiling import Profiler
 from titan_core.run_banner import run_banner
 from titan_core.run_guard import NonFinitePolicy, RunGuard
-from titan_core.step import Batch, HeadLoss, StepLoss, StepResult, StepRunner, cross_entropy_loss, describe_loss
+from titan_core.step import (
+    Batch,
+    HeadLoss,
+    StepLoss,
+    StepResult,
+    StepRunner,
+    cross_entropy_loss,
+    describe_loss,
+)
 from titan_core.validation import Validator
 from titan_parallel.attention_backend import choose_sdpa_backends
 from titan_parallel.comm_watch import CommWatch
@@ -130,14 +138,10 @@ class Trainer:
                 if job.dtype_warning:
                     logger.warning("%s", job.dtype_warning)
             loss_fn = cross_entropy_loss
-            if cfg.compile.enable and "loss" in cfg.compile.components:
-                if self.dims.tp > 1 and self.options.loss_parallel:
-                    # A compiled cross-entropy does not see loss_parallel()'s DTensor rules: on vocab-sharded
-                    # logits it silently returned 0 (torch 2.15). The loss stays eager under loss parallel.
-                    if self.rank == 0:
-                        logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
-                else:
-                    loss_fn = torch.compile(cross_entropy_loss)
+            if loss_compiled_for(job):
+                loss_fn = torch.compile(cross_entropy_loss)
+            elif cfg.compile.enable and "loss" in cfg.compile.components and self.rank == 0:
+                logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
             self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
             self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
             if self.model.head is not None:  # the output projection computes the loss, in token chunks

@@ -59,7 +59,7 @@ def apply_fsdp(
             and context-parallel rank's tokens reach them through the all-to-all, so the mean over ranks
             divides by all of them (`dp_replicate x dp_shard x cp`), not by `expert_mesh`'s size.
     """
-    one_rank = mesh.size(-1) == 1  # the shard dimension (HSDP: the last) holds one rank
+    one_rank = mesh.size(mesh.ndim - 1) == 1  # the shard dimension (HSDP: the last); torch 2.11 takes no negative dim
     default = not pipeline_parallel and not one_rank
     reshard = {"always": True, "never": False, "default": default}[reshard_after_forward]
     config: dict = {
@@ -82,7 +82,7 @@ def apply_fsdp(
                 )
                 if expert_grad_divide_factor is not None:
                     experts.set_gradient_divide_factor(expert_grad_divide_factor)
-                    if expert_mesh.device_type != "cuda" and expert_mesh.size(-1) > 1:
+                    if expert_mesh.device_type != "cuda" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
                         # A custom factor reduces with PREMUL_SUM, which gloo lacks: sum, then divide. Not when
                         # the shard dim has one rank: torch 2.15 then divides by the factor in its one-rank copy,
                         # and again after the sum (HSDP's all-reduce sums without PREMUL_SUM anyway).

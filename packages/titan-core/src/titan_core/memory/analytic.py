@@ -101,10 +101,12 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     )
     act = activation_bytes(job.model_args, layout)
     if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs keep the formulas)
-        from titan_core.memory.compiled_saved import compiled_block_bytes
+        from titan_core.memory.compiled_saved import compiled_block_bytes, compiled_loss_bytes
 
         act, compile_note = compiled_block_bytes(job, act)
         notes.append(compile_note)
+        act, loss_note = compiled_loss_bytes(job, act)
+        notes += [loss_note] if loss_note else []
     stages = _stage_names(job)
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
@@ -327,6 +329,8 @@ def _rank_memory(
 
         logits_now = min(tokens, default_chunk_rows(job.model_args.vocab_size)) * act.logits if has_head else 0
         grad_logits = saved_loss if has_head else 0
+    elif plain_loss_compiled(job):  # Inductor's backward writes the logits' gradient in the compute dtype, fused
+        logits_now = grad_logits = tokens * b * job.model_args.vocab_size if has_head else 0
     else:
         logits_now = tokens * act.logits if has_head else 0
         grad_logits = tokens * (act.logits // 6) if has_head else 0  # fp32 gradient of the logits, 2/12 of the peak
@@ -375,6 +379,13 @@ def _rank_memory(
         cpu_offloaded=(param_bytes + grad_bytes + opt_bytes) if offload else 0,
         detail=detail,
     )
+
+
+def plain_loss_compiled(job: Job) -> bool:
+    """Whether the run computes the plain loss compiled (`training.fused_loss` resolved to false)."""
+    from titan_core.model_setup import loss_compiled_for
+
+    return loss_compiled_for(job) and not fused_loss_applies(job)
 
 
 def fused_loss_applies(job: Job) -> bool:

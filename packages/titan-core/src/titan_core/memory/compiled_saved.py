@@ -42,8 +42,8 @@ on fake tensors, and under AC it refuses the MoE forward's side effect inside th
 DeepSeek-V3's dense blocks trace, but CPU SDPA runs their unequal q/k and v head widths through
 the math kernel, which keeps the attention matrix CUDA's kernels do not).
 
-Private torch APIs used (written against torch 2.15, the version here; the GPU machine runs
-2.11, where this module has not been run):
+Private torch APIs used (written against torch 2.15; run on torch 2.11 on the GPU machine,
+2026-11-26):
 - `torch._inductor.compile_fx.compile_fx(gm, example_inputs, inner_compile=...)`: Inductor's
   backend with its code generator swapped out (its `inner_compile` keyword), and the
   `is_backward` keyword Inductor passes that hook.
@@ -51,6 +51,9 @@ Private torch APIs used (written against torch 2.15, the version here; the GPU m
   `inner_compile` result must follow.
 - `torch._subclasses.fake_tensor.FakeTensorMode` (documented, but under `torch._`).
 - FX's `node.meta["val"]`, the fake value AOTAutograd records on each node of its graphs.
+- `torch._dynamo.config.patch(automatic_dynamic_shapes=False)`: torch 2.11 remembers the shapes a function was
+  compiled at by file and line, so a second batch size traced dynamic there; and `SymInt.node.hint`, the
+  value a symbolic size was traced at, should one still come back.
 Public but low-level: `torch.multiprocessing.reductions.StorageWeakRef` (a storage's identity).
 Nothing of torch is patched.
 """
@@ -192,9 +195,45 @@ def _trace(
     dtype: torch.dtype,
     ac: str,
 ) -> BlockSaved:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    block = copy.deepcopy(meta_block)
+    with FakeTensorMode():
+        _fake_storage(block, dtype)
+        hidden = torch.empty(input_shape, dtype=dtype, requires_grad=True)  # (batch, seq, dim)
+        rope = torch.empty(rope_shape, dtype=dtype)  # FSDP's mixed precision casts the blocks' inputs
+    unit = _wrapped(block, blocks_path, ac)
+    batch, seq_len, _ = input_shape
+    return _partitioned(_call_block, (unit, hidden, rope), batch * seq_len)
+
+
+def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
+    """Bytes per token that the compiled plain loss (`titan_core.step.cross_entropy_loss` under
+    `torch.compile`) keeps for backward, from logits of `vocab` columns in `dtype` (cached).
+
+    Args:
+        vocab: the logits' width (the vocabulary on this rank).
+        dtype: the logits' dtype (the compute dtype).
+        rows: tokens traced: what the loss keeps is per token (the logits and one log-sum-exp each).
+    """
+    key = ("loss", vocab, dtype, rows)
+    if key not in _CACHE:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from titan_core.step import cross_entropy_loss
+
+        # Decomposing the cross-entropy makes a real scalar constant (aten.where's 0): let the mode take it.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            logits = torch.empty((1, rows, vocab), dtype=dtype, requires_grad=True)  # (bs, seqlen, vocab)
+            labels = torch.zeros((1, rows), dtype=torch.long)
+        _CACHE[key] = _partitioned(cross_entropy_loss, (logits, labels), rows)
+    return _CACHE[key].per_token
+
+
+def _partitioned(fn: Callable[..., Any], args: tuple[Any, ...], tokens: int) -> BlockSaved:
+    """What `fn(*args)`, compiled with Inductor's partitioner, saves for backward (see the module docstring)."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     recorded: dict[str, Any] = {}
 
@@ -211,20 +250,16 @@ def _trace(
         recorded["outputs"] = len(_outputs(gm))
         return cast("Callable[..., Any]", compile_fx(gm, example_inputs, inner_compile=record_forward))
 
-    block = copy.deepcopy(meta_block)
-    with FakeTensorMode():
-        _fake_storage(block, dtype)
-        hidden = torch.empty(input_shape, dtype=dtype, requires_grad=True)  # (batch, seq, dim)
-        rope = torch.empty(rope_shape, dtype=dtype)  # FSDP's mixed precision casts the blocks' inputs
-    unit = _wrapped(block, blocks_path, ac)
     # A fresh code object: Dynamo keeps its compiled graphs on the code object, so each trace starts anew
     # and none counts towards another's recompile limit.
-    fn = types.FunctionType(_call_block.__code__.replace(), _call_block.__globals__, "_call_block")
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
     # dynamic=False: static shapes, as a training run compiles its fixed-shape blocks (Dynamo would otherwise
     # mark sizes dynamic once it has seen this function at two shapes)
-    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(unit, hidden, rope)
-    batch, seq_len, _ = input_shape
-    return _saved(recorded["forward"], recorded["counted"], recorded["outputs"], batch * seq_len)
+    # and no automatic dynamic shapes from an earlier trace of the same function (torch 2.11 keys that state by
+    # file and line, not by code object: a planner's second batch size came back as a SymInt there)
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        torch.compile(fresh, backend=backend, fullgraph=True, dynamic=False)(*args)
+    return _saved(recorded["forward"], recorded["counted"], recorded["outputs"], tokens)
 
 
 def _fake_storage(block: nn.Module, dtype: torch.dtype) -> None:
@@ -266,9 +301,18 @@ def _saved(forward: torch.fx.GraphModule, counted: list[bool], n_outputs: int, t
         if storage in skipped or storage in seen:
             continue
         seen.add(storage)
-        nbytes = value.untyped_storage().nbytes()
+        nbytes = _concrete(value.untyped_storage().nbytes())
         tensors.append(SavedTensor(node.name, tuple(value.shape), value.dtype, nbytes))
     return BlockSaved(tuple(tensors), tokens)
+
+
+def _concrete(n: int | torch.SymInt) -> int:
+    """A size as an int: a symbolic one (dynamic shapes) by the value it was traced at."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        assert hint is not None, f"a saved tensor's size {n} has no traced value"
+        return int(hint)
+    return int(n)
 
 
 def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes, str]:
@@ -347,3 +391,23 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
         "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
         f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"
     )
+
+
+def compiled_loss_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes, str | None]:
+    """`act` with `logits_saved` measured from the compiled plain loss where the run compiles it (and does not
+    fuse it into the output projection), with a note saying so; `act` and None otherwise.
+
+    Args:
+        job: the resolved job.
+        act: the family's eager figures for the job's layout.
+    """
+    from titan_core.memory.analytic import plain_loss_compiled
+
+    if not plain_loss_compiled(job):
+        return act, None
+    saved = measure_loss(job.model_args.vocab_size, job.parallel.param_dtype)
+    note = (
+        f"compile: the plain loss keeps {saved:,} bytes per token for backward, measured from its compiled graph "
+        f"(eager: {act.logits_saved:,}); its backward holds one gradient of the logits in the compute dtype"
+    )
+    return dataclasses.replace(act, logits_saved=saved), note

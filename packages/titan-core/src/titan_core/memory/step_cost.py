@@ -59,6 +59,13 @@ ADAM_BYTES_PER_PARAM = 28
 """Bytes AdamW moves per parameter: it reads the fp32 parameter, gradient and two moments (16) and writes
 the parameter and the moments (12)."""
 
+ONE_RANK_COPY_BYTES_PER_PARAM = 10
+"""Bytes FSDP moves per parameter for each all-gather or reduce-scatter of a one-rank shard group, which are
+copies and casts, not collectives: the gather reads the fp32 shard and writes its bf16 copy and the gathered
+buffer (~10 bytes), the reduce copies the bf16 gradient out and casts it to fp32 (~10). On one H100 (1B,
+torch 2.11, two gathers and one reduce per step) the profile showed 15.4 ms of such copies, ~11 ms at this
+rate: a per-micro-step cost, which is what makes a larger micro-batch faster on one GPU."""
+
 FSDP_OVERLAP = 0.8
 """Share of FSDP's all-gathers / reduce-scatters hidden behind compute by prefetching. The first all-gather of
 the forward and the last reduce-scatter of the backward cannot hide, and the collectives' kernels slow the
@@ -351,7 +358,8 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     shard = t.dp_shard * t.cp
     rank_params = (w.n_params - w.moe.expert_params) / (t.tp * t.pp)  # what its FSDP group shards, experts aside
     rank_experts = w.moe.expert_params / (t.ep * t.pp)  # its E / ep experts: not split by TP; sharded over shard / ep
-    reshard = {"always": True, "never": False, "default": t.pp == 1}[w.fsdp_reshard]
+    # "default": no reshard under PP, nor on a one-rank shard group (titan_parallel.fsdp)
+    reshard = {"always": True, "never": False, "default": t.pp == 1 and shard > 1}[w.fsdp_reshard]
     gathers = t.accum * (2 * t.microbatches if reshard else 1)  # unresharded weights stay gathered over a run
     reduces = t.accum  # each micro-step reduce-scatters (under PP once per run, after its last micro-batch)
     fsdp = 0.0
@@ -359,6 +367,11 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
         bw = bandwidth("fsdp", "fsdp")
         fsdp += gathers * ring_seconds(shard, w.gather_bytes * rank_params, bw)
         fsdp += reduces * ring_seconds(shard, w.reduce_bytes * rank_params, bw)
+    # One rank: FSDP's gathers and reduces are copies and casts (the bf16 compute copy) on the compute stream,
+    # hidden behind nothing.
+    one_rank_copies = 0.0
+    if shard == 1 and w.gather_bytes < 4:
+        one_rank_copies = (gathers + reduces) * ONE_RANK_COPY_BYTES_PER_PARAM * rank_params / HBM_BYTES_PER_S
     if rank_experts and shard // t.ep > 1:  # the experts over the ranks holding the same ones
         bw = bandwidth("experts", "fsdp")
         fsdp += gathers * ring_seconds(shard // t.ep, w.gather_bytes * rank_experts, bw)
@@ -369,7 +382,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
         grads = w.reduce_bytes * rank_params / shard + w.reduce_bytes * expert_shard
         fsdp += reduces * 2 * ring_seconds(t.dp_replicate, grads, bw)
     window = compute + recompute + moe_tp
-    fsdp_exposed = max((1 - FSDP_OVERLAP) * fsdp, fsdp - window)
+    fsdp_exposed = max((1 - FSDP_OVERLAP) * fsdp, fsdp - window) + one_rank_copies
 
     shard_params = rank_params / shard + expert_shard
     offload = 0.0

@@ -42,6 +42,11 @@ def untraceable_feature(cfg: JobConfig) -> str | None:
         cfg: the job config.
     """
     p, t = cfg.parallelism, cfg.training
+    if cfg.compile.enable:
+        return (
+            "compile (compile.enable): the trace runs the eager step, which saves more than the compiled graph "
+            "(+29% on the 1B compile, H100); the analytic tier measures the compiled blocks and loss instead"
+        )
     if p.pipeline_parallel_degree > 1:
         return (
             "pipeline parallel (parallelism.pipeline_parallel_degree > 1): torch's pipeline schedules learn each "
@@ -159,10 +164,6 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
         notes.append(
             "traced with CPU kernels on fake tensors: CUDA kernels' workspaces (cuBLAS, attention) and NCCL buffers "
             "are not counted; the budget's headroom covers them and the allocator's rounding"
-        )
-    if cfg.compile.enable:
-        notes.append(
-            "compile: the eager train step was traced; compiled blocks and loss usually need less (an upper bound)"
         )
     layout = describe_layout(job, compute_dtype_bytes(cfg, device_type))
     return MemoryEstimate("traced", world_size, layout, [rank_memory(peaks, sharded)], notes=notes)
