@@ -191,7 +191,7 @@ def worker(spec: str, out: str) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from titan_core.config import load_config
-    from titan_core.memory.traced import _allow_repeated_forwards
+    from titan_core.memory.torch_patches import allow_repeated_forwards
     from titan_core.trainer import Trainer
 
     results: dict[str, list[int]] = {}
@@ -206,7 +206,7 @@ def worker(spec: str, out: str) -> None:
             # MemTracker's module hooks fail inside torch's pipeline backward (autograd.grad): not under PP.
             tracker = MemTracker() if trainer.dims.pp == 1 else None
             if tracker is not None:
-                _allow_repeated_forwards(tracker, trainer.model.parts)
+                allow_repeated_forwards(tracker, trainer.model.parts)
                 tracker.track_external(*trainer.model.parts, *trainer.optimizers)
             with record_function("memory_accuracy::steps"), tracker or contextlib.nullcontext():
                 for _ in range(STEPS):

@@ -10,7 +10,6 @@ below gets the plain arguments it uses. `docs/architecture.md` walks through it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -85,13 +84,9 @@ class Trainer:
 
     Args:
         cfg: the resolved job config.
-        tensor_context: entered around what `__init__` builds after the process group, the mesh and the
-            seed (data loader, model, optimizers, checkpointer), e.g. a `FakeTensorMode` that builds the
-            model without memory (`titan_core.memory.traced`); the mesh is built outside it because
-            `DeviceMesh` reads real rank tensors. None: nothing is entered (training).
     """
 
-    def __init__(self, cfg: JobConfig, *, tensor_context: contextlib.AbstractContextManager | None = None):
+    def __init__(self, cfg: JobConfig):
         t = cfg.training
         self.device = resolve_device(t.device)
         self.rank, self.world_size = init_distributed(
@@ -110,106 +105,103 @@ class Trainer:
         self.options = job.parallel
         self.mesh = self.dims.build_mesh(self.device.type)
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
-        # Everything below allocates tensors: a caller's context (e.g. the traced memory estimate's
-        # FakeTensorMode) wraps it, after the process group and mesh are real.
-        with tensor_context if tensor_context is not None else contextlib.nullcontext():
-            self.run_folder = Path(cfg.job.dump_folder)
-            self.loader = build_loader(  # token shards (`titan tokenize`) or on-the-fly tokenization
-                t.dataset,
-                t.dataset_path,
-                t.dataset_text_field,
-                self.tokenizer,
-                seq_len=t.seq_len,
-                local_batch_size=t.local_batch_size,
-                dp_rank=self.mesh["dp"].get_local_rank(),
-                dp_world=self.dims.dp,
-                prefetch=t.prefetch_batches,
+        self.run_folder = Path(cfg.job.dump_folder)
+        self.loader = build_loader(  # token shards (`titan tokenize`) or on-the-fly tokenization
+            t.dataset,
+            t.dataset_path,
+            t.dataset_text_field,
+            self.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_rank=self.mesh["dp"].get_local_rank(),
+            dp_world=self.dims.dp,
+            prefetch=t.prefetch_batches,
+        )
+        if self.rank == 0 and job.vocab_widened_from:
+            logger.info(
+                "model vocab %d widened to the tokenizer's %d tokens",
+                job.vocab_widened_from,
+                self.model_args.vocab_size,
             )
-            if self.rank == 0 and job.vocab_widened_from:
-                logger.info(
-                    "model vocab %d widened to the tokenizer's %d tokens",
-                    job.vocab_widened_from,
-                    self.model_args.vocab_size,
-                )
-            self.n_params = self.spec.count_params(self.model_args)
-            self.n_active_params = self.spec.active_params(self.model_args)
-            if self.rank == 0:
-                logger.info("compute dtype %s", job.dtype_reason)
-                if job.dtype_warning:
-                    logger.warning("%s", job.dtype_warning)
-            loss_fn = cross_entropy_loss
-            if loss_compiled_for(job):
-                loss_fn = torch.compile(cross_entropy_loss)
-            elif cfg.compile.enable and "loss" in cfg.compile.components and self.rank == 0:
-                logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
-            self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
-            self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
-            if self.model.head is not None:  # the output projection computes the loss, in token chunks
-                self.loss.fn = HeadLoss(self.model.head)
-            implementation, why = resolve_implementation(cfg.optimizer.implementation, self.device.type)
-            attention, attention_why = choose_sdpa_backends(t.attention_backend, self.device)
-            if self.rank == 0:
-                logger.info("loss: %s", describe_loss(t.fused_loss, self.model.head))
-                logger.info("optimizer step kernel: %s (%s)", implementation, why)
-                logger.info("attention kernel: %s", attention_why)
-            # One optimizer and LR schedule per model part (pipeline stage), so that
-            # checkpoints key optimizer state by the full model's parameter names.
-            self.optimizers = [
-                build_optimizer(part.parameters(), job.optimizer, device_type=self.device.type)
-                for part in self.model.parts
-            ]
-            self.lr_schedulers = [
-                build_lr_scheduler(
-                    optimizer,
-                    steps=t.steps,
-                    warmup_steps=cfg.lr_scheduler.warmup_steps,
-                    decay_ratio=cfg.lr_scheduler.decay_ratio,
-                    decay_type=cfg.lr_scheduler.decay_type,
-                    min_lr_factor=cfg.lr_scheduler.min_lr_factor,
-                )
-                for optimizer in self.optimizers
-            ]
-            self.state = TrainState()
-            # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
-            # (titan_core.checkpointing)
-            self.checkpointer = build_checkpointer(
-                job.checkpoint,
-                model_parts=self.model.parts,
-                optimizers=self.optimizers,
-                lr_schedulers=self.lr_schedulers,
-                dataloader=self.loader,
-                train_state=self.state,
-                device=self.device,
-                **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
+        self.n_params = self.spec.count_params(self.model_args)
+        self.n_active_params = self.spec.active_params(self.model_args)
+        if self.rank == 0:
+            logger.info("compute dtype %s", job.dtype_reason)
+            if job.dtype_warning:
+                logger.warning("%s", job.dtype_warning)
+        loss_fn = cross_entropy_loss
+        if loss_compiled_for(job):
+            loss_fn = torch.compile(cross_entropy_loss)
+        elif cfg.compile.enable and "loss" in cfg.compile.components and self.rank == 0:
+            logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
+        self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
+        self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
+        if self.model.head is not None:  # the output projection computes the loss, in token chunks
+            self.loss.fn = HeadLoss(self.model.head)
+        implementation, why = resolve_implementation(cfg.optimizer.implementation, self.device.type)
+        attention, attention_why = choose_sdpa_backends(t.attention_backend, self.device)
+        if self.rank == 0:
+            logger.info("loss: %s", describe_loss(t.fused_loss, self.model.head))
+            logger.info("optimizer step kernel: %s (%s)", implementation, why)
+            logger.info("attention kernel: %s", attention_why)
+        # One optimizer and LR schedule per model part (pipeline stage), so that
+        # checkpoints key optimizer state by the full model's parameter names.
+        self.optimizers = [
+            build_optimizer(part.parameters(), job.optimizer, device_type=self.device.type)
+            for part in self.model.parts
+        ]
+        self.lr_schedulers = [
+            build_lr_scheduler(
+                optimizer,
+                steps=t.steps,
+                warmup_steps=cfg.lr_scheduler.warmup_steps,
+                decay_ratio=cfg.lr_scheduler.decay_ratio,
+                decay_type=cfg.lr_scheduler.decay_type,
+                min_lr_factor=cfg.lr_scheduler.min_lr_factor,
             )
-            # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
-            self.balancer = ExpertLoadBalancer(
-                self.model.parts,
-                self.spec.plan,
-                self.mesh["dp_cp"].get_group(),
-                pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
-            )
-            # One step, for every layout: forward context, loss normalisation, micro-batches, clip, optimizer
-            self.runner = StepRunner(
-                self.model,
-                self.optimizers,
-                self.lr_schedulers,
-                self.loss,
-                mesh=self.mesh,
-                device=self.device,
-                param_dtype=self.options.param_dtype,
-                loss_parallel=self.options.loss_parallel,
-                accum_steps=self.accum_steps,
-                max_norm=t.max_norm,
-                attention_backends=attention,
-                balancer=self.balancer,
-                after_step=self._float8_after_step(),
-            )
-            # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
-            self.nonfinite = NonFinitePolicy(
-                t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank
-            )
-            self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
+            for optimizer in self.optimizers
+        ]
+        self.state = TrainState()
+        # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
+        # (titan_core.checkpointing)
+        self.checkpointer = build_checkpointer(
+            job.checkpoint,
+            model_parts=self.model.parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            dataloader=self.loader,
+            train_state=self.state,
+            device=self.device,
+            **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
+        )
+        # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
+        self.balancer = ExpertLoadBalancer(
+            self.model.parts,
+            self.spec.plan,
+            self.mesh["dp_cp"].get_group(),
+            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+        )
+        # One step, for every layout: forward context, loss normalisation, micro-batches, clip, optimizer
+        self.runner = StepRunner(
+            self.model,
+            self.optimizers,
+            self.lr_schedulers,
+            self.loss,
+            mesh=self.mesh,
+            device=self.device,
+            param_dtype=self.options.param_dtype,
+            loss_parallel=self.options.loss_parallel,
+            accum_steps=self.accum_steps,
+            max_norm=t.max_norm,
+            attention_backends=attention,
+            balancer=self.balancer,
+            after_step=self._float8_after_step(),
+        )
+        # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
+        self.nonfinite = NonFinitePolicy(
+            t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank
+        )
+        self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
     def _build_profiler(self) -> Profiler | None:
         p = self.cfg.profiling

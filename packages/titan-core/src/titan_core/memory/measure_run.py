@@ -88,7 +88,8 @@ def measure_depth(cfg: JobConfig, n_layers: int, layers_per_stage: int | None) -
         buffers and optimizer states, and the peak as 'Total'), "sharded_params" (bytes of this rank's
         parameter shards)}`.
     """
-    from titan_core.memory.traced import _allow_repeated_forwards, _storage_bytes, peak_tracker
+    from titan_core.memory.torch_patches import allow_repeated_forwards, peak_tracker, pipeline_tracker
+    from titan_core.memory.traced import _storage_bytes
     from titan_core.trainer import Trainer
 
     gc.collect()
@@ -114,9 +115,9 @@ def measure_depth(cfg: JobConfig, n_layers: int, layers_per_stage: int | None) -
     else:
         if trainer.dims.pp == 1:
             tracker = peak_tracker()
-            _allow_repeated_forwards(tracker, parts)
+            allow_repeated_forwards(tracker, parts)
         else:
-            tracker = _pipeline_tracker()
+            tracker = pipeline_tracker()
         tracker.track_external(*parts, *trainer.optimizers)
     with tracker if tracker is not None else contextlib.nullcontext():
         for _ in range(STEPS):
@@ -153,39 +154,6 @@ def measure_depth(cfg: JobConfig, n_layers: int, layers_per_stage: int | None) -
     del trainer, tracker
     gc.collect()
     return record
-
-
-def _pipeline_tracker() -> Any:
-    """`peak_tracker()` without module hooks, which fail under a pipeline schedule.
-
-    `MemTracker` follows the modules with torch's `ModTracker`, whose backward hooks fail inside
-    the `torch.autograd.grad` a pipeline stage runs ("A leaf node was passed to
-    _will_engine_execute_node ...", torch 2.15). The global peak does not need them: with no
-    module tracking every storage is still counted from the op that makes it to its free, and
-    only the split between activations, gradients and temporaries is lost (all are counted as
-    activations; parameters, buffers and optimizer states keep their categories).
-    """
-    from titan_core.memory.traced import peak_tracker
-
-    class NoModules:
-        is_bw = False
-        parents: set[str] = set()
-
-        def register_user_hooks(self, *hooks: Any) -> None:
-            return None
-
-        def clear_user_hooks(self) -> None:
-            return None
-
-        def __enter__(self) -> NoModules:
-            return self
-
-        def __exit__(self, *args: Any) -> None:
-            return None
-
-    tracker = peak_tracker()
-    tracker._mod_tracker = NoModules()
-    return tracker
 
 
 def main(spec_file: str, out_folder: str) -> int:

@@ -28,6 +28,7 @@ from titan_core.config.schema import JobConfig
 from titan_core.memory.analytic import compute_dtype_bytes, describe_layout
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job, target_device
+from titan_core.memory.torch_patches import allow_repeated_forwards, building, own_propagation_mode, peak_tracker
 
 
 class TraceUnsupported(Exception):
@@ -195,14 +196,15 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
         with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            trainer = Trainer(cfg, tensor_context=_building(mode))
+            with building(mode):  # the whole trainer on fake tensors, but its device meshes
+                trainer = Trainer(cfg)
             if model_args is not None and trainer.model_args != model_args:
                 raise RuntimeError(
                     f"the traced model's shape {trainer.model_args} differs from the checked job's {model_args}; "
                     "report this as a bug of titan_core.memory.traced"
                 )
             t = cfg.training
-            with mode, _own_propagation_mode():
+            with mode, own_propagation_mode():
                 batches = [
                     (torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),) * 2  # (bs, seqlen) inputs, labels
                     for _ in range(trainer.accum_steps)
@@ -211,7 +213,7 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
                 # that state: only the second is tracked (the tracker's bookkeeping is most of the cost).
                 trainer.train_step(batches)
                 tracker = peak_tracker()
-                _allow_repeated_forwards(tracker, trainer.model.parts)
+                allow_repeated_forwards(tracker, trainer.model.parts)
                 tracker.track_external(*trainer.model.parts, *trainer.optimizers)
                 with tracker:
                     trainer.train_step(batches)
@@ -249,53 +251,6 @@ def rank_memory(peaks: dict[str, int], sharded_params: int) -> RankMemory:
 
 
 @contextlib.contextmanager
-def _building(mode) -> Iterator[None]:
-    """`mode` while the trainer builds, with two of torch's fake-tensor habits undone for that time.
-
-    `nn.init`'s initialisers are skipped (their values do not matter, and `trunc_normal_`
-    asks a fake tensor for a Python bool); device meshes are built from real tensors
-    (`_real_device_meshes`). The fake mode memoises every tensor it makes in a
-    weak-value dict, and `Module.to_empty` refuses to swap a parameter that has a weak
-    reference: while building, the memo is a plain dict (dropped after, nothing is tracked yet).
-    """
-    from titan_core.job_check import _skip_init
-
-    converter = mode.fake_tensor_converter.meta_converter
-    memo = converter.tensor_memo
-    converter.tensor_memo = {}
-    try:
-        with mode, _skip_init(), _real_device_meshes():
-            yield
-    finally:
-        converter.tensor_memo = memo
-
-
-@contextlib.contextmanager
-def _real_device_meshes() -> Iterator[None]:
-    """Build every `DeviceMesh` from real tensors, outside the fake mode.
-
-    FSDP2 over a TP-sharded model joins the two meshes into a new `DeviceMesh`, whose
-    constructor finds this rank's coordinates with `nonzero` on its rank tensor: an
-    output shape a fake tensor cannot know. A mesh is a few integers, not memory of the step.
-    """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    init = DeviceMesh.__init__
-
-    def real_init(self, *args, **kwargs):
-        with unset_fake_temporarily():
-            init(self, *args, **kwargs)
-
-    # Patching the class's constructor for the trace is the point; restored below.
-    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = init  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """Keep torch's logged warnings about the traced step (e.g. DTensor's advice on redistributions) out of
     the estimate's output: they are about the run, which the user sees when it runs."""
@@ -308,72 +263,6 @@ def _quiet_torch_logs() -> Iterator[None]:
         yield
     finally:
         torch_logger.setLevel(level)
-
-
-def peak_tracker():
-    """A `MemTracker` that keeps the global peak (by category) and not its per-module peaks.
-
-    After every op `MemTracker` walks every module it has seen to update their own peaks:
-    for an 8B model that is most of the trace's time (hundreds of modules x tens of thousands
-    of ops). The estimate needs only the global peak, which this keeps exactly as
-    `MemTracker` does; where this torch's tracker lacks the fields it reads, the tracker is
-    torch's own, unchanged.
-    """
-    from copy import deepcopy
-
-    from torch.distributed._tools import mem_tracker
-
-    class PeakTracker(mem_tracker.MemTracker):
-        def _update_peak_stats(self, peak_state) -> None:
-            for device, snapshot in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snapshot[mem_tracker._TOTAL_KEY]:
-                    self._peak_mem[device] = snapshot[mem_tracker._TOTAL_KEY]
-                    self._peak_mem_snap[device] = deepcopy(snapshot)
-
-    tracker = PeakTracker()
-    fields = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
-    if not hasattr(mem_tracker, "_TOTAL_KEY") or not all(hasattr(tracker, f) for f in fields):
-        return mem_tracker.MemTracker()
-    return tracker
-
-
-def _allow_repeated_forwards(tracker, roots) -> None:
-    """Let `tracker` see a model part's forward more than once per step (gradient-accumulation micro-batches).
-
-    `MemTracker` keeps per-module statistics and refuses a second forward of a root module
-    ("multiple iterative calls"); the trace needs only its global peak, so the module
-    statistics are cleared whenever a root module starts its forward again.
-    """
-    roots = {id(module) for module in roots}
-    track = tracker._pre_fw_hook
-
-    def pre_forward(module, inputs):
-        if id(module) in roots and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
-            tracker.reset_mod_stats()
-        track(module, inputs)
-
-    tracker._pre_fw_hook = pre_forward  # read when the tracker is entered and registers its hooks
-
-
-@contextlib.contextmanager
-def _own_propagation_mode() -> Iterator[None]:
-    """Give DTensor's sharding propagation its own fake mode, as it has outside a fake mode.
-
-    DTensor works out each op's output shape by running it on global-shape fake tensors in
-    the active fake mode; the tracker skips ops of a fake mode other than the one it was
-    entered in, but under the trace's own mode it would count those tensors (an unsharded
-    copy of every argument of every optimizer op).
-    """
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    own = FakeTensorMode()
-    saved = sharding_prop.detect_fake_mode
-    sharding_prop.detect_fake_mode = lambda *args: own
-    try:
-        yield
-    finally:
-        sharding_prop.detect_fake_mode = saved
 
 
 def _storage_bytes(tensors) -> int:

@@ -1,0 +1,188 @@
+"""Every change the traced memory estimate makes to torch's behaviour, in one module, each with its reason.
+
+The traced tier (`titan_core.memory.traced`) runs the real `Trainer` on fake tensors. Four of
+torch's habits stand in its way there; each is undone only inside the trace, by the context
+managers and the tracker below, and restored on exit. Written against torch 2.15 and run on
+torch 2.11 (2026-11-26); where a private name they use is missing, the trace fails with
+torch's own error and `titan estimate-memory` says so.
+
+- `building`: while the model builds, the fake mode's tensor memo
+  (`fake_tensor_converter.meta_converter.tensor_memo`, private) is a plain dict, because
+  `Module.to_empty` refuses to swap a parameter the weak-value memo refers to; and
+  `torch.nn.init`'s public initialisers are no-ops (`titan_core.job.meta_model.skip_init`):
+  `trunc_normal_` asks a fake tensor for a Python bool.
+- `real_device_meshes`: `DeviceMesh.__init__` (a public class's method) runs outside the fake
+  mode: FSDP2 over a TP-sharded model builds a joined mesh whose constructor calls `nonzero` on
+  its rank tensor, a data-dependent shape a fake tensor cannot know.
+- `own_propagation_mode`: `torch.distributed.tensor._sharding_prop.detect_fake_mode` (private)
+  returns a mode of its own: DTensor propagates shardings on global-shape fake tensors in the
+  active fake mode, which the tracker would count as memory of the step.
+- `peak_tracker`, `allow_repeated_forwards`, `pipeline_tracker`: `MemTracker._update_peak_stats`
+  is overridden, `MemTracker._pre_fw_hook` wrapped and, under a pipeline schedule,
+  `MemTracker._mod_tracker` replaced (private): the per-module peaks cost most of the trace's
+  time, the tracker refuses a root module's second forward (gradient accumulation), and its
+  module hooks fail inside the `torch.autograd.grad` a pipeline stage runs. The measured tier
+  (`titan_core.memory.measure_run`) uses these trackers on CPU too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def building(mode) -> Iterator[None]:
+    """`mode` while the trainer builds, with two of torch's fake-tensor habits undone for that time.
+
+    `nn.init`'s initialisers are skipped (their values do not matter, and `trunc_normal_`
+    asks a fake tensor for a Python bool); device meshes are built from real tensors
+    (`_real_device_meshes`). The fake mode memoises every tensor it makes in a
+    weak-value dict, and `Module.to_empty` refuses to swap a parameter that has a weak
+    reference: while building, the memo is a plain dict (dropped after, nothing is tracked yet).
+    """
+    from titan_core.job.meta_model import skip_init
+
+    converter = mode.fake_tensor_converter.meta_converter
+    memo = converter.tensor_memo
+    converter.tensor_memo = {}
+    try:
+        with mode, skip_init(), real_device_meshes():
+            yield
+    finally:
+        converter.tensor_memo = memo
+
+
+@contextlib.contextmanager
+def real_device_meshes() -> Iterator[None]:
+    """Build every `DeviceMesh` from real tensors, outside the fake mode.
+
+    FSDP2 over a TP-sharded model joins the two meshes into a new `DeviceMesh`, whose
+    constructor finds this rank's coordinates with `nonzero` on its rank tensor: an
+    output shape a fake tensor cannot know. The trainer's own mesh is made by
+    `titan_parallel.mesh.init_parallel_mesh` (torch's `init_device_mesh` makes its rank
+    tensor before the constructor runs), which runs outside the fake mode too. A mesh is a
+    few integers, not memory of the step.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import titan_parallel.mesh as titan_mesh
+
+    init, init_parallel = DeviceMesh.__init__, titan_mesh.init_parallel_mesh
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    def real_parallel_mesh(*args, **kwargs):
+        with unset_fake_temporarily():
+            return init_parallel(*args, **kwargs)
+
+    # Patching the constructors for the trace is the point; restored below.
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+    titan_mesh.init_parallel_mesh = real_parallel_mesh
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+        titan_mesh.init_parallel_mesh = init_parallel
+
+
+def peak_tracker():
+    """A `MemTracker` that keeps the global peak (by category) and not its per-module peaks.
+
+    After every op `MemTracker` walks every module it has seen to update their own peaks:
+    for an 8B model that is most of the trace's time (hundreds of modules x tens of thousands
+    of ops). The estimate needs only the global peak, which this keeps exactly as
+    `MemTracker` does; where this torch's tracker lacks the fields it reads, the tracker is
+    torch's own, unchanged.
+    """
+    from copy import deepcopy
+
+    from torch.distributed._tools import mem_tracker
+
+    class PeakTracker(mem_tracker.MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot[mem_tracker._TOTAL_KEY]:
+                    self._peak_mem[device] = snapshot[mem_tracker._TOTAL_KEY]
+                    self._peak_mem_snap[device] = deepcopy(snapshot)
+
+    tracker = PeakTracker()
+    fields = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+    if not hasattr(mem_tracker, "_TOTAL_KEY") or not all(hasattr(tracker, f) for f in fields):
+        return mem_tracker.MemTracker()
+    return tracker
+
+
+def allow_repeated_forwards(tracker, roots) -> None:
+    """Let `tracker` see a model part's forward more than once per step (gradient-accumulation micro-batches).
+
+    `MemTracker` keeps per-module statistics and refuses a second forward of a root module
+    ("multiple iterative calls"); the trace needs only its global peak, so the module
+    statistics are cleared whenever a root module starts its forward again.
+    """
+    roots = {id(module) for module in roots}
+    track = tracker._pre_fw_hook
+
+    def pre_forward(module, inputs):
+        if id(module) in roots and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+        track(module, inputs)
+
+    tracker._pre_fw_hook = pre_forward  # read when the tracker is entered and registers its hooks
+
+
+@contextlib.contextmanager
+def own_propagation_mode() -> Iterator[None]:
+    """Give DTensor's sharding propagation its own fake mode, as it has outside a fake mode.
+
+    DTensor works out each op's output shape by running it on global-shape fake tensors in
+    the active fake mode; the tracker skips ops of a fake mode other than the one it was
+    entered in, but under the trace's own mode it would count those tensors (an unsharded
+    copy of every argument of every optimizer op).
+    """
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    own = FakeTensorMode()
+    saved = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *args: own
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = saved
+
+
+def pipeline_tracker() -> Any:
+    """`peak_tracker()` without module hooks, which fail under a pipeline schedule.
+
+    `MemTracker` follows the modules with torch's `ModTracker`, whose backward hooks fail inside
+    the `torch.autograd.grad` a pipeline stage runs ("A leaf node was passed to
+    _will_engine_execute_node ...", torch 2.15). The global peak does not need them: with no
+    module tracking every storage is still counted from the op that makes it to its free, and
+    only the split between activations, gradients and temporaries is lost (all are counted as
+    activations; parameters, buffers and optimizer states keep their categories).
+    """
+
+    class NoModules:
+        is_bw = False
+        parents: set[str] = set()
+
+        def register_user_hooks(self, *hooks: Any) -> None:
+            return None
+
+        def clear_user_hooks(self) -> None:
+            return None
+
+        def __enter__(self) -> NoModules:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            return None
+
+    tracker = peak_tracker()
+    tracker._mod_tracker = NoModules()
+    return tracker
