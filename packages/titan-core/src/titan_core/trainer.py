@@ -147,8 +147,7 @@ class Trainer:
         # One optimizer and LR schedule per model part (pipeline stage), so that
         # checkpoints key optimizer state by the full model's parameter names.
         self.optimizers = [
-            build_optimizer(part.parameters(), job.optimizer, device_type=self.device.type)
-            for part in self.model.parts
+            build_optimizer(part.parameters(), job.optimizer, device_type=self.device.type) for part in self.model.parts
         ]
         self.lr_schedulers = [
             build_lr_scheduler(
@@ -198,9 +197,7 @@ class Trainer:
             after_step=self._float8_after_step(),
         )
         # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
-        self.nonfinite = NonFinitePolicy(
-            t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank
-        )
+        self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
         self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
     def _build_profiler(self) -> Profiler | None:
