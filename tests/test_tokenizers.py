@@ -193,3 +193,36 @@ def test_build_tokenizer_errors_name_the_path_and_key(tmp_path):
     with pytest.raises(ValueError) as err:
         build_tokenizer(tmp_path)
     assert str(junk) in str(err.value) and "model.hf_assets_path" in str(err.value)
+
+
+def test_split_long_runs_cuts_where_the_regex_scan_cuts():
+    """The window pre-check (`_may_have_long_run`) skips the regex scan only where it would find nothing:
+    random texts of runs around the limit cut exactly as the scan alone cuts them."""
+    import random
+    import re
+
+    def scan_only(text: str, max_run: int) -> list[str]:
+        start, out = 0, []
+        for run in re.finditer(rf"(?<!\s)\s{{{max_run + 1},}}|(?<!\S)\S{{{max_run + 1},}}", text):
+            for cut in range(run.start() + max_run, run.end(), max_run):
+                out.append(text[start:cut])
+                start = cut
+        return [*out, text[start:]]
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        max_run = rng.randint(1, 12)
+        alphabet = rng.choice([["a", "b", " ", "\n", "é"], ["a"] * 5 + [" "], [" "] * 5 + ["x"]])
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
+        assert list(split_long_runs(text, max_run)) == scan_only(text, max_run), (text, max_run)
+
+
+def test_tokenize_tasks_spread_long_documents_and_keep_the_order():
+    from titan_core.data.token_shards import _DOCS_PER_TASK, _TASK_CHARS, _tasks
+
+    books = ["x" * (_TASK_CHARS // 2 + 1)] * 4  # two do not fit in one task
+    assert [len(t) for t in _tasks(books)] == [1, 1, 1, 1]
+    lines = [f"line {i}" for i in range(2 * _DOCS_PER_TASK + 3)]
+    tasks = list(_tasks(lines))
+    assert [len(t) for t in tasks] == [_DOCS_PER_TASK, _DOCS_PER_TASK, 3]
+    assert [doc for task in tasks for doc in task] == lines

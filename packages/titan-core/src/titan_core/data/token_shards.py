@@ -20,7 +20,6 @@ temporary folder is removed, so an output folder is either complete or absent.
 
 from __future__ import annotations
 
-import itertools
 import json
 import multiprocessing
 import os
@@ -55,7 +54,8 @@ FORMAT = "titan-token-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
-_DOCS_PER_TASK = 64  # documents a worker encodes per task
+_DOCS_PER_TASK = 64  # documents a worker encodes per task, at most
+_TASK_CHARS = 1 << 18  # characters of text per task, at most: ~256 KB, so that a few long documents still spread
 
 
 @dataclass(frozen=True)
@@ -333,12 +333,17 @@ def wrap_document(text: str, tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarra
     Raises:
         ValueError: an id is outside `[0, vocab_size)`, so it would not fit or not embed.
     """
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-    if len(ids) and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
-        raise ValueError(f"{tokenizer!r} returned id {int(ids.max())} outside its vocab_size {tokenizer.vocab_size}")
+    ids = tokenizer.encode(text)
     wrapped = np.empty(len(ids) + 2, dtype=dtype)
     wrapped[0], wrapped[-1] = tokenizer.bos_id, tokenizer.eos_id
-    wrapped[1:-1] = ids
+    try:
+        wrapped[1:-1] = ids  # one conversion, straight into the shard's dtype (unsigned: a negative id overflows)
+    except OverflowError:
+        bad = next(i for i in ids if not 0 <= i < tokenizer.vocab_size)
+        raise ValueError(f"{tokenizer!r} returned id {bad} outside its vocab_size {tokenizer.vocab_size}") from None
+    if len(ids) and int(wrapped[1:-1].max()) >= tokenizer.vocab_size:
+        bad = int(wrapped[1:-1].max())
+        raise ValueError(f"{tokenizer!r} returned id {bad} outside its vocab_size {tokenizer.vocab_size}")
     return wrapped
 
 
@@ -355,13 +360,29 @@ def _encode_all(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype,
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with multiprocessing.get_context(method).Pool(workers, _init_worker, (tokenizer, dtype)) as pool:
         pending: deque = deque()
-        texts = iter(documents)
+        tasks = _tasks(documents)
         while True:
             while len(pending) < 2 * workers:
-                batch = list(itertools.islice(texts, _DOCS_PER_TASK))
-                if not batch:
+                batch = next(tasks, None)
+                if batch is None:
                     break
                 pending.append(pool.apply_async(_encode_batch, (batch,)))
             if not pending:
                 return
             yield from pending.popleft().get()
+
+
+def _tasks(documents: Iterable[str]) -> Iterator[list[str]]:
+    """`documents` in order, grouped into tasks of at most `_DOCS_PER_TASK` documents and about `_TASK_CHARS`
+    characters (a longer document is a task of its own): a corpus of a few long documents (books, code files)
+    spreads over the workers too."""
+    batch: list[str] = []
+    chars = 0
+    for text in documents:
+        if batch and (len(batch) == _DOCS_PER_TASK or chars + len(text) > _TASK_CHARS):
+            yield batch
+            batch, chars = [], 0
+        batch.append(text)
+        chars += len(text)
+    if batch:
+        yield batch
