@@ -181,4 +181,3 @@ def _may_have_long_run(text: str, max_run: int) -> bool:
         if window.isspace() or window.split(None, 1) == [window]:
             return True
     return False
-
