@@ -94,6 +94,8 @@ ROWS: tuple[Row, ...] = (
     _row("cp2", 2, "--parallelism.context_parallel_degree", "2"),
     _row("cp2-rotate", 2, "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method",
          "rotate"),
+    _row("cp2-ulysses", 2, "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method",
+         "ulysses"),
     _row("pp2-1f1b", 2, *_PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"),
     _row("pp2-gpipe", 2, *_PP2, "--parallelism.pipeline_parallel_schedule", "GPipe"),
     _row("pp2-interleaved", 2, *_PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),

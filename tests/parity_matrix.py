@@ -99,6 +99,7 @@ class Layout:
 DEEPSEEK = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe")
 EP = f"{P}expert_parallel_degree"
+CP2_ULYSSES = (f"{P}context_parallel_degree", "2", f"{P}context_parallel_method", "ulysses")
 
 
 def _pp(schedule: str, *extra: str) -> tuple[str, ...]:
@@ -137,6 +138,11 @@ LAYOUTS = [
     # 4-D in 8 processes: FSDP shards over the cp ranks (its mesh is dp_shard x cp); covers TP x PP x FSDP.
     Layout("fsdp_tp2_pp2_cp2", 8, 1, _pp("1F1B", f"{P}tensor_parallel_degree", "2", f"{P}context_parallel_degree", "2"),
            slow=True),
+    # Ulysses CP (q/k/v all-to-all'd to head shards of whole sequences around plain causal SDPA), in two launches:
+    # compiled (Ulysses stays in the block's one graph) under PP 2 with FSDP over the cp ranks; and DeepSeek-V3
+    # (MLA: keys and values of different head dims; MoE) with EP 2 x TP 2 (heads split tp x cp = 4 ways).
+    Layout("compile_pp2_cp2_ulysses", 4, 1, ("--compile.enable", "true", *_pp("1F1B", *CP2_ULYSSES)), slow=True),
+    Layout("moe_ep2_tp2_cp2_ulysses", 4, 1, (EP, "2", f"{P}tensor_parallel_degree", "2", *CP2_ULYSSES), model=DEEPSEEK),
     # Expert parallel: the experts split over ep ranks carved from the FSDP ranks, tokens by all-to-all.
     Layout("moe_ep2", 2, 2, (EP, "2"), model=DEEPSEEK),
     Layout("moe_ep4", 4, 4, (EP, "4"), model=DEEPSEEK),

@@ -50,7 +50,15 @@ BROKEN = {
     "checkpoint": (["--checkpoint.last_save_in_hf", "true"], 1, ["checkpoint.last_save_in_hf", "checkpoint.enable"]),
     "profiling": (["--profiling.enable_profiling", "true", "--profiling.profile_freq", "1"], 1, ["profiling.profile_freq", ">= 2"]),
     "metrics": (["--metrics.enable_wandb", "true"], 1, ["metrics.enable_wandb", "pip install 'titan-core[wandb]'"]),
+    "data": (["--training.dataset_path", "/tmp/shards", "--training.dataset_mix", '[{"path": "/tmp/a", "weight": 1}]'], 1,
+             ["training.dataset_mix and training.dataset_path=/tmp/shards are both set", "unset training.dataset_path"]),
+    "fault_tolerance": (["--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "2",
+                         "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse", "http://localhost:29510"], 1,
+                        ["fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"]),
 }
+
+FT_ON = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+         "--fault_tolerance.lighthouse", "http://localhost:29510"]
 
 # The keys a broken library rule's error carries as data (`ConfigError.keys`), in the order the library named them.
 NAMED_KEYS = {
@@ -108,6 +116,10 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
           "--parallelism.pipeline_parallel_degree", "2"], ["checkpoint.last_save_in_hf", "pipeline stages"]),
         (["--profiling.enable_memory_snapshot", "true"], ["profiling.enable_memory_snapshot", "CUDA"]),
+        (FT_ON + ["--parallelism.pipeline_parallel_degree", "2"], ["fault_tolerance.enable", "pipeline_parallel_degree = 1"]),
+        (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
+        (FT_ON + ["--model.name", "deepseek_v3"], ["MoE expert biases", "fault_tolerance.enable"]),
+        (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
     ],
 )
 def test_more_broken_jobs(overrides, expected):
@@ -175,8 +187,8 @@ def test_each_rule_and_each_library_check_runs_once_per_resolve(monkeypatch):
         return wrapper
 
     library = {
-        titan_parallel: ("resolve_device", "check_data_parallel", "check_tp", "check_cp", "check_rotate_method",
-                         "check_ac", "check_pipeline"),
+        titan_parallel: ("resolve_device", "check_data_parallel", "check_tp", "check_cp", "check_cp_method",
+                         "check_rotate_method", "check_ac", "check_pipeline"),
         titan_parallel.expert_parallel: ("check_ep",),
         titan_parallel.float8: ("check_float8",),
         rules: ("parallel_dims", "parallel_options", "pipeline_config", "build_meta_model"),

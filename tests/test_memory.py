@@ -209,3 +209,19 @@ def test_traced_tier_runs_the_step_and_falls_back_naming_what_it_cannot_trace():
     assert pipeline.exit_code == 0, pipeline.output
     assert "analytic estimate, 2 ranks" in pipeline.output
     assert "note: not traced: pipeline parallel (parallelism.pipeline_parallel_degree > 1)" in pipeline.output
+
+
+def test_torchft_replica_groups_add_the_flat_gradient_copy():
+    """A torchft replica group averages its gradient shards across groups through one flat copy per dtype
+    (titan_core.fault_tolerance): between backward and the step the rank holds every gradient twice."""
+    from titan_core.memory import estimate_memory
+
+    base = ["--model.flavor", "debugmodel", "--training.local_batch_size", "1", "--training.seq_len", "64"]
+    ft = [*base, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+    ft += ["--fault_tolerance.lighthouse", "http://localhost:29510"]
+    plain = estimate_analytic(load_config(None, base), 1, device_type="cpu").ranks[0]
+    replica = estimate_analytic(load_config(None, ft), 1, device_type="cpu").ranks[0]
+    assert "peak_moment_replica_all-reduce" in replica.detail  # the debug model at 64 tokens: model states dominate
+    assert replica.total == plain.parameters + plain.optimizer + 2 * replica.gradients
+    traced = estimate_memory(load_config(None, ft), 1, device_type="cpu", traced=True)
+    assert traced.tier == "analytic" and "fault_tolerance.enable" in traced.notes[0]

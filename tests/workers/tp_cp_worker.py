@@ -41,6 +41,7 @@ from titan_parallel import (
     unshard_sequence,
 )
 from titan_parallel.ring_attention import RingAttention, ring_attention
+from titan_parallel.ulysses_attention import UlyssesAttention, ulysses_attention
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, vocab_size=512)
 BS, SEQ = 2, 32
@@ -192,7 +193,8 @@ def run_async_tp_plumbing(rec: Recorder) -> None:
 
 
 def run_ring_alone(rec: Recorder) -> None:
-    """`ring_attention` on random q/k/v against causal SDPA on the whole sequence, forward and backward."""
+    """`ring_attention` and `ulysses_attention` on random q/k/v against causal SDPA on the whole sequence, forward
+    and backward."""
     bs, seq, head_dim = 2, 32, 8
     for cp in (2, 4):
         mesh = build_mesh(cp=cp)
@@ -206,9 +208,20 @@ def run_ring_alone(rec: Recorder) -> None:
             dout = torch.randn(bs, n_heads, seq, head_dim, generator=gen)
             expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_heads != n_kv_heads)
             (expected * dout).sum().backward()
-            for method in ("allgather", "rotate"):
+            for method in ("allgather", "rotate", "ulysses"):
                 ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-                out = ring_attention(ql, kl, vl, group, method)
+                if method == "ulysses" and n_heads % cp:  # 6 query heads do not split 4 ways: refused
+                    try:
+                        ulysses_attention(ql, kl, vl, group, CausalSDPA())
+                        arguments: tuple[str, ...] = ()
+                    except ParallelConfigError as e:
+                        arguments = e.arguments
+                    rec.add(f"ring_cp{cp}_{method}_h{n_heads}_kv{n_kv_heads}", refused=float("cp" in arguments))
+                    continue
+                if method == "ulysses":  # KV heads repeated where cp does not divide them (kv 2 at cp 4)
+                    out = ulysses_attention(ql, kl, vl, group, CausalSDPA())
+                else:
+                    out = ring_attention(ql, kl, vl, group, method)
                 (out * dout[:, :, idx]).sum().backward()
                 rec.add(
                     f"ring_cp{cp}_{method}_h{n_heads}_kv{n_kv_heads}",
@@ -217,6 +230,38 @@ def run_ring_alone(rec: Recorder) -> None:
                     dk=maxdiff(kl.grad, k.grad[:, :, idx]),
                     dv=maxdiff(vl.grad, v.grad[:, :, idx]),
                 )
+
+
+class CausalSDPA(torch.nn.Module):
+    """A plain attention core, as the models' own: causal SDPA, grouped-query where K/V have fewer heads."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
+
+
+def run_ulysses_mla_shaped(rec: Recorder) -> None:
+    """Ulysses with values of another head dim than the keys (MLA: q and k in one all-to-all, v in another)."""
+    bs, seq = 2, 32
+    for cp in (2, 4):
+        mesh = build_mesh(cp=cp)
+        group, rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+        idx = head_tail_index(seq, cp, rank)
+        gen = torch.Generator().manual_seed(8)
+        q, k = (torch.randn(bs, 4, seq, 12, generator=gen, requires_grad=True) for _ in range(2))
+        v = torch.randn(bs, 4, seq, 8, generator=gen, requires_grad=True)
+        dout = torch.randn(bs, 4, seq, 8, generator=gen)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (expected * dout).sum().backward()
+        ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+        out = ulysses_attention(ql, kl, vl, group, CausalSDPA())
+        (out * dout[:, :, idx]).sum().backward()
+        rec.add(
+            f"ulysses_cp{cp}_v_head_dim",
+            out=maxdiff(out, expected[:, :, idx]),
+            dq=maxdiff(ql.grad, q.grad[:, :, idx]),
+            dk=maxdiff(kl.grad, k.grad[:, :, idx]),
+            dv=maxdiff(vl.grad, v.grad[:, :, idx]),
+        )
 
 
 def gather_logits(local: torch.Tensor, cp: int, group) -> torch.Tensor:
@@ -238,10 +283,12 @@ def run_cp(ref: Reference, rec: Recorder) -> None:
         tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=cp_mesh)
         idx = head_tail_index(SEQ, cp, rank)
         rec.add(f"shard_sequence_cp{cp}", tokens=maxdiff(tokens, ref.tokens[:, idx]), labels=maxdiff(labels, ref.labels[:, idx]))
-        for method in ("allgather", "rotate"):
+        for method in ("allgather", "rotate", "ulysses"):
             case = f"cp{cp}_{method}"
-            model = materialize(apply_cp(build_meta(), llama3_plan, cp_mesh, cp_rotate_method=method), ref)
-            swapped = all(isinstance(b.attention.sdpa, RingAttention) for b in model.layers.values())
+            options = {"cp_method": "ulysses"} if method == "ulysses" else {"cp_rotate_method": method}
+            model = materialize(apply_cp(build_meta(), llama3_plan, cp_mesh, **options), ref)
+            core = UlyssesAttention if method == "ulysses" else RingAttention
+            swapped = all(isinstance(b.attention.sdpa, core) for b in model.layers.values())
             logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             loss.backward()
@@ -250,7 +297,7 @@ def run_cp(ref: Reference, rec: Recorder) -> None:
             rec.add(
                 case,
                 **grad_diffs(model, ref, reduce_group=group, divide=cp),
-                ring_swapped=float(not swapped),  # 0 when every block's core is RingAttention
+                not_swapped=float(not swapped),  # 0 when every block's core is the method's module
                 logits=maxdiff(gather_logits(logits.detach(), cp, group), ref.logits),
                 unshard=maxdiff(unshard_sequence(logits.detach(), cp_mesh), ref.logits),
                 local_loss_differs=float(abs(loss.item() - ref.loss.item()) > 1e-4),  # 1: shards really differ
@@ -260,7 +307,7 @@ def run_cp(ref: Reference, rec: Recorder) -> None:
 
 def run_cp_stages(ref: Reference, rec: Recorder) -> None:
     """Two pipeline stages run one after the other: the last one gets only hidden states (positions from the hook)."""
-    for tp, cp in ((1, 4), (2, 2)):
+    for tp, cp, method in ((1, 4, "ring"), (2, 2, "ring"), (2, 2, "ulysses")):
         mesh = build_mesh(cp=cp, tp=tp)
         cp_mesh = mesh["cp"]
         tokens, _ = shard_sequence(ref.tokens, ref.labels, cp_mesh=cp_mesh)
@@ -269,12 +316,12 @@ def run_cp_stages(ref: Reference, rec: Recorder) -> None:
             model = build_meta(stage)
             if tp > 1:
                 apply_tp(model, llama3_plan, mesh["tp"], loss_parallel=False)
-            stages.append(materialize(apply_cp(model, llama3_plan, cp_mesh, cp_rotate_method="rotate"), ref))
+            stages.append(materialize(apply_cp(model, llama3_plan, cp_mesh, cp_rotate_method="rotate", cp_method=method), ref))
         with torch.no_grad():
             hidden = stages[0](tokens)  # (bs, seqlen/(cp*tp), dim) locally
             logits = stages[1](hidden)
         rec.add(
-            f"stages_tp{tp}_cp{cp}",
+            f"stages_tp{tp}_cp{cp}" + ("_ulysses" if method == "ulysses" else ""),
             hidden_seq=hidden.shape[1],
             logits=maxdiff(gather_logits(logits, cp, cp_mesh.get_group()), ref.logits),
         )
@@ -282,9 +329,10 @@ def run_cp_stages(ref: Reference, rec: Recorder) -> None:
 
 def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
     """TP 2 x CP 2 through `parallelize` (FSDP over dp_shard_cp averages the local-mean gradients)."""
-    for method in ("allgather", "rotate"):
+    for method in ("allgather", "rotate", "ulysses"):
         mesh = build_mesh(cp=2, tp=2)
-        options = ParallelOptions(loss_parallel=True, cp_rotate_method=method)
+        cp_options = {"cp_method": "ulysses"} if method == "ulysses" else {"cp_rotate_method": method}
+        options = ParallelOptions(loss_parallel=True, **cp_options)
         model = materialize(parallelize(build_meta(), llama3_plan, mesh, options), ref)
         tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=mesh["cp"])
         logits = model(tokens)  # Shard(-1) over tp
@@ -312,6 +360,7 @@ def main() -> None:
         run_async_tp_plumbing(rec)
     elif suite == "cp":
         run_ring_alone(rec)
+        run_ulysses_mla_shaped(rec)
         run_cp(ref, rec)
         run_cp_stages(ref, rec)
         run_tp_cp_parallelize(ref, rec)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from titan_ckpt import CheckpointManager, CheckpointOptions, LoadModelFn, SaveModelFn, parse_dtype
+from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
 from titan_core.job.options import checkpoint_options
 
@@ -45,6 +46,14 @@ class SchedulersState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for scheduler in self.schedulers:
+            groups = len(scheduler.optimizer.param_groups)
+            if len(state.get("base_lrs", [None] * groups)) != groups:  # e.g. saved under AdamW, resumed under Muon
+                raise ConfigError(
+                    f"the checkpoint's LR schedule has {len(state['base_lrs'])} param groups, this optimizer "
+                    f"{groups}; resume with the same optimizer.name, or add 'lr_scheduler' and 'optimizer' to "
+                    "checkpoint.exclude_from_loading",
+                    keys=("optimizer.name", "checkpoint.exclude_from_loading"),
+                )
             scheduler.load_state_dict(dict(state))
 
 

@@ -1,11 +1,13 @@
-"""`build_optimizer`: Adam or AdamW with the chosen step kernel.
+"""`build_optimizer`: Adam, AdamW, or Muon with AdamW beside it, with the chosen step kernel.
 
 The `optimizer.*` config keys become one `OptimizerOptions` when the job is
 resolved (`titan_core.job`); `build_optimizer` takes it, or the same plain
 keyword arguments.
 Weight decay applies to every parameter, norms and biases included, as in
 torchtitan: one parameter group keeps the optimizer state simple to shard and
-to checkpoint.
+to checkpoint. Muon (`titan_core.muon`) has two groups, Muon's and AdamW's,
+split by a rule (`titan_core.muon_groups.RULE`), each with its own learning
+rate and weight decay; the step kernel applies to its AdamW group.
 """
 
 from __future__ import annotations
@@ -17,13 +19,23 @@ from typing import Any
 import torch
 
 from titan_core.config.errors import ConfigError
+from titan_core.muon import Muon, MuonOptions, muon_param_groups
 
-__all__ = ["build_optimizer", "resolve_implementation", "OptimizerOptions", "OPTIMIZERS", "IMPLEMENTATIONS"]
+__all__ = [
+    "build_optimizer",
+    "resolve_implementation",
+    "OptimizerOptions",
+    "MuonOptions",
+    "OPTIMIZERS",
+    "IMPLEMENTATIONS",
+]
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "AdamW": torch.optim.AdamW,
     "Adam": torch.optim.Adam,
+    "Muon": Muon,
 }
+DEFAULT_MUON = MuonOptions()
 IMPLEMENTATIONS = ("auto", "for-loop", "foreach", "fused")
 
 
@@ -88,11 +100,12 @@ class OptimizerOptions:
 
     Args:
         lr: peak learning rate; the LR scheduler scales it.
-        name: "AdamW" or "Adam" (config key `optimizer.name`).
+        name: "AdamW", "Adam" or "Muon" (config key `optimizer.name`).
         betas: Adam's (beta1, beta2) moment decays.
         eps: added to the denominator.
         weight_decay: decay coefficient.
         implementation: "auto", "for-loop", "foreach" or "fused" (see `build_optimizer`).
+        muon: Muon's own settings (used when `name` is "Muon").
     """
 
     lr: float
@@ -101,10 +114,11 @@ class OptimizerOptions:
     eps: float = 1e-8
     weight_decay: float = 0.1
     implementation: str = "foreach"
+    muon: MuonOptions = DEFAULT_MUON
 
 
 def build_optimizer(
-    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
     options: OptimizerOptions | None = None,
     *,
     name: str = "AdamW",
@@ -113,16 +127,20 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.1,
     implementation: str = "foreach",
+    muon: MuonOptions = DEFAULT_MUON,
     device_type: str,
+    plan: Any = None,
 ) -> torch.optim.Optimizer:
-    """Build Adam or AdamW over `params` with the requested step kernel.
+    """Build Adam, AdamW or Muon over `params` with the requested step kernel.
 
     Weight decay applies to all parameters (no exemption for norms or biases,
     as in torchtitan). AdamW decays decoupled from the gradient; Adam adds
-    L2 decay to the gradient.
+    L2 decay to the gradient. Muon takes the 2-D weights of the blocks (and
+    stacked experts) and gives the rest to AdamW (`titan_core.muon_groups.RULE`).
 
     Args:
-        params: parameters (or param-group dicts) to optimize, e.g. `model.parameters()`;
+        params: parameters (or param-group dicts) to optimize, e.g. `model.parameters()`, or
+            `(name, parameter)` pairs (`model.named_parameters()`, which Muon needs);
             FSDP2's DTensor parameters work with every implementation.
         options: every setting below but `device_type`, as one value; pass either it or the
             keywords (`lr` at least), not both.
@@ -135,18 +153,20 @@ def build_optimizer(
             multi-tensor ops), "fused" (one kernel per step; needs a device
             type with fused kernels, e.g. cuda or cpu, and floating-point params)
             or "auto" ("fused" where the device type has it, else "foreach";
-            `resolve_implementation`).
+            `resolve_implementation`); Muon's AdamW group takes it, its Muon group steps per matrix.
+        muon: Muon's own settings (`titan_core.muon.MuonOptions`), when `name` is "Muon".
         device_type: where the parameters live, e.g. "cuda" or "cpu".
+        plan: the model's `ModelPlan`, which Muon's rule reads (the blocks, the MoE module).
 
     Returns:
         The optimizer.
 
     Raises:
-        ConfigError: an unknown name or implementation, or "fused" on an
-            unsupported device type or dtype.
+        ConfigError: an unknown name or implementation, "fused" on an
+            unsupported device type or dtype, or Muon without names and a plan.
         TypeError: neither `options` nor `lr`, or `options` with setting keywords.
     """
-    keywords = OptimizerOptions(0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation)
+    keywords = OptimizerOptions(0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation, muon)
     if options is None:
         if lr is None:
             raise TypeError("build_optimizer needs lr, or options=OptimizerOptions(lr=...)")
@@ -162,14 +182,30 @@ def build_optimizer(
             f"choose one of {', '.join(IMPLEMENTATIONS)}"
         )
     param_list: list[Any] = list(params)
+    named = [item for item in param_list if isinstance(item, tuple)]
+    if name == "Muon" and (plan is None or len(named) != len(param_list)):
+        raise ConfigError(
+            "optimizer.name: Muon splits parameters by name and the model's plan; "
+            "pass model.named_parameters() and plan=<the model's ModelPlan>, or use AdamW"
+        )
+    if named and name != "Muon":
+        param_list = [p for _, p in named]
     implementation, _ = resolve_implementation(implementation, device_type)
     if implementation == "fused":
-        _check_fused_supported(param_list, device_type)
+        _check_fused_supported([p for _, p in named] if name == "Muon" else param_list, device_type)
     kernel = {
         "for-loop": {"foreach": False, "fused": False},
         "foreach": {"foreach": True, "fused": False},
         "fused": {"foreach": False, "fused": True},
     }[implementation]
+    if name == "Muon":
+        o = options
+        groups, names, line = muon_param_groups(
+            named, plan, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon=o.muon
+        )
+        optimizer = Muon(groups, param_names=names, **kernel)
+        optimizer.description = line  # the trainer logs it once
+        return optimizer
     return OPTIMIZERS[name](
         param_list,
         lr=options.lr,

@@ -21,7 +21,8 @@ def run_banner(job: Job) -> str:
     n_params = job.spec.count_params(job.model_args)
     n_active = job.spec.active_params(job.model_args)
     active = f", {n_active / 1e6:.1f}M active" if n_active != n_params else ""
-    data = f"data: {describe_dataset(t.dataset, t.dataset_path)}"
+    source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
+    data = f"data: {source}"
     if cfg.validation.enable:
         data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path)}"
     tokenizer = f"tokenizer {cfg.model.hf_assets_path}" if cfg.model.hf_assets_path else "byte tokenizer"
@@ -49,6 +50,20 @@ def describe_dataset(dataset: str, dataset_path: str | None) -> str:
     if dataset == "stdlib":
         return "the built-in Python stdlib corpus"
     return dataset if looks_like_path(dataset) else f"{dataset} (Hugging Face)"
+
+
+def describe_mix(mix: list, shuffle: bool) -> str:
+    """`mix of web 70% + code 30% (token shards shuffled)`.
+
+    Args:
+        mix: `training.dataset_mix`'s entries.
+        shuffle: `training.shuffle`.
+    """
+    from titan_core.data.mix_sources import default_name
+
+    total = sum(entry.weight for entry in mix)
+    parts = [f"{entry.name or default_name(entry.path)} {100 * entry.weight / total:.0f}%" for entry in mix]
+    return f"mix of {' + '.join(parts)} (token shards {'shuffled' if shuffle else 'in file order'})"
 
 
 def _describe_batch(job: Job) -> str:

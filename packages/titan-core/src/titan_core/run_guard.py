@@ -12,16 +12,19 @@ rank, two questions:
   requeues a job)? Then the loop finishes the step, saves a checkpoint and returns, so
   the process exits 0 and the next start resumes.
 
-Without waiting for the device. `observe` runs in every step: ONE all-reduce (MAX) of
-three flags (loss non-finite, grad norm non-finite, stop signal), enqueued on the
-device like any collective, gives `found_inf`, which the step runner hands to the
-fused optimizer kernels so that a bad update is dropped on the device, on every rank
-(`titan_core.step`); the same flags feed a few counters kept on the device. The host
+Without waiting for the device. `observe` runs in every step: ONE all-reduce (SUM) of
+three flags (loss non-finite, grad norm non-finite, stop signal) and of the ranks'
+losses and their count, enqueued on the device like any collective, gives `found_inf`,
+which the step runner hands to the fused optimizer kernels so that a bad update is
+dropped on the device, on every rank (`titan_core.step`); the same flags feed a few
+counters kept on the device. The host
 reads those counters only at a `poll`: at log steps (which read the loss anyway),
 before a checkpoint is written, at the last step, and every `poll_every` steps for stop
 signals. The loss is local to each rank (and only on the last pipeline stage), a signal
 may reach only some ranks, and every rank must take the same branch at the same step,
-hence the all-reduce; the grad norm is already global.
+hence the all-reduce; the grad norm is already global. The summed losses give the global
+mean loss on every rank, from which `training.on_loss_spike`'s detector
+(`titan_core.loss_spike`) adds a spiked step to `found_inf`, still on the device.
 
 With `training.on_nonfinite` acting at the poll rather than at the bad step, the steps
 between the two were trained from the state before the bad update (which was never
@@ -37,13 +40,16 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from titan_ckpt import CheckpointManager
 from titan_ckpt.step_folders import list_complete_steps
+
+if TYPE_CHECKING:
+    from titan_core.loss_spike import SpikeDetector, SpikeReport
 
 __all__ = ["GuardReport", "NonFiniteError", "NonFinitePolicy", "RunGuard", "STOP_SIGNALS"]
 
@@ -67,6 +73,8 @@ class GuardReport:
         nonfinite: what was non-finite at that step, e.g. ("loss", "grad norm").
         values: that step's loss on this rank and grad norm, for the message.
         in_a_row: the longest run of consecutive dropped steps that ended in or after the previous poll.
+        spikes: the loss spikes since the previous poll (None without a spike detector); their updates
+            were dropped too, but are not counted in `dropped`.
     """
 
     dropped: int = 0
@@ -74,6 +82,7 @@ class GuardReport:
     nonfinite: tuple[str, ...] = ()
     values: dict[str, float] = field(default_factory=dict)
     in_a_row: int = 0
+    spikes: SpikeReport | None = None
 
     def describe(self) -> str:
         """`step 7: the loss (nan on this rank) and the grad norm (nan) are not finite`."""
@@ -104,12 +113,21 @@ class RunGuard:
         device: the device the step's tensors live on.
         group: the process group that must agree (default: the whole job).
         poll_every: poll at least every this many steps (how soon a stop signal is acted on).
+        spike: drops the update of a step whose loss spiked (`training.on_loss_spike`); None: no check.
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, *, poll_every: int = 10):
+    def __init__(
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        *,
+        poll_every: int = 10,
+        spike: SpikeDetector | None = None,
+    ):
         self.device = device
         self.group = group
         self.poll_every = poll_every
+        self.spike = spike
         self.signal_received: str | None = None  # name of the first stop signal this rank got
         self.stop_requested = False  # some rank got a stop signal (agreed at the last poll)
         self._status = torch.zeros(9, device=device)  # see the slots above; float32 holds step numbers < 2**24
@@ -134,8 +152,8 @@ class RunGuard:
 
     @torch.no_grad()
     def observe(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, step: int) -> torch.Tensor:
-        """One all-reduce of (loss non-finite, grad norm non-finite, stop signal); returns `found_inf`
-        (0-dim, 1.0 when the update must be dropped on every rank), without reading it on the host.
+        """One all-reduce of (loss non-finite, grad norm non-finite, stop signal, loss, has a loss); returns
+        `found_inf` (0-dim, 1.0 when the update must be dropped on every rank), without reading it on the host.
 
         Args:
             loss: this rank's step loss, None on pipeline ranks without the last stage.
@@ -143,11 +161,14 @@ class RunGuard:
             step: the step being observed (1-based), recorded for the message.
         """
         zero = torch.zeros((), device=self.device)
-        loss_bad = (~torch.isfinite(loss.detach())).float() if loss is not None else zero
+        value = loss.detach().float().reshape(()) if loss is not None else zero
+        loss_bad = (~torch.isfinite(value)).float()
         norm_bad = (~torch.isfinite(grad_norm.detach())).float().to(self.device)
         signal_flag = torch.full((), float(self.signal_received is not None), device=self.device)
-        flags = torch.stack([loss_bad, norm_bad, signal_flag])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        has_loss = torch.full((), float(loss is not None), device=self.device)
+        summed = torch.stack([loss_bad, norm_bad, signal_flag, torch.where(loss_bad > 0, zero, value), has_loss])
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+        flags = (summed[:3] > 0).float()  # any rank
         bad = flags[:2].amax()
         s = self._status
         first = bad * (s[_DROPPED] == 0)  # 1.0 at the first dropped step since the poll
@@ -167,7 +188,10 @@ class RunGuard:
             ]
         )
         s[_FIRST_STEP:] = torch.where(first.bool(), mine, s[_FIRST_STEP:])
-        return bad
+        if self.spike is None:
+            return bad
+        mean_loss = summed[3] / summed[4].clamp_min(1)  # the ranks holding a loss (PP: the last stage)
+        return torch.maximum(bad, self.spike.observe(mean_loss, bad, step))
 
     def poll_due(self, step: int) -> bool:
         """Whether the loop must poll after `step` for stop signals (every `poll_every` steps)."""
@@ -175,7 +199,8 @@ class RunGuard:
 
     def poll(self) -> GuardReport:
         """Read the counters on the host (the one sync) and start counting afresh; sets `stop_requested`."""
-        values = self._status.tolist()
+        both = self._status if self.spike is None else torch.cat([self._status, self.spike.status])
+        values = both.tolist()
         self.stop_requested = self.stop_requested or values[_STOP] > 0
         report = GuardReport(
             dropped=int(values[_DROPPED]),
@@ -183,6 +208,7 @@ class RunGuard:
             nonfinite=tuple(name for name, slot in (("loss", _BAD_LOSS), ("grad norm", _BAD_NORM)) if values[slot] > 0),
             values={"loss": values[_LOSS], "grad norm": values[_NORM]},
             in_a_row=int(values[_MAX_IN_A_ROW]),
+            spikes=self.spike.report(values[len(self._status) :]) if self.spike is not None else None,
         )
         s = self._status
         s[_DROPPED] = 0

@@ -8,8 +8,11 @@ process and for TP x PP x FSDP x CP on many GPUs:
         place it on the device (non-blocking), shard its sequence under CP
         forward + loss + backward: a one-stage schedule without pipeline parallel,
         the pipeline schedule with it (which cuts the micro-batch into pipeline micro-batches)
+    [fault_tolerance] torchft's quorum starts with the step; after backward the gradients are
+        averaged across the live replica groups (`titan_core.fault_tolerance`)
     clip the gradient norm, taken over the whole model however it is split
     the run guard's verdict, on the device: `found_inf` (`titan_core.run_guard`)
+    [fault_tolerance] torchft's commit vote: a dropped step ends here (no update, no LR step)
     the optimizer step, dropped on the device when `found_inf` is set; the LR schedule;
     the MoE expert biases; float8's gathered-weight scales
 
@@ -58,6 +61,7 @@ from titan_parallel.linear_cross_entropy import hidden_states_out
 from titan_parallel.precision import mixed_precision_context
 
 if TYPE_CHECKING:
+    from titan_core.fault_tolerance import ReplicaGroups
     from titan_core.model_setup import ModelParts
     from titan_core.moe_balance import ExpertLoadBalancer
     from titan_core.run_guard import RunGuard
@@ -165,11 +169,14 @@ class StepResult:
         grad_norm: the global gradient norm before clipping (the same on every rank).
         found_inf: 1.0 when the guard dropped this step's update on every rank, else 0.0 (0-dim);
             None without a guard.
+        committed: False when torchft's commit vote dropped the step (`titan_core.fault_tolerance`): no
+            update, no LR step; the loop runs the step again.
     """
 
     loss: torch.Tensor | None
     grad_norm: torch.Tensor
     found_inf: torch.Tensor | None = None
+    committed: bool = True
 
 
 class StepRunner:
@@ -190,6 +197,8 @@ class StepRunner:
         balancer: the MoE load balancer (token counts, expert biases), or None.
         after_step: called after each applied optimizer step (e.g. float8's scale precompute).
         attention_backends: SDPA kernels in priority order (`titan_parallel.attention_backend`); None: torch's.
+        replicas: torchft replica groups (`titan_core.fault_tolerance`): quorum, cross-group gradient average
+            and commit vote around the step; None without fault tolerance.
     """
 
     def __init__(
@@ -208,6 +217,7 @@ class StepRunner:
         balancer: ExpertLoadBalancer | None = None,
         after_step: Callable[[], None] | None = None,
         attention_backends: Sequence[str] | None = None,
+        replicas: ReplicaGroups | None = None,
     ):
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
@@ -218,6 +228,7 @@ class StepRunner:
         self.max_norm = max_norm
         self.balancer, self.after_step = balancer, after_step
         self.attention_backends = attention_backends
+        self.replicas = replicas
         # Torch's pipeline schedule over this rank's stages, or without pipeline parallel a one-stage schedule
         # with the same interface (`step`, `eval`; stages with `is_first` / `is_last`).
         self.schedule: Any
@@ -284,13 +295,19 @@ class StepRunner:
         """
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        if self.replicas is not None:
+            self.replicas.begin_step()  # torchft's quorum, in the background during forward
         total: torch.Tensor | None = None
         for inputs, labels in batches:
             loss = self._forward_backward(*self.place(inputs, labels), backward=True)
             if loss is not None:
                 total = loss if total is None else total + loss
+        if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
+            self.replicas.average_gradients(self.model.parameters())
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=self.pp_mesh)
         found_inf = guard.observe(total, grad_norm, step) if guard is not None else None
+        if self.replicas is not None and not self.replicas.commit():  # a host round trip, as torchft's own
+            return StepResult(total, grad_norm, found_inf, committed=False)
         if self.balancer is not None:  # expert biases move unless found_inf (on the device)
             self.balancer.after_backward(found_inf=found_inf)
         if found_inf is None or self.device_drop:

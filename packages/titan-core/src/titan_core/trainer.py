@@ -23,13 +23,16 @@ import torch.distributed as dist
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer, loader_factory
+from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
+from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.model_setup import build_model_parts, loss_compiled_for
 from titan_core.moe_balance import ExpertLoadBalancer
+from titan_core.muon import Muon
 from titan_core.optim import build_optimizer, resolve_implementation
 from titan_core.profiling import Profiler
 from titan_core.run_banner import run_banner
@@ -106,16 +109,24 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         self.run_folder = Path(cfg.job.dump_folder)
-        self.loader = build_loader(  # token shards (`titan tokenize`) or on-the-fly tokenization
+        # [fault_tolerance]: this job is one torchft replica group, reading its own slice of the data
+        self.replicas = build_replica_groups(cfg.fault_tolerance, rank=self.rank, world_size=self.world_size)
+        dp_rank, dp_world = self.mesh["dp"].get_local_rank(), self.dims.dp
+        if self.replicas is not None:
+            dp_rank, dp_world = self.replicas.data_slice(dp_rank, dp_world)
+        self.loader = build_loader(  # token shards (`titan tokenize`), a weighted mix, or on-the-fly tokenization
             t.dataset,
             t.dataset_path,
             t.dataset_text_field,
             self.tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
-            dp_rank=self.mesh["dp"].get_local_rank(),
-            dp_world=self.dims.dp,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
             prefetch=t.prefetch_batches,
+            shuffle=t.shuffle,
+            shuffle_seed=t.shuffle_seed,
+            mix=t.dataset_mix,
         )
         if self.rank == 0 and job.vocab_widened_from:
             logger.info(
@@ -147,8 +158,13 @@ class Trainer:
         # One optimizer and LR schedule per model part (pipeline stage), so that
         # checkpoints key optimizer state by the full model's parameter names.
         self.optimizers = [
-            build_optimizer(part.parameters(), job.optimizer, device_type=self.device.type) for part in self.model.parts
+            build_optimizer(part.named_parameters(), job.optimizer, device_type=self.device.type, plan=self.spec.plan)
+            for part in self.model.parts
         ]
+        for part, optimizer in enumerate(self.optimizers):  # Muon: its rule and the groups it made, once
+            description = optimizer.description if isinstance(optimizer, Muon) else ""
+            if self.rank == 0 and description:
+                logger.info("optimizer %s, part %d: %s", cfg.optimizer.name, part, description)
         self.lr_schedulers = [
             build_lr_scheduler(
                 optimizer,
@@ -161,6 +177,8 @@ class Trainer:
             for optimizer in self.optimizers
         ]
         self.state = TrainState()
+        if self.replicas is not None:  # what a restarted group recovers live from a peer
+            self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
         # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
         # (titan_core.checkpointing)
         self.checkpointer = build_checkpointer(
@@ -195,9 +213,25 @@ class Trainer:
             attention_backends=attention,
             balancer=self.balancer,
             after_step=self._float8_after_step(),
+            replicas=self.replicas,
         )
         # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
         self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
+        # training.on_loss_spike: found on the device by the guard, applied at its polls (titan_core.loss_spike)
+        self.spikes = LossSpikePolicy(
+            t.on_loss_spike,
+            t.loss_spike_factor,
+            t.loss_spike_warmup_steps,
+            t.max_loss_spikes_in_a_row,
+            self.checkpointer,
+            self.loader,
+            global_batch=self.global_batch,
+            rank=self.rank,
+        )
+        if cfg.debug.inject_loss_spike_step is not None and self.rank == self.world_size - 1:
+            self.loss.fn = InjectedSpike(
+                self.loss.fn, cfg.debug.inject_loss_spike_step, lambda: self.state.step + 1, self.loss.divisor
+            )
         self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
     def _build_profiler(self) -> Profiler | None:
@@ -277,8 +311,11 @@ class Trainer:
             "optim/grad_norm": result.grad_norm.item(),
             "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
             **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
+            **self.spikes.metrics(),
+            **self.loader.metrics(),  # host ints: data/epoch, or each mixed source's tokens and epoch
             "time/data_wait_ms": 1000 * data_wait_s,
             **self.balancer.metrics(),
+            **(self.replicas.metrics() if self.replicas is not None else {}),
             **meter.read(),
             **memory_stats(self.device),
         }
@@ -313,6 +350,8 @@ class Trainer:
         resumed = (
             self.checkpointer.load()
         )  # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
+        if self.replicas is not None:  # torchft's step follows the run's
+            self.replicas.resume_at(self.state.step)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         if restarts and self.rank == 0:
             logger.warning(
@@ -351,8 +390,8 @@ class Trainer:
         data = iter(self.loader)
         profiler = self._build_profiler()
         validator = self._build_validator()
-        # Non-finite values and stop signals, agreed by every rank each step on the device, read at polls.
-        guard = RunGuard(self.device)
+        # Non-finite values, loss spikes and stop signals, agreed by every rank each step on the device, read at polls.
+        guard = RunGuard(self.device, spike=self.spikes.detector(self.device))
         watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
             self.rank,
             self.world_size,
@@ -369,6 +408,8 @@ class Trainer:
                     batches = [next(data) for _ in range(self.accum_steps)]
                     data_wait_s += time.perf_counter() - started
                     result = self.train_step(batches, guard)
+                    if not result.committed:
+                        continue  # [fault_tolerance] a group left or joined mid-step: run it again
                     self.state.step += 1
                     step = self.state.step
                     watch.step_done(step)  # after this process's first step: the train timeout
@@ -378,7 +419,11 @@ class Trainer:
                     log_step = step % cfg.metrics.log_freq == 0 or step == t.steps
                     save_step = self.checkpointer.due(step, last_step=step == t.steps)
                     if log_step or save_step or guard.poll_due(step):  # the host reads the guard (a sync)
-                        if self.nonfinite.after_poll(guard.poll(), step) == "rolled back":
+                        report = guard.poll()
+                        outcome = self.nonfinite.after_poll(report, step)
+                        if outcome != "rolled back":
+                            outcome = self.spikes.after_poll(report.spikes, step)
+                        if outcome == "rolled back":
                             continue  # the step counter is the checkpoint's now
                     metrics.update_progress(step)
                     self.checkpointer.save(step, last_step=step == t.steps)  # [checkpoint]
@@ -405,4 +450,6 @@ class Trainer:
                 self.checkpointer.close()  # [checkpoint] waits for a background save
                 metrics.close()
                 self.loader.close()  # stops a prefetch thread
+                if self.replicas is not None:
+                    self.replicas.close()
         return losses

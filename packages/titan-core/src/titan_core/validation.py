@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_core.data import PackedLoader, TokenShardLoader
+from titan_core.data import MixtureLoader, PackedLoader, TokenShardLoader
 
 
 class Validator:
@@ -35,7 +35,7 @@ class Validator:
 
     def __init__(
         self,
-        make_loader: Callable[[], PackedLoader | TokenShardLoader],
+        make_loader: Callable[[], PackedLoader | TokenShardLoader | MixtureLoader],
         *,
         steps: int,
         eval_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],

@@ -55,6 +55,7 @@ class ActivationLayout:
         tp: tensor parallel degree (with sequence parallel: norms and residuals split the sequence).
         cp: context parallel degree (the rank's tokens are `seq_len / cp` of each sequence).
         cp_rotate_method: "allgather" or "rotate" (how ring attention exchanges K/V).
+        cp_method: "ring" or "ulysses" (context parallel's attention; `cp_rotate_method` is ring's).
         seq_len: tokens per (full) sequence.
         device_type: "cuda" or "cpu" (kernels differ in what they save, e.g. RMSNorm).
         loss_parallel: under TP, whether the loss runs on vocab-sharded logits.
@@ -64,6 +65,7 @@ class ActivationLayout:
     tp: int = 1
     cp: int = 1
     cp_rotate_method: str = "allgather"
+    cp_method: str = "ring"
     seq_len: int = 2048
     device_type: str = "cuda"
     loss_parallel: bool = True

@@ -27,6 +27,7 @@ __all__ = [
     "check_ac",
     "check_async_tp",
     "check_cp",
+    "check_cp_method",
     "check_data_parallel",
     "check_rotate_method",
     "check_tp",
@@ -87,6 +88,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "check_ac",
         "check_async_tp",
         "check_cp",
+        "check_cp_method",
         "check_data_parallel",
         "check_rotate_method",
     ),
@@ -150,6 +152,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily a
         check_ac,
         check_async_tp,
         check_cp,
+        check_cp_method,
         check_data_parallel,
         check_rotate_method,
     )

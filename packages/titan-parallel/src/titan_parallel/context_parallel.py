@@ -9,7 +9,11 @@ does the same causal-attention work. Three pieces:
   over `dp_shard_cp` (FSDP does) gives the global mean, since every rank holds
   the same number of tokens.
 - `apply_cp`: swaps every block's attention core (`ModelPlan.attention`) for
-  `RingAttention`, which attends the local queries to the global keys/values.
+  `RingAttention` (method "ring"), which attends the local queries to the global
+  keys/values, or wraps it in `UlyssesAttention` (method "ulysses"), which
+  all-to-alls q/k/v to head shards of whole sequences, runs the core, and back.
+  Both keep the head-tail layout: Ulysses puts the chunks in order as it unpacks
+  its all-to-all, so the batch, the positions and the loss do not depend on the method.
 - a forward pre-hook on the model passes `positions=` (absolute RoPE positions of
   the local tokens) when the caller gives none, so a pipeline stage that gets only
   hidden states also rotates by the right positions.
@@ -18,6 +22,7 @@ does the same causal-attention work. Three pieces:
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,10 +30,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titan_parallel.layout import check_cp, check_rotate_method
+from titan_parallel.layout import check_cp, check_cp_method, check_rotate_method
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
 from titan_parallel.ring_attention import RingAttention, RotateMethod, cp_positions
+from titan_parallel.ulysses_attention import UlyssesAttention
+
+CPMethod = Literal["ring", "ulysses"]
 
 __all__ = ["apply_cp", "cp_positions", "shard_sequence", "unshard_sequence"]
 
@@ -84,24 +92,29 @@ def apply_cp(
     cp_mesh: DeviceMesh,
     *,
     cp_rotate_method: RotateMethod = "allgather",
+    cp_method: CPMethod = "ring",
 ) -> nn.Module:
     """Make `model` run on head-tail sequence shards over `cp_mesh`, in place.
 
-    Swaps each block's `plan.attention` module for `RingAttention` and registers a
-    forward pre-hook that passes `positions=cp_positions(local_seqlen, rank, cp)` when
-    the caller gives none. The model's `forward(x, positions=None)` must accept
-    absolute RoPE positions. Apply after tensor parallel: on sequence-parallel hidden
-    states (a pipeline stage's input) the local length is the input's times the TP degree.
+    Swaps each block's `plan.attention` module for `RingAttention` (or wraps it in
+    `UlyssesAttention`) and registers a forward pre-hook that passes
+    `positions=cp_positions(local_seqlen, rank, cp)` when the caller gives none. The
+    model's `forward(x, positions=None)` must accept absolute RoPE positions. Apply
+    after tensor parallel: on sequence-parallel hidden states (a pipeline stage's
+    input) the local length is the input's times the TP degree.
 
     Args:
         model: the model or pipeline stage (meta or real).
         plan: names the attention core inside each block.
         cp_mesh: the 1-D context-parallel mesh, e.g. `mesh["cp"]`.
-        cp_rotate_method: K/V exchange, "allgather" or "rotate" (see `check_rotate_method`).
+        cp_rotate_method: ring attention's K/V exchange, "allgather" or "rotate" (see `check_rotate_method`).
+        cp_method: "ring" or "ulysses" (see `check_cp_method`); Ulysses needs the attention core to hold
+            no parameters or buffers (it keeps the core as its child `core`).
 
     Returns:
         `model`, changed in place.
     """
+    check_cp_method(cp_method)
     check_rotate_method(cp_rotate_method)
     if plan.attention is None:
         raise ValueError(
@@ -118,7 +131,15 @@ def apply_cp(
                 "fix the model's plan"
             )
         core = getattr(parent, name)
-        setattr(parent, name, RingAttention(group, cp_rotate_method, scale=getattr(core, "scale", None)))
+        if cp_method == "ulysses":
+            if next(core.parameters(), None) is not None or next(core.buffers(), None) is not None:
+                raise ValueError(
+                    f"the attention core {type(core).__name__} at ModelPlan.attention '{plan.attention}' holds "
+                    "parameters or buffers, which Ulysses would rename under 'core.'; use cp_method='ring'"
+                )
+            setattr(parent, name, UlyssesAttention(core, group))
+        else:
+            setattr(parent, name, RingAttention(group, cp_rotate_method, scale=getattr(core, "scale", None)))
     hook = functools.partial(
         _supply_positions,
         cp_rank=cp_mesh.get_local_rank(),

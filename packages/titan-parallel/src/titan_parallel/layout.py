@@ -146,6 +146,7 @@ class ParallelDims:
 
 DP_MODES = ("fsdp", "ddp")
 ROTATE_METHODS = ("allgather", "rotate")
+CP_METHODS = ("ring", "ulysses")
 AC_MODES = ("none", "selective", "full")
 
 
@@ -221,6 +222,49 @@ def check_rotate_method(cp_rotate_method: str, qk_head_dim: int | None = None, v
             f"dim is {qk_head_dim} and its value head dim {v_head_dim}; use 'allgather'",
             arguments=("cp_rotate_method",),
         )
+
+
+def check_cp_method(cp_method: str, n_heads: int | None = None, cp: int = 1, tp: int = 1) -> None:
+    """Raise unless `cp_method` is a known context-parallel method that can split the model's heads.
+
+    Args:
+        cp_method: "ring" (ring attention: local queries against every rank's K/V, see
+            `check_rotate_method`) or "ulysses" (all-to-alls from sequence shards to head shards and
+            back around each attention core).
+        n_heads: the model's query heads; None = not checked. Ulysses gives each rank
+            `n_heads / (tp x cp)` of them (tensor parallel splits them first), so tp x cp must divide
+            n_heads. Key/value heads need no rule: where cp does not divide a rank's KV heads, Ulysses
+            repeats them (`titan_parallel.ulysses_attention`).
+        cp: context parallel degree.
+        tp: tensor parallel degree.
+    """
+    if cp_method not in CP_METHODS:
+        raise ParallelConfigError(
+            f"cp_method={cp_method!r} is unknown; choose 'ring' or 'ulysses'", arguments=("cp_method",)
+        )
+    if cp_method == "ulysses" and cp > 1 and n_heads is not None and n_heads % (cp * tp):
+        named = [("cp", cp), ("tp", tp)] if tp > 1 else [("cp", cp)]
+        raise ParallelConfigError(
+            f"cp_method='ulysses' splits the attention heads over tp x cp ranks, but n_heads={n_heads} is not "
+            f"divisible by {_product(named)}; change {' or '.join(n for n, _ in named)}, or use cp_method='ring'",
+            arguments=("cp_method", "n_heads", *(n for n, _ in named)),
+        )
+
+
+def ulysses_kv_repeats(n_kv_heads: int, cp: int) -> int:
+    """Copies of each key/value head Ulysses sends so that cp divides them: `cp / gcd(n_kv_heads, cp)`.
+
+    Query heads are grouped by KV head, so with `n_heads % cp == 0` the block of query heads each rank
+    gets reads exactly the KV copies it gets. 1 where cp divides the KV heads (no copies).
+
+    Args:
+        n_kv_heads: key/value heads on one rank (after tensor parallel).
+        cp: context parallel degree.
+    """
+    repeats = 1
+    while (n_kv_heads * repeats) % cp:  # = cp // math.gcd(n_kv_heads, cp), which Dynamo cannot trace on SymInts
+        repeats += 1
+    return repeats
 
 
 def check_ac(ac_mode: str, ac_selective_option: str = "2") -> None:

@@ -23,7 +23,14 @@ import torch.nn as nn
 from titan_parallel.activation_checkpoint import apply_ac
 from titan_parallel.compile import apply_compile, compile_backend
 from titan_parallel.fsdp import apply_ddp, apply_fsdp
-from titan_parallel.layout import ParallelDims, check_ac, check_async_tp, check_data_parallel, check_rotate_method
+from titan_parallel.layout import (
+    ParallelDims,
+    check_ac,
+    check_async_tp,
+    check_cp_method,
+    check_data_parallel,
+    check_rotate_method,
+)
 from titan_parallel.mesh import ParallelMesh
 from titan_parallel.plan import ModelPlan
 
@@ -41,7 +48,8 @@ class ParallelOptions:
         dp_mode: "fsdp" (also HSDP when the mesh has replicas) or "ddp" (see `check_data_parallel`).
         loss_parallel: under TP, keep logits sharded on the vocab dim for a sharded cross-entropy.
         async_tp: overlap TP communication with matmuls (tp > 1, CUDA and compile; see `check_async_tp`).
-        cp_rotate_method: how context parallel exchanges K/V, "allgather" | "rotate".
+        cp_rotate_method: how ring attention exchanges K/V, "allgather" | "rotate".
+        cp_method: context parallel's attention, "ring" | "ulysses" (see `check_cp_method`).
         ac_mode: activation checkpointing, "none" | "selective" | "full".
         ac_selective_option: "op" or every Nth block (a positive int as a string).
         compile: compile each block.
@@ -56,6 +64,7 @@ class ParallelOptions:
     loss_parallel: bool = True
     async_tp: bool = False
     cp_rotate_method: Literal["allgather", "rotate"] = "allgather"
+    cp_method: Literal["ring", "ulysses"] = "ring"
     ac_mode: Literal["none", "selective", "full"] = "none"
     ac_selective_option: str = "2"
     compile: bool = False
@@ -105,6 +114,7 @@ def check_options(mesh: ParallelMesh, options: ParallelOptions) -> None:
     """
     check_data_parallel(mesh.dims, options.dp_mode)
     check_rotate_method(options.cp_rotate_method)
+    check_cp_method(options.cp_method)
     check_ac(options.ac_mode, options.ac_selective_option)
     if options.async_tp:
         check_async_tp(mesh.dims.tp, mesh.device_type, options.compile)
@@ -141,17 +151,18 @@ def parallelize(
     if mesh["cp"].size() > 1:
         from titan_parallel.context_parallel import apply_cp
 
-        apply_cp(model, plan, mesh["cp"], cp_rotate_method=options.cp_rotate_method)
+        apply_cp(model, plan, mesh["cp"], cp_rotate_method=options.cp_rotate_method, cp_method=options.cp_method)
     apply_ac(model, plan, options.ac_mode, options.ac_selective_option)
     if options.compile:
-        # Ring attention runs eager (its collectives are not traceable): under CP each block
-        # compiles around it, with a graph break, instead of as one full graph. Under TP the
-        # block's children are compiled (see titan_parallel.compile for why).
+        # Ring attention runs eager (its collectives are not traceable): under ring CP each block
+        # compiles around it, with a graph break, instead of as one full graph. Ulysses' functional
+        # all-to-alls trace: its blocks stay one graph. Under TP the block's children are compiled
+        # (see titan_parallel.compile for why).
         tp = mesh["tp"].size()
         apply_compile(
             model,
             plan,
-            fullgraph=mesh["cp"].size() == 1,
+            fullgraph=mesh["cp"].size() == 1 or options.cp_method == "ulysses",
             per_child=tp > 1,
             backend=compile_backend(mesh["tp"].device_type, tp),
         )

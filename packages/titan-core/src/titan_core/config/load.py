@@ -168,7 +168,8 @@ def describe_validation_error(error: ValidationError, origins: dict[str, str]) -
     origin = origins.get(dotted)
     more = len(error.errors()) - 1
     tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    return f"{dotted}: {problem}{' ' + origin if origin else ''}{tail}"
+    where = "" if problem.startswith(dotted) else f"{dotted}: "  # a validator's message may name the key itself
+    return f"{where}{problem}{' ' + origin if origin else ''}{tail}"
 
 
 _BOUNDS = {

@@ -63,10 +63,10 @@ class Model(Section):
 class Optimizer(Section):
     """The optimizer."""
 
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class from torch.optim."""
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
+    """'AdamW' / 'Adam' (torch.optim), or 'Muon': Muon for the blocks' 2-D weights and experts, AdamW for the rest."""
     lr: PositiveFloat = 8e-4
-    """Peak learning rate (reached at the end of warmup)."""
+    """Peak learning rate (reached at the end of warmup); under Muon, the Muon group's."""
     beta1: UnitFraction = 0.9
     """Adam's first-moment decay."""
     beta2: UnitFraction = 0.95
@@ -74,9 +74,21 @@ class Optimizer(Section):
     eps: PositiveFloat = 1e-8
     """Adam's epsilon, added to the denominator."""
     weight_decay: NonNegativeFloat = 0.1
-    """Decoupled (AdamW) or L2 (Adam) weight decay."""
+    """Decoupled (AdamW, Muon) or L2 (Adam) weight decay; under Muon, the Muon group's."""
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """Step kernel: 'auto' = 'fused' where torch has it for the device (fastest, drops a NaN step on the device)."""
+    muon_momentum: UnitFraction = 0.95
+    """Muon's momentum decay (name = 'Muon')."""
+    muon_nesterov: bool = True
+    """Muon's update uses Nesterov momentum."""
+    muon_ns_steps: PositiveInt = 5
+    """Newton-Schulz iterations per orthogonalised matrix."""
+    muon_adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon's lr per matrix: 'match_rms_adamw' (x 0.2 sqrt(max(A,B)); AdamW's lr carries over) or 'original'."""
+    adamw_lr: PositiveFloat | None = None
+    """Under Muon: lr of the AdamW group (embeddings, output, norms, biases, routers); unset = optimizer.lr."""
+    adamw_weight_decay: NonNegativeFloat | None = None
+    """Under Muon: weight decay of the AdamW group; unset = optimizer.weight_decay."""
 
 
 class LRScheduler(Section):
@@ -92,6 +104,52 @@ class LRScheduler(Section):
     """Final learning rate as a fraction of optimizer.lr."""
 
 
+class DatasetSource(Section):
+    """One source of `training.dataset_mix`: `{path = "...", weight = 0.7}` (TOML inline table)."""
+
+    path: str
+    """A token-shard folder (`titan tokenize`), 'stdlib', local .txt/.jsonl/.parquet files, or a hub dataset."""
+    weight: float
+    """Share of the samples, relative to the other sources' weights (normalised to sum to 1)."""
+    name: str | None = None
+    """Label in metrics (`data/<name>/tokens`) and messages; unset = the folder or file name."""
+    text_field: str | None = None
+    """JSON field / parquet column of the text (text sources); unset = training.dataset_text_field."""
+
+
+def _check_dataset_mix(value: object) -> object:
+    """One line naming `training.dataset_mix[i].<key>` and the fix, before pydantic's own checks.
+
+    Args:
+        value: the raw `training.dataset_mix` value.
+    """
+    if not isinstance(value, list):
+        return value  # pydantic says it is not a list
+    example = "write dataset_mix = [{path = '...', weight = 0.7}, {path = '...', weight = 0.3}]"
+    for i, entry in enumerate(value):
+        if isinstance(entry, DatasetSource):
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"training.dataset_mix[{i}] is {entry!r}, not a table; {example}")
+        unknown = set(entry) - set(DatasetSource.model_fields)
+        if unknown:
+            raise ValueError(
+                f"training.dataset_mix[{i}] has unknown key(s) {sorted(unknown)}; "
+                f"the keys are {list(DatasetSource.model_fields)}"
+            )
+        if not isinstance(entry.get("path"), str) or not entry["path"].strip():
+            raise ValueError(f"training.dataset_mix[{i}].path is missing or empty; {example}")
+        weight = entry.get("weight")
+        if weight is None:
+            raise ValueError(f"training.dataset_mix[{i}].weight is missing; {example}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise ValueError(
+                f"training.dataset_mix[{i}].weight must be a positive number, got {weight!r}; "
+                "give every source a weight > 0 (weights are normalised to sum to 1)"
+            )
+    return value
+
+
 class Training(Section):
     """Data, batch, precision and the length of the run."""
 
@@ -101,6 +159,12 @@ class Training(Section):
     """Local file or folder to read the dataset from instead of its default location."""
     dataset_text_field: str = "text"
     """Column holding the text, for Hugging Face datasets."""
+    dataset_mix: list[DatasetSource] = []
+    """Weighted sources instead of dataset/dataset_path: [{path = "...", weight = 0.7}, ...]; see docs/data.md."""
+    shuffle: bool = True
+    """Token-shard data in a seeded permutation of seq_len+1 windows per epoch; text read on the fly stays in order."""
+    shuffle_seed: NonNegativeInt = 0
+    """Picks the shuffle's permutations (saved with the data position: a resume must use the same)."""
     local_batch_size: PositiveInt = 8
     """Sequences per micro-batch on each data-parallel rank."""
     global_batch_size: int = -1
@@ -127,6 +191,14 @@ class Training(Section):
     """NaN/inf loss or grad norm: 'stop' (exit), 'skip_step' (drop the update), 'rollback' (reload ckpt, next data)."""
     max_nonfinite_in_a_row: PositiveInt = 3
     """Consecutive non-finite steps tolerated by 'skip_step' / 'rollback' before the run stops."""
+    on_loss_spike: Literal["none", "skip", "rollback"] = "none"
+    """Loss above loss_spike_factor x its running average: 'skip' the batch, 'rollback' (reload ckpt, next data)."""
+    loss_spike_factor: Annotated[float, Field(gt=1)] = 2.0
+    """A step's global loss above this multiple of the running average (EMA 0.99, accepted steps) is a spike."""
+    loss_spike_warmup_steps: PositiveInt = 100
+    """Accepted steps that build the running average before spikes are looked for."""
+    max_loss_spikes_in_a_row: PositiveInt = 10
+    """Consecutive spikes tolerated by 'skip' / 'rollback' before the run stops (the loss moved for good)."""
     prefetch_batches: NonNegativeInt = 2
     """Batches of pre-tokenized data read ahead in a background thread; 0 = read in the training step."""
 
@@ -134,6 +206,11 @@ class Training(Section):
     @classmethod
     def _check_global_batch_size(cls, value: int) -> int:
         return _require_minus_one_or_at_least(value, 1)
+
+    @field_validator("dataset_mix", mode="before")
+    @classmethod
+    def _check_dataset_mix(cls, value: object) -> object:
+        return _check_dataset_mix(value)
 
 
 class Parallelism(Section):
@@ -171,8 +248,10 @@ class Parallelism(Section):
     """Explicit module names per model part, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]."""
     context_parallel_degree: Degree = 1
     """Context parallel degree: sequences are split over this many ranks."""
+    context_parallel_method: str = "ring"
+    """Context parallel's attention: 'ring' (exchange K/V) or 'ulysses' (all-to-alls to head shards and back)."""
     context_parallel_rotate_method: str = "allgather"
-    """How ring attention exchanges key/value shards: 'allgather' or 'rotate'."""
+    """How ring attention exchanges key/value shards: 'allgather' or 'rotate' (read under method 'ring' only)."""
     expert_parallel_degree: Degree = 1
     """MoE: split the experts over this many ranks, carved from the FSDP x CP ranks (adds no processes)."""
 
@@ -323,6 +402,8 @@ class Debug(Section):
     """Random seed; unset = not seeded."""
     deterministic: bool = False
     """Use deterministic algorithms (slower)."""
+    inject_loss_spike_step: int | None = None
+    """Multiply this step's loss on the last rank by 10, once: tries training.on_loss_spike; unset = never."""
 
 
 class Validation(Section):
@@ -340,6 +421,25 @@ class Validation(Section):
     """Batches per validation."""
     local_batch_size: PositiveInt | None = None
     """Sequences per validation batch on each rank; unset = training.local_batch_size."""
+
+
+class FaultTolerance(Section):
+    """torchft replica groups: data parallel across jobs that fail and rejoin alone (docs/fault_tolerance.md)."""
+
+    enable: bool = False
+    """This job is one torchft replica group; its gradients are averaged with the other groups' each step."""
+    replica_id: NonNegativeInt = 0
+    """This group's number, 0 .. group_size - 1: its slice of the data and its name at the lighthouse."""
+    group_size: PositiveInt = 1
+    """Replica groups in the run; the data is split over group_size x the group's data-parallel degree."""
+    min_replica_size: PositiveInt = 1
+    """Fewest groups that commit a step; with fewer alive the groups wait at the quorum."""
+    lighthouse: str = ""
+    """The lighthouse's address (`titan lighthouse` prints it), e.g. http://host:29510; empty: $TORCHFT_LIGHTHOUSE."""
+    timeout_seconds: PositiveFloat = 10.0
+    """Cross-group all-reduce, commit vote and live recovery give up after this; the step is then retried."""
+    quorum_timeout_seconds: PositiveFloat = 60.0
+    """How long a group waits at the quorum for min_replica_size groups before it fails."""
 
 
 class JobConfig(Section):
@@ -377,3 +477,5 @@ class JobConfig(Section):
     """Reproducibility."""
     validation: Validation = Field(default_factory=Validation)
     """Validation."""
+    fault_tolerance: FaultTolerance = Field(default_factory=FaultTolerance)
+    """torchft replica groups."""

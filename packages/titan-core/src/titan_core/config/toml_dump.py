@@ -10,6 +10,8 @@ import json
 import math
 from typing import Any
 
+from pydantic import BaseModel
+
 from titan_core.config.schema import JobConfig
 
 HEADER = "# Titan job config. Run it with: titan train --config THIS_FILE\n"
@@ -43,7 +45,7 @@ def dump_toml(cfg: JobConfig, with_docs: bool = False) -> str:
 
 
 def format_toml_value(value: Any) -> str:
-    """One value as a TOML literal: bool, int, float, str, or a (nested) list of them.
+    """One value as a TOML literal: bool, int, float, str, a (nested) list of them, or an inline table.
 
     Args:
         value: the value to write.
@@ -62,4 +64,7 @@ def format_toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(format_toml_value(item) for item in value) + "]"
+    if isinstance(value, BaseModel):  # a table inside a list (`training.dataset_mix`): inline, unset keys left out
+        items = [f"{key} = {format_toml_value(v)}" for key, v in value if v is not None]
+        return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {type(value).__name__} value {value!r} as TOML")

@@ -5,8 +5,9 @@
     loader = PackedLoader(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)
     inputs, labels = next(loader)                       # (local_batch_size, seq_len) int64
 
-Pre-tokenized data (`titan tokenize`, docs/data.md) is read by `TokenShardLoader`;
-`build_loader` picks it for a token-shard folder and `PackedLoader` otherwise.
+Pre-tokenized data (`titan tokenize`, docs/data.md) is read by `TokenShardLoader` (file
+order) or `MixtureLoader` (shuffled, or several weighted sources); `build_loader` picks
+the loader from the settings, `PackedLoader` for text read on the fly.
 """
 
 from titan_core.data.build import build_loader, loader_factory
@@ -15,6 +16,8 @@ from titan_core.data.hf_dataset import HFDatasetSource
 from titan_core.data.hf_tokenizer import HFTokenizer
 from titan_core.data.loader import PackedLoader
 from titan_core.data.local_files import LocalFileSource
+from titan_core.data.mix_schedule import MixSchedule, shares_of
+from titan_core.data.mixture import MixtureLoader
 from titan_core.data.tiktoken_tokenizer import GPT2_PATTERN, LLAMA3_PATTERN, TiktokenTokenizer
 from titan_core.data.token_loader import TokenShardLoader
 from titan_core.data.token_shards import is_token_shard_folder, read_manifest, write_token_shards
@@ -36,6 +39,9 @@ __all__ = [
     "build_source",
     "PackedLoader",
     "TokenShardLoader",
+    "MixtureLoader",
+    "MixSchedule",
+    "shares_of",
     "build_loader",
     "loader_factory",
     "write_token_shards",

@@ -15,24 +15,26 @@ class HFDatasetSource:
     Args:
         name: the dataset's hub name, e.g. `"allenai/c4"`.
         text_field: the record field that holds the text.
+        key: the config key that names the dataset, for error messages.
     """
 
-    def __init__(self, name: str, text_field: str = "text"):
+    def __init__(self, name: str, text_field: str = "text", *, key: str = "training.dataset"):
         try:
             import datasets
         except ImportError as e:
             raise MissingPackageError(
-                f"training.dataset: streaming {name!r} from the hub needs the datasets package: "
+                f"{key}: streaming {name!r} from the hub needs the datasets package: "
                 "pip install 'titan-core[hf]', or set training.dataset to 'stdlib' or a local path"
             ) from e
         self.name = name
         self.text_field = text_field
+        self.key = key
         try:
             self._dataset = datasets.load_dataset(name, split="train", streaming=True)
         except Exception as e:
             reason = (str(e).splitlines() or [""])[0][:200]
             raise ConfigError(
-                f"training.dataset: could not load {name!r} from the Hugging Face hub "
+                f"{key}: could not load {name!r} from the Hugging Face hub "
                 f"(hub unreachable, offline, or no such dataset: {type(e).__name__}: {reason}); "
                 "set training.dataset_path to local .txt/.jsonl/.parquet files, or training.dataset to 'stdlib'"
             ) from e
@@ -50,7 +52,7 @@ class HFDatasetSource:
         for record in dataset:
             if self.text_field not in record:
                 raise ConfigError(
-                    f"training.dataset: {self.name!r} records have no field {self.text_field!r} "
+                    f"{self.key}: {self.name!r} records have no field {self.text_field!r} "
                     f"(have {list(record)}); set the dataset's text_field"
                 )
             yield str(record[self.text_field] or "")

@@ -152,6 +152,19 @@ class PackedLoader:
     def close(self) -> None:
         """Nothing to release: this loader reads in the training step, with no thread."""
 
+    def metrics(self) -> dict[str, float]:
+        """The epoch the stream is in, as `data/epoch` (for the metrics of a log step)."""
+        return {"data/epoch": self.epoch}
+
+    def describe_samples(self, first: int, count: int) -> str:
+        """`global samples 160-175 of <source>` (for a message about a batch).
+
+        Args:
+            first: the first global sample.
+            count: how many.
+        """
+        return f"global samples {first}-{first + count - 1} of {self.source!r}"
+
     def state_dict(self) -> dict[str, Any]:
         """The stream position as plain ints (JSON-able, the same on every rank).
 

@@ -227,6 +227,19 @@ class TokenShardLoader:
             self._stop_prefetcher()  # runs `stop` once, and not again at collection
         self._prefetcher = self._stop_prefetcher = None
 
+    def metrics(self) -> dict[str, float]:
+        """The epoch of the next sample, as `data/epoch` (for the metrics of a log step)."""
+        return {"data/epoch": self.samples_consumed * (self.seq_len + 1) // self.stream.total}
+
+    def describe_samples(self, first: int, count: int) -> str:
+        """`global samples 160-175 of <folder>` (for a message about a batch).
+
+        Args:
+            first: the first global sample.
+            count: how many.
+        """
+        return f"global samples {first}-{first + count - 1} of {self.manifest.folder}"
+
     def state_dict(self) -> dict[str, Any]:
         """The stream position, as plain JSON-able data, the same on every rank.
 
@@ -250,6 +263,13 @@ class TokenShardLoader:
             ValueError: the state comes from `PackedLoader` (on-the-fly data), another
                 `seq_len`, or a folder with another number of tokens.
         """
+        if state.get("format") == "titan-mixture":
+            raise ConfigError(
+                f"the checkpoint's data was read shuffled or as a mixture (training.shuffle / "
+                f"training.dataset_mix), this run reads {self.key} in file order; resume with the checkpoint's "
+                "training.shuffle and data keys, or skip the data position with "
+                "checkpoint.exclude_from_loading=['dataloader']"
+            )
         if state.get("format") != FORMAT or any(k not in state for k in _STATE_KEYS):
             raise ConfigError(
                 f"the checkpoint's dataloader state ({sorted(state)}) is not a token-shard loader's (it has "

@@ -27,6 +27,7 @@ RUN_KEYS: dict[str, str] = {
     "device": DEVICE_KEY,
     "device_type": DEVICE_KEY,
     "n_layers": "model.flavor",
+    "n_heads": "model.flavor",
 }
 """Arguments of titan-parallel's rules that are neither a degree nor an option: the run's shape and device."""
 

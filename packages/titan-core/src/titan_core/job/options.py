@@ -62,6 +62,7 @@ PARALLEL_OPTION_KEYS: dict[str, str] = {
     "loss_parallel": "parallelism.disable_loss_parallel",
     "async_tp": "parallelism.enable_async_tensor_parallel",
     "cp_rotate_method": "parallelism.context_parallel_rotate_method",
+    "cp_method": "parallelism.context_parallel_method",
     "ac_mode": "activation_checkpoint.mode",
     "ac_selective_option": "activation_checkpoint.selective_ac_option",
     "compile": "compile.enable",
@@ -81,8 +82,8 @@ def parallel_options(cfg: JobConfig, param_dtype: torch.dtype) -> ParallelOption
     from titan_parallel import ParallelOptions
 
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    # Three names are free strings in the config: the rules check them (`check_data_parallel`,
-    # `check_rotate_method`, `check_ac`) before any `Job` holds these options.
+    # Four names are free strings in the config: the rules check them (`check_data_parallel`,
+    # `check_rotate_method`, `check_cp_method`, `check_ac`) before any `Job` holds these options.
     return ParallelOptions(
         param_dtype=param_dtype,
         reduce_dtype=parse_dtype(t.mixed_precision_reduce),
@@ -92,6 +93,7 @@ def parallel_options(cfg: JobConfig, param_dtype: torch.dtype) -> ParallelOption
         loss_parallel=not p.disable_loss_parallel,
         async_tp=p.enable_async_tensor_parallel,
         cp_rotate_method=cast(Literal["allgather", "rotate"], p.context_parallel_rotate_method),
+        cp_method=cast(Literal["ring", "ulysses"], p.context_parallel_method),
         ac_mode=cast(Literal["none", "selective", "full"], ac.mode),
         ac_selective_option=ac.selective_ac_option,
         compile=cfg.compile.enable and "model" in cfg.compile.components,
@@ -129,7 +131,7 @@ def pipeline_config(cfg: JobConfig) -> PipelineConfig:
 
 def optimizer_options(cfg: JobConfig) -> OptimizerOptions:
     """The `optimizer.*` keys, for `build_optimizer` (its errors name the keys themselves)."""
-    from titan_core.optim import OptimizerOptions
+    from titan_core.optim import MuonOptions, OptimizerOptions
 
     o = cfg.optimizer
     return OptimizerOptions(
@@ -139,6 +141,14 @@ def optimizer_options(cfg: JobConfig) -> OptimizerOptions:
         eps=o.eps,
         weight_decay=o.weight_decay,
         implementation=o.implementation,
+        muon=MuonOptions(
+            momentum=o.muon_momentum,
+            nesterov=o.muon_nesterov,
+            ns_steps=o.muon_ns_steps,
+            adjust_lr_fn=o.muon_adjust_lr_fn,
+            adamw_lr=o.adamw_lr,
+            adamw_weight_decay=o.adamw_weight_decay,
+        ),
     )
 
 

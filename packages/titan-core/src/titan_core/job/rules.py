@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -211,14 +212,18 @@ def _expert_parallel(d: Draft) -> None:
 
 
 def _context_parallel(d: Draft) -> None:
-    """The sequence splits into 2 x cp chunks (x tp under sequence parallel); a known K/V exchange."""
-    from titan_parallel import check_cp, check_rotate_method
+    """The sequence splits into 2 x cp chunks (x tp under sequence parallel); a known method and K/V exchange;
+    Ulysses' tp x cp divides the heads."""
+    from titan_parallel import check_cp, check_cp_method, check_rotate_method
 
     p = d.cfg.parallelism
-    check_cp(d.cfg.training.seq_len, p.context_parallel_degree, p.tensor_parallel_degree)
-    args = d.model_args if p.context_parallel_degree > 1 else None  # MLA's key and value head dims differ
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    check_cp(d.cfg.training.seq_len, cp, tp)
+    args = d.model_args if cp > 1 else None
+    check_cp_method(d.parallel.cp_method, getattr(args, "n_heads", None), cp, tp)
+    ring = args if d.parallel.cp_method == "ring" else None  # MLA's key and value head dims differ
     check_rotate_method(
-        d.parallel.cp_rotate_method, getattr(args, "qk_head_dim", None), getattr(args, "v_head_dim", None)
+        d.parallel.cp_rotate_method, getattr(ring, "qk_head_dim", None), getattr(ring, "v_head_dim", None)
     )
 
 
@@ -291,8 +296,8 @@ def _converters(d: Draft) -> None:
 
 
 def _checkpoint(d: Draft) -> None:
-    """[checkpoint] keys (and training.on_nonfinite='rollback') that need checkpoint.enable; a seed checkpoint
-    on one process; a Hugging Face export of the model only, from an unpipelined model."""
+    """[checkpoint] keys (and 'rollback' of training.on_nonfinite / on_loss_spike) that need checkpoint.enable;
+    a seed checkpoint on one process; a Hugging Face export of the model only, from an unpipelined model."""
     ckpt = d.cfg.checkpoint
     if not ckpt.enable:
         for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
@@ -310,6 +315,10 @@ def _checkpoint(d: Draft) -> None:
     if d.cfg.training.on_nonfinite == "rollback" and not ckpt.enable:
         raise ConfigError(
             "training.on_nonfinite = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true"
+        )
+    if d.cfg.training.on_loss_spike == "rollback" and not ckpt.enable:
+        raise ConfigError(
+            "training.on_loss_spike = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true"
         )
     if ckpt.last_save_in_hf and d.cfg.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError(
@@ -340,6 +349,61 @@ def _metrics(d: Draft) -> None:
         require_wandb()
 
 
+def _data(d: Draft) -> None:
+    """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults."""
+    t = d.cfg.training
+    if t.dataset_mix and (t.dataset_path or t.dataset != "stdlib"):
+        given = f"training.dataset_path={t.dataset_path}" if t.dataset_path else f"training.dataset={t.dataset}"
+        raise ConfigError(
+            f"training.dataset_mix and {given} are both set; the mix names its sources: "
+            f"add that data to training.dataset_mix as {{path = ..., weight = ...}} and unset {given.split('=')[0]}"
+        )
+
+
+def _fault_tolerance(d: Draft) -> None:
+    """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; no layout or policy that
+    would set one replica group apart from the others (pipeline stages, a rollback, MoE expert biases)."""
+    ft = d.cfg.fault_tolerance
+    if not ft.enable:
+        return
+    from titan_core.fault_tolerance import MISSING_TORCHFT
+
+    if importlib.util.find_spec("torchft") is None:
+        raise MissingPackageError(MISSING_TORCHFT)
+    if ft.replica_id >= ft.group_size:
+        raise ConfigError(
+            f"fault_tolerance.replica_id={ft.replica_id} must be below fault_tolerance.group_size={ft.group_size}; "
+            "number the replica groups 0 .. group_size - 1"
+        )
+    if ft.min_replica_size > ft.group_size:
+        raise ConfigError(
+            f"fault_tolerance.min_replica_size={ft.min_replica_size} exceeds fault_tolerance.group_size="
+            f"{ft.group_size}: no step could commit; lower it"
+        )
+    if not ft.lighthouse and not os.environ.get("TORCHFT_LIGHTHOUSE"):
+        raise ConfigError(
+            "fault_tolerance.lighthouse is empty and $TORCHFT_LIGHTHOUSE unset: start `titan lighthouse` and set "
+            "fault_tolerance.lighthouse to the address it prints"
+        )
+    if d.cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "fault_tolerance.enable does not support pipeline parallel (one commit vote over the stages' optimizers "
+            "is not built); set parallelism.pipeline_parallel_degree = 1"
+        )
+    for key, skip in (("on_nonfinite", "skip_step"), ("on_loss_spike", "skip")):
+        if getattr(d.cfg.training, key) == "rollback":
+            raise ConfigError(
+                f"training.{key} = 'rollback' would reload a checkpoint in one replica group only "
+                f"(fault_tolerance.enable); set training.{key} = '{skip}'"
+            )
+    if d.spec.plan.moe is not None:
+        raise ConfigError(
+            f"fault_tolerance.enable: {d.cfg.model.name}'s MoE expert biases follow each group's own token counts "
+            "and would drift apart between replica groups; train a dense model.name or set fault_tolerance.enable "
+            "to false"
+        )
+
+
 def _keys(table: Mapping[str, str], *fields: str) -> dict[str, str]:
     """The entries of `table` for `fields`."""
     return {name: table[name] for name in fields}
@@ -355,10 +419,11 @@ TENSOR_PARALLEL_KEYS = {
 """`check_tp(model, plan, tp)` and `check_async_tp(tp, device_type, compile)`."""
 CONTEXT_PARALLEL_KEYS = {
     **_keys(DIMS_KEYS, "cp", "tp"),
-    **_keys(PARALLEL_OPTION_KEYS, "cp_rotate_method"),
-    **_keys(RUN_KEYS, "seq_len"),
+    **_keys(PARALLEL_OPTION_KEYS, "cp_rotate_method", "cp_method"),
+    **_keys(RUN_KEYS, "seq_len", "n_heads"),
 }
-"""`check_cp(seq_len, cp, tp)` and `check_rotate_method(cp_rotate_method, ...)`."""
+"""`check_cp(seq_len, cp, tp)`, `check_cp_method(cp_method, n_heads, cp, tp)` and `check_rotate_method(cp_rotate_method,
+...)`."""
 AC_KEYS = _keys(PARALLEL_OPTION_KEYS, "ac_mode", "ac_selective_option")
 """`check_ac(ac_mode, ac_selective_option)`."""
 PIPELINE_RULE_KEYS = {**PIPELINE_KEYS, **_keys(DIMS_KEYS, "pp"), **_keys(RUN_KEYS, "n_layers", "local_batch_size")}
@@ -378,5 +443,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint", _checkpoint),
     Rule("profiling", _profiling),
     Rule("metrics", _metrics),
+    Rule("data", _data),
+    Rule("fault_tolerance", _fault_tolerance),
 )
 """Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""

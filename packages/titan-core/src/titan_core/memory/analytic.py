@@ -19,6 +19,7 @@ from titan_core.config.schema import JobConfig
 from titan_core.job import Job
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job
+from titan_core.muon_groups import takes_muon
 from titan_core.optim import resolve_implementation
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class _StageParams:
     """Element counts of the parameters one rank holds for one set of modules."""
 
     sharded: int = 0  # local shard (after TP and FSDP), what the optimizer steps
+    muon: int = 0  # of `sharded`, what Muon steps under optimizer.name = "Muon" (titan_core.muon_groups.RULE)
     unsharded_blocks: list[int] = field(default_factory=list)  # per block, after TP only: what FSDP all-gathers
     unsharded_root: dict[str, int] = field(default_factory=dict)  # per root unit (embedding, output, rest), after TP
     matmul: int = 0  # after TP: the weights autocast copies to the compute dtype
@@ -95,6 +97,7 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         tp=dims.tp,
         cp=dims.cp,
         cp_rotate_method=p.context_parallel_rotate_method,
+        cp_method=p.context_parallel_method,
         seq_len=t.seq_len,
         device_type=job.device_type,
         loss_parallel=not p.disable_loss_parallel,
@@ -117,6 +120,12 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     ]
     if "float8" in cfg.model.converters:
         notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
+    if cfg.optimizer.name == "Muon":
+        notes.append(
+            "Muon: one fp32 momentum per element of the blocks' matrices (AdamW's two moments for the rest); "
+            "its step adds each local matrix's update and, where matrices are split over ranks, the bf16 "
+            "buffers that gather each whole on its owner (docs/optimizers.md)"
+        )
     return MemoryEstimate("analytic", world_size, describe_layout(job, b), ranks, notes=notes)
 
 
@@ -138,6 +147,9 @@ def describe_layout(job: Job, compute_bytes: int) -> str:
         f"{'bf16' if compute_bytes == 2 else 'fp32'} compute",
         f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""),
     ]
+    if dims.cp > 1:
+        method = p.context_parallel_method
+        extras.append(f"CP {method}" + (f" ({p.context_parallel_rotate_method})" if method == "ring" else ""))
     if dims.pp > 1:
         extras.append(f"{p.pipeline_parallel_schedule}, microbatch {p.pipeline_parallel_microbatch_size}")
     extras.append(f"local batch {t.local_batch_size} x seq {t.seq_len}")
@@ -199,6 +211,8 @@ def _count_params(job: Job, module_names: list[str], shards: int) -> _StageParam
             rows = shape[rows_dim] if shape else 1
             sharded = math.ceil(rows / expert_shards) * (local // max(rows, 1)) if expert_shards > 1 else local
             out.sharded += sharded
+            if job.cfg.optimizer.name == "Muon" and takes_muon(f"{name}.{pname}", param.dim(), plan):
+                out.muon += sharded
             if param.dim() == 2 and style != "embedding" and not name.endswith("embeddings"):
                 out.matmul += local
             if in_block:
@@ -271,10 +285,10 @@ def _rank_memory(
     has_head = any(n in plan.pp_last for n in names) or dims.pp == 1
     buffers = stage_buffers * len(indices)
 
-    # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments.
+    # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments (Muon: one momentum).
     param_bytes = 4 * params.sharded
     grad_bytes = 4 * params.sharded
-    opt_bytes = 8 * params.sharded
+    opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
     if p.dp_mode == "ddp" and dims.dp_replicate > 1:
         grad_bytes *= 2  # DDP's gradient buckets hold a second copy
 
@@ -321,9 +335,14 @@ def _rank_memory(
         # stage's unsharded gradients, in the reduce dtype (torch.distributed.pipelining turns the sync off).
         grads_during_bwd += max(b, reduce_b) * (sum(blocks) + sum(root.values()))
     implementation, _ = resolve_implementation(cfg.optimizer.implementation, job.device_type)
-    opt_temp = {"foreach": 4 * params.sharded, "fused": 0}.get(implementation, 0)
+    opt_temp = {"foreach": 4 * (params.sharded - params.muon), "fused": 0}.get(implementation, 0)
     if implementation == "for-loop":
         opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)
+    # Muon's step (titan_core.muon): each local matrix's fp32 Nesterov update (4 B) and its bf16 result (2 B);
+    # split over ranks, also the exchange's bf16 buffers (titan_parallel.matrix_owners), three alive at once.
+    # Measured (CPU allocator, debugmodel): 6.3 B per Muon element on one process, 12.4 B on FSDP 2.
+    exchanged = shards > 1 or dims.tp > 1
+    opt_temp += (12 if exchanged else 6) * params.muon
     if fused:  # one chunk of logits at a time; backward only scales the kept gradients (one copy of each)
         from titan_parallel.linear_cross_entropy import default_chunk_rows
 
@@ -348,14 +367,20 @@ def _rank_memory(
         # The optimizer step: every gradient, the optimizer's temporaries.
         "optimizer step": (0, 0) if offload else (opt_temp, grad_bytes),  # offloaded: the step runs on the host
     }
+    if cfg.fault_tolerance.enable:
+        # torchft replica groups average the local gradient shards across groups through one flat copy per dtype
+        # (`titan_core.fault_tolerance`): every gradient and its flat copy, between backward and the step.
+        moments["replica all-reduce"] = (grad_bytes, grad_bytes)
     name, (transient, grads) = max(moments.items(), key=lambda kv: kv[1][0] + kv[1][1])
     comm = {
         "loss backward": gathered_fwd if not reshard else 0,
         "output backward": output_comm_bwd,
         "block backward": block_comm_bwd,
         "optimizer step": 0,
+        "replica all-reduce": grad_bytes if cfg.fault_tolerance.enable else 0,
     }[name]
-    act_at_peak = 0 if name == "optimizer step" else (activations - (saved_head if name == "block backward" else 0))
+    after_backward = name in ("optimizer step", "replica all-reduce")  # every activation freed
+    act_at_peak = 0 if after_backward else (activations - (saved_head if name == "block backward" else 0))
     temporary = transient - comm - act_at_peak + cast_copies
     detail = {
         "peak_moment_" + name.replace(" ", "_"): 0,
@@ -366,6 +391,7 @@ def _rank_memory(
         "fsdp_gathered_forward": int(gathered_fwd),
         "autocast_weight_copies": int(cast_copies),
         "optimizer_temporaries": int(opt_temp),
+        "muon_elements": int(params.muon),
         "buffers": int(buffers),
     }
     return RankMemory(

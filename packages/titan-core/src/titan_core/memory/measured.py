@@ -103,6 +103,12 @@ def check_measurable(job: Job, world_size: int, device_type: str) -> None:
                 f"--measure runs all {world_size} ranks on this host, which has {gpus} CUDA GPU(s); "
                 f"measure a layout of at most {gpus} ranks (--nproc-per-node), or estimate without --measure"
             )
+    if cfg.fault_tolerance.enable:
+        raise ConfigError(
+            "--measure: fault_tolerance.enable makes each run a torchft replica group, which waits for its lighthouse "
+            "and peers; measure with --fault_tolerance.enable false, or estimate without --measure (the analytic "
+            "tier adds the replica all-reduce's flat copy of the gradients)"
+        )
     if cfg.checkpoint.initial_load_in_hf:
         raise ConfigError(
             "--measure: checkpoint.initial_load_in_hf takes the model's shape from the checkpoint, which the "

@@ -44,6 +44,8 @@ def workload(cfg: JobConfig) -> Workload:
         n_layers=a.n_layers,
         dim=a.dim,
         kv_dim=kv_dim,
+        q_dim=q_dim,
+        kv_heads=a.kv_heads,
         flops_per_token=spec.flops_per_token(a, cfg.training.seq_len),
         op_recompute_flops_per_token=op_recompute_flops_per_token(a.n_layers, a.dim, q_dim, kv_dim, a.ffn_hidden_dim),
         seq_len=cfg.training.seq_len,
@@ -53,6 +55,7 @@ def workload(cfg: JobConfig) -> Workload:
         act_bytes=compute_bytes,
         fsdp_reshard=cfg.parallelism.fsdp_reshard_after_forward,
         cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
+        cp_method=cfg.parallelism.context_parallel_method,
         moe=moe_work(cfg),
     )
 

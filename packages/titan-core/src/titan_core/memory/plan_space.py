@@ -173,7 +173,7 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
     from titan_core.job.rules import CONTEXT_PARALLEL_KEYS, PIPELINE_RULE_KEYS
     from titan_models import get_model_spec
     from titan_parallel import ParallelConfigError
-    from titan_parallel.layout import check_cp
+    from titan_parallel.layout import check_cp, check_cp_method
     from titan_parallel.pipeline_layout import count_microbatches, count_stages, stage_module_names
 
     t, p = layout, cfg.parallelism
@@ -183,6 +183,7 @@ def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> s
             return f"parallelism.tensor_parallel_degree={t.tp} does not divide {name}={size}"
     try:
         check_cp(seq_len, t.cp, t.tp)
+        check_cp_method(p.context_parallel_method, args.n_heads, t.cp, t.tp)
         if t.pp > 1:
             less = {
                 "first_stage_less_layers": p.pipeline_parallel_first_stage_less_layers,

@@ -9,7 +9,8 @@ terms, per rank and per optimizer step:
 - recompute: activation checkpointing's extra forward (full: +1/3 of the training
   FLOPs; selective "op": the matmuls it does not keep, `Workload.op_recompute_flops_per_token`);
 - tp, cp, pp_p2p: tensor parallel's all-gathers / reduce-scatters of activations,
-  context parallel's K/V exchange and the pipeline's activation sends, times the share
+  context parallel's exchanges (ring: K/V gathered or passed round; Ulysses: q, k, v
+  and the output by all-to-all) and the pipeline's activation sends, times the share
   of each on the critical path (`TP_EXPOSED`, `CP_EXPOSED`, `PP_P2P_EXPOSED`);
 - ep, moe_tp: expert parallel's all-to-alls, and the MoE compute TP repeats on each TP
   rank (`titan_core.memory.expert_cost`);
@@ -29,7 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_core.memory.expert_cost import MoEWork, ep_all_to_all_seconds, ep_group_strides, moe_tp_seconds
+from titan_core.memory.expert_cost import (
+    MoEWork,
+    all_to_all_seconds,
+    ep_all_to_all_seconds,
+    ep_group_strides,
+    members_per_node,
+    moe_tp_seconds,
+)
+from titan_parallel.layout import ulysses_kv_repeats
 
 MFU_EFFICIENCY = 0.45
 """Share of the GPU's dense bf16 peak the matmuls reach when nothing waits on communication. torchtitan's
@@ -75,9 +84,10 @@ TP_EXPOSED = 0.9
 """Share of tensor parallel's collectives on the critical path: each matmul waits for its all-gather and each
 reduce-scatter waits for its matmul (async TP, which the planner does not turn on, would hide most of it)."""
 
-CP_EXPOSED = {"allgather": 1.0, "rotate": 0.5}
-"""Share of context parallel's K/V exchange exposed: 'allgather' waits for the whole K/V before attention;
-'rotate' passes shards around the ring while attending to the previous one."""
+CP_EXPOSED = {"allgather": 1.0, "rotate": 0.5, "ulysses": 1.0}
+"""Share of context parallel's exchange exposed: ring's 'allgather' waits for the whole K/V before attention;
+'rotate' passes shards around the ring while attending to the previous one; Ulysses' all-to-alls sit between
+the q/k/v projections and attention, and between attention and `wo`, with nothing to overlap."""
 
 PP_P2P_EXPOSED = 0.5
 """Share of the pipeline's activation sends exposed: sends are asynchronous; a stage waits only for a receive
@@ -136,7 +146,10 @@ class Workload:
         reduce_bytes: bytes per gradient element FSDP reduces (4 for float32).
         act_bytes: bytes per activation element (2 for bf16).
         fsdp_reshard: `parallelism.fsdp_reshard_after_forward`: "default", "always" or "never".
-        cp_rotate_method: "allgather" or "rotate".
+        cp_rotate_method: "allgather" or "rotate" (ring's K/V exchange).
+        cp_method: "ring" or "ulysses" (context parallel's attention).
+        q_dim: width of Q (= of the attention output): heads x head dim; 0 = `dim`.
+        kv_heads: key/value heads (Ulysses repeats them where cp does not divide a rank's); 0 = no repeats.
         moe: the Mixture-of-Experts layers' numbers (`MoEWork()`, all 0, for a dense model).
     """
 
@@ -153,6 +166,9 @@ class Workload:
     act_bytes: int = 2
     fsdp_reshard: str = "default"
     cp_rotate_method: str = "allgather"
+    cp_method: str = "ring"
+    q_dim: int = 0
+    kv_heads: int = 0
     moe: MoEWork = MoEWork()
 
 
@@ -310,6 +326,40 @@ def tp_collectives_per_block(ac: str) -> int:
     return 8 + {"none": 0, "op": 2, "full": 4}[ac]
 
 
+def cp_seconds(layout: Layout, work: Workload, cluster: Cluster, notes: dict[str, str]) -> float:
+    """Seconds per step and per block of context parallel's exchanges on one rank (exposed share only).
+
+    Per block and pass (forward, backward, and the recomputed forward under AC: neither the ring's gathers nor
+    Ulysses' all-to-alls are kept by selective "op"), on the rank's `seqs x seq_len / cp` tokens per step, heads
+    split by tp:
+
+    - ring: K and V of whole sequences, `2 b seqs seq_len kv_dim / tp`, gathered (or passed round) forward,
+      their gradients reduce-scattered (passed back) backward: a ring collective over cp;
+    - Ulysses: every rank sends its tokens' q, k, v and output rows, `b seqs seq_len / cp (2 q_dim + 2 kv_dim r)
+      / tp` (r = `ulysses_kv_repeats`), by all-to-all over cp; backward the same reversed.
+
+    Args:
+        layout: the degrees (`cp`, `tp`, `dp`) and checkpointing.
+        work: the model's widths and the batch.
+        cluster: the GPUs and links.
+        notes: the cost's link notes; "cp" is set to the link the exchange runs over.
+    """
+    t, w, c = layout, work, cluster
+    seqs = w.global_batch / t.dp
+    passes = 2 if t.ac == "none" else 3
+    stride, size = group_strides(t)["cp"]
+    if w.cp_method == "ulysses":
+        repeats = ulysses_kv_repeats(w.kv_heads // t.tp, t.cp) if w.kv_heads else 1
+        rows = w.act_bytes * seqs * w.seq_len / t.cp * (2 * (w.q_dim or w.dim) + 2 * w.kv_dim * repeats) / t.tp
+        local = members_per_node(stride, size, c.gpus_per_node)
+        notes["cp"] = "NVLink" if local == t.cp else "network"
+        one = all_to_all_seconds(t.cp, local, rows, c.intra_node_bw, c.inter_node_bw)
+        return CP_EXPOSED["ulysses"] * passes * one
+    kv = 2 * w.act_bytes * seqs * w.seq_len * w.kv_dim / t.tp
+    bw, notes["cp"] = group_bandwidth("cp", t, c)
+    return CP_EXPOSED[w.cp_rotate_method] * passes * ring_seconds(t.cp, kv, bw)
+
+
 def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> StepCost:
     """Seconds per optimizer step of `layout`, by term (see the module docstring).
 
@@ -339,10 +389,8 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     if t.tp > 1:  # each collective moves the step's whole (seqs, seq_len / cp, dim) activation
         act = w.act_bytes * seqs * w.seq_len / t.cp * w.dim
         tp = TP_EXPOSED * tp_collectives_per_block(t.ac) * layers * ring_seconds(t.tp, act, bandwidth("tp", "tp"))
-    if t.cp > 1:  # K and V of whole sequences (tp-sharded heads): gathered forward, reduce-scattered backward
-        kv = 2 * w.act_bytes * seqs * w.seq_len * w.kv_dim / t.tp
-        passes = 3 if t.ac == "full" else 2  # full AC gathers again in the recomputed forward
-        cp = CP_EXPOSED[w.cp_rotate_method] * passes * layers * ring_seconds(t.cp, kv, bandwidth("cp", "cp"))
+    if t.cp > 1:
+        cp = cp_seconds(t, w, c, cost.notes) * layers
     if t.pp > 1:  # each micro-batch crosses each of a rank's stage boundaries, forward and backward
         act = w.act_bytes * t.microbatch * w.seq_len / t.cp * w.dim / t.tp  # (mbs, seq / cp / tp, dim) under SP
         sends = 2 * t.stages_per_rank * seqs / t.microbatch

@@ -48,6 +48,11 @@ def untraceable_feature(cfg: JobConfig) -> str | None:
             "compile (compile.enable): the trace runs the eager step, which saves more than the compiled graph "
             "(+29% on the 1B compile, H100); the analytic tier measures the compiled blocks and loss instead"
         )
+    if cfg.fault_tolerance.enable:
+        return (
+            "torchft replica groups (fault_tolerance.enable): a replica group waits for its lighthouse and peers; "
+            "the analytic tier counts the replica all-reduce's flat copy of the gradients"
+        )
     if p.pipeline_parallel_degree > 1:
         return (
             "pipeline parallel (parallelism.pipeline_parallel_degree > 1): torch's pipeline schedules learn each "
@@ -153,6 +158,11 @@ def estimate_traced(cfg: JobConfig, world_size: int, *, device_type: str | None 
     device_type = device_type or target_device(cfg)
     job, notes = check_target_job(cfg, world_size, device_type)
     feature = untraceable_feature(cfg)
+    if feature is None and cfg.optimizer.name == "Muon" and world_size > 1:
+        feature = (
+            "Muon on several ranks (optimizer.name = 'Muon'): each matrix's owner is planned from the pieces "
+            "the ranks report, which a fake process group does not deliver"
+        )
     if feature is not None:
         raise TraceUnsupported(feature)
     if dist.is_initialized():

@@ -27,7 +27,10 @@ Multi-head Latent Attention:
   left out (under 0.3% of the debug model's block).
 - Context parallel "allgather" keeps the gathered keys and values (`c` times `Q` and `V`) and,
   with a fused kernel, the bool mask (`S`); "rotate" needs equal head dims and keeps fp32 q,
-  k, v and output, `4 (2 Q + 2 V)`, and the output cast back, `b V`.
+  k, v and output, `4 (2 Q + 2 V)`, and the output cast back, `b V`. Ulysses exchanges q and k
+  in one buffer and v in another, so with a fused kernel it keeps `b (2 Q + V)` of inputs, the
+  output and `wo`'s input (the output exchanged back), `b (2 Q + 3 V) + 4 hq`; on CPU's math path
+  it keeps what that path keeps without CP.
 
 The first `n_dense_layers` blocks have a SwiGLU of `ffn_hidden_dim`, the others a MoE: where
 a model has both, `ActivationBytes.per_block` gives each block its kind's figures. Under
@@ -74,7 +77,12 @@ def mla_bytes(args: ModelArgs, layout: ActivationLayout) -> tuple[float, float, 
     else:
         widths = [q / t, *widths]  # wq
     fused = layout.device_type == "cuda" or args.qk_head_dim == args.v_head_dim  # else CPU SDPA's math path
-    if cp > 1 and layout.cp_rotate_method == "rotate":  # fp32 q, k, v, output; the output cast back
+    ulysses = cp > 1 and layout.cp_method == "ulysses"
+    if ulysses and fused:  # exchanged q and k (one buffer), v; SDPA's output; wo's input
+        heads, mask = b * (2 * q + 3 * v) + lse, 0
+    elif ulysses:  # CPU's math path on head shards: as without CP
+        heads, mask = 4 * (2 * q + v + hq * s) + b * v, 0
+    elif cp > 1 and layout.cp_rotate_method == "rotate":  # fp32 q, k, v, output; the output cast back
         heads, mask = 4 * (2 * q + 2 * v) + lse + b * v, 0
     elif fused:  # q, k (gathered under CP), v (gathered, or the view of wkv_b's output), output, lse
         values = v * cp if cp > 1 else u

@@ -13,7 +13,10 @@ t = tensor parallel degree (sequence parallel splits what lies between blocks):
 - Attention: rotated q and k, v, the SDPA output (also `wo`'s input) in b bytes,
   the log-sum-exp in fp32: `(b (2q + 2kv) + 4 n_heads) / t`. Context parallel's
   "allgather" keeps the gathered K/V (`cp` times kv) and a boolean mask; "rotate"
-  keeps fp32 q, k, v and output.
+  keeps fp32 q, k, v and output. Ulysses keeps what attention keeps without CP (SDPA's q,
+  k, v, output and lse are head shards of whole sequences: the same bytes per local token;
+  K/V times `ulysses_kv_repeats` where cp does not divide a rank's KV heads), plus the
+  output exchanged back, `b q`, which is no longer a view of SDPA's output.
 - SwiGLU: `w1 x`, `w3 x`, `silu(w1 x)` and their product: `4 b f / t`.
 - The loss: the log-softmax output in fp32 (`4 V'`, V' = vocab / t under loss
   parallel); its backward holds it, its gradient and the input's: `12 V'`.
@@ -24,6 +27,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from titan_models.spec import ActivationBytes, ActivationLayout
+from titan_parallel.layout import ulysses_kv_repeats
 
 
 class BlockShape(Protocol):
@@ -60,7 +64,10 @@ def activation_bytes(args: BlockShape, layout: ActivationLayout) -> ActivationBy
         norm = (8 * d + 4) / t + b * d  # fp32 input and normalized value, rstd; the output as the linears' input
     else:
         norm = (b * d + 4) / t + b * d  # fused kernel: input and rstd
-    if cp > 1 and layout.cp_rotate_method == "rotate":
+    if cp > 1 and layout.cp_method == "ulysses":
+        repeats = ulysses_kv_repeats(args.kv_heads // t, cp)
+        attention = (b * (3 * q + 2 * kv * repeats) + lse) / t  # exchanged q, k, v; SDPA's output; wo's input
+    elif cp > 1 and layout.cp_rotate_method == "rotate":
         attention = (4 * (2 * q + 2 * kv) + lse + b * q) / t  # fp32 q, k, v, output; the output cast back for wo
     elif cp > 1:
         attention = (b * (2 * q + 2 * kv * cp) + lse) / t + layout.seq_len  # gathered K/V; bool mask, one row per token

@@ -1,0 +1,313 @@
+"""torchft replica groups: data parallel across jobs that fail and rejoin on their own.
+
+Each `titan train` job is one replica group, laid out as any run is (FSDP, TP, CP inside
+it), and the groups together are HSDP whose replicate dimension is torchft's. Each step:
+
+    begin_step         torchft's quorum with the live groups, in the background during forward
+    average_gradients  this rank's gradients (local shards) averaged across the groups, one
+                       all-reduce per dtype over torchft's reconfigurable gloo group
+    commit             torchft's commit vote (`should_commit`): the optimizer steps only if it passes
+
+A group that starts late or restarts after a crash recovers the model, the optimizer, the
+LR schedules and the train state live from a peer, over torchft's HTTP transport
+(`Manager.register_state_dict_fn`): no checkpoint is read. The survivors go on without
+restarting; a dropped step (a group died mid-all-reduce) is retried with the next batch.
+
+Why not torchft's `OptimizerWrapper` and `DistributedDataParallel` (or torchtitan's FSDP
+all-reduce hook): the step runner owns zero_grad and the optimizer step for every layout
+(`titan_core.step`), and the commit vote must also gate the LR schedule and float8's
+after-step; one flat all-reduce of the local gradient shards after backward works the
+same under FSDP, DDP and one process. `docs/fault_tolerance.md` has the how-to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+from titan_ckpt.model_state import flatten_optimizer_tensors, get_optimizer_states, get_part_states
+from titan_core.config.errors import MissingPackageError
+
+if TYPE_CHECKING:
+    import torchft
+
+__all__ = ["FaultToleranceOptions", "MISSING_TORCHFT", "ReplicaGroups", "build_replica_groups"]
+
+logger = logging.getLogger("titan")
+
+MISSING_TORCHFT = "fault_tolerance.enable needs torchft: pip install 'titan-core[ft]' (or set it to false)"
+
+
+class _TrainState(Protocol):
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class FaultToleranceOptions:
+    """What the replica groups are built from ([fault_tolerance]).
+
+    Args:
+        replica_id: this group's number, 0 .. group_size - 1.
+        group_size: replica groups in the run.
+        min_replica_size: fewest groups that commit a step.
+        lighthouse: the lighthouse's address; "" reads $TORCHFT_LIGHTHOUSE.
+        timeout_s: cross-group all-reduce, commit vote and recovery timeout.
+        quorum_timeout_s: how long the quorum waits for min_replica_size groups.
+    """
+
+    replica_id: int
+    group_size: int
+    min_replica_size: int
+    lighthouse: str
+    timeout_s: float
+    quorum_timeout_s: float
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (sharing its storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer param group's hyperparameters (lr, betas, ...): all but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class ReplicaGroups:
+    """This job's seat among the torchft replica groups: quorum, gradient average, commit, live recovery.
+
+    Args:
+        options: the [fault_tolerance] settings.
+        rank: this process's rank inside its group.
+        world_size: the group's process count.
+    """
+
+    def __init__(self, options: FaultToleranceOptions, *, rank: int, world_size: int):
+        try:
+            import torchft
+        except ImportError as error:
+            raise MissingPackageError(MISSING_TORCHFT) from error
+        self.options, self.rank = options, rank
+        timeout = timedelta(seconds=options.timeout_s)
+        # The group's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT) hands rank 0's manager address to the
+        # others and hosts the cross-group gloo rendezvous, which torchft rebuilds at each new quorum. One
+        # process started without torchrun has no TCPStore: it opens its own.
+        store_addr, store_port = None, None
+        if "MASTER_PORT" not in os.environ:
+            self._store = torch.distributed.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = socket.gethostname(), self._store.port
+        self.manager: torchft.Manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=options.min_replica_size,
+            use_async_quorum=True,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=options.lighthouse or None,
+            replica_id=f"titan_{options.replica_id}",
+        )
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # its per-step INFO lines (commit votes)
+        if rank == 0:
+            logger.info(
+                "fault tolerance: replica group %d of %d joins the lighthouse %s (at least %d groups per step)",
+                options.replica_id,
+                options.group_size,
+                options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", ""),
+                options.min_replica_size,
+            )
+        self._groups_seen = 0  # groups in the last committed step, for the log line when it changes
+        self.recovered_step: int | None = None  # set when a peer's state was loaded, until it is logged
+        self.dropped_steps = 0
+
+    def data_slice(self, dp_rank: int, dp_world: int) -> tuple[int, int]:
+        """This rank's data-parallel rank and world across all the groups: each group reads its own slice.
+
+        Args:
+            dp_rank: the rank inside the group's data-parallel mesh.
+            dp_world: the group's data-parallel degree.
+        """
+        return self.options.replica_id * dp_world + dp_rank, self.options.group_size * dp_world
+
+    def register(
+        self,
+        model_parts: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        lr_schedulers: Sequence[Any],
+        train_state: _TrainState,
+    ) -> None:
+        """Give torchft the state a recovering group loads from a live peer (model, optimizer, LR, step).
+
+        The optimizer state is created now (a zero-lr step, its step counts set back to 0), so that a
+        fresh group has the tensors to receive into and a peer can send before its first step.
+
+        Args:
+            model_parts: the model (one part: pipeline parallel is refused with fault tolerance).
+            optimizers: one per part.
+            lr_schedulers: one per optimizer.
+            train_state: the run's progress (`state_dict` / `load_state_dict`).
+        """
+        parts, optims, schedulers = list(model_parts), list(optimizers), list(lr_schedulers)
+        get_optimizer_states(parts, optims)  # creates an empty optimizer state (torch's zero-lr step)
+        with torch.no_grad():
+            for optim in optims:
+                for per_param in optim.state.values():
+                    step = per_param.get("step")
+                    if isinstance(step, torch.Tensor):
+                        step.zero_()
+                    elif step is not None:
+                        per_param["step"] = 0
+        self._parts, self._optims = parts, optims
+        self._find_tensors()
+
+        def state_dict() -> dict[str, Any]:  # torchft's quorum thread, while the main thread runs forward
+            return {
+                "model": self._tensors["model"],
+                "optimizer": self._tensors["optimizer"],
+                "optimizer_settings": [[_settings(g) for g in optim.param_groups] for optim in optims],
+                "lr_schedulers": [s.state_dict() for s in schedulers],
+                "train_state": train_state.state_dict(),
+            }
+
+        def load_state_dict(state: dict[str, Any]) -> None:  # the main thread, in `commit`
+            with torch.no_grad():
+                for key, tensor in self._tensors["model"].items():
+                    tensor.copy_(state["model"][key])
+                for key, tensor in self._tensors["optimizer"].items():
+                    tensor.copy_(state["optimizer"][key])
+            for optim, settings in zip(optims, state["optimizer_settings"], strict=True):
+                for group, sent in zip(optim.param_groups, settings, strict=True):
+                    group.update(sent)
+            for scheduler, scheduler_state in zip(schedulers, state["lr_schedulers"], strict=True):
+                scheduler.load_state_dict(scheduler_state)
+            train_state.load_state_dict(state["train_state"])
+            self.recovered_step = int(state["train_state"]["step"])
+
+        self.manager.register_state_dict_fn("titan", load_state_dict, state_dict)
+
+    def _find_tensors(self) -> None:
+        """The model's and optimizer's tensors (local shards) by checkpoint key, found on the main thread.
+
+        torchft sends them from its own thread during forward, when FSDP has swapped the module's
+        parameters for unsharded ones: names are looked up here, between steps, and the tensors
+        (updated in place by the optimizer) are sent from then on. A checkpoint load replaces the
+        optimizer's tensors: `resume_at` looks them up again.
+        """
+        optim_states = get_optimizer_states(self._parts, self._optims)
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {
+            "model": {
+                f"{i}.{k}": _local(v) for i, state in enumerate(get_part_states(self._parts)) for k, v in state.items()
+            },
+            "optimizer": {k: _local(v) for k, v in flatten_optimizer_tensors(optim_states).items()},
+        }
+
+    def resume_at(self, step: int) -> None:
+        """After the checkpoint load (whether one was loaded): torchft's step follows the run's, so a group
+        that resumed behind its peers heals from them; the tensors to send are looked up again.
+
+        Args:
+            step: the run's step after the load (0 when starting fresh).
+        """
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        self._find_tensors()
+
+    def begin_step(self) -> None:
+        """Start this step's quorum (in torchft's background thread; recovery, if due, starts there too)."""
+        self.manager.start_quorum()
+
+    @torch.no_grad()
+    def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Average this rank's gradients (its local shards) across the live groups, in place.
+
+        One all-reduce per dtype and device. A group that is recovering sends zeros and receives the
+        others' average; after an error the gradients may be garbage, and `commit` then votes no.
+
+        Args:
+            params: the model's parameters; those without a gradient are skipped (the same on every group).
+        """
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                grad = _local(p.grad)
+                buckets.setdefault((grad.dtype, grad.device), []).append(grad)
+        pending = []
+        for grads in buckets.values():
+            flat = _flatten_dense_tensors(grads)
+            pending.append((grads, flat, self.manager.allreduce(flat)))
+        for grads, flat, work in pending:
+            work.wait()
+            for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(averaged)
+
+    def commit(self) -> bool:
+        """torchft's commit vote for this step (a peer's recovered state is applied first); True: step the optimizer.
+
+        torchft's step counter follows the run's (`resume_at`, recovery), so it numbers the log lines.
+        """
+        committed = self.manager.should_commit()
+        groups = self.manager.num_participants()
+        step = self.manager.current_step() + (0 if committed else 1)  # should_commit counted a committed step
+        if self.rank == 0:
+            if self.recovered_step is not None:
+                logger.info(
+                    "fault tolerance: recovered step %d live from a peer replica group (model, optimizer, "
+                    "LR schedule, step): no checkpoint read",
+                    self.recovered_step,
+                )
+            if not committed:
+                logger.warning("fault tolerance: step %d dropped by the commit vote; it runs again", step)
+            elif groups != self._groups_seen:
+                logger.info(
+                    "fault tolerance: step %d trains on %d of %d replica groups", step, groups, self.options.group_size
+                )
+        self.recovered_step = None
+        if committed:
+            self._groups_seen = groups
+        else:
+            self.dropped_steps += 1
+        return committed
+
+    def metrics(self) -> dict[str, int]:
+        """`ft/replica_groups` (in the last quorum) and `ft/dropped_steps` (so far), host ints."""
+        return {"ft/replica_groups": self.manager.num_participants(), "ft/dropped_steps": self.dropped_steps}
+
+    def close(self) -> None:
+        """Leave the quorum: stop torchft's manager server and checkpoint server."""
+        self.manager.shutdown(wait=False)
+
+
+def build_replica_groups(section: Any, *, rank: int, world_size: int) -> ReplicaGroups | None:
+    """This job's `ReplicaGroups` from the [fault_tolerance] section; None when it is off.
+
+    Args:
+        section: the config's `fault_tolerance` section.
+        rank: this process's rank inside its group.
+        world_size: the group's process count.
+    """
+    if not section.enable:
+        return None
+    options = FaultToleranceOptions(
+        replica_id=section.replica_id,
+        group_size=section.group_size,
+        min_replica_size=section.min_replica_size,
+        lighthouse=section.lighthouse,
+        timeout_s=section.timeout_seconds,
+        quorum_timeout_s=section.quorum_timeout_seconds,
+    )
+    return ReplicaGroups(options, rank=rank, world_size=world_size)

@@ -1,0 +1,76 @@
+"""A real run on a 70/30 mixture of two pre-tokenized corpora, in shuffled order, resumed on another
+world size: the losses of every step and the per-source token counts equal the uninterrupted
+one-process run's (fp32, same seed; ranks differ from one process only by float summation order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+from titan_run import TINY, read_metrics, run_titan
+
+from titan_core.data import ByteTokenizer, StdlibSource, write_token_shards
+from titan_core.data.corpus import collect_builtin_docs
+
+STEPS = 6
+GLOBAL_BATCH = 4
+
+
+class ListSource:
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __iter__(self):
+        return iter(self.docs)
+
+    def skip(self, n_docs):
+        return iter(self.docs[n_docs:])
+
+
+def two_corpora(folder: Path) -> str:
+    """Two token-shard folders (12 stdlib files: "code"; 60 builtin docstrings: "docs"); the 70/30 mix as JSON."""
+    write_token_shards(ListSource(list(itertools.islice(StdlibSource(), 12))), ByteTokenizer(), folder / "code")
+    write_token_shards(ListSource(collect_builtin_docs()[:60]), ByteTokenizer(), folder / "docs")
+    return json.dumps([{"path": str(folder / "code"), "weight": 0.7}, {"path": str(folder / "docs"), "weight": 0.3}])
+
+
+def by_step(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run)}
+
+
+def test_a_70_30_shuffled_mix_resumes_from_2_ranks_on_1_with_the_same_batches(tmp_path):
+    mix = two_corpora(tmp_path / "data")
+    run = [
+        *TINY,
+        "--training.steps",
+        str(STEPS),
+        "--training.dataset_mix",
+        mix,
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
+    reference, two, resumed = tmp_path / "reference", tmp_path / "two", tmp_path / "resumed"
+    run_titan(reference, *run, "--training.local_batch_size", str(GLOBAL_BATCH))
+    run_titan(two, *run, "--training.local_batch_size", str(GLOBAL_BATCH // 2), nproc=2)
+    shutil.copytree(two / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")  # 2 ranks' state at step 3
+    proc = run_titan(resumed, *run, "--training.local_batch_size", str(GLOBAL_BATCH))
+    assert "mix of code 70% + docs 30% (token shards shuffled)" in proc.stdout + proc.stderr
+    ref, two_ranks, after = by_step(reference), by_step(two), by_step(resumed)
+    assert sorted(after) == [4, 5, 6]
+    for step in range(1, STEPS + 1):
+        for other in (two_ranks, after):
+            if step in other:
+                assert abs(other[step]["loss/global_avg"] - ref[step]["loss/global_avg"]) < 1e-5, (step, other[step])
+                data = {k: v for k, v in other[step].items() if k.startswith("data/")}
+                assert data == {k: v for k, v in ref[step].items() if k.startswith("data/")}
+    # 70/30 exactly every 10 samples: after 5 steps of 4, code gave 14 samples and docs 6 (32 tokens each).
+    assert (ref[5]["data/code/tokens"], ref[5]["data/docs/tokens"]) == (14 * 32, 6 * 32)
+    saved = json.loads((resumed / "checkpoint" / "step-6" / "dataloader.json").read_text())
+    assert saved == json.loads((reference / "checkpoint" / "step-6" / "dataloader.json").read_text())
+    assert saved["samples_consumed"] == STEPS * GLOBAL_BATCH and saved["shuffle_seed"] == 0

@@ -1,0 +1,135 @@
+"""torchft replica groups on gloo, with real processes (docs/fault_tolerance.md, "Replica groups").
+
+Two replica groups of one process each train through `titan lighthouse`. Group 1 is SIGKILLed
+mid-run; group 0 goes on stepping alone without a restart. Group 1 starts again in a fresh
+folder (no checkpoint to read), recovers live from group 0, and from then on both groups
+hold the same weights and optimizer state, bit for bit (their checkpoints at a common step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_loss_spike import dcp_tensors
+from titan_run import REPO, TINY, titan_env
+
+pytest.importorskip("torchft")
+
+INTERVAL = 5  # checkpoint every 5 steps in each group: the groups' step-N are compared
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """A process in its own session (so that a SIGKILL takes its whole group), output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=titan_env(debug_detail=False), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_for(condition, what: str, timeout: float = 90, poll: float = 0.02):
+    """Poll `condition()` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(poll)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+class Group:
+    """One replica group: `titan train` on one process, and its metrics.jsonl records with arrival times."""
+
+    def __init__(self, tmp: Path, name: str, replica_id: int, lighthouse: str):
+        self.folder, self.log = tmp / name, tmp / f"{name}.log"
+        self.proc = start([sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(self.folder), *TINY,
+                           "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
+                           "--checkpoint.keep_latest_k", "0", "--fault_tolerance.enable", "true",
+                           "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica_id),
+                           "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_seconds", "5",
+                           "--fault_tolerance.quorum_timeout_seconds", "30"], self.log)
+        self.records: list[tuple[float, dict]] = []  # (time.monotonic() when seen, record)
+
+    def poll(self) -> list[tuple[float, dict]]:
+        """Read the records written since the last call (each timed when first seen)."""
+        path = self.folder / "metrics.jsonl"
+        if path.is_file():
+            lines = path.read_text().splitlines()
+            now = time.monotonic()
+            self.records += [(now, json.loads(line)) for line in lines[len(self.records):] if line.endswith("}")]
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.folder.name} ended ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+        return self.records
+
+    def first(self, groups: int, after: float = 0.0) -> tuple[float, dict] | None:
+        """The first record seen after `after` of a step trained by `groups` replica groups."""
+        return next(((t, r) for t, r in self.poll() if t > after and r["ft/replica_groups"] == groups), None)
+
+    def saved(self) -> set[int]:
+        names = [p.name for p in (self.folder / "checkpoint").glob("step-*") if p.is_dir()]
+        return {int(n.removeprefix("step-")) for n in names if re.fullmatch(r"step-\d+", n)}
+
+
+def test_a_killed_replica_group_rejoins_live_and_matches_the_survivor(tmp_path):
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "1",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    groups: list[Group] = []
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        address = found.group(1)
+        survivor, victim = Group(tmp_path, "g0", 0, address), Group(tmp_path, "g1", 1, address)
+        groups += [survivor, victim]
+        wait_for(lambda: len([r for _, r in survivor.poll() if r["ft/replica_groups"] == 2]) >= 4, "4 steps of 2 groups")
+        victim.poll()
+
+        killed = time.monotonic()
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        fewer, _ = wait_for(lambda: survivor.first(1, after=killed), "a step with 1 group")
+
+        rejoiner = Group(tmp_path, "g1-restarted", 1, address)  # a fresh folder: there is no checkpoint to read
+        groups.append(rejoiner)
+        relaunched = time.monotonic()
+        joined = wait_for(lambda: "joins the lighthouse" in rejoiner.log.read_text() and time.monotonic(),
+                          "the restarted group at the lighthouse")
+        all_back, back_record = wait_for(lambda: survivor.first(2, after=fewer), "a step with 2 groups again")
+        rejoiner_first = wait_for(lambda: rejoiner.poll() and rejoiner.records[0][1]["step"], "the restarted group's step")
+
+        # Both groups save every INTERVAL steps: wait for one both saved after a step they trained together.
+        common = wait_for(lambda: sorted(s for s in survivor.saved() & rejoiner.saved() if s >= back_record["step"]),
+                          "a checkpoint step both groups saved")
+        step = common[0]
+        for group in (survivor, rejoiner):
+            group.proc.send_signal(signal.SIGTERM)  # each saves its current step and exits 0
+        for group in (survivor, rejoiner):
+            assert group.proc.wait(timeout=60) == 0, group.log.read_text()[-3000:]
+        group_logs = rejoiner.log.read_text()
+
+        steps = [json.loads(line)["step"] for line in (survivor.folder / "metrics.jsonl").read_text().splitlines()]
+        # The survivor never restarted or went back (it may itself have started by catching up with group 1).
+        assert steps == list(range(steps[0], steps[0] + len(steps))), steps
+        assert rejoiner_first > 1 and "no checkpoint read" in group_logs and "recovered step" in group_logs
+        assert "resumed from" not in group_logs
+        saved_dir = f"checkpoint/step-{step}"
+        ours, theirs = dcp_tensors(survivor.folder / saved_dir), dcp_tensors(rejoiner.folder / saved_dir)
+        assert ours.keys() == theirs.keys() and any(k.startswith("optimizer.") for k in ours)
+        different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+        assert not different, different
+
+        kill_to_fewer, relaunch_to_all, join_to_all = fewer - killed, all_back - relaunched, all_back - joined
+        print(f"\nkill -> first step on 1 group: {kill_to_fewer:.2f} s; restart -> first step on 2 groups: "
+              f"{relaunch_to_all:.2f} s (of which after the restarted group reached the lighthouse: {join_to_all:.2f} s); "
+              f"rejoined at step {back_record['step']}, compared at step {step}")
+    finally:
+        for proc in [g.proc for g in groups] + [lighthouse]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

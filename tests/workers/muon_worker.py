@@ -1,0 +1,95 @@
+"""Several `titan train` runs (the real `Trainer`) one after another in one launch, and a check of the
+matrix exchange on its own, for tests/test_muon_parity.py.
+
+    python tests/workers/muon_worker.py JOBS.json                     # one process
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/muon_worker.py JOBS.json
+
+JOBS.json is a list of
+- `{"folder": run folder, "args": [titan train args ...], "resume": [folder, step] | null}`: a run trains into
+  its folder (metrics.jsonl, checkpoints); with `resume`, rank 0 first copies that folder's
+  `checkpoint/step-<step>` into the run's, so that the run resumes from it (same or another layout);
+- `{"owners": out.json}`: `MatrixOwners` on DTensors of several placements over every rank (and over a 2 x 2
+  mesh on 4 ranks), against Newton-Schulz of each whole matrix; rank 0 writes `{case: [equal, owners]}`.
+One launch pays torchrun's and the imports' start-up once for all its jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from titan_core.config import load_config
+from titan_core.muon import Muon, newton_schulz
+from titan_core.trainer import Trainer
+from titan_parallel.distributed import init_distributed
+from titan_parallel.matrix_owners import MatrixOwners
+
+
+def train(run: dict) -> None:
+    folder = Path(run["folder"])
+    if run["resume"] and dist.get_rank() == 0:
+        source, step = run["resume"]
+        shutil.copytree(Path(source) / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    dist.barrier()
+    Trainer(load_config(None, [*run["args"], "--job.dump_folder", str(folder)])).train()
+
+
+def check_owners(out: Path) -> None:
+    """Each case: (global shape, placements); 3-D shapes are stacks of matrices (dim 0)."""
+    world = dist.get_world_size()
+    cases = {
+        "rows, uneven": ((7, 5), [Shard(0)]),
+        "columns": ((6, 9), [Shard(1)]),
+        "experts split by rows": ((4, 6, 5), [Shard(1)]),
+        "experts whole on each rank": ((4, 6, 5), [Shard(0)]),
+        "replicated": ((6, 5), [Replicate()]),
+    }
+    every_rank = init_device_mesh("cpu", (world,))
+    meshes = dict.fromkeys(cases, every_rank)
+    if world == 4:
+        square = init_device_mesh("cpu", (2, 2))
+        cases |= {
+            "rows x columns": ((8, 6), [Shard(0), Shard(1)]),
+            "rows x rows": ((8, 6), [Shard(0), Shard(0)]),
+            "replicas x rows (HSDP)": ((8, 6), [Replicate(), Shard(0)]),
+            "experts by rank x rows (EP x FSDP)": ((4, 6, 5), [Shard(1), Shard(0)]),
+        }
+        meshes |= {name: square for name in list(cases)[-4:]}
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(shape, generator=generator) for shape, _ in cases.values()]
+    params = [distribute_tensor(f, meshes[n], p) for f, (n, (_, p)) in zip(fulls, cases.items(), strict=True)]
+    owners = MatrixOwners(params, list(cases))
+    got = owners.apply([p.to_local() for p in params], lambda i, m: newton_schulz(m, Muon.MUON_DEFAULTS))
+    result = {}
+    for i, (name, (shape, placements)) in enumerate(cases.items()):
+        whole = fulls[i] if len(shape) == 3 else fulls[i][None]
+        expected = torch.stack([newton_schulz(m, Muon.MUON_DEFAULTS) for m in whole]).reshape(shape)
+        mine = distribute_tensor(expected, meshes[name], placements).to_local()
+        equal = torch.tensor(float(torch.equal(got[i], mine)))
+        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+        owned = [m.owner for g in owners.groups for m in g.matrices if m.param == i]
+        result[name] = [bool(equal.item()), owned]
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(result))
+
+
+def main(jobs_file: str) -> None:
+    init_distributed(torch.device("cpu"))
+    for job in json.loads(Path(jobs_file).read_text()):
+        if "owners" in job:
+            check_owners(Path(job["owners"]))
+        else:
+            train(job)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
