@@ -76,7 +76,7 @@ def run(args: list[str], folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="learning rates swept for each optimizer")
+    parser.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2", help="learning rates swept for each optimizer")
     parser.add_argument("--seed", type=int, default=1, help="seed of the sweep")
     parser.add_argument("--more-seeds", default="2,3", help="seeds the best learning rate of each runs again")
     parser.add_argument("--seq-len", type=int, default=256)
