@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from titan_run import ListSource
 
 from titan_core.config import ConfigError, load_config
 from titan_core.config.schema import DatasetSource
@@ -25,19 +26,6 @@ from titan_core.data.token_windows import TokenWindows
 from titan_core.job import resolve
 
 BYTES = ByteTokenizer()
-
-
-class ListSource:
-    """Documents from a list, re-iterable (a `DocumentSource`)."""
-
-    def __init__(self, docs):
-        self.docs = docs
-
-    def __iter__(self):
-        return iter(self.docs)
-
-    def skip(self, n_docs):
-        return iter(self.docs[n_docs:])
 
 
 def folder(tmp_path: Path, name: str, letter: str, n_docs: int) -> Path:

@@ -10,24 +10,13 @@ import json
 import shutil
 from pathlib import Path
 
-from titan_run import TINY, read_metrics, run_titan
+from titan_run import TINY, ListSource, read_metrics, run_titan
 
 from titan_core.data import ByteTokenizer, StdlibSource, write_token_shards
 from titan_core.data.corpus import collect_builtin_docs
 
 STEPS = 6
 GLOBAL_BATCH = 4
-
-
-class ListSource:
-    def __init__(self, docs):
-        self.docs = docs
-
-    def __iter__(self):
-        return iter(self.docs)
-
-    def skip(self, n_docs):
-        return iter(self.docs[n_docs:])
 
 
 def two_corpora(folder: Path) -> str:

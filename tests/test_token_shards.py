@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from titan_run import REPO, TINY, losses, run_titan, titan_env
+from titan_run import REPO, TINY, ListSource, losses, run_titan, titan_env
 from typer.testing import CliRunner
 
 from titan_cli.main import app
@@ -41,19 +41,6 @@ BOS, EOS = 256, 257
 
 # Documents of assorted lengths (shorter than a sample, empty, longer than a shard), incl. non-ASCII.
 DOCS = ["a", "hello world", "ünïcödé ✓", "", "x" * 37, "the quick brown fox jumps over the lazy dog", "z" * 5]
-
-
-class ListSource:
-    """Documents from a list, re-iterable (a `DocumentSource`)."""
-
-    def __init__(self, docs):
-        self.docs = docs
-
-    def __iter__(self):
-        return iter(self.docs)
-
-    def skip(self, n_docs):
-        return iter(self.docs[n_docs:])
 
 
 class BigVocabTokenizer:

@@ -59,3 +59,16 @@ def losses(dump_folder: Path) -> list[float]:
 
 def validation_losses(dump_folder: Path) -> list[float]:
     return [r["validation/loss"] for r in read_metrics(dump_folder) if "validation/loss" in r]
+
+
+class ListSource:
+    """Documents from a list, re-iterable (a `DocumentSource`)."""
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __iter__(self):
+        return iter(self.docs)
+
+    def skip(self, n_docs):
+        return iter(self.docs[n_docs:])
