@@ -30,7 +30,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from titan_core.generation import GREEDY, generate, parameter_bytes, peak_memory_bandwidth, resolve_dtype
-from titan_core.generation.load import build_empty, resolve_device
+from titan_core.generation.load import build_empty, resolve_device, resolve_tuning
 from titan_models import get_model_spec
 
 PROMPT_LEN = 8
@@ -84,7 +84,8 @@ def run_decode_bench(
     backend: str | None = None,
     seed: int = 0,
     dynamic: bool = False,
-    tune: bool = False,
+    tune: bool | None = None,
+    compare_unfused: bool = False,
 ) -> dict:
     """Greedy decode of `tokens` tokens at batch 1: eager, then (if `compile`) compiled.
 
@@ -98,6 +99,9 @@ def run_decode_bench(
         dynamic: also time the dynamic cache loop (`static_cache=False`), the eager reference.
         tune: compile with Inductor's coordinate-descent tuning too (`generate(compile_tuning=True)`):
             on an H100 the 1B decodes ~25% faster, but the first compile takes ~60 s instead of ~20 s.
+            None: `titan generate`'s default (`resolve_tuning`: on for CUDA).
+        compare_unfused: also run the compiled step with the model's separate q/k/v and w1/w3 linears
+            (`generate(fuse_linears=False)`), run "compiled, separate linears".
 
     Returns:
         A JSON-ready dict: the setup, `runs` ({"eager": ..., "compiled": ..., "dynamic": ...}: tokens/s,
@@ -113,6 +117,7 @@ def run_decode_bench(
     model = build_empty(spec, args, target, dtype).eval().requires_grad_(False)
     prompt = torch.randint(0, args.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
     backend = backend or ("inductor" if target.type == "cuda" else "aot_eager")
+    tune, _ = resolve_tuning(tune, target, compile)
     counters["inductor"]["cudagraph_skips"] = 0
     runs = {"eager": _run(model, spec.plan, prompt, tokens)}
     compile_error = None
@@ -120,6 +125,8 @@ def run_decode_bench(
         try:
             compiled = dict(compile=True, compile_backend=backend, compile_tuning=tune)
             runs["compiled"] = _run(model, spec.plan, prompt, tokens, **compiled)
+            if compare_unfused:
+                runs["compiled, separate linears"] = _run(model, spec.plan, prompt, tokens, **compiled, fuse_linears=False)
         except Exception as err:  # a suite row records why compiling failed and goes on
             lines = str(err).strip().splitlines()
             compile_error = f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
@@ -143,6 +150,10 @@ def run_decode_bench(
         "compile_error": compile_error,
         "tokens_match": mismatch is None and compile_error is None,
         "first_mismatch": mismatch,
+        "separate_linears_first_mismatch": (
+            first_mismatch(runs["compiled"]["tokens"], runs["compiled, separate linears"]["tokens"])
+            if "compiled, separate linears" in runs else None
+        ),
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }
 
@@ -150,7 +161,7 @@ def run_decode_bench(
 def _line(label: str, run: dict) -> str:
     share = f", {100 * run['bandwidth_share']:.1f}% of peak bandwidth" if run["bandwidth_share"] is not None else ""
     return (
-        f"{label:>8}: {run['decode_tokens_per_s']:9.1f} tokens/s over {run['decode_steps']} steps, "
+        f"{label:>27}: {run['decode_tokens_per_s']:9.1f} tokens/s over {run['decode_steps']} steps, "
         f"{run['bytes_per_step'] / 1e9:.3f} GB/step, {run['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{share}; "
         f"prefill {run['prefill_s']:.3f} s, warm-up {run['warmup_steps']} steps {run['warmup_s']:.2f} s"
     )
@@ -164,7 +175,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="run the eager step only")
     parser.add_argument("--backend", help="compiled run's backend (default: inductor on CUDA, aot_eager on CPU)")
     parser.add_argument("--dynamic", action="store_true", help="also time the dynamic cache loop (eager reference)")
-    parser.add_argument("--tune", action="store_true", help="coordinate-descent tuning (CUDA: faster, slower compile)")
+    parser.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
+                        help="coordinate-descent tuning (CUDA: faster, slower compile); default: on for CUDA")
+    parser.add_argument("--compare-unfused", action="store_true",
+                        help="also run the compiled step with the separate q/k/v and w1/w3 linears")
     parser.add_argument("--smoke", action="store_true", help="CPU check in seconds: debugmodel, 32 tokens, cpu")
     parser.add_argument("--out", type=Path, help="write the figures as JSON to this file")
     opts = parser.parse_args()
@@ -176,7 +190,8 @@ def main() -> None:
     if opts.tokens < 8:
         parser.error(f"--tokens {opts.tokens} leaves too few decode steps to time after the warm-up; pass 8 or more")
     figures = run_decode_bench(
-        opts.flavor, opts.tokens, opts.device, not opts.no_compile, opts.backend, dynamic=opts.dynamic, tune=opts.tune
+        opts.flavor, opts.tokens, opts.device, not opts.no_compile, opts.backend, dynamic=opts.dynamic, tune=opts.tune,
+        compare_unfused=opts.compare_unfused,
     )
     print(
         f"llama3 {figures['flavor']}, {figures['device_name']} ({figures['device']}), {figures['dtype']}, "

@@ -30,6 +30,7 @@ Writes DIR/results.json (after every row, so a run cut short keeps what it measu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -58,6 +59,35 @@ AC_FULL = ("--activation_checkpoint.mode", "full")
 PLAIN_LOSS = ("--training.fused_loss", "false")
 FLASH = ("--training.attention_backend", "flash")
 FOREACH = ("--optimizer.implementation", "foreach")
+FLOAT8_OUTPUT = ("--float8.filter_fqns", "[]", *PLAIN_LOSS)  # the output projection in float8 too (a module call)
+
+
+def _complex_rope(x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Llama 3's RoPE as it was before round 3: one complex product, also under compile (where Inductor has no
+    complex kernels and calls eager ones)."""
+    bs, seqlen, _, head_dim = x.shape
+    rope = rope_cache[:seqlen] if positions is None else rope_cache[positions]
+    cos, sin = (half.float() for half in rope.view(-1, seqlen, 1, head_dim).chunk(2, dim=-1))
+    pairs = torch.view_as_complex(x.float().reshape(bs, seqlen, -1, head_dim // 2, 2))
+    return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(3).type_as(x)
+
+
+@contextlib.contextmanager
+def before(name: str, trainer: Trainer | None = None):
+    """Within the context, the paths in `name` (comma-separated) that this round replaced: "complex_rope" (RoPE
+    as a complex product under compile too), "clip_in_place" (`clip_grad_norm_` scaling every gradient, not the
+    fused AdamW kernel)."""
+    import titan_models.llama3.model as llama3
+
+    rope, names = llama3.apply_rotary_emb, name.split(",")
+    if "complex_rope" in names:
+        llama3.apply_rotary_emb = _complex_rope
+    if "clip_in_place" in names and trainer is not None:
+        trainer.runner.clip_in_optimizer = False
+    try:
+        yield
+    finally:
+        llama3.apply_rotary_emb = rope
 TARGET_MFU_1B, TARGET_MFU_8B, TARGET_FLOAT8, TARGET_VS_HAND, TARGET_VS_HF, TARGET_DECODE = 50.0, 55.0, 1.25, 0.98, 1.1, 0.5
 RUN_FOLDER = Path(tempfile.gettempdir()) / "titan-gpu-suite"  # Titan's job.dump_folder (nothing is saved)
 
@@ -71,6 +101,7 @@ class Row:
     seq_len: int
     batch: int
     overrides: tuple[str, ...] = ()
+    before: str = ""  # a path this round replaced (`BEFORE`), run again to measure what the change gave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +110,7 @@ class Suite:
 
     rows: list[Row]  # Titan's step (`measure_row`)
     pair: Row  # Titan vs the hand-written loop
-    layers: tuple[Row, Row]  # bf16 and float8 on the 8B-shaped model
+    layers: tuple[Row, ...]  # bf16, then float8 variants, on the 8B-shaped model (the first two: the target)
     hf: Row  # transformers' LlamaForCausalLM, compiled
     decode: Row  # `titan generate`'s decode path (batch 1)
 
@@ -105,6 +136,7 @@ def suite(smoke: bool) -> Suite:
                 Row("defaults (eager)", flavor, seq, batch),
                 Row("defaults + compile", flavor, seq, batch, COMPILE),
                 Row("eager, plain loss", flavor, seq, batch, PLAIN_LOSS),
+                Row("eager, before: clip in place, complex RoPE", flavor, seq, batch, before="clip_in_place,complex_rope"),
                 Row("eager, foreach AdamW", flavor, seq, batch, FOREACH),
                 Row("eager + AC selective op", flavor, seq, batch, AC_OP),
                 Row("eager + AC full", flavor, seq, batch, AC_FULL),
@@ -120,6 +152,8 @@ def suite(smoke: bool) -> Suite:
         rows=[
             Row("1B s2048 defaults (eager)", *one_b),
             Row("1B s2048 defaults + compile", *one_b, COMPILE),
+            Row("1B s2048 compile, before: complex RoPE", *one_b, COMPILE, before="complex_rope"),
+            Row("1B s2048 compile, before: clip in place", *one_b, COMPILE, before="clip_in_place"),
             Row("1B s2048 compile, plain loss", *one_b, COMPILE + PLAIN_LOSS),
             Row("1B s2048 compile, flash attention", *one_b, COMPILE + FLASH),
             Row("1B s2048 compile, foreach AdamW", *one_b, COMPILE + FOREACH),
@@ -128,7 +162,9 @@ def suite(smoke: bool) -> Suite:
         ],
         pair=Row("1B s2048 titan vs hand-written (eager)", "1B", 2048, 2),
         layers=(Row("8B x8 s8192 compile + AC op", "8B-x8", 8192, 1, COMPILE + AC_OP),
-                Row("8B x8 s8192 compile + AC op + float8", "8B-x8", 8192, 1, COMPILE + AC_OP + FLOAT8)),
+                Row("8B x8 s8192 compile + AC op + float8", "8B-x8", 8192, 1, COMPILE + AC_OP + FLOAT8),
+                Row("8B x8 s8192 compile + AC op + float8 incl. output (plain loss)", "8B-x8", 8192, 1,
+                    COMPILE + AC_OP + FLOAT8 + FLOAT8_OUTPUT)),
         hf=Row("1B s2048 transformers LlamaForCausalLM compile", *one_b, COMPILE),
         decode=Row("1B decode batch 1, 256 tokens (compiled, CUDA graphs)", "1B", 256, 1),
     )
@@ -202,11 +238,12 @@ def measure_row(row: Row, args, device: torch.device, dtype: str, peak: float | 
     def step(inputs, labels):
         trainer.train_step([(inputs, labels)])
 
-    for i in range(args.warmup):  # compile happens here
-        timed_step(step, batches[i % len(batches)], device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = [timed_step(step, batches[i % len(batches)], device) for i in range(args.steps)]
+    with before(row.before, trainer):
+        for i in range(args.warmup):  # compile happens here
+            timed_step(step, batches[i % len(batches)], device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = [timed_step(step, batches[i % len(batches)], device) for i in range(args.steps)]
     result = {"status": "ok", "params_m": round(trainer.n_params / 1e6, 1), "median_step_s": round(statistics.median(times), 4)}
     result.update(throughput(row, statistics.median(times), trainer, peak))
     if device.type == "cuda":
@@ -311,12 +348,16 @@ def measure_decode(row: Row, args, device: torch.device, dtype: str, peak: float
     """`benchmarks/decode_bench.py`: greedy decode at batch 1, eager then compiled (CUDA graphs on a GPU)."""
     from decode_bench import run_decode_bench
 
-    report = run_decode_bench(row.flavor, row.seq_len, str(device), compile=True)
+    report = run_decode_bench(row.flavor, row.seq_len, str(device), compile=True, compare_unfused=not args.smoke)
     runs = report["runs"]
     best = runs.get("compiled") or runs["eager"]
+    unfused = runs.get("compiled, separate linears")
     return {
         "status": "ok",
+        "tuned": report["tuned"],
         "decode_tokens_per_s": round(best["decode_tokens_per_s"], 1),
+        "separate_linears_tokens_per_s": None if unfused is None else round(unfused["decode_tokens_per_s"], 1),
+        "separate_linears_first_mismatch": report["separate_linears_first_mismatch"],
         "eager_tokens_per_s": round(runs["eager"]["decode_tokens_per_s"], 1),
         "bandwidth_share": None if best["bandwidth_share"] is None else round(best["bandwidth_share"], 3),
         "greedy_tokens_match_eager": report["tokens_match"],
@@ -410,12 +451,17 @@ def verdicts(results: dict) -> list[str]:
 
     default = names["default_compile"]
     _target(lines, "1B defaults + compile MFU", get(default, "mfu_pct"), TARGET_MFU_1B, "%", why(default))
-    bf16, fp8 = names["layers"]
+    bf16, fp8 = names["layers"][:2]
     _target(lines, "8B x8 s8192 bf16 MFU", get(bf16, "mfu_pct"), TARGET_MFU_8B, "%", why(bf16))
     speedup = None
     if get(bf16, "tokens_per_s") and get(fp8, "tokens_per_s"):
         speedup = results["float8_speedup"] = round(get(fp8, "tokens_per_s") / get(bf16, "tokens_per_s"), 3)
     _target(lines, "float8 / bf16 on 8B x8", speedup, TARGET_FLOAT8, "x", why(fp8) if speedup is None else "")
+    for variant in names["layers"][2:]:  # float8 variants beyond the default recipe
+        ratio = None
+        if get(bf16, "tokens_per_s") and get(variant, "tokens_per_s"):
+            ratio = round(get(variant, "tokens_per_s") / get(bf16, "tokens_per_s"), 3)
+        _target(lines, f"{variant} / bf16", ratio, TARGET_FLOAT8, "x", why(variant) if ratio is None else "")
     pair = by_name.get(names["pair"]) or {}
     ratio = pair.get("ratio_titan_over_hand") if pair.get("status") == "ok" else None
     _target(lines, "Titan / hand-written loop", ratio, TARGET_VS_HAND, "x", why(names["pair"]))
@@ -452,8 +498,11 @@ def markdown(results: dict) -> str:
             out.append(f"| {r['row']}: ratio | ok | | | | | | titan / hand-written {r['ratio_titan_over_hand']:.3f} "
                        f"(interquartile {r['ratio_interquartile'][0]:.3f}-{r['ratio_interquartile'][1]:.3f}) |")
         elif "decode_tokens_per_s" in r:
-            note = (f"eager {r['eager_tokens_per_s']:.0f} tokens/s; {r['dtype']}; bandwidth share {r['bandwidth_share']}; "
-                    f"greedy tokens equal eager's: {r['greedy_tokens_match_eager']}")
+            note = (f"eager {r['eager_tokens_per_s']:.0f} tokens/s; {r['dtype']}; tuned {r.get('tuned')}; bandwidth share "
+                    f"{r['bandwidth_share']}; greedy tokens equal eager's: {r['greedy_tokens_match_eager']}")
+            if r.get("separate_linears_tokens_per_s"):
+                note += (f"; separate q/k/v, w1/w3 linears: {r['separate_linears_tokens_per_s']:.0f} tokens/s "
+                         f"(first token differing from the fused run's: {r['separate_linears_first_mismatch']})")
             if r.get("compile_error"):
                 note += f"; compile failed: {r['compile_error']}"
             out.append(f"| {r['row']} | ok | {r['decode_tokens_per_s']:.0f} | | | | | {note} |")

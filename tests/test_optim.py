@@ -198,3 +198,48 @@ def test_foreach_and_for_loop_agree_after_three_steps():
         assert not torch.equal(a, start.detach())  # the parameters did move
     for a, b in zip(results["for-loop"], results["fused"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping every step / never
+def test_fused_adamw_clipping_as_it_reads_equals_clipping_the_gradients_first(max_norm):
+    """The step runner's path with fused AdamW (`grad_norm` + `clip_divisor` as the kernel's `grad_scale`)
+    against torch's `clip_grad_norm_` followed by the same optimizer, over three steps."""
+    from titan_parallel.grad_clip import clip_divisor, grad_norm
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    data = [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)]
+    results, norms = {}, {}
+    for path in ("in place", "in the kernel"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        model.load_state_dict(base.state_dict())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        norms[path] = []
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if path == "in place":
+                norms[path].append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            else:
+                norm = grad_norm(model.parameters())
+                norms[path].append(norm)
+                opt.grad_scale = clip_divisor(norm, max_norm)
+            opt.step()
+            opt.__dict__.pop("grad_scale", None)
+            opt.zero_grad()
+        results[path] = [p.detach().clone() for p in model.parameters()]
+    assert torch.equal(torch.stack(norms["in place"]), torch.stack(norms["in the kernel"]))
+    if max_norm < 1:
+        assert all(n > max_norm for n in norms["in place"])  # the clip did act
+    for a, b, start in zip(results["in place"], results["in the kernel"], base.parameters()):
+        if max_norm < 1:  # x * c against x / (1 / c): a rounding apart
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:  # a divisor of exactly 1
+            assert torch.equal(a, b)
+        assert not torch.equal(a, start.detach())
+
+
+def test_clip_divisor_refuses_a_norm_that_clips_nothing():
+    from titan_parallel.grad_clip import clip_divisor
+
+    with pytest.raises(ValueError, match="max_norm > 0"):
+        clip_divisor(torch.tensor(1.0), 0.0)

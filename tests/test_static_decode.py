@@ -31,6 +31,7 @@ from titan_core.generation import (
     resolve_dtype,
 )
 from titan_core.generation.decode_speed import DecodeTiming
+from titan_core.generation.fused_linears import fuse_shared_input_linears
 from titan_core.generation.generate import last_position_logits
 from titan_core.generation.static_decode import StaticDecoder, cache_slots
 from titan_models import get_model_spec
@@ -83,6 +84,34 @@ def test_static_step_matches_the_references(tiny):
     for a, b in zip(static.step_logits, recompute.step_logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert static.kv_bytes_per_token > 0 and static.timing is not None and static.timing.batch_size == len(PROMPTS)
+
+
+def test_fused_projections_match_the_separate_linears_and_leave_the_model_as_it_was(tiny):
+    """`fuse_linears` (the default) computes q/k/v and w1/w3 as one matmul each: same logits as the model's own
+    linears, every block's two groups fused, and on exit the same modules and weights."""
+    model, plan = tiny
+    modules = [(name, type(m)) for name, m in model.named_modules()]
+    weights = {name: t.clone() for name, t in model.state_dict().items()}
+    separate = generate(model, plan, PROMPTS, NEW_TOKENS, return_logits=True, fuse_linears=False)
+    fused = generate(model, plan, PROMPTS, NEW_TOKENS, return_logits=True)
+    assert fused.tokens == separate.tokens
+    for a, b in zip(fused.step_logits, separate.step_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with fuse_shared_input_linears(model, plan) as groups:
+        assert groups == 2 * len(model.layers)
+        attention = model.layers["0"].attention
+        assert not any(type(getattr(attention, name)) is torch.nn.Linear for name in ("wq", "wk", "wv"))
+    assert [(name, type(m)) for name, m in model.named_modules()] == modules
+    assert all(torch.equal(t, weights[name]) for name, t in model.state_dict().items())
+
+
+def test_a_moe_block_fuses_its_attention_only():
+    spec = get_model_spec("qwen3_moe")
+    with torch.device("meta"):
+        model = spec.build(spec.flavors[next(iter(spec.flavors))])
+    model.to_empty(device="cpu")
+    with fuse_shared_input_linears(model, spec.plan) as groups:
+        assert groups == len(model.layers)  # q/k/v in each block; the experts are no nn.Linear
 
 
 def test_compiled_step_matches_eager_with_eos(tiny):

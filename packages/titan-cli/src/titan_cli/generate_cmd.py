@@ -51,6 +51,12 @@ def generate(
         "--compile/--no-compile",
         help="Compile the decode step (CUDA graphs on CUDA). Default: on for CUDA, off on CPU.",
     ),
+    tune: bool | None = typer.Option(
+        None,
+        "--tune/--no-tune",
+        help="Tune the compiled step's kernels (coordinate descent): faster decoding, a first compile ~3x as "
+        "long, cached for the next run. Default: on for CUDA.",
+    ),
 ) -> None:
     """Continue each --prompt with text sampled from a model.
 
@@ -66,6 +72,7 @@ def generate(
             load_prompt_codec,
             parameter_bytes,
             resolve_compile,
+            resolve_tuning,
             speed_summary,
         )
         from titan_core.generation import generate as generate_tokens
@@ -79,6 +86,7 @@ def generate(
         loaded = load_model(source, model_name=model_name, flavor=flavor, device=device, dtype=dtype)
         codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
         compiled, compile_reason = (False, "--no-kv-cache") if no_kv_cache else resolve_compile(compile, loaded.device)
+        tuned, tune_reason = resolve_tuning(tune, loaded.device, compiled)
         started = time.perf_counter()
         result = generate_tokens(
             loaded.model,
@@ -91,6 +99,7 @@ def generate(
             use_kv_cache=not no_kv_cache,
             max_seq_len=getattr(loaded.args, "max_seq_len", None),
             compile=compiled,
+            compile_tuning=tuned,
         )
         elapsed = time.perf_counter() - started
     except (*USER_ERRORS, OSError) as err:  # a wrong input or an unreadable file; a bug keeps its traceback
@@ -100,6 +109,7 @@ def generate(
         typer.echo(text + codec.decode(tokens))
         typer.echo("")
     mode = "CUDA graphs" if loaded.device.type == "cuda" else "Inductor"
+    mode += f", tuned ({tune_reason})" if tuned else ""
     typer.echo(
         f"model {loaded.spec.name} from {loaded.checkpoint} ({loaded.checkpoint_format}), "
         f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')} ({loaded.dtype_reason}), "

@@ -10,7 +10,8 @@ process and for TP x PP x FSDP x CP on many GPUs:
         the pipeline schedule with it (which cuts the micro-batch into pipeline micro-batches)
     [fault_tolerance] torchft's quorum starts with the step; after backward the gradients are
         averaged across the live replica groups (`titan_core.fault_tolerance`)
-    clip the gradient norm, taken over the whole model however it is split
+    clip the gradient norm, taken over the whole model however it is split (with fused AdamW
+        the optimizer's kernel divides the gradients as it reads them: no separate pass)
     the run guard's verdict, on the device: `found_inf` (`titan_core.run_guard`)
     [fault_tolerance] torchft's commit vote: a dropped step ends here (no update, no LR step)
     the optimizer step, dropped on the device when `found_inf` is set; the LR schedule;
@@ -56,7 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
-from titan_parallel.grad_clip import clip_grad_norm_
+from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
 from titan_parallel.linear_cross_entropy import hidden_states_out
 from titan_parallel.precision import mixed_precision_context
 
@@ -68,7 +69,16 @@ if TYPE_CHECKING:
     from titan_models.moe import MoE
     from titan_parallel import ParallelMesh
 
-__all__ = ["Batch", "HeadLoss", "StepLoss", "StepResult", "StepRunner", "cross_entropy_loss", "describe_loss"]
+__all__ = [
+    "Batch",
+    "HeadLoss",
+    "StepLoss",
+    "StepResult",
+    "StepRunner",
+    "cross_entropy_loss",
+    "describe_loss",
+    "sequence_loss_sums",
+]
 
 logger = logging.getLogger("titan")
 
@@ -245,6 +255,9 @@ class StepRunner:
         loss.set_divisor(accum_steps * model.n_microbatches)
         # The fused kernels take the guard's verdict on the device; the others need it on the host.
         self.device_drop = all(_takes_found_inf(opt) for opt in self.optimizers)
+        # The same kernels divide each gradient by `grad_scale` as they read it: the clip happens there, and the
+        # separate in-place pass over every gradient (`clip_grad_norm_`) disappears.
+        self.clip_in_optimizer = self.device_drop and max_norm > 0
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -304,28 +317,35 @@ class StepRunner:
                 total = loss if total is None else total + loss
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
             self.replicas.average_gradients(self.model.parameters())
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=self.pp_mesh)
-        found_inf = guard.observe(total, grad_norm, step) if guard is not None else None
+        if self.clip_in_optimizer:
+            norm = grad_norm(self.model.parameters(), pp_mesh=self.pp_mesh)
+            divisor: torch.Tensor | None = clip_divisor(norm, self.max_norm)
+        else:
+            norm, divisor = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=self.pp_mesh), None
+        found_inf = guard.observe(total, norm, step) if guard is not None else None
         if self.replicas is not None and not self.replicas.commit():  # a host round trip, as torchft's own
-            return StepResult(total, grad_norm, found_inf, committed=False)
+            return StepResult(total, norm, found_inf, committed=False)
         if self.balancer is not None:  # expert biases move unless found_inf (on the device)
             self.balancer.after_backward(found_inf=found_inf)
         if found_inf is None or self.device_drop:
-            self._optimizer_step(found_inf)  # a bad update is dropped inside the fused kernels
+            self._optimizer_step(found_inf, divisor)  # a bad update is dropped inside the fused kernels
         elif not bool(found_inf.item()):  # foreach / for-loop: the verdict is read on the host (one sync)
-            self._optimizer_step(None)
+            self._optimizer_step(None, divisor)
         self.lr_step()  # the schedule follows the step counter, dropped steps included
-        return StepResult(total, grad_norm, found_inf)
+        return StepResult(total, norm, found_inf)
 
-    def _optimizer_step(self, found_inf: torch.Tensor | None) -> None:
+    def _optimizer_step(self, found_inf: torch.Tensor | None, clip_divisor: torch.Tensor | None = None) -> None:
+        # Read by Adam/AdamW's fused step: found_inf drops the update, grad_scale divides the gradients.
+        extra = {"found_inf": found_inf, "grad_scale": clip_divisor}
+        extra = {name: value for name, value in extra.items() if value is not None}
         for optimizer in self.optimizers:
-            if found_inf is not None:
-                optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by Adam/AdamW's fused step
+            for name, value in extra.items():
+                setattr(optimizer, name, value)
             try:
                 optimizer.step()
             finally:
-                if found_inf is not None:
-                    del optimizer.found_inf  # type: ignore[attr-defined]
+                for name in extra:
+                    delattr(optimizer, name)
         if self.after_step is not None:
             self.after_step()
 
@@ -341,6 +361,48 @@ class StepRunner:
         """
         with self.loss.divided_by(self.model.n_microbatches):
             return self._forward_backward(*self.place(inputs, labels), backward=False)
+
+    @torch.no_grad()
+    def eval_sequence_losses(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Each sequence's summed token loss, `(batch,)` fp32, forward only, under every layout (pipeline
+        included): minus the log-likelihood of its labelled tokens (0 for a sequence with none).
+
+        The loss is called on each sequence alone (`sequence_loss_sums`), so fused, compiled and
+        vocab-parallel losses all serve. Under CP each sum covers this rank's sequence shard (add them over
+        the cp group). Returns None on pipeline ranks without the last stage.
+        """
+        mean_fn, sums = self.loss.fn, []
+
+        def record(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            sums.append(sequence_loss_sums(mean_fn, output, target))  # the last stage's micro-batches, in order
+            return sums[-1].sum()
+
+        self.loss.fn = record
+        try:
+            with self.loss.divided_by(1):
+                present = self._forward_backward(*self.place(inputs, labels), backward=False)
+        finally:
+            self.loss.fn = mean_fn
+        return None if present is None else torch.cat(sums)
+
+
+def sequence_loss_sums(
+    mean_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], output: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Each row's summed token loss `(batch,)` from a mean-token-loss function: the row's mean times its
+    labelled tokens, 0 where a row has none (its mean is 0/0).
+
+    Args:
+        mean_loss: `(output, labels) -> mean token loss` (the plain, compiled or fused loss).
+        output: `(batch, seqlen, ...)` logits or hidden states; a DTensor under TP.
+        labels: `(batch, seqlen)`, -100 where no loss is taken.
+    """
+    means = []
+    for row in range(labels.shape[0]):
+        mean = mean_loss(output[row : row + 1], labels[row : row + 1])
+        means.append(mean.full_tensor() if isinstance(mean, DTensor) else mean)  # loss parallel
+    counts = (labels != -100).sum(dim=-1)  # (batch,)
+    return torch.where(counts > 0, torch.stack(means).float() * counts, 0.0)
 
 
 class OneStageSchedule:

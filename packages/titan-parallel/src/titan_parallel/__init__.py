@@ -69,6 +69,8 @@ __all__ = [
     "native_bf16",
     "resolve_param_dtype",
     "clip_grad_norm_",
+    "clip_divisor",
+    "grad_norm",
     "canonical_name",
     "copy_full_state",
     # processes and devices
@@ -113,7 +115,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "split_model",
     ),
     "precision": ("mixed_precision_context", "native_bf16", "resolve_param_dtype"),
-    "grad_clip": ("clip_grad_norm_",),
+    "grad_clip": ("clip_divisor", "clip_grad_norm_", "grad_norm"),
     "materialize": ("canonical_name", "copy_full_state"),
     "distributed": ("init_distributed", "resolve_device", "shutdown_distributed"),
     "comm_watch": ("CollectiveError", "CommWatch", "set_collective_timeout"),
@@ -145,7 +147,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily a
     from titan_parallel.distributed import init_distributed, resolve_device, shutdown_distributed
     from titan_parallel.float8 import Float8Options, MXOptions, apply_float8, apply_mx, check_float8, check_mx
     from titan_parallel.fsdp import apply_ddp, apply_fsdp
-    from titan_parallel.grad_clip import clip_grad_norm_
+    from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
     from titan_parallel.layout import (
         ParallelConfigError,
         ParallelDims,

@@ -5,6 +5,12 @@ they live on; under expert parallel the experts' gradients live on another mesh
 than the rest, so each mesh's norm is taken apart and their squares summed. A
 pipeline stage holds only its own layers, so the squared norms of all stages are
 summed over the `pp` mesh as well.
+
+`clip_grad_norm_` scales the gradients in place (one read and one write of every
+gradient). An optimizer whose kernel divides the gradients by a `grad_scale` as it
+reads them (torch's fused Adam and AdamW, the kernels `torch.amp.GradScaler` drives)
+can take the clipping there instead: `grad_norm` + `clip_divisor`, and the separate
+pass over the gradients disappears (~3 ms of a 1B step on an H100).
 """
 
 from __future__ import annotations
@@ -33,10 +39,56 @@ def clip_grad_norm_(
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         foreach: use the multi-tensor kernels (None = torch's choice).
     """
-    parameters = [p for p in parameters if p.grad is not None]
+    by_mesh = _by_mesh(parameters)
+    total = _total_norm(by_mesh, pp_mesh, foreach)
+    if max_norm > 0:
+        for group in by_mesh.values():  # DTensors of different meshes do not mix in one foreach op
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    return total
+
+
+@torch.no_grad()
+def grad_norm(
+    parameters: Iterable[torch.nn.Parameter], *, pp_mesh: DeviceMesh | None = None, foreach: bool | None = None
+) -> torch.Tensor:
+    """The global L2 norm of the gradients, as `clip_grad_norm_` takes it, without scaling them.
+
+    Args:
+        parameters: the parameters of this rank's model (or pipeline stages).
+        pp_mesh: the pipeline mesh when the model is pipelined, else None.
+        foreach: use the multi-tensor kernels (None = torch's choice).
+    """
+    return _total_norm(_by_mesh(parameters), pp_mesh, foreach)
+
+
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide the gradients by so their norm is at most `max_norm`: a 0-dim fp32 tensor on the norm's
+    device, `max(1, (total_norm + 1e-6) / max_norm)`, the inverse of `clip_grads_with_norm_`'s clamped factor.
+
+    Set it as a fused Adam / AdamW optimizer's `grad_scale` attribute (the kernel divides each gradient by it as
+    it reads it) in place of `clip_grad_norm_`'s in-place scaling.
+
+    Args:
+        total_norm: the global gradient norm (`grad_norm`).
+        max_norm: the largest allowed norm (> 0).
+    """
+    if max_norm <= 0:
+        raise ValueError(f"clip_divisor needs max_norm > 0, got {max_norm}")
+    return ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def _by_mesh(parameters: Iterable[torch.nn.Parameter]) -> dict[object, list[torch.nn.Parameter]]:
+    """The parameters that have gradients, grouped by the mesh their gradients live on (None: plain tensors)."""
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in parameters:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return by_mesh
+
+
+def _total_norm(
+    by_mesh: dict[object, list[torch.nn.Parameter]], pp_mesh: DeviceMesh | None, foreach: bool | None
+) -> torch.Tensor:
     norms = []
     for group in by_mesh.values():
         grads = [p.grad for p in group if p.grad is not None]  # all of them (filtered above); narrows the type
@@ -51,7 +103,4 @@ def clip_grad_norm_(
         total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
         total = total.sqrt()
-    if max_norm > 0:
-        for group in by_mesh.values():  # DTensors of different meshes do not mix in one foreach op
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total

@@ -75,6 +75,10 @@ class ModelPlan:
             Its `experts` child holds the stacked expert weights `w1`, `w2`, `w3` (dim 0: the expert),
             which expert parallel splits; its `tokens_per_expert` and `expert_bias` buffers are
             what load balancing reads and updates.
+        shared_input_linears: groups of `nn.Linear` paths inside each block that the block's forward calls
+            one after another on the same input, in this order (e.g. `("attention.wq", "attention.wk",
+            "attention.wv")`); inference may compute each group as one matmul over the concatenated weights.
+            A group whose modules a block lacks (a MoE block's feed-forward) is skipped there.
     """
 
     blocks: str
@@ -86,3 +90,4 @@ class ModelPlan:
     head_counts: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     fsdp_root_units: tuple[str, ...] = ()
     moe: str | None = None
+    shared_input_linears: tuple[tuple[str, ...], ...] = ()

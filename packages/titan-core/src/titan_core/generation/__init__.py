@@ -19,7 +19,7 @@ Example:
 from titan_core.generation.decode_speed import DecodeTiming, parameter_bytes, peak_memory_bandwidth, speed_summary
 from titan_core.generation.generate import GREEDY, GenerationResult, generate
 from titan_core.generation.kv_cache import CachedAttention, KVCache, kv_cache
-from titan_core.generation.load import LoadedModel, load_model, resolve_compile, resolve_dtype
+from titan_core.generation.load import LoadedModel, load_model, resolve_compile, resolve_dtype, resolve_tuning
 from titan_core.generation.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
 from titan_core.generation.text import PromptCodec, load_prompt_codec
 
@@ -39,6 +39,7 @@ __all__ = [
     "parameter_bytes",
     "peak_memory_bandwidth",
     "resolve_compile",
+    "resolve_tuning",
     "resolve_dtype",
     "sample_next_token",
     "speed_summary",

@@ -32,6 +32,7 @@ from torch import nn
 
 from titan_core.config.errors import ConfigError
 from titan_core.generation.decode_speed import DecodeClock, DecodeTiming
+from titan_core.generation.fused_linears import fuse_shared_input_linears
 from titan_core.generation.kv_cache import KVCache, kv_cache, left_pad
 from titan_core.generation.sampling import SamplingParams, sample_next_token
 from titan_core.generation.static_decode import StaticDecoder, cache_slots, compile_step, decode_static
@@ -76,6 +77,7 @@ def generate(
     compile: bool = False,
     compile_backend: str = "inductor",
     compile_tuning: bool = False,
+    fuse_linears: bool = True,
 ) -> GenerationResult:
     """Continue each prompt by up to `max_new_tokens` tokens.
 
@@ -96,6 +98,8 @@ def generate(
         compile_backend: the `torch.compile` backend; "aot_eager" captures without generating code.
         compile_tuning: on CUDA, tune Inductor's kernels too (`static_decode.CUDA_TUNING`): faster
             steps for a first compile about three times as long.
+        fuse_linears: compute each of the plan's `shared_input_linears` groups (a block's query / key / value
+            projections, the feed-forward's `w1` / `w3`) as one matmul (`fused_linears.py`).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token; pass a non-empty --prompt")
@@ -115,6 +119,8 @@ def generate(
     generator = torch.Generator(device=device).manual_seed(seed)
     with ExitStack() as stack:
         stack.enter_context(last_position_logits(model, plan))
+        if fuse_linears:
+            stack.enter_context(fuse_shared_input_linears(model, plan))
         if use_kv_cache and static_cache:
             cache = stack.enter_context(
                 kv_cache(model, plan, len(prompts), cache_slots(prompts, max_new_tokens), device)

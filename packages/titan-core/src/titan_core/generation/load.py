@@ -173,6 +173,27 @@ def resolve_compile(compile: bool | None, device: torch.device) -> tuple[bool, s
     return False, f"default off on {device.type}"
 
 
+def resolve_tuning(tune: bool | None, device: torch.device, compiled: bool) -> tuple[bool, str]:
+    """Whether to tune the compiled decode step's kernels (`--tune/--no-tune`), and why.
+
+    The default tunes on CUDA (Inductor's coordinate-descent tuning, `static_decode.CUDA_TUNING`): the
+    1B decodes ~25% faster on an H100 for a first compile of ~60 s instead of ~20 s, and Inductor caches the
+    tuned kernels for the next run. Nothing to tune without compiling, or on CPU.
+
+    Args:
+        tune: the option; None for the default.
+        device: where the model runs.
+        compiled: whether the decode step is compiled.
+    """
+    if not compiled:
+        return False, "not compiled"
+    if tune is not None:
+        return tune, "asked for"
+    if device.type == "cuda":
+        return True, "default on CUDA"
+    return False, f"default off on {device.type}"
+
+
 def resolve_checkpoint(source: str) -> Path:
     """The checkpoint to read: `source` itself, or the newest complete `step-N` of a run or checkpoint folder.
 

@@ -157,6 +157,11 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor, positions: torch
     rope = rope_cache[:seqlen] if positions is None else rope_cache[positions]  # (seqlen | bs, seqlen, head_dim)
     rope = rope.view(-1, seqlen, 1, head_dim)  # (1 | bs, seqlen, 1, head_dim)
     cos, sin = (half.float() for half in rope.chunk(2, dim=-1))  # each (1 | bs, seqlen, 1, head_dim/2)
+    if torch.compiler.is_compiling():
+        # Inductor generates no complex kernels: it would call the eager ones, unfused, through fp32 copies of
+        # x. The same products in real form fuse into one kernel with the casts around them.
+        x0, x1 = x.float().reshape(bs, seqlen, -1, head_dim // 2, 2).unbind(-1)  # each (bs, seqlen, n_heads, hd/2)
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(3).type_as(x)
     # .float(): FSDP's mixed precision casts the cache (a forward input of each block) to bf16,
     # and torch.complex takes no bf16.
     # Pair (2i, 2i+1) as the complex number x_2i + j x_2i+1; rotating it is one complex product

@@ -43,6 +43,7 @@ qwen3_plan = ModelPlan(
     attention="attention.sdpa",
     head_counts=(),  # Attention reshapes with view(..., -1, head_dim): no attribute to divide
     fsdp_root_units=("tok_embeddings", "output"),
+    shared_input_linears=(("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3")),
 )
 """Dense Qwen3."""
 
