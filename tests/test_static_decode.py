@@ -29,6 +29,7 @@ from titan_core.generation import (
     peak_memory_bandwidth,
     resolve_compile,
     resolve_dtype,
+    resolve_tuning,
 )
 from titan_core.generation.decode_speed import DecodeTiming
 from titan_core.generation.fused_linears import fuse_shared_input_linears
@@ -193,6 +194,10 @@ def test_auto_dtype_and_compile_defaults(monkeypatch):
     assert resolve_dtype("float32", gpu)[0] == torch.float32 and resolve_dtype("bfloat16", cpu)[0] == torch.bfloat16
     assert resolve_compile(None, gpu)[0] is True and resolve_compile(False, gpu)[0] is False
     assert resolve_compile(True, cpu)[0] is True
+    # kernel tuning: on by default where the step compiles on CUDA; never without compiling
+    assert resolve_tuning(None, gpu, True) == (True, "default on CUDA")
+    assert resolve_tuning(None, cpu, True)[0] is False and resolve_tuning(True, cpu, True)[0] is True
+    assert resolve_tuning(None, gpu, False)[0] is False and resolve_tuning(False, gpu, True)[0] is False
     with pytest.raises(ConfigError, match="--dtype int8 is not a dtype; pass auto, float32 or bfloat16"):
         resolve_dtype("int8", cpu)
 
