@@ -23,6 +23,7 @@ import torch.distributed as dist
 from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer, loader_factory
+from titan_core.downstream_eval import DownstreamEvaluator, load_task
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
@@ -272,6 +273,25 @@ class Trainer:
             device=self.device,
         )
 
+    def _build_downstream_eval(self) -> DownstreamEvaluator | None:
+        e, t = self.cfg.eval, self.cfg.training
+        if not e.enable:
+            return None
+        return DownstreamEvaluator(
+            [load_task(spec, e.max_examples) for spec in e.tasks],
+            self.tokenizer,
+            seq_len=t.seq_len,  # the training shapes: nothing recompiles, the pipeline schedule runs unchanged
+            local_batch_size=t.local_batch_size,
+            sequence_losses=self.runner.eval_sequence_losses,
+            parts=self.model.parts,
+            dp_rank=self.mesh["dp"].get_local_rank(),
+            dp_world=self.dims.dp,
+            loss_group=self.mesh["dp_cp"].get_group(),
+            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+            device=self.device,
+            rank=self.rank,
+        )
+
     def _float8_after_step(self):
         """[float8] after each optimizer step: every float8-gathered weight's scale in one all-reduce."""
         float8 = self.job.converters.float8
@@ -390,6 +410,7 @@ class Trainer:
         data = iter(self.loader)
         profiler = self._build_profiler()
         validator = self._build_validator()
+        evaluator = self._build_downstream_eval()  # [eval] multiple-choice tasks (titan_core.downstream_eval)
         # Non-finite values, loss spikes and stop signals, agreed by every rank each step on the device, read at polls.
         guard = RunGuard(self.device, spike=self.spikes.detector(self.device))
         watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
@@ -438,6 +459,10 @@ class Trainer:
                         metrics.log(step, {"validation/loss": validator.validate()})
                         self.balancer.reset()  # validation's routing is not training load
                         meter.reset()  # validation time is not training throughput
+                    if evaluator is not None and (step % cfg.eval.freq == 0 or step == t.steps):
+                        metrics.log(step, evaluator.evaluate())
+                        self.balancer.reset()
+                        meter.reset()
                 if guard.stop_requested and self.state.step < t.steps:
                     self._save_and_stop(guard.signal_received)
             except RuntimeError as error:  # a collective timed out or lost a peer: raise naming the rank at fault

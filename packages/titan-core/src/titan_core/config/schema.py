@@ -423,6 +423,19 @@ class Validation(Section):
     """Sequences per validation batch on each rank; unset = training.local_batch_size."""
 
 
+class Eval(Section):
+    """Downstream multiple-choice tasks scored by log-likelihood during training (docs/evaluation.md)."""
+
+    enable: bool = False
+    """Score eval.tasks every eval.freq steps and at the last step: accuracy and length-normalised accuracy."""
+    tasks: list[str] = []
+    """JSONL files, one task each, lines {"context": str, "endings": [str, ...], "label": int}; or 'name=path'."""
+    freq: PositiveInt = 100
+    """Evaluate every this many steps."""
+    max_examples: PositiveInt | None = None
+    """Score the first this many examples of each task; unset = all."""
+
+
 class FaultTolerance(Section):
     """torchft replica groups: data parallel across jobs that fail and rejoin alone (docs/fault_tolerance.md)."""
 
@@ -477,5 +490,7 @@ class JobConfig(Section):
     """Reproducibility."""
     validation: Validation = Field(default_factory=Validation)
     """Validation."""
+    eval: Eval = Field(default_factory=Eval)
+    """Downstream multiple-choice evaluation."""
     fault_tolerance: FaultTolerance = Field(default_factory=FaultTolerance)
     """torchft replica groups."""

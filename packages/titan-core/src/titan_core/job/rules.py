@@ -257,6 +257,11 @@ def _pipeline(d: Draft) -> None:
     d.names_per_stage = names_per_stage
     v, t = d.cfg.validation, d.cfg.training
     schedule = d.cfg.parallelism.pipeline_parallel_schedule
+    if d.cfg.eval.enable and schedule in NO_EVAL_SCHEDULES:
+        raise ConfigError(
+            f"eval.enable: torch's forward-only pass (schedule.eval) fails under the V schedule "
+            f"parallelism.pipeline_parallel_schedule='{schedule}'; pick another schedule or set eval.enable to false"
+        )
     if v.enable and schedule in NO_EVAL_SCHEDULES:
         # torch 2.15's forward-only pass of a V schedule asserts "can't steal_bwd_input if this stage doesn't
         # have backward" (measured with both V schedules on 2 ranks).
@@ -350,8 +355,14 @@ def _metrics(d: Draft) -> None:
 
 
 def _data(d: Draft) -> None:
-    """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults."""
+    """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults.
+    `eval.enable` needs `eval.tasks`."""
     t = d.cfg.training
+    if d.cfg.eval.enable and not d.cfg.eval.tasks:
+        raise ConfigError(
+            "eval.enable is set but eval.tasks is empty; list JSONL files of multiple-choice examples "
+            "(docs/evaluation.md) or set eval.enable to false"
+        )
     if t.dataset_mix and (t.dataset_path or t.dataset != "stdlib"):
         given = f"training.dataset_path={t.dataset_path}" if t.dataset_path else f"training.dataset={t.dataset}"
         raise ConfigError(
