@@ -174,19 +174,34 @@ def validates(layout: Layout) -> bool:
     return fp32 and "--compile.enable" not in layout.args and not any(s in layout.args for s in NO_EVAL_SCHEDULES)
 
 
+def layout_args(layout: Layout) -> list[str]:
+    """The layout's `titan train` arguments (no dump folder)."""
+    return [*TINY, *layout.model, "--training.mixed_precision_param", layout.dtype,
+            "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
+            *(VALIDATION if validates(layout) else ())]
+
+
+def reference_args(model: tuple[str, ...] = (), dtype: str = "float32") -> list[str]:
+    """One process's `titan train` arguments for the reference of (model, dtype) (no dump folder)."""
+    return [*TINY, *model, "--training.mixed_precision_param", dtype,
+            "--training.local_batch_size", str(GLOBAL_BATCH), *VALIDATION]
+
+
+def run_losses(folder: Path) -> list[float]:
+    """A finished run's training losses, then its validation losses."""
+    return losses(folder) + validation_losses(folder)
+
+
 def run_layout(layout: Layout, folder: Path) -> list[float]:
     """The layout's 10 training losses, then its 2 validation losses (when it validates)."""
-    run_titan(folder, *TINY, *layout.model, "--training.mixed_precision_param", layout.dtype,
-              "--training.local_batch_size", str(GLOBAL_BATCH // layout.dp), *layout.args,
-              *(VALIDATION if validates(layout) else ()), nproc=layout.nproc, debug_detail=layout.debug_detail)
-    return losses(folder) + validation_losses(folder)
+    run_titan(folder, *layout_args(layout), nproc=layout.nproc, debug_detail=layout.debug_detail)
+    return run_losses(folder)
 
 
 def reference_losses(folder: Path, model: tuple[str, ...] = (), dtype: str = "float32") -> list[float]:
     """One process's 10 training losses and 2 validation losses."""
-    run_titan(folder, *TINY, *model, "--training.mixed_precision_param", dtype,
-              "--training.local_batch_size", str(GLOBAL_BATCH), *VALIDATION)
-    return losses(folder) + validation_losses(folder)
+    run_titan(folder, *reference_args(model, dtype))
+    return run_losses(folder)
 
 
 def bf16_skip_reason() -> str | None:

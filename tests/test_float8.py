@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan
+from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_shared
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import Float8Options, MXOptions, ParallelConfigError, apply_float8, apply_mx, check_float8, check_mx
@@ -223,19 +223,29 @@ def single_runs(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
+PP_ROWWISE = [*CORPUS, *FLOAT8, "--float8.recipe_name", "rowwise", "--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.pipeline_parallel_microbatch_size", "4", "--activation_checkpoint.mode", "selective",
+              "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory) -> dict[str, object]:
     """FSDP over 2 ranks with the float8 all-gather: 20 steps saving step 10 (DCP) and step 20 (HF),
-    then a second run resuming from a copy of step 10."""
+    then a second run resuming from a copy of step 10 (a launch of its own). The first run shares its
+    launch with the pipeline-parallel rowwise run (`pp`), also on 2 ranks (`run_titan_shared`)."""
     root = tmp_path_factory.mktemp("fsdp")
-    full, resumed = root / "full", root / "resumed"
+    full, resumed, pp = root / "full", root / "resumed", root / "pp"
     args = [*CORPUS, *FLOAT8, "--training.local_batch_size", "4", "--float8.enable_fsdp_float8_all_gather",
             "--float8.precompute_float8_dynamic_scale_for_fsdp", "--checkpoint.enable", "--checkpoint.interval", "10"]
-    first = run_titan(full, *args, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", nproc=2)
+    first = {full: [*args, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"], pp: PP_ROWWISE}
+    done = run_titan_shared(first, nproc=2)
+    for folder in first.keys() - done:  # failed there: alone, to report the error
+        proc = run_titan(folder, *first[folder], nproc=2)
+        (folder / "train.log").write_text(proc.stdout + proc.stderr)
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(full / "checkpoint" / "step-10", resumed / "checkpoint" / "step-10")
     run_titan(resumed, *args, nproc=2)
-    return {"full": full, "resumed": resumed, "log": first.stdout + first.stderr}
+    return {"full": full, "resumed": resumed, "pp": pp, "log": (full / "train.log").read_text()}
 
 
 def test_float8_loss_tracks_the_unconverted_run(single_runs):
@@ -287,11 +297,8 @@ def test_fsdp_float8_all_gather_resumes_and_exports_plain_weights(fsdp_runs, sin
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in meta_model().state_dict().items()}
 
 
-def test_pipeline_parallel_with_op_sac_and_rowwise(tmp_path, single_runs):
-    run_titan(tmp_path, *CORPUS, *FLOAT8, "--float8.recipe_name", "rowwise",
-              "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4",
-              "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op", nproc=2)
-    gaps = relative_gaps(losses(tmp_path), losses(single_runs["plain"]))
+def test_pipeline_parallel_with_op_sac_and_rowwise(fsdp_runs, single_runs):
+    gaps = relative_gaps(losses(fsdp_runs["pp"]), losses(single_runs["plain"]))
     print(f"PP + op SAC, rowwise float8 vs unconverted, relative loss gap: max {max(gaps):.3%}")
     assert max(gaps) < TOLERANCE
 

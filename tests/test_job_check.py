@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from titan_ckpt import CheckpointError, CheckpointManager, CheckpointOptions
+from titan_cli.main import app
 from titan_core.config import ConfigError, load_config
 from titan_core.config.keys import list_keys
 from titan_core.converters import FLOAT8_KEYS, MX_KEYS
@@ -20,6 +21,7 @@ from titan_core.job.options import CHECKPOINT_KEYS, DIMS_KEYS, PARALLEL_OPTION_K
 from titan_core.launch import error_line
 from titan_parallel import ParallelConfigError, ParallelDims, ParallelOptions, PipelineConfig
 from titan_parallel.float8 import Float8Options, MXOptions
+from typer.testing import CliRunner
 
 from titan_run import TINY, run_titan
 
@@ -258,27 +260,34 @@ def test_every_table_maps_real_fields_to_real_keys():
 
 def test_wrong_layouts_are_one_line_before_torchrun_starts(tmp_path):
     # The two layouts of the issue: each used to end in torchrun's ChildFailedError traceback.
-    for args, keys in (
+    for i, (args, keys) in enumerate((
         (["--parallelism.tensor_parallel_degree", "4"], ["parallelism.tensor_parallel_degree"]),
         (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
           "--parallelism.pipeline_parallel_microbatch_size", "2"], ["training.local_batch_size", "parallelism.pipeline_parallel_microbatch_size"]),
-    ):
-        proc = run_titan(tmp_path / "run", *TINY, *args, nproc=2, check=False)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("titan: error: "), proc.stderr[-2000:]
+    )):
+        if i == 0:  # a real `titan train` process: its whole stderr is the one line
+            proc = run_titan(tmp_path / "run", *TINY, *args, nproc=2, check=False)
+            code, stderr = proc.returncode, proc.stderr
+        else:  # the same command in this process (torch is imported already: no second start-up to pay)
+            folder = ["--job.dump_folder", str(tmp_path / "run")]
+            result = CliRunner().invoke(app, ["train", "--nproc-per-node", "2", *folder, *TINY, *args])
+            code, stderr = result.exit_code, result.stderr
+        assert code == 2, stderr[-2000:]
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("titan: error: "), stderr[-2000:]
         assert all(key in lines[0] for key in keys), lines[0]
         assert not (tmp_path / "run").exists()  # no process started, nothing written
 
 
 def test_an_error_on_the_ranks_reaches_the_user_as_one_line(tmp_path):
     # A checkpoint step that does not exist is found only by the ranks, at load time: the launcher
-    # prints their line (argument names turned into config keys), not torchrun's traceback.
+    # prints their line (argument names turned into config keys), not torchrun's traceback. The run folder
+    # holds no checkpoint at all (`_choose_step` is the same either way: load_step not among the complete steps),
+    # which spares a first 2-rank run that would save one.
     run = tmp_path / "run"
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.steps", "5"]
-    run_titan(run, *TINY, *ckpt, nproc=2)
     proc = run_titan(run, *TINY, *ckpt, "--checkpoint.load_step", "3", nproc=2, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(errors) == 1 and errors[0].startswith("titan: error: "), proc.stderr[-3000:]
-    assert "checkpoint.load_step" in errors[0], errors[0]
+    assert "checkpoint.load_step" in errors[0] and "complete checkpoints: none" in errors[0], errors[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from titan_run import REPO, TINY, ListSource, losses, run_titan, titan_env
+from titan_run import REPO, TINY, ListSource, losses, run_titan, run_titan_shared, titan_env
 from typer.testing import CliRunner
 
 from titan_cli.main import app
@@ -303,7 +303,10 @@ def test_training_on_shards_matches_training_on_the_text_files(tmp_path):
     assert result.exit_code == 0, result.output
     # File order: shuffling (training.shuffle, on by default) applies to token shards only, text stays in order.
     run = [*TINY, "--training.steps", "4", "--training.local_batch_size", "2", "--training.shuffle", "false"]
-    run_titan(tmp_path / "text", *run, "--training.dataset_path", str(corpus), nproc=2)
-    run_titan(tmp_path / "tokens", *run, "--training.dataset_path", str(tmp_path / "shards"), nproc=2)
+    runs = {tmp_path / "text": [*run, "--training.dataset_path", str(corpus)],
+            tmp_path / "tokens": [*run, "--training.dataset_path", str(tmp_path / "shards")]}  # fmt: skip
+    done = run_titan_shared(runs, nproc=2)  # both in one launch
+    for folder in runs.keys() - done:  # failed there: alone, to report the error
+        run_titan(folder, *runs[folder], nproc=2)
     assert len(losses(tmp_path / "text")) == 4
     assert losses(tmp_path / "tokens") == losses(tmp_path / "text")

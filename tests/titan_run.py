@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+TRAIN_RUNS = REPO / "tests" / "workers" / "train_runs.py"
 
 # A tiny, fast, exactly reproducible run: fp32, fixed seed, every step logged.
 TINY = [
@@ -45,6 +48,33 @@ def run_titan(
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: bool = True) -> set[Path]:
+    """Train several runs (folder -> `titan train` arguments) one after another in one launch of `nproc` processes
+    (tests/workers/train_runs.py: torchrun's and the imports' start-up, most of a tiny run's time, paid once);
+    returns the folders of the runs that finished. The launch ends at the first run that fails (or after 180 s
+    a run on average): the folders of the runs that did not finish are removed, for the caller to run each alone
+    (`run_titan`), which reports the error. The launch's output is left in `jobs-<first>.log`."""
+    if not runs:
+        return set()
+    first = next(iter(runs))
+    jobs_file = first.parent / f"jobs-{first.name}.json"
+    jobs_file.write_text(json.dumps([{"folder": str(folder), "args": list(args)} for folder, args in runs.items()]))
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
+    with open(jobs_file.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen([*launcher, str(TRAIN_RUNS), str(jobs_file)], cwd=REPO, env=titan_env(debug_detail),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=180 * len(runs))
+        except subprocess.TimeoutExpired:  # a hang: end every process of the launch (its own session)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = {folder for folder in runs if (folder / "DONE").is_file()}
+    for folder in runs.keys() - done:
+        shutil.rmtree(folder, ignore_errors=True)
+    return done
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:
