@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from titan_core.data import (
@@ -15,6 +16,7 @@ from titan_core.data import (
     build_tokenizer,
 )
 from titan_core.data.tiktoken_tokenizer import llama3_special_tokens, split_long_runs
+from titan_core.data.token_shards import token_dtype, wrap_document
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 GPT2_RANKS = SHARED / "tokenizers" / "gpt2.tiktoken"
@@ -78,6 +80,20 @@ def test_tiktoken_round_trips_shakespeare_and_unicode(gpt2):
     assert len(ids) < len(text) / 2.5  # real BPE merges, not bytes
     assert max(ids) < gpt2.vocab_size
     assert gpt2.decode(gpt2.encode(UNICODE_TEXT)) == UNICODE_TEXT
+
+
+@needs_shared
+def test_tiktoken_array_path_equals_the_list_path(gpt2):
+    """`titan tokenize` encodes through `encode_array` (tiktoken's buffer, no Python int per token): the same ids
+    as `encode` for prose, special-token names, a run long enough to be cut, no text, a lone surrogate."""
+    texts = [HAMLET.read_text()[:20000], "a <|begin_of_text|> b <|end_of_text|>", "x" * 50000 + " y", "",
+             UNICODE_TEXT, "bad \ud800 surrogate"]
+    dtype = token_dtype(gpt2.vocab_size)
+    for text in texts:
+        array = gpt2.encode_array(text)
+        assert array.dtype == np.uint32 and array.tolist() == gpt2.encode(text)
+        wrapped = wrap_document(text, gpt2, dtype)
+        assert wrapped.tolist() == [gpt2.bos_id, *gpt2.encode(text), gpt2.eos_id]
 
 
 def test_llama3_special_token_layout():

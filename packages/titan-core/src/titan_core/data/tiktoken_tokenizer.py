@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from titan_core.config.errors import ConfigError, MissingPackageError
 
 __all__ = ["TiktokenTokenizer", "LLAMA3_PATTERN", "GPT2_PATTERN", "llama3_special_tokens"]
@@ -117,6 +119,24 @@ class TiktokenTokenizer:
         for piece in split_for_tiktoken(text):
             ids.extend(self._encoding.encode_ordinary(piece))  # special-token names as plain text
         return ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as a uint32 array, through tiktoken's buffer path: no Python int per token, which made
+        `titan tokenize` ~20% faster on one core (`benchmarks/tokenize_speed.py`).
+
+        Args:
+            text: any string.
+        """
+        try:
+            parts = [  # allowed_special=set() with no disallowed check: special-token names as plain text
+                self._encoding.encode_to_numpy(piece, allowed_special=set(), disallowed_special=())
+                for piece in split_for_tiktoken(text)
+            ]
+        except UnicodeEncodeError:  # lone surrogates: encode_ordinary's own fix-up, through the list path
+            return np.asarray(self.encode(text), dtype=np.uint32)
+        if not parts:
+            return np.empty(0, dtype=np.uint32)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; special tokens render as their names.

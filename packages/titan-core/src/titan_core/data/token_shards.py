@@ -333,6 +333,17 @@ def wrap_document(text: str, tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarra
     Raises:
         ValueError: an id is outside `[0, vocab_size)`, so it would not fit or not embed.
     """
+    encode_array = getattr(tokenizer, "encode_array", None)  # a tokenizer that returns an array (tiktoken's)
+    if encode_array is not None:
+        array = encode_array(text)  # unsigned: checked before the cast, which would wrap an id that does not fit
+        if array.size and int(array.max()) >= tokenizer.vocab_size:
+            raise ValueError(
+                f"{tokenizer!r} returned id {int(array.max())} outside its vocab_size {tokenizer.vocab_size}"
+            )
+        wrapped = np.empty(array.size + 2, dtype=dtype)
+        wrapped[0], wrapped[-1] = tokenizer.bos_id, tokenizer.eos_id
+        wrapped[1:-1] = array
+        return wrapped
     ids = tokenizer.encode(text)
     wrapped = np.empty(len(ids) + 2, dtype=dtype)
     wrapped[0], wrapped[-1] = tokenizer.bos_id, tokenizer.eos_id
