@@ -11,6 +11,7 @@ import typer
 from titan_cli.convert_cmd import convert
 from titan_cli.estimate_cmd import _PASS_THROUGH as _EST
 from titan_cli.estimate_cmd import estimate_memory
+from titan_cli.eval_cmd import evaluate
 from titan_cli.generate_cmd import generate
 from titan_cli.lighthouse_cmd import lighthouse
 from titan_cli.plan_cmd import _PASS_THROUGH as _PLAN
@@ -104,6 +105,7 @@ app.command("estimate-memory", context_settings=_EST)(estimate_memory)
 app.command("plan", context_settings=_PLAN)(plan)
 app.command()(tokenize)
 app.command()(generate)
+app.command("eval")(evaluate)
 app.command()(lighthouse)
 
 if __name__ == "__main__":
