@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -27,7 +28,7 @@ def evaluate(
         None, "--limit", help="Examples per task: a count, or a fraction of the task when below 1."
     ),
     num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="Few-shot examples per prompt."),
-    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Sequences per forward for log-likelihoods."),
+    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Sequences per forward and per decoding batch."),
     device: str | None = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on a CUDA GPU with bf16), float32, bfloat16."),
     model_name: str | None = typer.Option(None, "--model-name", help="Model family (default: from the checkpoint)."),
@@ -56,7 +57,7 @@ def evaluate(
         from titan_core.config.errors import ConfigError
         from titan_core.lm_eval_model import TitanLM
 
-        manager = TaskManager(include_path=str(include_path) if include_path else None)
+        manager = _task_manager(TaskManager, names, include_path)
         unknown = [name for name in names if name not in manager.all_tasks]
         if unknown:
             raise ConfigError(
@@ -90,3 +91,13 @@ def evaluate(
         record = {"checkpoint": checkpoint, "results": results["results"], "versions": results.get("versions", {})}
         output.write_text(json.dumps(record, indent=2, default=str) + "\n")
         typer.echo(f"results: {output}", err=True)
+
+
+def _task_manager(task_manager: type, names: list[str], include_path: Path | None) -> Any:
+    """lm-eval's task index: the --include-path folder alone when it holds every task named (indexing
+    lm-eval's own ~15,000 task files takes seconds), else that folder and lm-eval's own tasks."""
+    if include_path is not None:
+        local = task_manager(include_path=str(include_path), include_defaults=False)
+        if all(name in local.all_tasks for name in names):
+            return local
+    return task_manager(include_path=str(include_path) if include_path else None)

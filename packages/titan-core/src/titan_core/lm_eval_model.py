@@ -14,7 +14,7 @@ and the ones that generate:
 - `loglikelihood_rolling`: the text in disjoint windows of `max_seq_len` tokens, each conditioned on
   the tokens before it (lm-eval's `get_rolling_token_windows`), summed.
 - `generate_until`: Titan's static-cache decoding (`titan_core.generation.generate`), greedy, up to
-  `max_gen_toks`; the text is cut at the first stop string.
+  `max_gen_toks`, `batch_size` prompts at a time (left-padded); the text is cut at the first stop string.
 
 lm-eval is an optional extra (`pip install 'titan-core[eval]'`); this module imports it, so import it
 only where the extra is wanted (`titan_cli.eval_cmd` does, and turns a missing extra into one line).
@@ -175,24 +175,31 @@ class TitanLM(TemplateLM):
         return results
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, cut at the first of each request's `until` strings."""
-        outputs = []
+        """Greedy continuations, cut at the first of each request's `until` strings. Requests of one `max_gen_toks`
+        decode together, `batch_size` at a time, longest prompt first (Titan's generation left-pads a batch)."""
+        prompts, max_new, until = [], [], []
         for request in requests:
             context, options = request.args
-            until = options.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(options.get("max_gen_toks", 256))
-            prompt = self.codec.encode(context)[-max(1, self.max_length - max_new) :]
+            stops = options.get("until") or []
+            until.append([stops] if isinstance(stops, str) else list(stops))
+            max_new.append(int(options.get("max_gen_toks", 256)))
+            prompts.append(self.codec.encode(context)[-max(1, self.max_length - max_new[-1]) :])
+        order = sorted(range(len(requests)), key=lambda i: (max_new[i], -len(prompts[i])))
+        outputs = [""] * len(requests)
+        start = 0
+        while start < len(order):
+            batch = [i for i in order[start : start + self.batch_size] if max_new[i] == max_new[order[start]]]
             result = generate(
                 self.loaded.model,
                 self.loaded.spec.plan,
-                [prompt],
-                max_new,
+                [prompts[i] for i in batch],
+                max_new[batch[0]],
                 GREEDY,
                 eos_ids=self.codec.eos_ids,
                 max_seq_len=self.max_length,
             )
-            text = self.codec.decode(result.tokens[0])
-            cut = min((text.find(stop) for stop in until if stop and stop in text), default=len(text))
-            outputs.append(text[:cut])
+            for i, tokens in zip(batch, result.tokens, strict=True):
+                text = self.codec.decode(tokens)
+                outputs[i] = text[: min((text.find(stop) for stop in until[i] if stop and stop in text), default=None)]
+            start += len(batch)
         return outputs
