@@ -109,9 +109,11 @@ def test_estimate_memory_knows_the_method():
     ring = estimate_analytic(load_config(None, overrides), 4, device_type="cuda")
     ulysses = estimate_analytic(load_config(None, [*overrides, *ULYSSES]), 4, device_type="cuda")
     assert "CP ring (allgather)" in ring.layout and "CP ulysses" in ulysses.layout
-    # Per block and token (bf16 on CUDA, q = 256, kv = 128): ring keeps the gathered K/V, 2 (3 x 2 x 128), and the
-    # 4096-byte mask; Ulysses the exchanged output, 2 x 256. Six blocks of 1024 tokens.
-    per_token = 2 * 3 * 2 * 128 + 4096 - 2 * 256
+    # Per block and token (bf16 on CUDA, q = 256, kv = 128): ring keeps the gathered K/V, 2 (3 x 2 x 128), and its
+    # causal mask over the 4096 gathered keys as the bf16 additive bias the cuDNN kernel takes, 2 x 4096 (the
+    # estimate runs torch's SDPA on fake CUDA tensors with that kernel); Ulysses the exchanged output, 2 x 256.
+    # Six blocks of 1024 tokens.
+    per_token = 2 * 3 * 2 * 128 + 2 * 4096 - 2 * 256
     assert ring.ranks[0].activations - ulysses.ranks[0].activations == 6 * 1024 * per_token
     assert ulysses.ranks[0].total < ring.ranks[0].total
 

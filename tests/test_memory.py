@@ -63,7 +63,8 @@ def test_activations_scale_with_tokens_and_tp_divides_them():
     # set of formulas for TP 1 and 2 (compiled, TP 1's blocks and loss are measured from the graph)
     one = estimate_analytic(load_config("llama3_8b", base), 8).ranks[0].detail["saved_activations_per_microbatch"]
     double = estimate_analytic(load_config("llama3_8b", [*base, "--training.local_batch_size", "2"]), 8)
-    assert double.ranks[0].detail["saved_activations_per_microbatch"] == pytest.approx(2 * one, rel=1e-6)
+    # what a block keeps once per call (RoPE's table slices, measured on fake tensors) does not double
+    assert double.ranks[0].detail["saved_activations_per_microbatch"] == pytest.approx(2 * one, rel=5e-3)
     tp = estimate_analytic(load_config("llama3_8b", [*base, "--parallelism.tensor_parallel_degree", "2"]), 8)
     # TP with SP splits every saved tensor except the gathered linear inputs (b d per norm, 2 per block)
     assert 0.5 * one < tp.ranks[0].detail["saved_activations_per_microbatch"] < 0.65 * one

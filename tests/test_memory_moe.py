@@ -97,9 +97,12 @@ def test_the_estimate_counts_each_block_by_its_kind():
     ]  # the plain loss: its saved log-softmax is `act.logits_saved`
     cfg = load_config(None, base)
     args = get_model_args("deepseek_v3", "debugmodel")
-    act = get_model_spec("deepseek_v3").activation_bytes(
-        args, ActivationLayout(compute_bytes=4, seq_len=256, device_type="cpu")
+    from titan_core.memory.eager_saved import measure_eager  # the figures the analytic tier uses
+
+    eager = measure_eager(
+        get_model_spec("deepseek_v3"), args, ActivationLayout(compute_bytes=4, seq_len=256, device_type="cpu")
     )
+    act = eager.for_tokens(2 * 256)  # what a block keeps once per call, spread over the micro-batch's tokens
     dense, moe = act.per_block[0], act.per_block[1]
     assert dense.block != moe.block and act.block == min(dense.block, moe.block)
     tokens = 2 * 256
@@ -121,6 +124,8 @@ def test_the_estimate_counts_each_block_by_its_kind():
     )
     first, last = estimate_analytic(pp, 2).ranks
     microbatch = 256
+    act = eager.for_tokens(microbatch)
+    dense, moe = act.per_block[0], act.per_block[1]
     assert first.detail["saved_activations_per_microbatch"] == microbatch * (dense.block + moe.block)
     assert last.detail["saved_activations_per_microbatch"] == microbatch * (2 * moe.block + act.head + act.logits_saved)
 

@@ -1,6 +1,7 @@
 """How much device memory each rank of a job needs, before launching it: `titan estimate-memory`.
 
-Three tiers return the same `MemoryEstimate`: `analytic` (formulas; instant, any size),
+Three tiers return the same `MemoryEstimate`: `analytic` (arithmetic on per-block figures measured on
+fake tensors; quick, any size),
 `traced` (the real model and train step under FakeTensorMode with a fake
 process group, measured by torch's memory tracker) and `measured` (the real job on
 this host's devices at two shallow depths, extrapolated to the full depth). `estimate_memory` picks one,

@@ -1,8 +1,11 @@
-"""The analytic tier of `titan estimate-memory`: per-rank peak memory from formulas, for any size.
+"""The analytic tier of `titan estimate-memory`: per-rank peak memory by arithmetic on measured parts, for any size.
 
-Instant for any model size and world size: parameters are counted on the meta
-model (exact, after TP and FSDP sharding with FSDP2's padding), activations come
-from the model family's saved-tensor formulas (`ModelSpec.activation_bytes`),
+Quick for any model size and world size: parameters are counted on the meta
+model (exact, after TP and FSDP sharding with FSDP2's padding); the bytes each kind
+of block, the head and the loss keep for backward are measured once per layout on fake
+tensors at the rank's shapes (`titan_core.memory.eager_saved`; under compile, the blocks
+from the compiled graph, `compiled_saved`) and scaled by tokens; the transients of a
+backward (a block's, the loss's) are the family's formulas (`ModelSpec.activation_bytes`);
 and the peak is the largest of the moments a training step passes through
 (`_moments`): the loss's backward, the output projection's backward, the last
 block's backward, and the optimizer step. `docs/memory.md` writes every term out.
@@ -23,6 +26,7 @@ from titan_core.muon_groups import takes_muon
 from titan_core.optim import resolve_implementation
 
 if TYPE_CHECKING:
+    from titan_core.memory.eager_saved import FusedLossBytes
     from titan_models import ActivationBytes
     from titan_parallel import ParallelDims
 
@@ -102,8 +106,21 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         device_type=job.device_type,
         loss_parallel=not p.disable_loss_parallel,
     )
-    act = activation_bytes(job.model_args, layout)
-    if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs keep the formulas)
+    from titan_core.memory.eager_saved import FusedLossBytes, measure_eager
+
+    microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
+    tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
+
+    try:
+        eager = measure_eager(job.spec, job.model_args, layout, job.meta_model())
+        act, fused_saved = eager.for_tokens(tokens), eager.fused_loss  # per-call bytes over the micro-batch
+        if not eager.measured:
+            notes.append("this process has a process group: the blocks' saved bytes under TP / CP are the formulas'")
+    except Exception as e:  # torch raises many kinds; the formulas still give the figures
+        act = activation_bytes(job.model_args, layout)
+        fused_saved = FusedLossBytes(b * job.model_args.dim, -1)  # -1: the output weight's gradient, counted below
+        notes.append(f"measuring the saved activations on fake tensors failed ({type(e).__name__}); formulas used")
+    if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs: measured eager)
         from titan_core.memory.compiled_saved import compiled_block_bytes, compiled_loss_bytes
 
         act, compile_note = compiled_block_bytes(job, act)
@@ -111,11 +128,9 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         act, loss_note = compiled_loss_bytes(job, act)
         notes += [loss_note] if loss_note else []
     stages = _stage_names(job)
-    microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
-    tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
     buffers = _buffer_bytes(job)  # counted once: every stage holds the root's buffers
     ranks = [
-        _rank_memory(job, pp_rank, stages, act, b, reduce_b, fsdp, shards, tokens, buffers)
+        _rank_memory(job, pp_rank, stages, act, fused_saved, b, reduce_b, fsdp, shards, tokens, buffers)
         for pp_rank in range(dims.pp)
     ]
     if "float8" in cfg.model.converters:
@@ -260,6 +275,7 @@ def _rank_memory(
     pp_rank: int,
     stages: list[list[str]],
     act: ActivationBytes,
+    fused_saved: FusedLossBytes,
     b: int,
     reduce_b: int,
     fsdp: bool,
@@ -298,10 +314,10 @@ def _rank_memory(
     inflight = inflight_microbatches(p.pipeline_parallel_schedule, dims.pp, pp_rank, len(indices), n_micro)
     saved_blocks = tokens * sum(per_block)
     fused = fused_loss_applies(job)
-    dim_bytes = b * job.model_args.dim  # one token's hidden state in the compute dtype
-    # The fused loss keeps the gradients it took in forward (hidden states, output weight), no logits.
+    # The fused loss keeps the gradients it took in forward (hidden states, output weight), no logits: measured.
     output_numel = sum(v for k, v in params.unsharded_root.items() if k in plan.pp_last and k != "norm")
-    saved_loss = tokens * dim_bytes + b * output_numel if fused else tokens * act.logits_saved
+    fused_fixed = fused_saved.fixed if fused_saved.fixed >= 0 else b * output_numel
+    saved_loss = tokens * fused_saved.per_token + fused_fixed if fused else tokens * act.logits_saved
     saved_head = tokens * act.head + saved_loss if has_head else 0
     activations = inflight * saved_blocks + saved_head
     # What a block's backward adds: its recompute under AC, the gradients of its activations; of the

@@ -1,6 +1,6 @@
 """What one block keeps for backward under `torch.compile`: read from the compiled graph, not derived.
 
-The eager formulas (`ModelSpec.activation_bytes`) count what autograd saves op by op. A
+The eager figures (`titan_core.memory.eager_saved`) count what autograd saves op by op. A
 compiled block saves what AOTAutograd's partitioner decides: it traces the block's joint
 forward + backward graph and cuts it (Inductor's `min_cut_rematerialization_partition`,
 after Inductor's joint-graph passes), recomputing cheap element-wise results in backward
@@ -33,7 +33,7 @@ decomposed by Inductor on both devices (`aten._fused_rms_norm` is in its decompo
 table); the partitioner does not look at the device. Inductor's CUDA-only joint-graph
 passes (matmul padding) are not run.
 
-Not measured (the analytic tier keeps the eager formulas there, and says so): tensor and
+Not measured (the analytic tier keeps the eager figures there, and says so): tensor and
 context parallel (TP compiles each child of a block around eager sequence-parallel norms;
 CP's ring attention breaks the graph), float8 / MX linears, autocast (DDP with a bf16
 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
@@ -336,7 +336,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     dims = job.dims
     assert dims is not None, "an estimate's job is resolved for a world size"
     dtype = job.parallel.param_dtype
-    eager = "eager formulas for the blocks (an upper bound)"
+    eager = "the eager blocks' figures (an upper bound)"
     why_not = None
     if not job.parallel.compile:
         why_not = "compile.components leaves the blocks eager"
@@ -376,7 +376,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
             ).per_token
             for kind in kinds
         }
-    except Exception as e:  # torch raises many kinds; the eager formulas still bound the estimate
+    except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the compiled block failed ({first_line}); {eager}"
     fields = {"none": "block", "op": "block_op", "full": "block_input"}

@@ -262,8 +262,11 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         return refuse_expert_parallel(probe, cfg)
 
     @functools.cache
-    def activations(tp: int, cp: int) -> Any:
-        return spec.activation_bytes(
+    def activations(tp: int, cp: int) -> Any:  # measured on fake tensors once per (tp, cp) (`eager_saved`)
+        from titan_core.memory.eager_saved import measure_eager
+
+        return measure_eager(
+            spec,
             args,
             ActivationLayout(
                 compute_bytes=compute_bytes,
@@ -275,7 +278,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
                 device_type="cuda",
                 loss_parallel=not cfg.parallelism.disable_loss_parallel,
             ),
-        )
+        ).act
 
     scored: list[Ranked] = []
     closest_bound = None
@@ -288,7 +291,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
             plan.counts["rule"] += 1
             plan.rule_errors[refusal] += 1
             continue
-        act = None if cfg.compile.enable else activations(t.tp, t.cp)  # compiled: saves less than the formulas
+        act = None if cfg.compile.enable else activations(t.tp, t.cp)  # compiled: saves less than eager
         bound = memory_lower_bound(t, w, act, sizes, compute_bytes, ends)
         over_host = t.offload and host_lower_bound(t, w, c.gpus_per_node) > plan.host_memory
         if bound > plan.usable or over_host:

@@ -1,0 +1,232 @@
+"""Running a model's part on fake tensors as the target runs it, and counting what autograd keeps for backward.
+
+The machinery of `titan_core.memory.eager_saved`:
+
+- `fake_target`: `FakeTensorMode` on the target's device type. Fake CUDA tensors need no GPU for a
+  forward, so CUDA's kernels decide what is saved (its fused RMSNorm; `torch._grouped_mm` for bf16
+  experts, as on Hopper). SDPA's kernel choice asks the GPU, and without one falls back to the math
+  path, which no GPU runs: `F.scaled_dot_product_attention` calls cuDNN's, flash's or the
+  memory-efficient kernel instead, in the order `titan_parallel.attention_backend` gives an H100.
+  The experts' token counts, read with `.tolist()`, are answered with an even load (`EvenLoad`).
+- `fake_mesh`: tensor / context parallel over a fake process group (collectives return at once, moving
+  nothing), rank 0 of `cp x tp`, as the traced tier runs; `on_fake` gives a module fake storage, a
+  DTensor parameter its local shard.
+- `SavedStorages` and `block_saved_bytes`: what `torch.autograd.graph.saved_tensors_hooks` sees, plus
+  what selective "op" AC caches itself (`_CachingTorchDispatchMode.storage`) and, for a checkpointed
+  block, its input; each storage once (a DTensor's local shard), parameters and buffers left out.
+
+Private torch APIs used (torch 2.15): `FakeTensorMode`; SAC's
+`torch.utils.checkpoint._CachingTorchDispatchMode.storage` and `_VersionWrapper.val`;
+`aten._local_scalar_dense` answered by a `TorchDispatchMode`; SDPA's CUDA kernels
+`aten._scaled_dot_product_cudnn_attention` / `_flash_attention` / `_efficient_attention` called directly (patched in for
+`F.scaled_dot_product_attention`, with `torch.cuda.get_device_capability`, during a CUDA measurement
+only); `CheckpointWrapper.checkpoint_fn` (a `functools.partial`); the "fake" process group of
+`torch.testing._internal.distributed.fake_pg`; a CUDA `DeviceMesh` made with the CUDA device queries
+patched (no GPU is touched).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class NoFakeGroup(Exception):
+    """This process already has a process group: a fake one cannot be started beside it."""
+
+
+@contextmanager
+def fake_mesh(tp: int, cp: int, device: str) -> Iterator[DeviceMesh | None]:
+    """A `("cp", "tp")` mesh of rank 0 over a fake process group of `cp x tp` ranks; None for one rank.
+
+    Raises:
+        NoFakeGroup: the process already has a process group.
+    """
+    if tp * cp == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise NoFakeGroup("this process already has a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
+    try:
+        with (
+            mock.patch("torch.cuda.device_count", return_value=tp * cp),
+            mock.patch("torch.cuda.is_available", return_value=True),
+            mock.patch("torch.cuda.set_device"),
+        ):
+            yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+class EvenLoad(TorchDispatchMode):
+    """Answers what a fake forward cannot: the experts' token counts (`.tolist()`), with an even load."""
+
+    def __init__(self, counts: Callable[[], int]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return self.counts()
+        return func(*args, **(kwargs or {}))
+
+
+def _cuda_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` as an H100 runs it under `training.attention_backend = "auto"`
+    (`titan_parallel.attention_backend`: cuDNN, then flash, memory-efficient): cuDNN for 16-bit inputs of equal
+    q / v head widths up to 128 (grouped-query K/V as they are, a mask as an additive bias), else flash (no mask,
+    equal widths up to 256), else the memory-efficient kernel (K/V repeated to the query heads). Without a GPU,
+    SDPA's own choice on fake CUDA tensors falls back to the math path, which no GPU runs."""
+    aten = torch.ops.aten
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA does: an additive bias in q's dtype
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(q.dtype)
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if half and q.shape[-1] == v.shape[-1] <= 128:
+        return aten._scaled_dot_product_cudnn_attention(
+            q, k, v, attn_mask, True, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if attn_mask is None and half and q.shape[-1] == v.shape[-1] <= 256:
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what the rank holds); a plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage(t: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(_local(t).untyped_storage())
+
+
+class SavedStorages:
+    """Storages kept for backward, each once, the excluded ones (parameters, buffers) left out."""
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self.skip = {_storage(t) for t in exclude}
+        self.kept: dict[Any, int] = {}
+        self.sac_modes: list[Any] = []  # selective AC's forward caches (`_CachingTorchDispatchMode`)
+
+    def add(self, t: Any) -> None:
+        if isinstance(t, torch.Tensor) and _storage(t) not in self.skip:
+            self.kept[_storage(t)] = int(_local(t).untyped_storage().nbytes())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.kept.values())
+
+
+@contextmanager
+def fake_target(device: str, counts: Callable[[], int] = lambda: 0) -> Iterator[None]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), EvenLoad(counts):
+        warnings.simplefilter("ignore")  # SAC's FutureWarning about saved_tensors_hooks around its region
+        if device != "cuda":
+            yield
+            return
+        with (
+            mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),  # Hopper: `torch._grouped_mm`
+            mock.patch("torch.nn.functional.scaled_dot_product_attention", _cuda_sdpa),
+        ):
+            yield
+
+
+def on_fake(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:
+    """`module` (a copy of a meta module, made outside `FakeTensorMode`) given fake storage, in place: floating
+    parameters in `dtype`, buffers in their own dtype."""
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False):
+            local = _local(p)
+            data = torch.empty(local.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+            if isinstance(p, DTensor):  # tensor parallel's shard: the local part, fake
+                data = DTensor.from_local(
+                    data, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            m.register_parameter(name, nn.Parameter(data, requires_grad=p.requires_grad))
+        for name, buf in m.named_buffers(recurse=False):
+            m.register_buffer(name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
+    return module
+
+
+def _sac_cache(wrapper: nn.Module, into: SavedStorages) -> None:
+    """Make the selective-AC `wrapper` record, after each forward, what its policy cached into `into`."""
+    ckpt = wrapper.checkpoint_fn
+    assert isinstance(ckpt, functools.partial), "CheckpointWrapper keeps its checkpoint as a functools.partial"
+    make_contexts = ckpt.keywords["context_fn"]
+
+    def recording() -> Any:
+        forward_ctx, recompute_ctx = make_contexts()
+        into.sac_modes.append(forward_ctx)
+        return forward_ctx, recompute_ctx
+
+    recorded = functools.partial(ckpt.func, *ckpt.args, **{**ckpt.keywords, "context_fn": recording})
+    setattr(wrapper, "checkpoint_fn", recorded)  # noqa: B010  (a plain attribute of CheckpointWrapper, not a module)
+
+
+def block_saved_bytes(
+    block: nn.Module,
+    blocks_path: str,
+    rope: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: str,
+    ac: str,
+) -> int:
+    """Bytes `block` (fake) keeps for backward for one call on a `shape` input (`(batch, seq, dim)`, the sequence
+    split under sequence parallel) under AC kind `ac`; `rope` and `positions` as the model passes them."""
+    from titan_core.memory.compiled_saved import _wrapped
+
+    saved = SavedStorages([*block.parameters(), *block.buffers(), *([rope] if rope is not None else [])])
+    unit = _wrapped(block, blocks_path, ac)
+    if ac == "op":
+        _sac_cache(unit, saved)
+    hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
+    kwargs = {"rope_cache": rope} if rope is not None else {}
+    if positions is not None:
+        kwargs["positions"] = positions
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        unit(hidden, **kwargs)
+    if ac != "none":
+        saved.add(hidden)  # the checkpoint keeps its input to recompute from
+    for mode in saved.sac_modes:
+        for outputs in mode.storage.values():  # {op: {call index: output}}
+            for out in outputs.values():
+                for wrapped in torch.utils._pytree.tree_leaves(out):
+                    saved.add(getattr(wrapped, "val", None))
+    return saved.total
