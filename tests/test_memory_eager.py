@@ -9,24 +9,9 @@ import torch
 
 from titan_core.memory.eager_saved import measure_eager
 from titan_models import ActivationLayout, get_model_args, get_model_spec
+from titan_run import autograd_saved_bytes
 
 SEQ = 64
-
-
-def _saved_bytes(model: torch.nn.Module, run) -> int:
-    """Bytes of the storages autograd saves while `run()` runs, parameters and buffers aside."""
-    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in known:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values())
 
 
 @pytest.mark.parametrize("name, flavor, layer", [
@@ -45,7 +30,7 @@ def test_a_measured_block_keeps_what_autograd_saves_for_real(name, flavor, layer
         act = eager.for_tokens(bs * SEQ)
         expected = act.per_block[layer].block if act.per_block else act.block
         x = torch.randn(bs, SEQ, args.dim, requires_grad=True)
-        real = _saved_bytes(model, lambda x=x: model.layers[str(layer)](x, model.rope_cache))
+        real = autograd_saved_bytes(model, lambda x=x: model.layers[str(layer)](x, model.rope_cache))
         # to the byte but for DeepSeek-V3's dense block, whose CPU math-path attention keeps a reshape as a view of
         # one sequence and as a copy of several (1.2% at 3 sequences)
         assert real / (bs * SEQ) == pytest.approx(expected, rel=0.015)

@@ -17,6 +17,7 @@ from titan_core.config import load_config
 from titan_core.memory.analytic import estimate_analytic
 from titan_core.trainer import cross_entropy_loss
 from titan_models import ActivationLayout, get_model_args, get_model_spec
+from titan_run import autograd_saved_bytes
 
 BS, SEQ = 2, 64
 LAYOUT = ActivationLayout(compute_bytes=4, tp=1, cp=1, seq_len=SEQ, device_type="cpu")
@@ -39,18 +40,7 @@ def _model(name: str, flavor: str) -> torch.nn.Module:
 
 def _saved_bytes_per_token(model: torch.nn.Module, run) -> float:
     """Bytes of the storages autograd saves while `run()` runs, parameters and buffers aside, per token."""
-    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in known:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values()) / (BS * SEQ)
+    return autograd_saved_bytes(model, run) / (BS * SEQ)
 
 
 @pytest.mark.parametrize("name, flavor, layer", FAMILIES)

@@ -102,3 +102,22 @@ class ListSource:
 
     def skip(self, n_docs):
         return iter(self.docs[n_docs:])
+
+
+def autograd_saved_bytes(model, run) -> int:
+    """Bytes of the storages autograd saves while `run()` runs (`saved_tensors_hooks`), each storage once,
+    `model`'s parameters and buffers aside: what a forward keeps for backward, counted by torch itself."""
+    import torch
+
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in known:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())

@@ -86,10 +86,11 @@ def fuse_shared_input_linears(model: nn.Module, plan: ModelPlan) -> Iterator[int
     try:
         for block in blocks.children() if blocks is not None else ():
             for group in plan.shared_input_linears:
-                linears = [_plain_linear(block, path) for path in group]
-                if len(linears) < 2 or any(lin is None for lin in linears) or not _fusable(linears):
+                found = [_plain_linear(block, path) for path in group]
+                linears = [lin for lin in found if lin is not None]
+                if len(linears) < 2 or len(linears) < len(found) or not _fusable(linears):
                     continue
-                restore += _fuse(block, group, [lin for lin in linears if lin is not None])
+                restore += _fuse(block, group, linears)
                 fused += 1
         yield fused
     finally:
@@ -105,17 +106,14 @@ def _plain_linear(block: nn.Module, path: str) -> nn.Linear | None:
     return module if type(module) is nn.Linear else None
 
 
-def _fusable(linears: Sequence[nn.Linear | None]) -> bool:
-    weights = [lin.weight for lin in linears if lin is not None]
-    first = weights[0]
+def _fusable(linears: Sequence[nn.Linear]) -> bool:
+    """Plain parameters (not DTensors) of one input size, dtype and device, and no biases."""
+    first = linears[0].weight
     return all(
-        type(w) is nn.Parameter
-        and w.size(1) == first.size(1)
-        and w.dtype == first.dtype
-        and w.device == first.device
-        and lin is not None
+        type(lin.weight) is nn.Parameter
         and lin.bias is None
-        for lin, w in zip(linears, weights, strict=True)
+        and (lin.weight.size(1), lin.weight.dtype, lin.weight.device) == (first.size(1), first.dtype, first.device)
+        for lin in linears
     )
 
 
