@@ -1,5 +1,5 @@
 """The analytic tier under `compile.enable`: a block's saved bytes read from the compiled graph
-(`titan_core.memory.compiled_saved`), against the eager formulas and against a real compiled run.
+(`titan_core.memory.compiled_saved`), against the measured eager figures and against a real compiled run.
 
 The real run is one CPU process of the Llama 3 debugmodel (dim 256, 6 blocks, vocab 2048; fp32, 4 x 256
 tokens) compiled by Inductor: ~35 s on 2 busy cores with Inductor's kernel cache warm, ~75 s cold (its
@@ -19,7 +19,9 @@ from titan_core.config import load_config
 from titan_core.job.meta_model import build_meta_model
 from titan_core.memory.analytic import estimate_analytic
 from titan_core.memory.compiled_saved import measure_block
-from titan_models import ActivationLayout, get_model_args, get_model_spec
+from titan_core.memory.activations import ActivationLayout
+from titan_core.memory.eager_saved import measure_eager
+from titan_models import get_model_args, get_model_spec
 from titan_run import REPO, titan_env
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -44,8 +46,7 @@ def _measure(family: str, flavor: str, ac: str, batch: int, seq_len: int, dtype:
         dtype=dtype,
         ac=ac,
     )
-    assert spec.activation_bytes is not None
-    eager = spec.activation_bytes(args, ActivationLayout(compute_bytes=dtype.itemsize, seq_len=seq_len))
+    eager = measure_eager(spec, args, ActivationLayout(compute_bytes=dtype.itemsize, seq_len=seq_len)).act
     return saved, eager, args
 
 
@@ -61,23 +62,23 @@ def test_a_compiled_run_peaks_within_10_percent_of_the_compiled_estimate(tmp_pat
         cwd=REPO,
     )
     compiled = estimate_analytic(load_config(None, COMPILED), 1, device_type="cpu")  # traced while the run runs
-    eager_formulas = estimate_analytic(load_config(None, BASE), 1, device_type="cpu")  # the same job, not compiled
+    eager_estimate = estimate_analytic(load_config(None, BASE), 1, device_type="cpu")  # the same job, not compiled
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-6000:]
     measured = json.loads(out.read_text())["peak"]
     error = (compiled.ranks[0].total - measured) / measured
     assert abs(error) < TARGET, (compiled.ranks[0].total / 2**20, measured / 2**20)
-    # the measurement is what moved it: the eager formulas overshoot the compiled run by more
-    eager_error = (eager_formulas.ranks[0].total - measured) / measured
+    # the compiled graph's figures are what moved it: the eager ones overshoot the compiled run by more
+    eager_error = (eager_estimate.ranks[0].total - measured) / measured
     assert eager_error > abs(error), (eager_error, error)
     assert any("measured from the compiled graph" in n for n in compiled.notes), compiled.notes
-    assert not any("compiled graph" in n for n in eager_formulas.notes)
+    assert not any("compiled graph" in n for n in eager_estimate.notes)
 
 
 @pytest.mark.parametrize(("family", "flavor"), [("llama3", "1B"), ("qwen3", "debugmodel")])
-def test_compiled_blocks_save_less_than_the_eager_formulas(family, flavor):
-    """bf16 at the issue's GPU shape (4 x 2048 tokens), against CUDA's eager formula (fused RMSNorm, the
-    smaller one): the partitioner recomputes element-wise results the eager graph keeps."""
+def test_compiled_blocks_save_less_than_the_eager_ones(family, flavor):
+    """bf16 at the issue's GPU shape (4 x 2048 tokens), against the eager block measured as CUDA runs it (fused
+    RMSNorm, the smaller one): the partitioner recomputes element-wise results the eager graph keeps."""
     batch, seq_len, dtype = 4, 2048, torch.bfloat16
     none, eager, args = _measure(family, flavor, "none", batch, seq_len, dtype)
     op, *_ = _measure(family, flavor, "op", batch, seq_len, dtype)
@@ -101,7 +102,7 @@ def test_measurements_are_cached():
     assert again is first
 
 
-def test_layouts_not_measured_keep_the_eager_formulas_and_say_why():
+def test_layouts_not_measured_keep_the_eager_figures_and_say_why():
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     compiled = estimate_analytic(load_config(None, [*COMPILED, *tp]), 2, device_type="cpu")
     eager = estimate_analytic(load_config(None, [*BASE, *tp]), 2, device_type="cpu")
@@ -111,7 +112,7 @@ def test_layouts_not_measured_keep_the_eager_formulas_and_say_why():
 
 def test_the_compiled_loss_keeps_its_logits_in_the_compute_dtype():
     """Compiled, the plain loss saves the logits as they come (bf16) and one fp32 log-sum-exp per token;
-    eager, it keeps the fp32 log-softmax (the family formula's 4 bytes per vocabulary entry)."""
+    eager, it keeps the fp32 log-softmax (4 bytes per vocabulary entry)."""
     from titan_core.memory.compiled_saved import measure_loss
 
     vocab = 2048

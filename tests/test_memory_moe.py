@@ -1,6 +1,6 @@
-"""`titan estimate-memory` for Qwen3, Qwen3-MoE and DeepSeek-V3: each family's activation formulas
-against what autograd really saves (`saved_tensors_hooks`, CPU fp32), the analytic tier's per-block
-kinds (DeepSeek-V3's dense and MoE blocks), and expert parallel in the command's output."""
+"""`titan estimate-memory` for Qwen3, Qwen3-MoE and DeepSeek-V3: the analytic tier's per-block kinds
+(DeepSeek-V3's dense and MoE blocks) and expert parallel in the command's output. What each kind of block
+keeps, measured, is held to what autograd really saves in tests/test_memory_eager.py."""
 
 from __future__ import annotations
 
@@ -8,63 +8,14 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 from typer.testing import CliRunner
 
 from titan_cli.main import app
 from titan_core.config import load_config
 from titan_core.memory.analytic import estimate_analytic
-from titan_core.trainer import cross_entropy_loss
-from titan_models import ActivationLayout, get_model_args, get_model_spec
-from titan_run import autograd_saved_bytes
-
-BS, SEQ = 2, 64
-LAYOUT = ActivationLayout(compute_bytes=4, tp=1, cp=1, seq_len=SEQ, device_type="cpu")
-
-# (model.name, flavor, a block of each kind: DeepSeek-V3 debugmodel's block 0 is dense, block 1 MoE)
-FAMILIES = [
-    ("qwen3", "debugmodel", 0),
-    ("qwen3_moe", "debugmodel_moe", 0),
-    ("deepseek_v3", "debugmodel", 0),
-    ("deepseek_v3", "debugmodel", 1),
-]
-
-
-def _model(name: str, flavor: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = get_model_spec(name).build(get_model_args(name, flavor))
-    model.init_weights()
-    return model
-
-
-def _saved_bytes_per_token(model: torch.nn.Module, run) -> float:
-    """Bytes of the storages autograd saves while `run()` runs, parameters and buffers aside, per token."""
-    return autograd_saved_bytes(model, run) / (BS * SEQ)
-
-
-@pytest.mark.parametrize("name, flavor, layer", FAMILIES)
-def test_a_block_keeps_what_the_formula_says(name, flavor, layer):
-    """One block's forward (its input counted: only this block keeps it) against `ActivationBytes.block`."""
-    model = _model(name, flavor)
-    act = get_model_spec(name).activation_bytes(model.args, LAYOUT)
-    expected = act.per_block[layer].block if act.per_block else act.block
-    x = torch.randn(BS, SEQ, model.args.dim, requires_grad=True)
-    measured = _saved_bytes_per_token(model, lambda: model.layers[str(layer)](x, model.rope_cache))
-    assert measured == pytest.approx(expected, rel=0.05)
-
-
-@pytest.mark.parametrize("name, flavor", [("qwen3", "debugmodel"), ("deepseek_v3", "debugmodel")])
-def test_the_head_and_loss_keep_what_the_formula_says(name, flavor):
-    """The final norm, the output projection and the loss against `head + logits_saved`."""
-    model = _model(name, flavor)
-    act = get_model_spec(name).activation_bytes(model.args, LAYOUT)
-    h = torch.randn(BS, SEQ, model.args.dim, requires_grad=True)
-    labels = torch.randint(0, model.args.vocab_size, (BS, SEQ))
-    measured = _saved_bytes_per_token(model, lambda: cross_entropy_loss(model.output(model.norm(h)), labels))
-    labels_bytes = 8  # the int64 labels nll_loss keeps are the batch's, not an activation
-    assert measured - labels_bytes == pytest.approx(act.head + act.logits_saved, rel=0.05)
-
+from titan_core.memory.activations import ActivationLayout
+from titan_models import get_model_args, get_model_spec
 
 def test_the_estimate_counts_each_block_by_its_kind():
     """DeepSeek-V3 debugmodel (1 dense block of 4): the saved activations are the dense block's once and the

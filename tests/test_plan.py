@@ -137,7 +137,9 @@ def test_search_ranks_tp_across_nodes_below_tp_within_a_node():
 def test_memory_lower_bound_never_exceeds_the_estimate():
     import dataclasses
 
-    from titan_models import ActivationLayout, get_model_args, get_model_spec
+    from titan_core.memory.activations import ActivationLayout
+    from titan_core.memory.eager_saved import measure_eager
+    from titan_models import get_model_args, get_model_spec
 
     for config, gpus, global_batch in (("llama3_70b", 64, 512), ("llama3_405b", 512, 256)):
         plan = prepare_plan(PlanRequest(config, gpus=gpus, seq_len=8192, global_batch=global_batch))
@@ -146,7 +148,7 @@ def test_memory_lower_bound_never_exceeds_the_estimate():
         layouts = [t for t in candidate_layouts(gpus, 8, 8192, global_batch, SCHEDULES)
                    if refuse_by_rule(t, args, plan.base, 8192) is None]
         for t in layouts[:: len(layouts) // 25]:
-            act = spec.activation_bytes(args, ActivationLayout(compute_bytes=2, tp=t.tp, cp=t.cp, seq_len=8192))
+            act = measure_eager(spec, args, ActivationLayout(compute_bytes=2, tp=t.tp, cp=t.cp, seq_len=8192)).act
             act = None if plan.base.compile.enable else act  # as `search` bounds compiled runs (plan.py)
             peak = estimate_analytic(layout_config(plan, t), gpus, device_type="cuda").peak
             assert memory_lower_bound(t, plan.workload, act, two - one) <= peak, t

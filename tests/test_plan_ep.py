@@ -22,7 +22,9 @@ from titan_core.memory.plan_model import block_sizes
 from titan_core.memory.plan_report import render_plan
 from titan_core.memory.plan_space import candidate_layouts, expert_degrees, refuse_by_rule, refuse_expert_parallel
 from titan_core.memory.step_cost import Cluster, Layout, Workload, estimate_step_cost
-from titan_models import ActivationLayout, get_model_args, get_model_spec
+from titan_core.memory.activations import ActivationLayout
+from titan_core.memory.eager_saved import measure_eager
+from titan_models import get_model_args, get_model_spec
 from titan_parallel import ParallelDims
 
 GiB = 2**30
@@ -123,9 +125,9 @@ def test_lower_bound_never_exceeds_the_estimate_on_671b_layouts():
     for t in layouts:
         if refuse_by_rule(t, args, plan.base, 4096) or refuse_expert_parallel(t, plan.base):
             continue
-        act = spec.activation_bytes(args, ActivationLayout(  # as the search asks
+        act = measure_eager(spec, args, ActivationLayout(  # as the search asks
             compute_bytes=2, tp=t.tp, cp=t.cp, cp_rotate_method=plan.workload.cp_rotate_method, seq_len=4096,
-            device_type="cuda", loss_parallel=not plan.base.parallelism.disable_loss_parallel))
+            device_type="cuda", loss_parallel=not plan.base.parallelism.disable_loss_parallel)).act
         peak = estimate_analytic(layout_config(plan, t), 256, device_type="cuda").peak
         assert memory_lower_bound(t, plan.workload, act, sizes) <= peak, t
         checked.append(t)

@@ -16,16 +16,12 @@ _EXPORTS: dict[str, str] = {
     "get_model_spec": "registry",
     "register_model_spec": "registry",
     "registered_model_specs": "registry",
-    "ActivationBytes": "spec",
-    "ActivationLayout": "spec",
     "HFAdapter": "spec",
     "ModelSpec": "spec",
     "ModelConfigError": "errors",
 }
 
 __all__ = [
-    "ActivationBytes",
-    "ActivationLayout",
     "HFAdapter",
     "ModelConfigError",
     "ModelSpec",
@@ -38,7 +34,7 @@ __all__ = [
 if TYPE_CHECKING:
     from titan_models.errors import ModelConfigError
     from titan_models.registry import get_model_args, get_model_spec, register_model_spec, registered_model_specs
-    from titan_models.spec import ActivationBytes, ActivationLayout, HFAdapter, ModelSpec
+    from titan_models.spec import HFAdapter, ModelSpec
 
 
 def __getattr__(name: str) -> Any:

@@ -286,24 +286,3 @@ class MoE(nn.Module):
         device = buffer_device if buffer_device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
-
-
-def moe_activation_bytes(args: MoEArgs, dim: int, compute_bytes: int) -> int:
-    """What `MoE.forward` keeps for backward, in bytes per token it routes (the analytic tier of
-    `titan estimate-memory`), read off the forward above with d = dim, k = top_k, h = hidden_dim,
-    b = compute-dtype bytes, at even load (a busy expert's rank holds more under expert parallel):
-
-    - router: the scores in fp32, `4 E` (softmax/sigmoid keep their output); the chosen experts'
-      weights in fp32 and, with `route_norm`, their sum, `8 k`;
-    - int64 indices: the top-k choice, the weights' gather, the slot order and its inverse, `32 k`;
-    - experts: each slot's input row and, per expert SwiGLU, `w1 x`, `w3 x`, `silu(w1 x)` and their
-      product, `b (k d + 4 k h)`; the experts' output rows, kept for the weighting, `b k d`;
-    - shared experts: a SwiGLU of width `num_shared_experts x h`, `4 b h_s` (its input is the block's).
-
-    The MoE input itself (the norm's output) is counted by the block, as for a dense FeedForward.
-    """
-    k, h = args.top_k, args.hidden_dim
-    router = 4 * args.num_experts + 8 * k
-    indices = 32 * k
-    experts = compute_bytes * (2 * k * dim + 4 * k * h)
-    return router + indices + experts + 4 * compute_bytes * args.shared_hidden_dim

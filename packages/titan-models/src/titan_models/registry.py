@@ -81,7 +81,6 @@ register_model_spec(
         flops_per_token=llama3.flops_per_token,
         count_params=llama3.count_params,
         hf_adapter=llama3.llama3_hf_adapter,
-        activation_bytes=llama3.activation_bytes,
     )
 )
 
@@ -94,7 +93,6 @@ register_model_spec(
         flops_per_token=qwen3.flops_per_token,
         count_params=qwen3.count_params,
         hf_adapter=qwen3.qwen3_hf_adapter,
-        activation_bytes=qwen3.activation_bytes,
         count_active_params=qwen3.count_active_params,
     )
 )
@@ -107,7 +105,6 @@ register_model_spec(
         flops_per_token=qwen3.flops_per_token,
         count_params=qwen3.count_params,
         hf_adapter=qwen3.qwen3_moe_hf_adapter,
-        activation_bytes=qwen3.activation_bytes,
         count_active_params=qwen3.count_active_params,
     )
 )
@@ -121,7 +118,6 @@ register_model_spec(
         flops_per_token=deepseek_v3.flops_per_token,
         count_params=deepseek_v3.count_params,
         hf_adapter=deepseek_v3.deepseek_v3_hf_adapter,
-        activation_bytes=deepseek_v3.activation_bytes,
         count_active_params=deepseek_v3.count_active_params,
     )
 )

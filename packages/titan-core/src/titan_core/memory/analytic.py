@@ -4,9 +4,8 @@ Quick for any model size and world size: parameters are counted on the meta
 model (exact, after TP and FSDP sharding with FSDP2's padding); the bytes each kind
 of block, the head and the loss keep for backward are measured once per layout on fake
 tensors at the rank's shapes (`titan_core.memory.eager_saved`; under compile, the blocks
-from the compiled graph, `compiled_saved`) and scaled by tokens; the transients of a
-backward (a block's, the loss's) are the family's formulas (`ModelSpec.activation_bytes`);
-and the peak is the largest of the moments a training step passes through
+from the compiled graph, `compiled_saved`) and scaled by tokens, and so are the transients of a
+backward (a block's, the loss's); and the peak is the largest of the moments a training step passes through
 (`_moments`): the loss's backward, the output projection's backward, the last
 block's backward, and the optimizer step. `docs/memory.md` writes every term out.
 """
@@ -26,8 +25,8 @@ from titan_core.muon_groups import takes_muon
 from titan_core.optim import resolve_implementation
 
 if TYPE_CHECKING:
+    from titan_core.memory.activations import ActivationBytes
     from titan_core.memory.eager_saved import FusedLossBytes
-    from titan_models import ActivationBytes
     from titan_parallel import ParallelDims
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
@@ -48,7 +47,7 @@ class _StageParams:
 
 
 def estimate_analytic(cfg: JobConfig, world_size: int, *, device_type: str | None = None) -> MemoryEstimate:
-    """Per-rank peak memory of `cfg` on `world_size` ranks, by formula.
+    """Per-rank peak memory of `cfg` on `world_size` ranks, by arithmetic on measured parts.
 
     Args:
         cfg: the job config.
@@ -57,14 +56,10 @@ def estimate_analytic(cfg: JobConfig, world_size: int, *, device_type: str | Non
             says so, else 'cuda'.
 
     Raises:
-        ConfigError: the layout breaks a rule of `titan_core.job`, or the model family has
-            no activation formulas (`ModelSpec.activation_bytes`).
+        ConfigError: the layout breaks a rule of `titan_core.job`, or it has TP / CP and this process already
+            has a process group (the blocks are measured over a fake one).
     """
     job, notes = check_target_job(cfg, world_size, device_type)
-    if job.spec.activation_bytes is None:
-        raise ConfigError(
-            f"model.name={cfg.model.name!r} has no activation formulas for the analytic tier; use --traced"
-        )
     return _estimate(job, notes)
 
 
@@ -83,14 +78,12 @@ def compute_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
 
 
 def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
-    from titan_models import ActivationLayout
+    from titan_core.memory.activations import ActivationLayout
     from titan_parallel import uses_fsdp
 
     cfg, world_size = job.cfg, job.world_size
     dims, _ = _sized(job)
     assert world_size is not None, "an estimate's job is resolved for a world size"
-    activation_bytes = job.spec.activation_bytes
-    assert activation_bytes is not None, "estimate_analytic refuses a family without activation formulas"
     t, p = cfg.training, cfg.parallelism
     b = compute_dtype_bytes(cfg, job.device_type)
     fsdp = uses_fsdp(dims, job.parallel)  # the same rule `parallelize` wraps by (bf16 on one rank included)
@@ -106,20 +99,19 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         device_type=job.device_type,
         loss_parallel=not p.disable_loss_parallel,
     )
-    from titan_core.memory.eager_saved import FusedLossBytes, measure_eager
+    from titan_core.memory.eager_saved import measure_eager
+    from titan_core.memory.fake_run import NoFakeGroup
 
     microbatch = p.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     tokens = microbatch * t.seq_len // dims.cp  # rank-local tokens of one (micro)batch
-
     try:
         eager = measure_eager(job.spec, job.model_args, layout, job.meta_model())
-        act, fused_saved = eager.for_tokens(tokens), eager.fused_loss  # per-call bytes over the micro-batch
-        if not eager.measured:
-            notes.append("this process has a process group: the blocks' saved bytes under TP / CP are the formulas'")
-    except Exception as e:  # torch raises many kinds; the formulas still give the figures
-        act = activation_bytes(job.model_args, layout)
-        fused_saved = FusedLossBytes(b * job.model_args.dim, -1)  # -1: the output weight's gradient, counted below
-        notes.append(f"measuring the saved activations on fake tensors failed ({type(e).__name__}); formulas used")
+    except NoFakeGroup:
+        raise ConfigError(
+            "the analytic estimate of a tensor / context parallel layout measures its blocks over a fake process "
+            "group, and this process already has one: estimate before init_process_group, or in a process of its own"
+        ) from None
+    act, fused_saved = eager.for_tokens(tokens), eager.fused_loss  # per-call bytes over the micro-batch
     if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs: measured eager)
         from titan_core.memory.compiled_saved import compiled_block_bytes, compiled_loss_bytes
 
@@ -315,8 +307,7 @@ def _rank_memory(
     saved_blocks = tokens * sum(per_block)
     fused = fused_loss_applies(job)
     # The fused loss keeps the gradients it took in forward (hidden states, output weight), no logits: measured.
-    output_numel = sum(v for k, v in params.unsharded_root.items() if k in plan.pp_last and k != "norm")
-    fused_fixed = fused_saved.fixed if fused_saved.fixed >= 0 else b * output_numel
+    fused_fixed = fused_saved.fixed
     saved_loss = tokens * fused_saved.per_token + fused_fixed if fused else tokens * act.logits_saved
     saved_head = tokens * act.head + saved_loss if has_head else 0
     activations = inflight * saved_blocks + saved_head
@@ -362,13 +353,14 @@ def _rank_memory(
     if fused:  # one chunk of logits at a time; backward only scales the kept gradients (one copy of each)
         from titan_parallel.linear_cross_entropy import default_chunk_rows
 
-        logits_now = min(tokens, default_chunk_rows(job.model_args.vocab_size)) * act.logits if has_head else 0
+        chunk = min(tokens, default_chunk_rows(job.model_args.vocab_size))
+        logits_now = chunk * (act.logits + act.logits_saved) if has_head else 0  # a chunk's loss, saved and freed
         grad_logits = saved_loss if has_head else 0
     elif plain_loss_compiled(job):  # Inductor's backward writes the logits' gradient in the compute dtype, fused
         logits_now = grad_logits = tokens * b * job.model_args.vocab_size if has_head else 0
     else:
         logits_now = tokens * act.logits if has_head else 0
-        grad_logits = tokens * (act.logits // 6) if has_head else 0  # fp32 gradient of the logits, 2/12 of the peak
+        grad_logits = tokens * act.logits_grad if has_head else 0
 
     moments = {
         # The loss's backward: every activation saved, the log-softmax and its gradients.

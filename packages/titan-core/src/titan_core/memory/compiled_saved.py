@@ -72,7 +72,7 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from titan_core.job import Job
-    from titan_models import ActivationBytes
+    from titan_core.memory.activations import ActivationBytes
 
 AC_KINDS = ("none", "op", "full")
 """What a block can run as: no AC, selective "op" AC, or checkpointed whole (full AC; selective N's
@@ -328,7 +328,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
 
     Args:
         job: the resolved job (compile on).
-        act: the family's eager figures for the job's layout.
+        act: the eager figures measured for the job's layout.
     """
     from titan_parallel import uses_fsdp
 
@@ -399,7 +399,7 @@ def compiled_loss_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes
 
     Args:
         job: the resolved job.
-        act: the family's eager figures for the job's layout.
+        act: the eager figures measured for the job's layout.
     """
     from titan_core.memory.analytic import plain_loss_compiled
 

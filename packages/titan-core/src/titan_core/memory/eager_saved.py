@@ -27,9 +27,18 @@ The final norm and output projection (`head`) and the plain loss (`logits_saved`
 fused chunked loss (`titan_parallel.linear_cross_entropy`) keeps the gradients of its input and
 of the output weight (the rank's vocab shard): measured at two token counts and fitted as
 `per_token x tokens + fixed`. Expert parallel does not change the bytes per token at even load
-(the MoE is measured whole). Transients (a block's backward, the loss's logits) are still the
-family's formulas (`ModelSpec.activation_bytes`); so is everything where this process already
-has a process group (a fake one cannot start beside it) and TP / CP are on.
+(the MoE is measured whole).
+
+The transients are measured too, with `fake_run.walk_backward` (the backward node by node, each
+node's saved tensors freed once it ran, as autograd's engine does): a block's backward at its peak
+beyond what it kept (`block_backward`: the gradients of its activations net of the saved tensors
+freed by then), and the plain loss's peak from the logits on through its backward beyond what it
+kept (`logits`), with the logits' gradient it ends with (`logits_grad`). Nothing is derived by
+hand: a model family writes no memory code.
+
+A layout with TP / CP needs a fake process group, which cannot start where this process already
+has one: `measure_eager` raises `NoFakeGroup` there (estimate before `init_process_group`, or in a
+process of its own).
 
 Results are cached per (family, args, layout) for the process: per layout 0.2-2 s for the debug
 models, 1-4 s for Llama 3 8B / 70B, Qwen3 235B and DeepSeek-V3 671B at seq 8192 (busy 2-core Xeon).
@@ -46,17 +55,21 @@ import torch
 import torch.nn as nn
 
 from titan_core.memory.fake_run import (
+    LiveBytes,
     SavedStorages,
+    block_backward_bytes,
     block_saved_bytes,
     fake_mesh,
     fake_target,
     on_fake,
+    walk_backward,
 )
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from titan_models import ActivationBytes, ActivationLayout, ModelSpec
+    from titan_core.memory.activations import ActivationBytes, ActivationLayout
+    from titan_models import ModelSpec
 
 AC_KINDS = ("none", "op", "full")
 
@@ -79,18 +92,15 @@ class EagerSaved:
     """Measured saved-for-backward bytes of one model at one layout.
 
     Args:
-        act: the `ActivationBytes` with the measured fields (`block`, `block_op`, `block_input`, `head`,
-            `logits_saved`, and `per_block` where block kinds differ); the transients are the formulas'.
+        act: the measured `ActivationBytes`, bytes per token (`per_block` where block kinds differ).
         fused_loss: what the fused loss keeps.
-        measured: whether the blocks and head were measured (False: the formulas', see the module docstring).
-        per_call: the same fields (transients 0), in bytes per call rather than per token: what a block, the
+        per_call: the same fields, in bytes per call rather than per token: what a block, the
             head or the loss keeps once per micro-batch whatever its sequences (per-position tensors: RoPE's
             table slices, CP ring's attention mask).
     """
 
     act: ActivationBytes
     fused_loss: FusedLossBytes
-    measured: bool = True
     per_call: ActivationBytes | None = None
 
     def for_tokens(self, tokens: int) -> ActivationBytes:
@@ -100,11 +110,13 @@ class EagerSaved:
         return _plus(self.act, self.per_call, tokens)
 
 
-_SAVED_FIELDS = ("block", "block_op", "block_input", "head", "logits_saved")
+_FIELDS = ("block", "block_op", "block_input", "block_backward", "head", "logits", "logits_saved", "logits_grad")
 
 
 def _plus(act: ActivationBytes, per_call: ActivationBytes, tokens: int) -> ActivationBytes:
-    more = {f: getattr(act, f) + round(getattr(per_call, f) / tokens) for f in _SAVED_FIELDS}
+    # A backward's peak beyond what was kept can fall per token (a Mixture-of-Experts block's expert weight
+    # gradients, per call, dominate a short sequence while what is kept grows): never below nothing.
+    more = {f: max(0, getattr(act, f) + round(getattr(per_call, f) / tokens)) for f in _FIELDS}
     blocks = tuple(_plus(a, c, tokens) for a, c in zip(act.per_block, per_call.per_block, strict=True))
     return replace(act, **more, per_block=blocks)
 
@@ -115,25 +127,21 @@ _CACHE: dict[tuple[Any, ...], EagerSaved] = {}
 def measure_eager(
     spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn.Module | None = None
 ) -> EagerSaved:
-    """The saved-for-backward bytes of `spec`'s model of `args` run as `layout` says (cached; see the module
-    docstring).
+    """The saved-for-backward bytes of `spec`'s model of `args` run as `layout` says, and its backward's
+    transients (cached; see the module docstring).
 
     Args:
         spec: the model family.
         args: its shape.
         layout: compute dtype, device type, TP / CP degrees and methods, sequence length, loss parallel.
         meta: the model built on the meta device, if the caller has it (else built here).
-    """
-    from titan_core.memory.fake_run import NoFakeGroup
 
+    Raises:
+        NoFakeGroup: the layout has TP / CP and this process already has a process group.
+    """
     key = (spec.name, repr(args), layout)
     if key not in _CACHE:
-        try:
-            _CACHE[key] = _measure(spec, args, layout, meta)
-        except NoFakeGroup:
-            assert spec.activation_bytes is not None, "only families with formulas reach the analytic tier"
-            fused = _fused_loss(_dtype(layout), layout.device_type, args.dim, args.vocab_size, layout)
-            return EagerSaved(spec.activation_bytes(args, layout), fused, measured=False)
+        _CACHE[key] = _measure(spec, args, layout, meta)
     return _CACHE[key]
 
 
@@ -141,11 +149,19 @@ def _dtype(layout: ActivationLayout) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32}[layout.compute_bytes]
 
 
+Fit = tuple[int, int]
+"""(bytes per token, bytes per call): a two-point fit over batches of 1 and 2 sequences."""
+
+
+def _fit(one: int, two: int, seq: int) -> Fit:
+    """The line through (seq, one) and (2 seq, two)."""
+    per_token = round((two - one) / seq)
+    return per_token, one - per_token * seq
+
+
 def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn.Module | None) -> EagerSaved:
     from titan_core.memory.compiled_saved import block_signature
 
-    assert spec.activation_bytes is not None, "the transients still come from the formulas"
-    formulas = spec.activation_bytes(args, layout)
     dtype, device = _dtype(layout), layout.device_type
     fused = _fused_loss(dtype, device, args.dim, args.vocab_size, layout)
     if meta is None:
@@ -155,16 +171,16 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
     seq = layout.seq_len // layout.cp  # the rank's tokens of each sequence
     blocks = list(meta.get_submodule(spec.plan.blocks).children())
     moe = getattr(args, "moe", None)
-    kinds: dict[Any, dict[str, tuple[int, int]]] = {}
+    kinds: dict[Any, dict[str, Fit]] = {}
     signatures = [block_signature(b) for b in blocks]
     with fake_mesh(layout.tp, layout.cp, device) as mesh:
         for block, sig in zip(blocks, signatures, strict=True):
             if sig in kinds:
                 continue
             figures = {}
-            for ac in AC_KINDS:
+            for kind in (*AC_KINDS, "backward"):
 
-                def at(batch: int, ac: str = ac, block: nn.Module = block) -> int:
+                def at(batch: int, kind: str = kind, block: nn.Module = block) -> int:
                     holder = _parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": block})}, mesh, layout)
                     counts = _even_counts(moe.num_experts, batch * seq * moe.top_k) if moe else (lambda: 0)
                     with fake_target(device, counts):
@@ -172,55 +188,38 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                         rope, positions = _rope(meta, dtype, device), _positions(mesh, seq, device)
                         shape = (batch, seq // layout.tp, args.dim)  # sequence parallel splits the block's input
                         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
-                        return block_saved_bytes(unit, spec.plan.blocks, rope, positions, shape, dtype, device, ac)
+                        if kind == "backward":
+                            return block_backward_bytes(unit, rope, positions, shape, dtype, device)
+                        return block_saved_bytes(unit, spec.plan.blocks, rope, positions, shape, dtype, device, kind)
 
-                one, two = at(1), at(2)
-                figures[ac] = (round((two - one) / seq), 2 * one - two)  # (per token, per call)
+                figures[kind] = _fit(at(1), at(2), seq)
             kinds[sig] = figures
-        head, logits_saved = _head_and_loss(meta, spec, mesh, layout, args.dim, seq)
-    slope = _assemble(formulas, [kinds[s] for s in signatures], head, logits_saved, 0)
-    zero = replace(
-        formulas,
-        block_backward=0,
-        logits=0,
-        per_block=tuple(replace(b, block_backward=0, logits=0) for b in formulas.per_block),
-    )
-    return EagerSaved(slope, fused, per_call=_assemble(zero, [kinds[s] for s in signatures], head, logits_saved, 1))
+        rest = _head_and_loss(meta, spec, mesh, layout, args.dim, seq)
+    per_kind = [kinds[s] for s in signatures]
+    return EagerSaved(_assemble(per_kind, rest, 0), fused, per_call=_assemble(per_kind, rest, 1))
 
 
-def _assemble(
-    base: ActivationBytes,
-    kinds: list[dict[str, tuple[int, int]]],
-    head: tuple[int, int],
-    loss: tuple[int, int],
-    i: int,
-) -> ActivationBytes:
-    """`base` (the formulas' figures, for the transients) with the measured fields, `i` = 0 per token, 1 per call;
-    `per_block` where the blocks' kinds differ, each field then the smallest over the kinds (a lower bound)."""
-    base_blocks = base.per_block or (base,) * len(kinds)
+def _assemble(kinds: list[dict[str, Fit]], rest: dict[str, Fit], i: int) -> ActivationBytes:
+    """The measured figures, `i` = 0 per token, 1 per call; `per_block` where the blocks' kinds differ, each
+    block field then the smallest over the kinds (a lower bound)."""
+    from titan_core.memory.activations import ActivationBytes
+
+    common: dict[str, Any] = {name: fit[i] for name, fit in rest.items()}
     measured = [
-        replace(
-            b,
+        ActivationBytes(
             block=k["none"][i],
             block_op=k["op"][i],
             block_input=k["full"][i],
-            head=head[i],
-            logits_saved=loss[i],
-            per_block=(),
+            block_backward=k["backward"][i],
+            **common,
         )
-        for k, b in zip(kinds, base_blocks, strict=True)
+        for k in kinds
     ]
-    act = replace(base, head=head[i], logits_saved=loss[i])
-    if len({(a.block, a.block_op, a.block_input) for a in measured}) == 1 and not base.per_block:
-        first = measured[0]
-        return replace(act, block=first.block, block_op=first.block_op, block_input=first.block_input)
-    return replace(
-        act,
-        block=min(a.block for a in measured),
-        block_op=min(a.block_op for a in measured),
-        block_input=min(a.block_input for a in measured),
-        per_block=tuple(measured),
-    )
+    block_fields = ("block", "block_op", "block_input", "block_backward")
+    if len({tuple(getattr(a, f) for f in block_fields) for a in measured}) == 1:
+        return measured[0]
+    smallest = {f: min(getattr(a, f) for a in measured) for f in block_fields}
+    return ActivationBytes(**smallest, **common, per_block=tuple(measured))
 
 
 def _parallel_copy(
@@ -274,15 +273,16 @@ def _even_counts(experts: int, slots: int) -> Callable[[], int]:
 
 def _head_and_loss(
     meta: nn.Module, spec: ModelSpec[Any], mesh: DeviceMesh | None, layout: ActivationLayout, dim: int, seq: int
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(Bytes per token, per call) the final norm and output projection keep, and the plain loss's
-    (`cross_entropy_loss`)."""
+) -> dict[str, Fit]:
+    """What the final norm and output projection keep (`head`), and the plain loss (`cross_entropy_loss`): what
+    it keeps (`logits_saved`), its peak beyond that from the logits on through its backward (`logits`), and the
+    gradient of the logits it ends with (`logits_grad`)."""
     from titan_core.step import cross_entropy_loss
 
     names = [n for n in spec.plan.pp_last if n != spec.plan.blocks]  # e.g. the final norm, the output projection
     dtype, device = _dtype(layout), layout.device_type
 
-    def at(batch: int, part: str) -> int:
+    def at(batch: int) -> dict[str, int]:
         holder = _parallel_copy(spec, {n: meta.get_submodule(n) for n in names}, mesh, layout)
         with fake_target(device):
             on_fake(holder, dtype, device)
@@ -292,16 +292,28 @@ def _head_and_loss(
             with torch.autograd.graph.saved_tensors_hooks(head.pack, lambda t: t):
                 for n in names:
                     h = holder.get_submodule(n)(h)
-            loss = SavedStorages([labels])
-            with torch.autograd.graph.saved_tensors_hooks(loss.pack, lambda t: t), _loss_parallel(h):
-                cross_entropy_loss(h, labels)
-            return head.total if part == "head" else loss.total
+            made = h.detach().requires_grad_()  # the projection's output; its backward is the head's
+            del h
+            saved, live = SavedStorages([labels]), LiveBytes([labels, made])
+            with live:
+                logits = made.clone()  # the logits as the projection hands them over, freed once the loss took them
+                live.watch()
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _loss_parallel(logits):
+                    losses = [cross_entropy_loss(logits, labels)]
+                del logits
+                with _loss_parallel(losses[0]):
+                    grads = walk_backward(losses, [torch.ones_like(losses[0])])
+                handed = live.now()  # the logits' gradient, for the output projection's backward
+                del grads
+            return {
+                "head": head.total,
+                "logits_saved": saved.total,
+                "logits": live.peak - saved.total,
+                "logits_grad": handed,
+            }
 
-    fits = []
-    for part in ("head", "loss"):
-        one, two = at(1, part), at(2, part)
-        fits.append((round((two - one) / seq), 2 * one - two))  # (per token, per call)
-    return fits[0], fits[1]
+    one, two = at(1), at(2)
+    return {name: _fit(one[name], two[name], seq) for name in one}
 
 
 def _loss_parallel(logits: torch.Tensor) -> Any:

@@ -14,13 +14,21 @@ The machinery of `titan_core.memory.eager_saved`:
 - `SavedStorages` and `block_saved_bytes`: what `torch.autograd.graph.saved_tensors_hooks` sees, plus
   what selective "op" AC caches itself (`_CachingTorchDispatchMode.storage`) and, for a checkpointed
   block, its input; each storage once (a DTensor's local shard), parameters and buffers left out.
+- `LiveBytes` and `walk_backward`: a backward's peak. Autograd's engine cannot run a
+  backward on fake CUDA tensors without a GPU (it sets the device of its CUDA worker thread), so
+  `walk_backward` calls the graph's nodes itself, in the engine's order (highest sequence number
+  first), summing (and broadcasting back) the gradients of a node's inputs as the engine does and
+  freeing each node, with what it saved, once it ran (as `retain_graph=False` does); `LiveBytes` follows the bytes of
+  every storage the ops make, from the op to its last reference.
 
 Private torch APIs used (torch 2.15): `FakeTensorMode`; SAC's
 `torch.utils.checkpoint._CachingTorchDispatchMode.storage` and `_VersionWrapper.val`;
 `aten._local_scalar_dense` answered by a `TorchDispatchMode`; SDPA's CUDA kernels
 `aten._scaled_dot_product_cudnn_attention` / `_flash_attention` / `_efficient_attention` called directly (patched in for
 `F.scaled_dot_product_attention`, with `torch.cuda.get_device_capability`, during a CUDA measurement
-only); `CheckpointWrapper.checkpoint_fn` (a `functools.partial`); the "fake" process group of
+only); autograd's `Node.__call__`, `Node._sequence_nr()`, `Node._input_metadata` and
+`AccumulateGrad.variable` (`walk_backward`); `CheckpointWrapper.checkpoint_fn` (a `functools.partial`);
+the "fake" process group of
 `torch.testing._internal.distributed.fake_pg`; a CUDA `DeviceMesh` made with the CUDA device queries
 patched (no GPU is touched).
 """
@@ -143,7 +151,7 @@ class SavedStorages:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.add(t)
-        return t
+        return t.detach()  # the tensor itself would tie a saved output to its own node: a cycle never freed
 
     @property
     def total(self) -> int:
@@ -230,3 +238,161 @@ def block_saved_bytes(
                 for wrapped in torch.utils._pytree.tree_leaves(out):
                     saved.add(getattr(wrapped, "val", None))
     return saved.total
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages ops make while it is active: alive now (`now`) and at their largest since
+    `watch` (`peak`). A storage counts from the op that made it (or `add`) until its last reference goes;
+    the excluded ones (parameters, buffers, the RoPE table) never count.
+
+    Args:
+        exclude: tensors whose storages never count.
+    """
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.skip = {_storage(t) for t in exclude}
+        self.live: dict[Any, int] = {}
+        self.peak = 0
+        self.watching = False
+
+    def add(self, t: torch.Tensor) -> None:
+        key = _storage(t)
+        if key not in self.skip:
+            self.live[key] = int(_local(t).untyped_storage().nbytes())
+
+    def drop(self, t: torch.Tensor) -> None:
+        """Never count `t`'s storage again (a block's output, which the next block owns)."""
+        key = _storage(t)
+        self.skip.add(key)
+        self.live.pop(key, None)
+
+    def now(self) -> int:
+        for key in [k for k in self.live if k.expired()]:
+            del self.live[key]
+        return sum(self.live.values())
+
+    def watch(self) -> None:
+        """Follow the peak from here on, starting from what is alive now."""
+        self.watching = True
+        self.peak = self.now()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        if self.watching:
+            self.peak = max(self.peak, self.now())
+        return out
+
+
+def _call(node: Any, grads: list[Any]) -> Any:
+    """Run one node: a C++ node by calling it; a Python `autograd.Function`'s (not callable) by its `apply`, whose
+    backward returns one result per forward argument, where the node has an edge per tensor argument (Titan's
+    and torch's functions used here take their tensors first: the rest must be None)."""
+    with torch.no_grad():  # as the engine without `create_graph`: no graph of the backward, holding this one
+        if callable(node):
+            return node(*grads)
+        outs = node.apply(*grads)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    edges = len(node.next_functions)
+    assert all(o is None for o in outs[edges:]), f"{type(node).__name__}: a gradient for a non-tensor argument"
+    return outs[:edges]
+
+
+def _as_expected(grad: torch.Tensor, expected: Any) -> torch.Tensor:
+    """A gradient as the engine hands it on (`validate_outputs`): summed down to the input's shape where the
+    forward broadcast it, in the input's dtype."""
+    if tuple(grad.shape) != tuple(expected.shape):
+        grad = grad.sum_to_size(expected.shape)
+    if grad.dtype != expected.dtype:
+        grad = grad.to(expected.dtype)
+    return grad
+
+
+def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the backward of `outputs` from `grads` node by node, in autograd's order, each node freed (with what it
+    saved) once it ran, as autograd's engine does; parameters' gradients are dropped (the model states count
+    them); returns the gradients of the other leaves (the input's, which the previous block takes).
+
+    Both lists are emptied: the caller must hold no other reference to the outputs or their graph, so that each
+    node is freed once it ran.
+
+    Args:
+        outputs: the tensors whose backward to run.
+        grads: their gradients.
+    """
+    import heapq
+
+    roots: list[Any] = [t.grad_fn for t in outputs]
+    outputs.clear()
+    consumers: dict[Any, int] = {}
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is not None:
+                if child not in consumers:
+                    stack.append(child)
+                consumers[child] = consumers.get(child, 0) + 1
+    pending: dict[Any, list[Any]] = {root: [grad] for root, grad in zip(roots, grads, strict=True)}
+    grads.clear()
+    ready = [(-root._sequence_nr(), id(root), root) for root in roots]
+    heapq.heapify(ready)
+    del roots
+    leaf_grads = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        consumers.pop(node, None)
+        inputs: list[Any] | None = pending.pop(node)
+        assert inputs is not None
+        if type(node).__name__ == "AccumulateGrad":
+            if not isinstance(node.variable, nn.Parameter) and inputs[0] is not None:
+                leaf_grads.append(inputs[0])
+            inputs = None
+            continue
+        outs = _call(node, inputs)
+        inputs = None
+        for (child, slot), g in zip(node.next_functions, outs if isinstance(outs, tuple) else (outs,), strict=True):
+            if child is None:
+                continue
+            into: list[Any] | None = pending.setdefault(child, [None] * len(child._input_metadata))
+            assert into is not None
+            if g is not None:
+                g = _as_expected(g, child._input_metadata[slot])
+                into[slot] = g if into[slot] is None else into[slot] + g
+            consumers[child] -= 1
+            if consumers[child] == 0:
+                heapq.heappush(ready, (-child._sequence_nr(), id(child), child))
+        outs = g = child = None
+        into = None
+    return leaf_grads
+
+
+def block_backward_bytes(
+    block: nn.Module,
+    rope: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: str,
+) -> int:
+    """Bytes `block`'s backward (nothing recomputed) holds at its peak beyond what the block kept for it: the
+    incoming gradient and the gradients of its activations, net of the saved tensors freed by then; for one
+    call on a `shape` input, arguments as `block_saved_bytes` takes them."""
+    kwargs: dict[str, Any] = {"rope_cache": rope} if rope is not None else {}
+    if positions is not None:
+        kwargs["positions"] = positions
+    live = LiveBytes([*block.parameters(), *block.buffers(), *[t for t in kwargs.values() if t is not None]])
+    with live:
+        hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
+        live.add(hidden)  # the block's input (the previous block's output), kept by its first norm
+        outputs = [block(hidden, **kwargs)]
+        del hidden
+        live.drop(outputs[0])  # the next block's input: its saved bytes count there
+        kept = live.now()
+        incoming = [torch.empty_like(outputs[0])]
+        live.watch()
+        walk_backward(outputs, incoming)
+    return live.peak - kept

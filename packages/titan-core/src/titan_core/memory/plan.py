@@ -236,8 +236,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         estimate: `(cfg, world_size) -> MemoryEstimate`; default `estimate_analytic` for CUDA.
         schedules: pipeline schedules to search; default those of `PLAN_SCHEDULES` this torch has.
     """
+    from titan_core.memory.activations import ActivationLayout
     from titan_core.memory.analytic import compute_dtype_bytes
-    from titan_models import ActivationLayout
 
     estimate = estimate or default_estimator()
     if schedules is None:

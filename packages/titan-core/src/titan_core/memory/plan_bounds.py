@@ -122,7 +122,7 @@ def memory_lower_bound(
       dp_shard x cp x tp x pp, the routed experts' over dp_shard x cp x pp; 0 under offload);
     - the last block backward of each pipeline rank (`pipeline_rank_blocks`): its blocks' states
       (`RESIDENT_BYTES_PER_PARAM`, and the gradients under accumulation or pipeline micro-batches),
-      the activations they keep (`act`, the family's `ActivationBytes` at this tp and cp: its
+      the activations they keep (`act`, the measured `ActivationBytes` at this tp and cp: its
       smallest block's) for the micro-batches in flight, one block's backward and recomputation,
       FSDP's gathered blocks (three of the biggest, or all of the rank's where the weights stay
       gathered under PP; `E / ep` experts each) and under PP the stage's unsharded gradients, which
@@ -131,8 +131,9 @@ def memory_lower_bound(
     Args:
         layout: the layout.
         work: the model and batch.
-        act: `ModelSpec.activation_bytes` at this layout's tp and cp; None leaves activations out (a compiled
-            run: the estimate reads what the compiled graph keeps, which the eager formulas do not bound).
+        act: the eager `ActivationBytes` at this layout's tp and cp (`eager_saved.measure_eager`); None leaves
+            activations out (a compiled run: the estimate reads what the compiled graph keeps, which the eager
+            figures do not bound).
         block_params: the blocks' sizes (`BlockSizes`), or the parameters of the smallest block of a dense model
             (every block counted as that).
         compute_bytes: bytes of the compute dtype (FSDP gathers the weights in it).

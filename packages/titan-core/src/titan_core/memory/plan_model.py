@@ -24,11 +24,6 @@ def model_of(cfg: JobConfig) -> tuple[Any, Any]:
         spec, args = get_model_spec(cfg.model.name), get_model_args(cfg.model.name, cfg.model.flavor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if spec.activation_bytes is None:
-        raise ConfigError(
-            f"model.name={cfg.model.name!r} has no activation formulas (ModelSpec.activation_bytes); "
-            "titan plan needs them"
-        )
     return spec, args
 
 

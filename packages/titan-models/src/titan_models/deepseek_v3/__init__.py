@@ -4,7 +4,6 @@ parameter and FLOP counts, Hugging Face adapter."""
 from titan_models.deepseek_v3.flavors import deepseek_v3_flavors
 from titan_models.deepseek_v3.flops import count_active_params, count_params, flops_per_token
 from titan_models.deepseek_v3.hf_adapter import args_from_hf_config, deepseek_v3_hf_adapter, hf_config_from_args
-from titan_models.deepseek_v3.memory import activation_bytes
 from titan_models.deepseek_v3.model import (
     Attention,
     ModelArgs,
@@ -24,7 +23,6 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "YaRN",
-    "activation_bytes",
     "args_from_hf_config",
     "compute_rope_inv_freq",
     "count_active_params",

@@ -3,7 +3,6 @@
 from titan_models.llama3.flavors import llama3_flavors
 from titan_models.llama3.flops import count_params, flops_per_token
 from titan_models.llama3.hf_adapter import args_from_hf_config, hf_config_from_args, llama3_hf_adapter
-from titan_models.llama3.memory import activation_bytes
 from titan_models.llama3.model import (
     Attention,
     FeedForward,
@@ -25,7 +24,6 @@ __all__ = [
     "RopeScaling",
     "ScaledDotProductAttention",
     "Transformer",
-    "activation_bytes",
     "TransformerBlock",
     "apply_rotary_emb",
     "args_from_hf_config",

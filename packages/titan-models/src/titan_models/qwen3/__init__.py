@@ -9,7 +9,6 @@ from titan_models.qwen3.hf_adapter import (
     qwen3_hf_adapter,
     qwen3_moe_hf_adapter,
 )
-from titan_models.qwen3.memory import activation_bytes
 from titan_models.qwen3.model import Attention, ModelArgs, Transformer, TransformerBlock, apply_rotary_emb
 from titan_models.qwen3.plan import qwen3_moe_plan, qwen3_plan
 
@@ -18,7 +17,6 @@ __all__ = [
     "ModelArgs",
     "Transformer",
     "TransformerBlock",
-    "activation_bytes",
     "apply_rotary_emb",
     "args_from_hf_config",
     "count_active_params",
