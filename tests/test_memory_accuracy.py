@@ -3,9 +3,11 @@ docs/memory.md) measured for real on the CPU and held to the published targets.
 
 One run of the benchmark: three torchrun launches (1, 2 and 4 ranks), each row's trainer built and
 stepped for real, then both tiers estimated for the same config. Rows measured by live tensor bytes
-must be within 5% (traced) and 15% (analytic); pipeline rows, which only the allocator measures
+must be within 5% (traced) and 10% (analytic); pipeline rows, which only the allocator measures
 (torch's tracker cannot run inside the pipeline backward), hold the analytic tier to the allocator's
-figure, which also counts gloo's own buffers: 15% all the same.
+figure, which also counts gloo's own buffers: 10% all the same, but for FSDP inside a pipeline stage,
+whose allocator figure moves with the timing of gloo's reduce-scatter buffers (76.6 to 79.7 MiB on
+stage 0 over four runs of 2026-11-27): 12%.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pytest
 from titan_run import REPO
 
 TRACED_TARGET = 0.05
-ANALYTIC_TARGET = 0.15
+ANALYTIC_TARGET = 0.10
+ANALYTIC_TARGET_FSDP_IN_PP = 0.12
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,8 @@ def test_every_row_is_within_its_target(results, tier):
             assert tier == "traced" and r["traced_note"], name  # untraced rows say why
             continue
         target = TRACED_TARGET if tier == "traced" else ANALYTIC_TARGET
+        if tier == "analytic" and r["measured_by"] == "allocator" and r["row"]["world"] > r["stages"]:
+            target = ANALYTIC_TARGET_FSDP_IN_PP
         assert math.isfinite(error)
         if abs(error) > target:
             misses.append(f"{name}: {error:+.1%} (target {target:.0%})")

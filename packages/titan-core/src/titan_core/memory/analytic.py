@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig
 from titan_core.job import Job
+from titan_core.memory.blocks import block_activations, block_backward_peak, saved_per_block
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job
 from titan_core.muon_groups import takes_muon
@@ -289,7 +290,7 @@ def _rank_memory(
     expanded = _expand_blocks(job, names)
     params = _count_params(job, expanded, shards)
     blocks = params.unsharded_blocks
-    block_acts = _block_activations(act, [n for n in expanded if n.startswith(plan.blocks + ".")])
+    block_acts = block_activations(act, [n for n in expanded if n.startswith(plan.blocks + ".")])
     has_head = any(n in plan.pp_last for n in names) or dims.pp == 1
     buffers = stage_buffers * len(indices)
 
@@ -301,7 +302,7 @@ def _rank_memory(
         grad_bytes *= 2  # DDP's gradient buckets hold a second copy
 
     # Activations kept for backward, per micro-batch on this rank's stages.
-    per_block = _saved_per_block(block_acts, ac.mode, ac.selective_ac_option)
+    per_block = saved_per_block(block_acts, ac.mode, ac.selective_ac_option)
     n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
     inflight = inflight_microbatches(p.pipeline_parallel_schedule, dims.pp, pp_rank, len(indices), n_micro)
     saved_blocks = tokens * sum(per_block)
@@ -310,11 +311,12 @@ def _rank_memory(
     fused_fixed = fused_saved.fixed
     saved_loss = tokens * fused_saved.per_token + fused_fixed if fused else tokens * act.logits_saved
     saved_head = tokens * act.head + saved_loss if has_head else 0
-    activations = inflight * saved_blocks + saved_head
+    gpipe = dims.pp > 1 and p.pipeline_parallel_schedule == "GPipe"
+    # GPipe's last stage runs every micro-batch's loss before the first backward; the 1F1B family's, one at a time.
+    activations = inflight * saved_blocks + saved_head * (n_micro if gpipe else 1)
     # What a block's backward adds: its recompute under AC, the gradients of its activations; of the
     # block whose backward peaks highest, net of what the blocks after it freed (the last block, where all
     # blocks are alike).
-    block_bwd = _block_backward_peak(block_acts or [act], per_block or [0], ac.mode, ac.selective_ac_option, tokens)
 
     # FSDP's gathered (unsharded) parameters and gradient buffers, in the compute dtype.
     biggest_block = max(blocks, default=0)
@@ -341,6 +343,25 @@ def _rank_memory(
         # Under pipeline parallel FSDP reduces once, after the last micro-batch: until then it keeps the
         # stage's unsharded gradients, in the reduce dtype (torch.distributed.pipelining turns the sync off).
         grads_during_bwd += max(b, reduce_b) * (sum(blocks) + sum(root.values()))
+    if gpipe and accum_steps == 1:
+        # GPipe runs every micro-batch's forward before the first backward: while all are kept no gradient exists
+        # yet (zero_grad leaves None); from the second backward on they do, and one micro-batch fewer is kept.
+        if grads_during_bwd > saved_blocks + saved_head:
+            activations -= saved_blocks + saved_head
+        else:
+            grads_during_bwd = 0
+    # A block's backward: its recompute under AC, the gradients of its activations, net of what the blocks after it
+    # freed; where no earlier micro-batch made them, plus the parameters' gradients those blocks left behind. Not
+    # under FSDP: there the CPU rows hold within 9% without them and go over 10% with them (single-bf16,
+    # fsdp2-ac-full; docs/memory.md): what FSDP's backward frees meanwhile is not followed yet.
+    per_param = grad_bytes / params.sharded if params.sharded else 4.0  # bytes of a gradient per local parameter
+    grads_grow = grads_during_bwd == 0 and not offload and not fsdp
+    block_grads = [round(per_param * n / shards) if grads_grow else 0 for n in blocks]
+    head_params = sum(v for k, v in params.unsharded_root.items() if k in plan.pp_last)
+    head_grads = round(per_param * head_params / shards) if grads_grow and has_head else 0
+    block_bwd = block_backward_peak(
+        block_acts or [act], per_block or [0], ac.mode, ac.selective_ac_option, tokens, block_grads or None, head_grads
+    )
     implementation, _ = resolve_implementation(cfg.optimizer.implementation, job.device_type)
     opt_temp = {"foreach": 4 * (params.sharded - params.muon), "fused": 0}.get(implementation, 0)
     if implementation == "for-loop":
@@ -441,44 +462,3 @@ def _expand_blocks(job: Job, names: list[str]) -> list[str]:
         else:
             out.append(name)
     return out
-
-
-def _block_activations(act: ActivationBytes, block_names: list[str]) -> list[ActivationBytes]:
-    """The `ActivationBytes` of each block named `<blocks>.<layer index>`: the family's `per_block` entry where
-    its blocks differ (DeepSeek-V3's dense and MoE blocks), else `act` itself."""
-    if not act.per_block:
-        return [act] * len(block_names)
-    return [act.per_block[int(name.rsplit(".", 1)[1])] for name in block_names]
-
-
-def _saved_per_block(acts: list[ActivationBytes], mode: str, option: str) -> list[int]:
-    """Bytes per token each block (of `ActivationBytes` `acts`) keeps for backward under the activation
-    checkpointing mode."""
-    if mode == "full":
-        return [a.block_input for a in acts]
-    if mode == "selective" and option == "op":
-        return [a.block_op for a in acts]
-    if mode == "selective":
-        every = int(option)
-        return [a.block_input if i % every == 0 else a.block for i, a in enumerate(acts)]
-    return [a.block for a in acts]
-
-
-def _block_backward_peak(acts: list[ActivationBytes], saved: list[int], mode: str, option: str, tokens: int) -> int:
-    """Bytes a block's backward adds to the saved activations, at the block where the sum peaks.
-
-    Block j's backward holds its recompute under AC and the gradients of its activations; by then the blocks
-    after it have freed what they kept of this micro-batch (`saved`, bytes per token). Where every block is
-    alike the last block's backward is the peak.
-    """
-    best: int | None = None
-    freed = 0
-    for a, kept in zip(reversed(acts), reversed(saved), strict=True):
-        recompute = tokens * (a.block if mode == "full" or (mode == "selective" and option != "op") else 0)
-        if mode == "selective" and option == "op":
-            recompute = tokens * (a.block - a.block_op)
-        net = tokens * a.block_backward + recompute - freed
-        best = net if best is None or net > best else best
-        freed += tokens * kept
-    assert best is not None, "at least one block (the caller passes the head's figures without blocks)"
-    return best

@@ -24,13 +24,14 @@ The machinery of `titan_core.memory.eager_saved`:
 Private torch APIs used (torch 2.15): `FakeTensorMode`; SAC's
 `torch.utils.checkpoint._CachingTorchDispatchMode.storage` and `_VersionWrapper.val`;
 `aten._local_scalar_dense` answered by a `TorchDispatchMode`; SDPA's CUDA kernels
-`aten._scaled_dot_product_cudnn_attention` / `_flash_attention` / `_efficient_attention` called directly (patched in for
-`F.scaled_dot_product_attention`, with `torch.cuda.get_device_capability`, during a CUDA measurement
-only); autograd's `Node.__call__`, `Node._sequence_nr()`, `Node._input_metadata` and
-`AccumulateGrad.variable` (`walk_backward`); `CheckpointWrapper.checkpoint_fn` (a `functools.partial`);
-the "fake" process group of
-`torch.testing._internal.distributed.fake_pg`; a CUDA `DeviceMesh` made with the CUDA device queries
-patched (no GPU is touched).
+`aten._scaled_dot_product_cudnn_attention` / `_flash_attention` / `_efficient_attention` called
+directly (in place of `F.scaled_dot_product_attention` during a CUDA measurement,
+`titan_core.memory.torch_patches.as_hopper`); autograd's `Node.__call__`, `Node._sequence_nr()`,
+`Node._input_metadata` and `AccumulateGrad.variable` (`walk_backward`);
+`CheckpointWrapper.checkpoint_fn` (a `functools.partial`); the "fake" process group of
+`torch.testing._internal.distributed.fake_pg`; a CUDA `DeviceMesh` made with the CUDA device
+queries answered (`torch_patches.cuda_devices_without_gpu`: no GPU is touched). Every patch of
+torch is in `titan_core.memory.torch_patches`.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_core.memory.torch_patches import as_hopper, cuda_devices_without_gpu
 
 
 class NoFakeGroup(Exception):
@@ -70,11 +72,7 @@ def fake_mesh(tp: int, cp: int, device: str) -> Iterator[DeviceMesh | None]:
         raise NoFakeGroup("this process already has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
     try:
-        with (
-            mock.patch("torch.cuda.device_count", return_value=tp * cp),
-            mock.patch("torch.cuda.is_available", return_value=True),
-            mock.patch("torch.cuda.set_device"),
-        ):
+        with cuda_devices_without_gpu(tp * cp):
             yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
     finally:
         dist.destroy_process_group()
@@ -167,10 +165,7 @@ def fake_target(device: str, counts: Callable[[], int] = lambda: 0) -> Iterator[
         if device != "cuda":
             yield
             return
-        with (
-            mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),  # Hopper: `torch._grouped_mm`
-            mock.patch("torch.nn.functional.scaled_dot_product_attention", _cuda_sdpa),
-        ):
+        with as_hopper(_cuda_sdpa):
             yield
 
 

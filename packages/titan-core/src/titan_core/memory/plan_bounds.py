@@ -148,6 +148,10 @@ def memory_lower_bound(
     kept = 0 if act is None else {"none": act.block, "op": act.block_op, "full": act.block_input}[t.ac]
     recompute = 0 if act is None else {"none": 0, "op": act.block - act.block_op, "full": act.block}[t.ac]
     accumulates = t.accum > 1 or t.microbatches > 1  # the gradients of earlier (micro-)batches live through backward
+    # GPipe without accumulation: its peak, every micro-batch kept, comes before any gradient exists (or a later
+    # backward's, with gradients and one micro-batch fewer, is larger): the gradients are not counted
+    gpipe_first = t.pp > 1 and t.schedule == "GPipe" and t.accum == 1
+    accumulates = accumulates and not gpipe_first
     per_param = 0 if t.offload else RESIDENT_BYTES_PER_PARAM + (4 if accumulates else 0)
     fsdp = t.dp_replicate * t.dp_shard * t.cp > 1 or t.offload
     reshard = {"always": True, "never": False, "default": t.pp == 1}[work.fsdp_reshard]
@@ -160,7 +164,7 @@ def memory_lower_bound(
         gathered = 0.0
         if fsdp:
             gathered = compute_bytes * (3 * r.biggest if reshard else r.gathered)
-            if t.pp > 1:  # FSDP reduces once per pipeline run: the stage's unsharded gradients wait until then
+            if t.pp > 1 and not gpipe_first:  # FSDP reduces once per pipeline run: its unsharded gradients wait
                 gathered += max(compute_bytes, work.reduce_bytes) * r.gathered
         held = per_param * r.held / (t.dp_shard * t.cp)
         rank = held + in_flight * tokens * r.count * kept + backward + gathered

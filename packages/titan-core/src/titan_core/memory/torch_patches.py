@@ -1,4 +1,14 @@
-"""Every change the traced memory estimate makes to torch's behaviour, in one module, each with its reason.
+"""Every change the memory estimates make to torch's behaviour, in one module, each with its reason.
+
+The analytic tier measures blocks on fake tensors as a CUDA target runs them, without a GPU
+(`titan_core.memory.fake_run`); two patches make that possible, for the measurement's duration:
+
+- `cuda_devices_without_gpu`: `torch.cuda.device_count`, `is_available` and `set_device` answer as
+  a node of that many GPUs would, so that `DeviceMesh` builds a CUDA mesh over a fake process group.
+- `as_hopper`: `torch.cuda.get_device_capability` answers (9, 0), so that bf16 experts take
+  `torch._grouped_mm` as on an H100, and `F.scaled_dot_product_attention` is the given function
+  (`fake_run._cuda_sdpa`: cuDNN's, flash's or the memory-efficient kernel, as an H100 picks), since
+  SDPA's own choice asks the GPU and without one falls to the math path no GPU runs.
 
 The traced tier (`titan_core.memory.traced`) runs the real `Trainer` on fake tensors. Four of
 torch's habits stand in its way there; each is undone only inside the trace, by the context
@@ -28,8 +38,30 @@ torch's own error and `titan estimate-memory` says so.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
+
+
+@contextlib.contextmanager
+def cuda_devices_without_gpu(count: int) -> Iterator[None]:
+    """CUDA's device queries answered as a node of `count` GPUs would (no GPU is touched)."""
+    with (
+        mock.patch("torch.cuda.device_count", return_value=count),
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.set_device"),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def as_hopper(sdpa: Callable[..., Any]) -> Iterator[None]:
+    """Compute capability 9.0, and `sdpa` as `F.scaled_dot_product_attention`."""
+    with (
+        mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),
+        mock.patch("torch.nn.functional.scaled_dot_product_attention", sdpa),
+    ):
+        yield
 
 
 @contextlib.contextmanager
