@@ -314,9 +314,6 @@ def _rank_memory(
     gpipe = dims.pp > 1 and p.pipeline_parallel_schedule == "GPipe"
     # GPipe's last stage runs every micro-batch's loss before the first backward; the 1F1B family's, one at a time.
     activations = inflight * saved_blocks + saved_head * (n_micro if gpipe else 1)
-    # What a block's backward adds: its recompute under AC, the gradients of its activations; of the
-    # block whose backward peaks highest, net of what the blocks after it freed (the last block, where all
-    # blocks are alike).
 
     # FSDP's gathered (unsharded) parameters and gradient buffers, in the compute dtype.
     biggest_block = max(blocks, default=0)
