@@ -38,8 +38,8 @@ def test_8b_fsdp8_model_states_are_the_published_count_over_8():
     # the plain loss compiled (the config compiles): Inductor's backward writes one bf16 gradient of the logits
     plain = estimate_analytic(load_config("llama3_8b", ["--training.fused_loss", "false"]), 8).ranks[0]
     assert plain.detail["logits_transient"] == 2 * 128256 * 8192
-    # eager, all 8192 rows at 12 x V bytes at the peak (bf16 logits, their fp32 copy, the log-softmax, its
-    # gradient, as measured on fake tensors): the kept log-softmax, 4 x V, counts with the saved activations
+    # eager, all 8192 rows: the loss's backward peaks at its kept fp32 log-softmax and two fp32 gradients (of the
+    # log-softmax's output and of its input), 12 x V; the kept 4 x V counts with the saved activations
     eager = estimate_analytic(load_config("llama3_8b", ["--training.fused_loss", "false", "--compile.enable", "false"]), 8)
     assert eager.ranks[0].detail["logits_transient"] == (12 - 4) * 128256 * 8192
 

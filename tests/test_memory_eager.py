@@ -16,20 +16,26 @@ from titan_models import get_model_args, get_model_spec
 from titan_run import autograd_saved_bytes
 
 SEQ = 64
-
-
-@pytest.mark.parametrize("name, flavor, layer", [
+BLOCKS = [  # (model.name, flavor, a block of each kind)
     ("llama3", "debugmodel", 0),
     ("qwen3_moe", "debugmodel_moe", 0),
     ("deepseek_v3", "debugmodel", 0),  # dense
     ("deepseek_v3", "debugmodel", 1),  # Mixture-of-Experts
-])
-def test_a_measured_block_keeps_what_autograd_saves_for_real(name, flavor, layer):
+]
+
+
+def _built(name: str, flavor: str):
+    """(args, the model built for real, its figures measured on fake tensors: CPU, fp32, SEQ tokens)."""
     spec, args = get_model_spec(name), get_model_args(name, flavor)
     torch.manual_seed(0)
     model = spec.build(args)
     model.init_weights()
-    eager = measure_eager(spec, args, ActivationLayout(compute_bytes=4, seq_len=SEQ, device_type="cpu"))
+    return args, model, measure_eager(spec, args, ActivationLayout(compute_bytes=4, seq_len=SEQ, device_type="cpu"))
+
+
+@pytest.mark.parametrize("name, flavor, layer", BLOCKS)
+def test_a_measured_block_keeps_what_autograd_saves_for_real(name, flavor, layer):
+    args, model, eager = _built(name, flavor)
     for bs in (1, 3):  # per token, and per call (RoPE's table slices), spread over the batch
         act = eager.for_tokens(bs * SEQ)
         expected = act.per_block[layer].block if act.per_block else act.block
@@ -40,10 +46,10 @@ def test_a_measured_block_keeps_what_autograd_saves_for_real(name, flavor, layer
         assert real / (bs * SEQ) == pytest.approx(expected, rel=0.015)
 
 
-def _real_peak(model: torch.nn.Module, exclude: list[torch.Tensor], forward) -> tuple[int, int, int]:
-    """(kept after the forward, peak of the backward beyond it, left after it) of `forward()`'s output, on real
-    tensors through autograd's engine, counted by storages alive; each parameter's gradient dropped once
-    accumulated (the model states count them)."""
+def _real_peak(model: torch.nn.Module, exclude: list[torch.Tensor], forward) -> int:
+    """The peak of the backward of `forward()`'s output beyond what the forward kept, on real tensors through
+    autograd's engine, counted by storages alive; each parameter's gradient dropped once accumulated (the model
+    states count them)."""
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     live = LiveBytes([*model.parameters(), *model.buffers(), *exclude])
@@ -54,31 +60,20 @@ def _real_peak(model: torch.nn.Module, exclude: list[torch.Tensor], forward) -> 
         grad = torch.ones_like(out)
         live.watch()
         out.backward(grad)
-        del out, grad
-        left = live.now()
-    return kept, live.peak - kept, left
+    return live.peak - kept
 
 
-@pytest.mark.parametrize("name, flavor, layer", [
-    ("llama3", "debugmodel", 0),
-    ("qwen3_moe", "debugmodel_moe", 0),
-    ("deepseek_v3", "debugmodel", 0),  # dense
-    ("deepseek_v3", "debugmodel", 1),  # Mixture-of-Experts
-])
+@pytest.mark.parametrize("name, flavor, layer", BLOCKS)
 def test_a_blocks_backward_peaks_as_autograds_engine_peaks_for_real(name, flavor, layer):
     """`block_backward` (the node-by-node walk on fake tensors) against autograd's engine on real CPU tensors:
     the peak beyond what the block kept, at 1 and 3 sequences."""
-    spec, args = get_model_spec(name), get_model_args(name, flavor)
-    torch.manual_seed(0)
-    model = spec.build(args)
-    model.init_weights()
-    eager = measure_eager(spec, args, ActivationLayout(compute_bytes=4, seq_len=SEQ, device_type="cpu"))
+    args, model, eager = _built(name, flavor)
     for bs in (1, 3):
         act = eager.for_tokens(bs * SEQ)
         expected = (act.per_block[layer] if act.per_block else act).block_backward
         x = torch.randn(bs, SEQ, args.dim, requires_grad=True)
         block = model.layers[str(layer)]
-        _, peak, _ = _real_peak(model, [model.rope_cache], lambda x=x: block(x.clone(), model.rope_cache))
+        peak = _real_peak(model, [model.rope_cache], lambda x=x: block(x.clone(), model.rope_cache))
         assert peak / (bs * SEQ) == pytest.approx(expected, rel=0.02), (bs, peak / (bs * SEQ), expected)
 
 
