@@ -59,6 +59,7 @@ AC_FULL = ("--activation_checkpoint.mode", "full")
 PLAIN_LOSS = ("--training.fused_loss", "false")
 FLASH = ("--training.attention_backend", "flash")
 FOREACH = ("--optimizer.implementation", "foreach")
+ONE_RANK_FSDP = ("--optimizer.master_weights", "off")  # bf16 through FSDP on one rank, as before master weights
 FLOAT8_OUTPUT = ("--float8.filter_fqns", "[]", *PLAIN_LOSS)  # the output projection in float8 too (a module call)
 
 
@@ -152,19 +153,21 @@ def suite(smoke: bool) -> Suite:
         rows=[
             Row("1B s2048 defaults (eager)", *one_b),
             Row("1B s2048 defaults + compile", *one_b, COMPILE),
-            Row("1B s2048 compile, before: complex RoPE", *one_b, COMPILE, before="complex_rope"),
-            Row("1B s2048 compile, before: clip in place", *one_b, COMPILE, before="clip_in_place"),
+            Row("1B s2048 compile, before: one-rank FSDP", *one_b, COMPILE + ONE_RANK_FSDP),
             Row("1B s2048 compile, plain loss", *one_b, COMPILE + PLAIN_LOSS),
             Row("1B s2048 compile, flash attention", *one_b, COMPILE + FLASH),
-            Row("1B s2048 compile, foreach AdamW", *one_b, COMPILE + FOREACH),
+            Row("1B s2048 compile, one-rank FSDP, foreach AdamW", *one_b, COMPILE + ONE_RANK_FSDP + FOREACH),
             Row("1B s2048 compile + float8", *one_b, COMPILE + FLOAT8),
+            Row("1B s2048 compile + float8, before: one-rank FSDP", *one_b, COMPILE + FLOAT8 + ONE_RANK_FSDP),
             Row("1B s2048 compile + AC selective op", *one_b, COMPILE + AC_OP),
         ],
         pair=Row("1B s2048 titan vs hand-written (eager)", "1B", 2048, 2),
         layers=(Row("8B x8 s8192 compile + AC op", "8B-x8", 8192, 1, COMPILE + AC_OP),
                 Row("8B x8 s8192 compile + AC op + float8", "8B-x8", 8192, 1, COMPILE + AC_OP + FLOAT8),
-                Row("8B x8 s8192 compile + AC op + float8 incl. output (plain loss)", "8B-x8", 8192, 1,
-                    COMPILE + AC_OP + FLOAT8 + FLOAT8_OUTPUT)),
+                Row("8B x8 s8192 compile + AC op, before: one-rank FSDP", "8B-x8", 8192, 1,
+                    COMPILE + AC_OP + ONE_RANK_FSDP),
+                Row("8B x8 s8192 compile + AC op + float8, before: one-rank FSDP", "8B-x8", 8192, 1,
+                    COMPILE + AC_OP + FLOAT8 + ONE_RANK_FSDP)),
         hf=Row("1B s2048 transformers LlamaForCausalLM compile", *one_b, COMPILE),
         decode=Row("1B decode batch 1, 256 tokens (compiled, CUDA graphs)", "1B", 256, 1),
     )
@@ -457,11 +460,18 @@ def verdicts(results: dict) -> list[str]:
     if get(bf16, "tokens_per_s") and get(fp8, "tokens_per_s"):
         speedup = results["float8_speedup"] = round(get(fp8, "tokens_per_s") / get(bf16, "tokens_per_s"), 3)
     _target(lines, "float8 / bf16 on 8B x8", speedup, TARGET_FLOAT8, "x", why(fp8) if speedup is None else "")
-    for variant in names["layers"][2:]:  # float8 variants beyond the default recipe
-        ratio = None
-        if get(bf16, "tokens_per_s") and get(variant, "tokens_per_s"):
-            ratio = round(get(variant, "tokens_per_s") / get(bf16, "tokens_per_s"), 3)
-        _target(lines, f"{variant} / bf16", ratio, TARGET_FLOAT8, "x", why(variant) if ratio is None else "")
+    def speed_ratio(over: str, under: str) -> float | None:
+        a, b = get(over, "tokens_per_s"), get(under, "tokens_per_s")
+        return round(a / b, 3) if a and b else None
+
+    if len(names["layers"]) >= 4:  # the same two rows through one-rank FSDP, as before master weights
+        fsdp_bf16, fsdp_fp8 = names["layers"][2:4]
+        _target(lines, "float8 / bf16 on 8B x8 through one-rank FSDP (before)", speed_ratio(fsdp_fp8, fsdp_bf16),
+                TARGET_FLOAT8, "x", why(fsdp_fp8))
+        gains = [(default, "1B s2048 compile, before: one-rank FSDP"), (bf16, fsdp_bf16), (fp8, fsdp_fp8),
+                 ("1B s2048 compile + float8", "1B s2048 compile + float8, before: one-rank FSDP")]
+        for after, before_name in gains:
+            lines.append(f"master weights / one-rank FSDP, {after}: {speed_ratio(after, before_name)}x")
     pair = by_name.get(names["pair"]) or {}
     ratio = pair.get("ratio_titan_over_hand") if pair.get("status") == "ok" else None
     _target(lines, "Titan / hand-written loop", ratio, TARGET_VS_HAND, "x", why(names["pair"]))

@@ -83,6 +83,8 @@ ROWS: tuple[Row, ...] = (
     # bf16 kept small: an AVX2-only CPU runs bf16 matmuls ~150x slower than fp32
     _row("single-bf16", 1, "--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "1",
          "--training.seq_len", "128"),
+    _row("single-bf16-master", 1, "--training.mixed_precision_param", "bfloat16", "--training.local_batch_size", "1",
+         "--training.seq_len", "128", "--optimizer.master_weights", "on"),
     _row("single-accum2", 1, "--training.global_batch_size", "8"),
     _row("fsdp2", 2),
     _row("fsdp2-ac-full", 2, *_AC_FULL),

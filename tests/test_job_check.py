@@ -57,6 +57,8 @@ BROKEN = {
     "fault_tolerance": (["--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "2",
                          "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse", "http://localhost:29510"], 1,
                         ["fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"]),
+    "master_weights": (["--optimizer.master_weights", "on", "--training.mixed_precision_param", "float32"], 1,
+                       ["optimizer.master_weights = 'on' cannot train this job", "float32"]),
 }
 
 FT_ON = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",

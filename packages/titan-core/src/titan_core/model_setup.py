@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     from titan_core.job import Job
+    from titan_parallel import ComputeCopies
 
 
 @dataclass
@@ -50,6 +51,8 @@ class ModelParts:
     schedule: _PipelineSchedule | None = None
     stages: list[PipelineStage] | None = None
     n_microbatches: int = 1
+    copies: ComputeCopies | None = None
+    """The compute copies the optimizer writes (`ParallelOptions.master_weights`), else None."""
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -163,9 +166,14 @@ def assemble_model(
         stage_modules = [StageModule(i, parallelize(m, plan, mesh, options)) for i, m in stage_modules]
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
     parts = [s.module for s in stage_modules]
+    copies = None
+    if options.master_weights:  # bf16 without FSDP: the optimizer writes the copies (titan_parallel.master_weights)
+        from titan_parallel import ComputeCopies
+
+        copies = ComputeCopies(parts, options.param_dtype)
     head_owner = next((p for p in parts if any(m is head for m in p.modules())), None) if head is not None else None
     if dims.pp == 1 or pipeline is None or loss_fn is None:
-        return ModelParts(parts, fsdp, head, head_owner)
+        return ModelParts(parts, fsdp, head, head_owner, copies=copies)
     pipe = build_pipeline(
         stage_modules,
         pipeline,
@@ -176,7 +184,7 @@ def assemble_model(
         loss_fn=loss_fn,
         scale_loss=False,  # the step runner's `StepLoss` normalises, in one place
     )
-    return ModelParts(parts, fsdp, head, head_owner, pipe.schedule, pipe.stages, pipe.n_microbatches)
+    return ModelParts(parts, fsdp, head, head_owner, pipe.schedule, pipe.stages, pipe.n_microbatches, copies)
 
 
 @torch.no_grad()

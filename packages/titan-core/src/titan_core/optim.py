@@ -130,6 +130,7 @@ def build_optimizer(
     muon: MuonOptions = DEFAULT_MUON,
     device_type: str,
     plan: Any = None,
+    copies: Any = None,
 ) -> torch.optim.Optimizer:
     """Build Adam, AdamW or Muon over `params` with the requested step kernel.
 
@@ -157,6 +158,8 @@ def build_optimizer(
         muon: Muon's own settings (`titan_core.muon.MuonOptions`), when `name` is "Muon".
         device_type: where the parameters live, e.g. "cuda" or "cpu".
         plan: the model's `ModelPlan`, which Muon's rule reads (the blocks, the MoE module).
+        copies: the model's `titan_parallel.ComputeCopies` (`optimizer.master_weights`): Adam / AdamW then step
+            its fp32 masters from the bf16 gradients and write the copies in one kernel (`implementation` unused).
 
     Returns:
         The optimizer.
@@ -190,6 +193,14 @@ def build_optimizer(
         )
     if named and name != "Muon":
         param_list = [p for _, p in named]
+    if copies is not None:
+        from titan_parallel import MasterAdam, MasterAdamW
+
+        if name not in ("Adam", "AdamW"):
+            raise ConfigError(f"optimizer.name: {name!r} has no master-weight step; use Adam or AdamW")
+        master = MasterAdamW if name == "AdamW" else MasterAdam
+        o = options
+        return master(param_list, copies, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     implementation, _ = resolve_implementation(implementation, device_type)
     if implementation == "fused":
         _check_fused_supported([p for _, p in named] if name == "Muon" else param_list, device_type)

@@ -231,7 +231,8 @@ class StepRunner:
     ):
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
-        self.param_dtype, self.fsdp = param_dtype, model.fsdp  # FSDP casts to the compute dtype, else autocast
+        # FSDP or the compute copies cast to the compute dtype, else autocast
+        self.param_dtype, self.fsdp = param_dtype, model.fsdp or model.copies is not None
         self.loss_parallel = loss_parallel and mesh["tp"].size() > 1
         self.cp_mesh = mesh["cp"] if mesh["cp"].size() > 1 else None  # sliced once: slicing reads the mesh
         self.pp_mesh = mesh["pp"] if mesh["pp"].size() > 1 else None

@@ -154,12 +154,21 @@ class Trainer:
         attention, attention_why = choose_sdpa_backends(t.attention_backend, self.device)
         if self.rank == 0:
             logger.info("loss: %s", describe_loss(t.fused_loss, self.model.head))
-            logger.info("optimizer step kernel: %s (%s)", implementation, why)
+            if self.model.copies is not None:
+                logger.info("optimizer step kernel: master-weight step (%s)", job.weights_reason)
+            else:
+                logger.info("optimizer step kernel: %s (%s)", implementation, why)
             logger.info("attention kernel: %s", attention_why)
         # One optimizer and LR schedule per model part (pipeline stage), so that
         # checkpoints key optimizer state by the full model's parameter names.
         self.optimizers = [
-            build_optimizer(part.named_parameters(), job.optimizer, device_type=self.device.type, plan=self.spec.plan)
+            build_optimizer(
+                part.named_parameters(),
+                job.optimizer,
+                device_type=self.device.type,
+                plan=self.spec.plan,
+                copies=self.model.copies,
+            )
             for part in self.model.parts
         ]
         for part, optimizer in enumerate(self.optimizers):  # Muon: its rule and the groups it made, once

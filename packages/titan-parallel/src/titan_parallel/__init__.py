@@ -68,6 +68,10 @@ __all__ = [
     "mixed_precision_context",
     "native_bf16",
     "resolve_param_dtype",
+    "ComputeCopies",
+    "MasterAdam",
+    "MasterAdamW",
+    "master_weights_blockers",
     "clip_grad_norm_",
     "clip_divisor",
     "grad_norm",
@@ -115,6 +119,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "split_model",
     ),
     "precision": ("mixed_precision_context", "native_bf16", "resolve_param_dtype"),
+    "master_weights": ("ComputeCopies", "MasterAdam", "MasterAdamW", "master_weights_blockers"),
     "grad_clip": ("clip_divisor", "clip_grad_norm_", "grad_norm"),
     "materialize": ("canonical_name", "copy_full_state"),
     "distributed": ("init_distributed", "resolve_device", "shutdown_distributed"),
@@ -158,6 +163,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily a
         check_data_parallel,
         check_rotate_method,
     )
+    from titan_parallel.master_weights import ComputeCopies, MasterAdam, MasterAdamW, master_weights_blockers
     from titan_parallel.materialize import canonical_name, copy_full_state
     from titan_parallel.mesh import ParallelMesh
     from titan_parallel.parallelize_model import ParallelOptions, check_options, parallelize, uses_fsdp

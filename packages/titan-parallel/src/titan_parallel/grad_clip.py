@@ -86,13 +86,21 @@ def _by_mesh(parameters: Iterable[torch.nn.Parameter]) -> dict[object, list[torc
     return by_mesh
 
 
+def _fp32_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of `grad` taken in fp32, whatever its dtype (a 16-bit norm keeps 3 significant digits)."""
+    return torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
+
+
 def _total_norm(
     by_mesh: dict[object, list[torch.nn.Parameter]], pp_mesh: DeviceMesh | None, foreach: bool | None
 ) -> torch.Tensor:
     norms = []
     for group in by_mesh.values():
         grads = [p.grad for p in group if p.grad is not None]  # all of them (filtered above); narrows the type
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
+        if any(g.dtype != torch.float32 for g in grads):  # bf16 gradients (`ComputeCopies`): fp32 norms, as FSDP's
+            norm = torch.linalg.vector_norm(torch.stack([_fp32_norm(g) for g in grads]), 2.0)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
         # A Partial or Replicate DTensor: materialise the global value.
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:

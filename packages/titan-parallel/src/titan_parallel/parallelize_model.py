@@ -54,6 +54,8 @@ class ParallelOptions:
         ac_selective_option: "op" or every Nth block (a positive int as a string).
         compile: compile each block.
         pipeline_parallel: the model is one pipeline stage.
+        master_weights: one data-parallel rank computes in `param_dtype` through copies an optimizer writes
+            (`titan_parallel.master_weights`), not through FSDP; `master_weights_blockers` says when it can.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -69,6 +71,7 @@ class ParallelOptions:
     ac_selective_option: str = "2"
     compile: bool = False
     pipeline_parallel: bool = False
+    master_weights: bool = False
 
 
 def uses_fsdp(mesh: ParallelMesh | ParallelDims, options: ParallelOptions) -> bool:
@@ -87,6 +90,8 @@ def uses_fsdp(mesh: ParallelMesh | ParallelDims, options: ParallelOptions) -> bo
       this costs the default run ~6% tokens/s on a 2-core CPU (docs/performance.md);
     - CPU offload, which is FSDP's.
 
+    `master_weights` skips FSDP on one data-parallel rank: fp32 masters with compute copies the
+    optimizer writes give the same bf16 numbers without FSDP's casts and copies (`ComputeCopies`).
     fp32 on one data-parallel rank skips FSDP: nothing to cast or shard, and FSDP would only
     turn every parameter into a DTensor (the optimizer over DTensors measured ~2.5x slower
     than over plain tensors). Under `dp_mode="ddp"` FSDP never runs: DDP computes bf16 by
@@ -102,6 +107,8 @@ def uses_fsdp(mesh: ParallelMesh | ParallelDims, options: ParallelOptions) -> bo
         data_parallel = mesh.dp_replicate * mesh.dp_shard * mesh.cp > 1
     else:
         data_parallel = mesh["dp_replicate"].size() * mesh["dp_shard_cp"].size() > 1
+    if options.master_weights and not data_parallel:
+        return False
     return data_parallel or options.param_dtype != torch.float32 or options.cpu_offload
 
 

@@ -77,6 +77,8 @@ class Optimizer(Section):
     """Decoupled (AdamW, Muon) or L2 (Adam) weight decay; under Muon, the Muon group's."""
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """Step kernel: 'auto' = 'fused' where torch has it for the device (fastest, drops a NaN step on the device)."""
+    master_weights: Literal["auto", "on", "off"] = "auto"
+    """bf16 on one GPU without FSDP: fp32 masters, bf16 copies the Adam/AdamW step writes ('auto': on one CUDA rank)."""
     muon_momentum: UnitFraction = 0.95
     """Muon's momentum decay (name = 'Muon')."""
     muon_nesterov: bool = True

@@ -45,6 +45,8 @@ class Job:
         dtype_reason: why `parallel.param_dtype` is what it is, for the log.
         dtype_warning: a warning about that dtype for the run to say once (bf16 without native support),
             else None.
+        weights_reason: how the compute dtype is applied when `parallel.master_weights` is set, for the log;
+            else "".
         pipeline: how to cut and schedule pipeline stages.
         converters: the float8 / MXFP8 linears `model.converters` asks for.
         optimizer: what `build_optimizer` builds.
@@ -70,6 +72,7 @@ class Job:
     converters: Converters
     optimizer: OptimizerOptions
     checkpoint: CheckpointOptions
+    weights_reason: str = ""
     _meta: dict[str, nn.Module] = field(default_factory=dict, repr=False, compare=False)
 
     def meta_model(self) -> nn.Module:
@@ -115,5 +118,6 @@ def resolve(
         converters=d.converters,
         optimizer=optimizer_options(cfg),
         checkpoint=checkpoint_options(cfg.checkpoint, Path(cfg.job.dump_folder)),
+        weights_reason=d.weights_reason,
         _meta={} if d.meta is None else {"model": d.meta},
     )

@@ -72,6 +72,7 @@ class Draft:
     pipeline: PipelineConfig = field(init=False)
     names_per_stage: list[list[str]] | None = None
     converters: Converters = field(init=False)
+    weights_reason: str = ""
     meta: nn.Module | None = None
 
     def meta_model(self) -> nn.Module:
@@ -415,6 +416,34 @@ def _fault_tolerance(d: Draft) -> None:
         )
 
 
+def _master_weights(d: Draft) -> None:
+    """`optimizer.master_weights`: on one data-parallel rank, fp32 masters with bf16 copies the Adam/AdamW step
+    writes replace FSDP ('auto': on CUDA, where one Triton kernel writes both); 'on' is refused where it cannot."""
+    from titan_parallel import master_weights_blockers
+
+    cfg, dims, choice = d.cfg, d.dims, d.cfg.optimizer.master_weights
+    if choice == "off" or dims is None:
+        return
+    model_parallel = dims.tp * dims.cp * dims.pp * dims.ep > 1
+    blockers = master_weights_blockers(
+        dims.dp_replicate * dims.dp_shard, model_parallel, d.parallel.param_dtype, d.parallel.cpu_offload,
+        d.accum_steps or 1,
+    )  # fmt: skip
+    if cfg.optimizer.name not in ("Adam", "AdamW"):
+        blockers.append(f"optimizer.name = {cfg.optimizer.name!r} has no master-weight step (Adam and AdamW do)")
+    if d.parallel.dp_mode == "ddp":
+        blockers.append("parallelism.dp_mode = 'ddp' computes in bf16 through autocast")
+    if cfg.fault_tolerance.enable:
+        blockers.append("fault_tolerance.enable averages gradients over replica groups")
+    if choice == "on" and blockers:
+        raise ConfigError(f"optimizer.master_weights = 'on' cannot train this job: {blockers[0]}; set 'auto' or 'off'")
+    if choice == "auto" and (blockers or d.device_type != "cuda"):
+        return
+    d.parallel = dataclasses.replace(d.parallel, master_weights=True)
+    why = "as configured" if choice == "on" else "auto: one CUDA rank, where one kernel writes masters and copies"
+    d.weights_reason = f"fp32 masters, bf16 copies written by the optimizer step, no FSDP ({why})"
+
+
 def _keys(table: Mapping[str, str], *fields: str) -> dict[str, str]:
     """The entries of `table` for `fields`."""
     return {name: table[name] for name in fields}
@@ -456,5 +485,6 @@ RULES: tuple[Rule, ...] = (
     Rule("metrics", _metrics),
     Rule("data", _data),
     Rule("fault_tolerance", _fault_tolerance),
+    Rule("master_weights", _master_weights),
 )
 """Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""

@@ -294,9 +294,11 @@ def _rank_memory(
     has_head = any(n in plan.pp_last for n in names) or dims.pp == 1
     buffers = stage_buffers * len(indices)
 
-    # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments (Muon: one momentum).
-    param_bytes = 4 * params.sharded
-    grad_bytes = 4 * params.sharded
+    # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments (Muon: one momentum). Master
+    # weights (`titan_parallel.master_weights`): the compute copies beside the masters, gradients in the compute dtype.
+    master = job.parallel.master_weights
+    param_bytes = (4 + (b if master else 0)) * params.sharded
+    grad_bytes = (b if master else 4) * params.sharded
     opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
     if p.dp_mode == "ddp" and dims.dp_replicate > 1:
         grad_bytes *= 2  # DDP's gradient buckets hold a second copy
@@ -331,7 +333,7 @@ def _rank_memory(
         output_comm_bwd = (b if reshard else 0) * output_weight + (b + reduce_b) * output_weight + b * biggest_block
     else:
         gathered_fwd = block_comm_bwd = output_comm_bwd = 0
-    cast_copies = b * params.matmul if (not fsdp and b != 4) else 0  # autocast's compute-dtype weights
+    cast_copies = b * params.matmul if (not fsdp and not master and b != 4) else 0  # autocast's compute-dtype weights
 
     offload = t.enable_cpu_offload  # parameters, gradients and optimizer state live in host memory
     # Gradients of earlier micro-batches (accumulation steps, or pipeline micro-batches) live through a backward.
@@ -363,6 +365,8 @@ def _rank_memory(
     opt_temp = {"foreach": 4 * (params.sharded - params.muon), "fused": 0}.get(implementation, 0)
     if implementation == "for-loop":
         opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)
+    if master:  # the Triton kernel reads the bf16 gradients; elsewhere torch's fused step takes fp32 casts of them
+        opt_temp = 0 if job.device_type == "cuda" else 4 * params.sharded
     # Muon's step (titan_core.muon): each local matrix's fp32 Nesterov update (4 B) and its bf16 result (2 B);
     # split over ranks, also the exchange's bf16 buffers (titan_parallel.matrix_owners), three alive at once.
     # Measured (CPU allocator, debugmodel): 6.3 B per Muon element on one process, 12.4 B on FSDP 2.

@@ -346,7 +346,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
         why_not = "float8 / MX linears are not measured compiled"
     elif job.spec.plan.moe is not None or act.per_block:
         why_not = "Mixture-of-Experts blocks are not measured compiled"
-    elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel):
+    elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel) and not job.parallel.master_weights:
         why_not = "autocast's compiled blocks (DDP with a 16-bit compute dtype) are not measured"
     if why_not is not None:
         return act, f"compile: {why_not}; {eager}"

@@ -228,8 +228,8 @@ def block_saved_bytes(
     if ac != "none":
         saved.add(hidden)  # the checkpoint keeps its input to recompute from
     for mode in saved.sac_modes:
-        for outputs in mode.storage.values():  # {op: {call index: output}}
-            for out in outputs.values():
+        for outputs in mode.storage.values():  # {op: {call index: output}}; {op: [output, ...]} before torch 2.13
+            for out in outputs.values() if isinstance(outputs, dict) else outputs:
                 for wrapped in torch.utils._pytree.tree_leaves(out):
                     saved.add(getattr(wrapped, "val", None))
     return saved.total
