@@ -42,6 +42,7 @@ ROWS = {
     "smoke": Row("debugmodel s128 eager", "debugmodel", 128, 2),
 }
 KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("optimizer", ("adam", "multi_tensor_apply")),  # master-weight AdamW (Triton), torch's fused AdamW / grad norm
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "scaled_mm", "cublas", "matmul", "addmm", " mm")),
     ("collective", ("nccl", "allreduce", "all_gather", "reduce_scatter")),

@@ -531,6 +531,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; 1 in --smoke)")
     parser.add_argument("--pair-steps", type=int, help="interleaved steps of each in the Titan vs hand-written row")
     parser.add_argument("--only", nargs="*", default=[], help="run only rows whose name contains one of these")
+    parser.add_argument("--skip", nargs="*", default=[], help="skip rows whose name contains one of these")
     parser.add_argument("--cpu-compile", action="store_true", help="run the compile rows on CPU too")
     parser.add_argument("--budget-s", type=float, default=0, help="skip the rows left once this many seconds passed")
     args = parser.parse_args()
@@ -557,6 +558,8 @@ def main() -> None:
              + [(r, measure_row) for i, r in enumerate(plan.rows) if i != 1])
     for row, measure in order:
         if args.only and not any(word in row.name for word in args.only):
+            continue
+        if any(word in row.name for word in args.skip):
             continue
         if args.budget_s and time.perf_counter() - started > args.budget_s:
             results["rows"].append({"row": row.name, "status": "skipped", "reason": "the suite's time budget ran out"})
