@@ -364,6 +364,7 @@ def measure_decode(row: Row, args, device: torch.device, dtype: str, peak: float
         "eager_tokens_per_s": round(runs["eager"]["decode_tokens_per_s"], 1),
         "bandwidth_share": None if best["bandwidth_share"] is None else round(best["bandwidth_share"], 3),
         "greedy_tokens_match_eager": report["tokens_match"],
+        "first_mismatch_with_eager": report["first_mismatch"],
         "compile_error": report["compile_error"],
         "dtype": report["dtype"],
     }
@@ -509,7 +510,8 @@ def markdown(results: dict) -> str:
                        f"(interquartile {r['ratio_interquartile'][0]:.3f}-{r['ratio_interquartile'][1]:.3f}) |")
         elif "decode_tokens_per_s" in r:
             note = (f"eager {r['eager_tokens_per_s']:.0f} tokens/s; {r['dtype']}; tuned {r.get('tuned')}; bandwidth share "
-                    f"{r['bandwidth_share']}; greedy tokens equal eager's: {r['greedy_tokens_match_eager']}")
+                    f"{r['bandwidth_share']}; greedy tokens equal eager's: {r['greedy_tokens_match_eager']} "
+                    f"(first differing: {r.get('first_mismatch_with_eager')})")
             if r.get("separate_linears_tokens_per_s"):
                 note += (f"; separate q/k/v, w1/w3 linears: {r['separate_linears_tokens_per_s']:.0f} tokens/s "
                          f"(first token differing from the fused run's: {r['separate_linears_first_mismatch']})")

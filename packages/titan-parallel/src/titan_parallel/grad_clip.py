@@ -86,9 +86,10 @@ def _by_mesh(parameters: Iterable[torch.nn.Parameter]) -> dict[object, list[torc
     return by_mesh
 
 
-def _fp32_norm(grad: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of `grad` taken in fp32, whatever its dtype (a 16-bit norm keeps 3 significant digits)."""
-    return torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
+def _fp32_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's L2 norm taken in fp32, whatever its dtype (a 16-bit norm keeps 3 significant digits): one
+    multi-tensor kernel per dtype where torch has it (one reduction per tensor cost 2.4 ms of an 8B-shaped step)."""
+    return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
 
 
 def _total_norm(
@@ -98,7 +99,7 @@ def _total_norm(
     for group in by_mesh.values():
         grads = [p.grad for p in group if p.grad is not None]  # all of them (filtered above); narrows the type
         if any(g.dtype != torch.float32 for g in grads):  # bf16 gradients (`ComputeCopies`): fp32 norms, as FSDP's
-            norm = torch.linalg.vector_norm(torch.stack([_fp32_norm(g) for g in grads]), 2.0)
+            norm = torch.linalg.vector_norm(torch.stack(_fp32_norms(grads)), 2.0)
         else:
             norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
         # A Partial or Replicate DTensor: materialise the global value.

@@ -67,6 +67,7 @@ PARALLEL_OPTION_KEYS: dict[str, str] = {
     "ac_selective_option": "activation_checkpoint.selective_ac_option",
     "compile": "compile.enable",
     "pipeline_parallel": "parallelism.pipeline_parallel_degree",
+    "master_weights": "optimizer.master_weights",
 }
 """`ParallelOptions` field -> config key."""
 

@@ -52,6 +52,10 @@ def workload(cfg: JobConfig) -> Workload:
         cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
         cp_method=cfg.parallelism.context_parallel_method,
         moe=moe_work(cfg),
+        master_weights=cfg.optimizer.master_weights != "off"
+        and cfg.optimizer.name in ("Adam", "AdamW")
+        and cfg.parallelism.dp_mode == "fsdp"
+        and not cfg.fault_tolerance.enable,
     )
 
 

@@ -151,6 +151,8 @@ class Workload:
         q_dim: width of Q (= of the attention output): heads x head dim; 0 = `dim`.
         kv_heads: key/value heads (Ulysses repeats them where cp does not divide a rank's); 0 = no repeats.
         moe: the Mixture-of-Experts layers' numbers (`MoEWork()`, all 0, for a dense model).
+        master_weights: `optimizer.master_weights` is not "off" and the job could use it (Adam / AdamW, FSDP
+            mode, no fault tolerance): a one-rank layout with one micro-batch per step then makes no copies.
     """
 
     n_params: int
@@ -170,6 +172,7 @@ class Workload:
     q_dim: int = 0
     kv_heads: int = 0
     moe: MoEWork = MoEWork()
+    master_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,9 +419,10 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
         fsdp += gathers * ring_seconds(shard, w.gather_bytes * rank_params, bw)
         fsdp += reduces * ring_seconds(shard, w.reduce_bytes * rank_params, bw)
     # One rank: FSDP's gathers and reduces are copies and casts (the bf16 compute copy) on the compute stream,
-    # hidden behind nothing.
+    # hidden behind nothing; none where the optimizer writes the copies (`titan_parallel.master_weights`).
     one_rank_copies = 0.0
-    if shard == 1 and w.gather_bytes < 4:
+    alone = t.tp * t.pp * t.cp * t.ep * t.dp_replicate == 1 and t.accum == 1 and not t.offload
+    if shard == 1 and w.gather_bytes < 4 and not (w.master_weights and alone):
         one_rank_copies = (gathers + reduces) * ONE_RANK_COPY_BYTES_PER_PARAM * rank_params / HBM_BYTES_PER_S
     if rank_experts and shard // t.ep > 1:  # the experts over the ranks holding the same ones
         bw = bandwidth("experts", "fsdp")
