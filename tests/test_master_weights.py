@@ -220,9 +220,10 @@ def test_titan_train_matches_one_rank_fsdp_and_resumes_bit_exactly(tmp_path):
             run_titan(run, *BF16_RUN, "--optimizer.master_weights", args)
     m, f = metrics(master), metrics(fsdp)
     assert sorted(m) == sorted(f) == [1, 2, 3, 4, 5, 6]
-    # The same bf16 numbers up to the RoPE table, which FSDP casts to bf16 with every block's inputs (the copies
-    # leave buffers fp32): 1e-5 of the loss at step 1, bf16 noise after six updates.
-    assert m[1]["loss/global_avg"] == pytest.approx(f[1]["loss/global_avg"], rel=1e-4)
+    # The same bf16 forward bit for bit (so the first two losses are equal); the RMSNorm weights' gradients differ
+    # in their last bits (bf16 under master weights), so the updates drift apart at bf16's noise level.
+    assert m[1]["loss/global_avg"] == f[1]["loss/global_avg"] and m[2]["loss/global_avg"] == f[2]["loss/global_avg"]
+    assert m[1]["optim/grad_norm"] == pytest.approx(f[1]["optim/grad_norm"], rel=1e-6)
     for step in m:
         assert m[step]["loss/global_avg"] == pytest.approx(f[step]["loss/global_avg"], rel=3e-3), step
         assert m[step]["optim/grad_norm"] == pytest.approx(f[step]["optim/grad_norm"], rel=2e-2), step

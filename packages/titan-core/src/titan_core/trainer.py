@@ -155,7 +155,7 @@ class Trainer:
         if self.rank == 0:
             logger.info("loss: %s", describe_loss(t.fused_loss, self.model.head))
             if self.model.copies is not None:
-                logger.info("optimizer step kernel: master-weight step (%s)", job.weights_reason)
+                logger.info("optimizer step kernel: master weights (%s)", job.weights_reason)
             else:
                 logger.info("optimizer step kernel: %s (%s)", implementation, why)
             logger.info("attention kernel: %s", attention_why)

@@ -134,20 +134,28 @@ class AdamKernel:
         self.n_units = len(units)
         self._addresses: list[int] = []
         self._table = torch.empty(6 * self.n_tensors, dtype=torch.int64, device=device)
+        # Two pinned host buffers, used in turn: a buffer is rewritten only once the upload from it two uploads ago
+        # finished, so the host never waits on the step just queued (it may run up to two steps ahead).
         pin = device.type == "cuda"
-        self._host = torch.empty(6 * self.n_tensors, dtype=torch.int64, pin_memory=pin)
-        self._uploaded: torch.cuda.Event | None = None
+        self._hosts = [torch.empty(6 * self.n_tensors, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._uploads: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
 
     def _upload(self, addresses: list[int]) -> None:
+        """Copy the tensors' addresses to the device table, unless they are the last call's."""
         if addresses == self._addresses:
             return
-        if self._uploaded is not None:  # the last upload read the pinned buffer: it must be done before a rewrite
-            self._uploaded.synchronize()
-        self._host.copy_(torch.tensor(addresses, dtype=torch.int64))
-        self._table.copy_(self._host, non_blocking=True)
+        turn, self._turn = self._turn, 1 - self._turn
+        upload = self._uploads[turn]
+        if upload is not None:
+            upload.synchronize()
+        host = self._hosts[turn]
+        host.copy_(torch.tensor(addresses, dtype=torch.int64))
+        self._table.copy_(host, non_blocking=True)
         if self.device.type == "cuda":
-            self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
+            event = torch.cuda.Event()
+            event.record()
+            self._uploads[turn] = event
         self._addresses = addresses
 
     def __call__(

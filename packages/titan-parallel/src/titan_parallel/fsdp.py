@@ -87,8 +87,11 @@ def apply_fsdp(
                         # the shard dim has one rank: torch 2.15 then divides by the factor in its one-rank copy,
                         # and again after the sum (HSDP's all-reduce sums without PREMUL_SUM anyway).
                         experts.set_force_sum_reduction_for_comms(True)
+    # A block's inputs are the residual stream, already in the compute dtype from the units before it, and the
+    # model's buffers passed down (the RoPE table): FSDP would cast those to bf16 too, so blocks cast nothing.
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in iter_blocks(model, plan):
-        fully_shard(block, reshard_after_forward=reshard, **config)
+        fully_shard(block, reshard_after_forward=reshard, **{**config, "mp_policy": block_policy})
     # The root's own parameters (e.g. the final norm) are needed right at the end of
     # forward, so they stay gathered for backward.
     fully_shard(model, reshard_after_forward=False if not pipeline_parallel else reshard, **config)

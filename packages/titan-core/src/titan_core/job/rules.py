@@ -441,7 +441,7 @@ def _master_weights(d: Draft) -> None:
         return
     d.parallel = dataclasses.replace(d.parallel, master_weights=True)
     why = "as configured" if choice == "on" else "auto: one CUDA rank, where one kernel writes masters and copies"
-    d.weights_reason = f"fp32 masters, bf16 copies written by the optimizer step, no FSDP ({why})"
+    d.weights_reason = f"fp32 masters whose bf16 copies the step writes, no FSDP; {why}"
 
 
 def _keys(table: Mapping[str, str], *fields: str) -> dict[str, str]:

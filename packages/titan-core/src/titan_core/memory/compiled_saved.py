@@ -139,6 +139,7 @@ def measure_block(
     seq_len: int,
     dtype: torch.dtype,
     ac: str,
+    rope_dtype: torch.dtype = torch.float32,
 ) -> BlockSaved:
     """What `meta_block` keeps for backward when compiled, for a `(batch, seq_len)` input (cached).
 
@@ -152,15 +153,17 @@ def measure_block(
         seq_len: tokens per sequence on this rank.
         dtype: the compute dtype: the parameters' and the input's.
         ac: one of `AC_KINDS`.
+        rope_dtype: the RoPE table's dtype, as the blocks get it (the model's own: no FSDP unit casts it).
 
     Raises:
         ValueError: an unknown `ac`.
     """
     if ac not in AC_KINDS:
         raise ValueError(f"ac={ac!r} is not one of {AC_KINDS}")
-    key = (family, block_signature(meta_block), tuple(rope_shape), dim, batch, seq_len, dtype, ac)
+    key = (family, block_signature(meta_block), tuple(rope_shape), rope_dtype, dim, batch, seq_len, dtype, ac)
     if key not in _CACHE:
-        _CACHE[key] = _trace(meta_block, blocks_path, tuple(rope_shape), (batch, seq_len, dim), dtype, ac)
+        rope = (tuple(rope_shape), rope_dtype)
+        _CACHE[key] = _trace(meta_block, blocks_path, rope, (batch, seq_len, dim), dtype, ac)
     return _CACHE[key]
 
 
@@ -190,7 +193,7 @@ def _call_block(block: nn.Module, hidden: torch.Tensor, rope: torch.Tensor) -> t
 def _trace(
     meta_block: nn.Module,
     blocks_path: str,
-    rope_shape: tuple[int, ...],
+    rope_table: tuple[tuple[int, ...], torch.dtype],
     input_shape: tuple[int, int, int],
     dtype: torch.dtype,
     ac: str,
@@ -201,7 +204,7 @@ def _trace(
     with FakeTensorMode():
         _fake_storage(block, dtype)
         hidden = torch.empty(input_shape, dtype=dtype, requires_grad=True)  # (batch, seq, dim)
-        rope = torch.empty(rope_shape, dtype=dtype)  # FSDP's mixed precision casts the blocks' inputs
+        rope = torch.empty(rope_table[0], dtype=rope_table[1])  # the model's table: no block casts its inputs
     unit = _wrapped(block, blocks_path, ac)
     batch, seq_len, _ = input_shape
     return _partitioned(_call_block, (unit, hidden, rope), batch * seq_len)
@@ -368,6 +371,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
                 family=cfg.model.name,
                 blocks_path=job.spec.plan.blocks,
                 rope_shape=tuple(rope.shape),
+                rope_dtype=rope.dtype,
                 dim=job.model_args.dim,
                 batch=1,
                 seq_len=cfg.training.seq_len,

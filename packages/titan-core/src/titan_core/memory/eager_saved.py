@@ -185,7 +185,7 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                     counts = _even_counts(moe.num_experts, batch * seq * moe.top_k) if moe else (lambda: 0)
                     with fake_target(device, counts):
                         on_fake(holder, dtype, device)
-                        rope, positions = _rope(meta, dtype, device), _positions(mesh, seq, device)
+                        rope, positions = _rope(meta, device), _positions(mesh, seq, device)
                         shape = (batch, seq // layout.tp, args.dim)  # sequence parallel splits the block's input
                         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
                         if kind == "backward":
@@ -242,12 +242,13 @@ def _parallel_copy(
     return holder
 
 
-def _rope(meta: nn.Module, dtype: torch.dtype, device: str) -> torch.Tensor | None:
-    """The model's RoPE table as the blocks get it (FSDP's mixed precision casts a floating input)."""
+def _rope(meta: nn.Module, device: str) -> torch.Tensor | None:
+    """The model's RoPE table as the blocks get it: in its own dtype (FSDP's blocks cast no input,
+    `titan_parallel.fsdp`; the compute copies and autocast leave buffers alone)."""
     table = getattr(meta, "rope_cache", None)
     if not isinstance(table, torch.Tensor):
         return None
-    return torch.empty(table.shape, dtype=dtype if table.is_floating_point() else table.dtype, device=device)
+    return torch.empty(table.shape, dtype=table.dtype, device=device)
 
 
 def _positions(mesh: DeviceMesh | None, seq: int, device: str) -> torch.Tensor | None:
