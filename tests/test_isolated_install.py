@@ -60,6 +60,11 @@ print(json.dumps(out))
     for layout in ("FSDP2 x TP2", "PP2 x FSDP2"):
         line = next(x for x in run.stdout.splitlines() if x.startswith(layout))
         assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
+    # bf16 from fp32 master weights on a model it does not define, from the same lone install.
+    example = REPO / "examples" / "master_weights_any_model.py"
+    run = subprocess.run([str(python), str(example)], capture_output=True, text=True, env=lone_env(), cwd=tmp_path,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "losses equal to the hand-written bf16 loop" in run.stdout, run.stderr[-3000:]
 
 
 def test_cli_help_does_not_import_torch():
