@@ -83,23 +83,13 @@ def check(sizes, device) -> str:
         opt, params, copies = master_optimizer(sizes, device, seed=1)
         opt.found_inf = torch.zeros((), device=device)
         opt.grad_scale = torch.full((), 1.7, device=device)
-        if not use_kernel:
-            AdamKernelSwitch.off = True
-        try:
-            opt.step()
-        finally:
-            AdamKernelSwitch.off = False
+        opt._triton = opt._triton and use_kernel  # False: the fallback path
+        opt.step()
         runs.append((copies.masters, copies.copies))
     (m1, c1), (m2, c2) = runs
     rel = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() for a, b in zip(m1, m2, strict=True))
     exact = all(torch.equal(c, m.to(torch.bfloat16)) for c, m in zip(c1, m1, strict=True))
     return f"kernel vs fallback: masters max rel. diff {rel:.2e}; every copy == its master in bf16: {exact}"
-
-
-class AdamKernelSwitch:
-    """Forces `MasterAdamW` onto its fallback path (for `check`)."""
-
-    off = False
 
 
 def main() -> None:
@@ -111,10 +101,6 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = [torch.Size([1000, 33]), torch.Size([7]), torch.Size([40000])] if args.smoke else shapes(args.flavor)
     n = sum(s.numel() for s in sizes)
-    import titan_parallel.master_weights as mw
-
-    has_triton = mw._has_triton
-    mw._has_triton = lambda: has_triton() and not AdamKernelSwitch.off  # type: ignore[assignment]
     if device.type == "cuda":  # elsewhere both runs take the fallback
         print(check(sizes, device), flush=True)
     rows = []
@@ -124,10 +110,12 @@ def main() -> None:
     fused = torch.optim.AdamW(ref_params, fused=True, **HYPER)
     rows.append(("torch fused AdamW, fp32 grads", timed(fused.step, args.repeat, device), 28))
     opt, _, _ = master_optimizer(sizes, device, seed=2)
+    kernel = opt._triton and device.type == "cuda"  # elsewhere only the fallback runs
     for label, off in (("master AdamW, Triton kernel", False), ("master AdamW, fallback", True)):
-        AdamKernelSwitch.off = off
+        if not off and not kernel:
+            continue
+        opt._triton = kernel and not off
         rows.append((label, timed(opt.step, args.repeat, device), 40 if off else 28))
-    AdamKernelSwitch.off = False
     print(f"{n / 1e6:.1f}M elements in {len(sizes)} tensors, {device}")
     for label, seconds, per in rows:
         print(f"{label:34s} {seconds * 1e3:8.2f} ms  {n * per / seconds / 1e9:8.0f} GB/s ({per} B/element)")

@@ -122,6 +122,7 @@ class _MasterStep:
     param_groups: list[dict[str, Any]]
     state: Any
     _kernels: dict[int, Any]
+    _triton: bool
 
     def _bind(self, copies: ComputeCopies) -> None:
         for group in self.param_groups:
@@ -130,7 +131,7 @@ class _MasterStep:
                     raise ValueError("every parameter the optimizer steps must be one of ComputeCopies' parameters")
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("MasterAdam / MasterAdamW step without amsgrad and maximize")
-        self.copies, self._kernels = copies, {}
+        self.copies, self._kernels, self._triton = copies, {}, _has_triton()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, with the masters in the parameters first: torch casts the moments to each parameter's dtype."""
@@ -175,7 +176,7 @@ class _MasterStep:
             decoupled = bool(group.get("decoupled_weight_decay", False))
             exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             same_grad_dtype = all(g.dtype == copies.dtype for g in grads)  # DCP's state init steps with fp32 zeros
-            if masters[0].device.type == "cuda" and same_grad_dtype and _has_triton():
+            if masters[0].device.type == "cuda" and same_grad_dtype and self._triton:
                 numels = [p.numel() for p in params]
                 kernel = self._kernels.get(index)
                 if kernel is None or kernel.sizes != numels:  # built once; again if a parameter had no gradient

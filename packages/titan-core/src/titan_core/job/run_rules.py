@@ -14,7 +14,10 @@ from titan_core.config.errors import ConfigError, MissingPackageError
 if TYPE_CHECKING:
     from titan_core.job.rules import Draft
 
-__all__ = ["fault_tolerance", "master_weights"]
+if TYPE_CHECKING:
+    from titan_core.config.schema import JobConfig
+
+__all__ = ["fault_tolerance", "master_weights", "master_weights_config_blockers"]
 
 
 def fault_tolerance(d: Draft) -> None:
@@ -74,12 +77,7 @@ def master_weights(d: Draft) -> None:
         dims.dp_replicate * dims.dp_shard, model_parallel, d.parallel.param_dtype, d.parallel.cpu_offload,
         d.accum_steps or 1,
     )  # fmt: skip
-    if cfg.optimizer.name not in ("Adam", "AdamW"):
-        blockers.append(f"optimizer.name = {cfg.optimizer.name!r} has no master-weight step (Adam and AdamW do)")
-    if d.parallel.dp_mode == "ddp":
-        blockers.append("parallelism.dp_mode = 'ddp' computes in bf16 through autocast")
-    if cfg.fault_tolerance.enable:
-        blockers.append("fault_tolerance.enable averages gradients over replica groups")
+    blockers += master_weights_config_blockers(cfg)
     if choice == "on" and blockers:
         raise ConfigError(f"optimizer.master_weights = 'on' cannot train this job: {blockers[0]}; set 'auto' or 'off'")
     if choice == "auto" and (blockers or d.device_type != "cuda"):
@@ -87,3 +85,15 @@ def master_weights(d: Draft) -> None:
     d.parallel = dataclasses.replace(d.parallel, master_weights=True)
     why = "as configured" if choice == "on" else "auto: one CUDA rank, where one kernel writes masters and copies"
     d.weights_reason = f"fp32 masters whose bf16 copies the step writes, no FSDP; {why}"
+
+
+def master_weights_config_blockers(cfg: JobConfig) -> list[str]:
+    """What in `cfg`, beside the layout (`titan_parallel.master_weights_blockers`), keeps master weights off."""
+    blockers = []
+    if cfg.optimizer.name not in ("Adam", "AdamW"):
+        blockers.append(f"optimizer.name = {cfg.optimizer.name!r} has no master-weight step (Adam and AdamW do)")
+    if cfg.parallelism.dp_mode == "ddp":
+        blockers.append("parallelism.dp_mode = 'ddp' computes in bf16 through autocast")
+    if cfg.fault_tolerance.enable:
+        blockers.append("fault_tolerance.enable averages gradients over replica groups")
+    return blockers

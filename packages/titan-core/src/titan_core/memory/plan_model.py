@@ -29,6 +29,7 @@ def model_of(cfg: JobConfig) -> tuple[Any, Any]:
 
 def workload(cfg: JobConfig) -> Workload:
     """The model and batch of `cfg` as the cost model's numbers (a Llama-shaped family's args)."""
+    from titan_core.job.run_rules import master_weights_config_blockers
     from titan_core.memory.analytic import DTYPE_BYTES, compute_dtype_bytes
 
     spec, a = model_of(cfg)
@@ -52,10 +53,7 @@ def workload(cfg: JobConfig) -> Workload:
         cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
         cp_method=cfg.parallelism.context_parallel_method,
         moe=moe_work(cfg),
-        master_weights=cfg.optimizer.master_weights != "off"
-        and cfg.optimizer.name in ("Adam", "AdamW")
-        and cfg.parallelism.dp_mode == "fsdp"
-        and not cfg.fault_tolerance.enable,
+        master_weights=cfg.optimizer.master_weights != "off" and not master_weights_config_blockers(cfg),
     )
 
 

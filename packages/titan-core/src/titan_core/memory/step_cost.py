@@ -151,8 +151,8 @@ class Workload:
         q_dim: width of Q (= of the attention output): heads x head dim; 0 = `dim`.
         kv_heads: key/value heads (Ulysses repeats them where cp does not divide a rank's); 0 = no repeats.
         moe: the Mixture-of-Experts layers' numbers (`MoEWork()`, all 0, for a dense model).
-        master_weights: `optimizer.master_weights` is not "off" and the job could use it (Adam / AdamW, FSDP
-            mode, no fault tolerance): a one-rank layout with one micro-batch per step then makes no copies.
+        master_weights: `optimizer.master_weights` is not "off" and nothing but the layout keeps it off (Adam /
+            AdamW, FSDP mode, no fault tolerance): a layout `master_weights_blockers` passes then makes no copies.
     """
 
     n_params: int
@@ -363,6 +363,16 @@ def cp_seconds(layout: Layout, work: Workload, cluster: Cluster, notes: dict[str
     return CP_EXPOSED[w.cp_rotate_method] * passes * ring_seconds(t.cp, kv, bw)
 
 
+def _master_weights_apply(t: Layout) -> bool:
+    """Whether the layout trains 16-bit through master weights rather than one-rank FSDP (the job rule's test)."""
+    import torch
+
+    from titan_parallel.master_weights import master_weights_blockers
+
+    model_parallel = t.tp * t.cp * t.pp * t.ep > 1
+    return not master_weights_blockers(t.dp_replicate * t.dp_shard, model_parallel, torch.bfloat16, t.offload, t.accum)
+
+
 def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> StepCost:
     """Seconds per optimizer step of `layout`, by term (see the module docstring).
 
@@ -421,8 +431,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     # One rank: FSDP's gathers and reduces are copies and casts (the bf16 compute copy) on the compute stream,
     # hidden behind nothing; none where the optimizer writes the copies (`titan_parallel.master_weights`).
     one_rank_copies = 0.0
-    alone = t.tp * t.pp * t.cp * t.ep * t.dp_replicate == 1 and t.accum == 1 and not t.offload
-    if shard == 1 and w.gather_bytes < 4 and not (w.master_weights and alone):
+    if shard == 1 and w.gather_bytes < 4 and not (w.master_weights and _master_weights_apply(t)):
         one_rank_copies = (gathers + reduces) * ONE_RANK_COPY_BYTES_PER_PARAM * rank_params / HBM_BYTES_PER_S
     if rank_experts and shard // t.ep > 1:  # the experts over the ranks holding the same ones
         bw = bandwidth("experts", "fsdp")
