@@ -8,8 +8,10 @@ step on an H100 (docs/performance.md). Here the same numbers come without the co
 - `ComputeCopies` keeps a bf16 copy of every parameter. From a forward until the next optimizer
   step each parameter's `.data` is its copy, so the model computes in bf16 exactly as under
   FSDP's `MixedPrecisionPolicy` (bf16 weights, activations and residual stream) and autograd
-  leaves bf16 gradients, the values FSDP would cast to fp32 on one rank. Otherwise (`state_dict`,
-  checkpoints, the optimizer) the parameters are the fp32 masters.
+  leaves each gradient in the dtype its backward computed it in: bf16 from the matmuls, fp32
+  where an op reduces in fp32 (RMSNorm's weight), as FSDP keeps them (it sets the gathered
+  parameters' `grad_dtype` to fp32, here it is None: no cast either way). Otherwise
+  (`state_dict`, checkpoints, the optimizer) the parameters are the fp32 masters.
 - `MasterAdam` / `MasterAdamW` step the masters from those gradients and write the copies in the
   same pass: on CUDA one Triton kernel (`titan_parallel.adam_kernel`, 28 bytes per weight as
   torch's fused step), elsewhere torch's fused kernel on fp32 casts of the gradients plus a cast
@@ -79,6 +81,9 @@ class ComputeCopies:
                     raise ValueError(f"ComputeCopies needs plain parameters; {name} is a DTensor")
                 params.setdefault(id(p), p)
         self.params = list(params.values())
+        for p in self.params:
+            if hasattr(p, "grad_dtype"):  # torch 2.10+; before, autograd casts every gradient to the copy's dtype
+                p.grad_dtype = None  # keep each gradient in the dtype its backward produced (fp32 for norm weights)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.masters = [p.data for p in self.params]
         self.copies = [torch.empty_like(m, dtype=dtype) for m in self.masters]
@@ -121,7 +126,7 @@ class _MasterStep:
     copies: ComputeCopies
     param_groups: list[dict[str, Any]]
     state: Any
-    _kernels: dict[int, Any]
+    _kernels: dict[tuple[int, torch.dtype], Any]
     _triton: bool
 
     def _bind(self, copies: ComputeCopies) -> None:
@@ -175,26 +180,50 @@ class _MasterStep:
             }
             decoupled = bool(group.get("decoupled_weight_decay", False))
             exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-            same_grad_dtype = all(g.dtype == copies.dtype for g in grads)  # DCP's state init steps with fp32 zeros
-            if masters[0].device.type == "cuda" and same_grad_dtype and self._triton:
-                numels = [p.numel() for p in params]
-                kernel = self._kernels.get(index)
-                if kernel is None or kernel.sizes != numels:  # built once; again if a parameter had no gradient
-                    from titan_parallel.adam_kernel import AdamKernel
-
-                    kernel = self._kernels[index] = AdamKernel(numels, masters[0].device)
-                kernel(grads, masters, exp_avgs, exp_avg_sqs, outs, steps, decoupled=decoupled,
-                       grad_scale=grad_scale, found_inf=found_inf, **hyper)  # fmt: skip
-            else:
-                fp32_grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-                fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-                fused(masters, fp32_grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, maximize=False,
-                      grad_scale=grad_scale, found_inf=found_inf, **hyper)  # fmt: skip
-                torch._foreach_copy_(outs, masters)
+            by_dtype: dict[torch.dtype, list[int]] = {}  # bf16 gradients, and fp32 ones (norms, DCP's state init)
+            for i, g in enumerate(grads):
+                by_dtype.setdefault(g.dtype, []).append(i)
+            for grad_dtype, picked in by_dtype.items():
+                lists = [[xs[i] for i in picked] for xs in (grads, masters, exp_avgs, exp_avg_sqs, outs, steps)]
+                self._step_tensors(index, grad_dtype, *lists, decoupled=decoupled, hyper=hyper,
+                                   grad_scale=grad_scale, found_inf=found_inf)  # fmt: skip
             if found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
         copies.written()
         return loss
+
+    def _step_tensors(
+        self,
+        index: int,
+        grad_dtype: torch.dtype,
+        grads: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        *,
+        decoupled: bool,
+        hyper: dict[str, Any],
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """The update of one param group's tensors whose gradients share `grad_dtype`."""
+        if masters[0].device.type == "cuda" and self._triton:
+            numels = [m.numel() for m in masters]
+            kernel = self._kernels.get((index, grad_dtype))
+            if kernel is None or kernel.sizes != numels:  # built once; again if a parameter had no gradient
+                from titan_parallel.adam_kernel import AdamKernel
+
+                kernel = self._kernels[(index, grad_dtype)] = AdamKernel(numels, masters[0].device)
+            kernel(grads, masters, exp_avgs, exp_avg_sqs, outs, steps, decoupled=decoupled,
+                   grad_scale=grad_scale, found_inf=found_inf, **hyper)  # fmt: skip
+            return
+        fp32_grads = grads if grad_dtype == torch.float32 else [g.float() for g in grads]
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused(masters, fp32_grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, maximize=False,
+              grad_scale=grad_scale, found_inf=found_inf, **hyper)  # fmt: skip
+        torch._foreach_copy_(outs, masters)
 
 
 def _has_triton() -> bool:
