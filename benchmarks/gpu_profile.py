@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_suite import BENCH_MODEL, COMPILE, FLOAT8, RUN_FOLDER, Row, bench_flavors, row_config  # noqa: E402
+from gpu_suite import (  # noqa: E402
+    BENCH_MODEL,
+    COMPILE,
+    FLOAT8,
+    OUTPUT_FLOAT8,
+    RUN_FOLDER,
+    Row,
+    bench_flavors,
+    row_config,
+)
 
 from titan_core.trainer import Trainer  # noqa: E402
 from titan_models import get_model_spec, register_model_spec  # noqa: E402
@@ -39,6 +48,9 @@ ROWS = {
     "1B-compile-float8": Row("1B s2048 compile + float8", "1B", 2048, 4, COMPILE + FLOAT8),
     "8Bx8-compile-acop": Row("8B x8 s8192 compile + AC op", "8B-x8", 8192, 1, COMPILE + AC_OP),
     "8Bx8-compile-acop-float8": Row("8B x8 s8192 compile + AC op + float8", "8B-x8", 8192, 1, COMPILE + AC_OP + FLOAT8),
+    "8Bx8-compile-acop-float8-output": Row(
+        "8B x8 s8192 compile + AC op + float8, output in float8", "8B-x8", 8192, 1, COMPILE + AC_OP + FLOAT8 + OUTPUT_FLOAT8
+    ),
     "smoke": Row("debugmodel s128 eager", "debugmodel", 128, 2),
 }
 KINDS = (  # (kind, substrings of kernel names), first match wins

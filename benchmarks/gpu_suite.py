@@ -54,6 +54,7 @@ from titan_models import get_model_spec, register_model_spec
 BENCH_MODEL = "llama3-bench"  # the llama3 spec with the flavors below added
 COMPILE = ("--compile.enable", "true")
 FLOAT8 = ("--model.converters", "float8")
+OUTPUT_FLOAT8 = ("--float8.filter_fqns", "[]")  # the output projection too: its GEMMs in float8 inside the fused loss
 AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 AC_FULL = ("--activation_checkpoint.mode", "full")
 PLAIN_LOSS = ("--training.fused_loss", "false")
@@ -144,7 +145,9 @@ def suite(smoke: bool) -> Suite:
             ],
             pair=Row("titan vs hand-written (eager)", flavor, seq, batch),
             layers=(Row("tiny 8B stand-in eager", "8B-x8", seq, batch),
-                    Row("tiny 8B stand-in float8 (emulated)", "8B-x8", seq, batch, float8)),
+                    Row("tiny 8B stand-in float8 (emulated)", "8B-x8", seq, batch, float8),
+                    Row("tiny 8B stand-in float8 (emulated), output in float8", "8B-x8", seq, batch,
+                        float8 + OUTPUT_FLOAT8)),
             hf=Row("transformers LlamaForCausalLM (eager)", flavor, seq, batch),
             decode=Row("decode batch 1 (eager; compiled path aot_eager)", flavor, 16, 1),
         )
@@ -159,6 +162,7 @@ def suite(smoke: bool) -> Suite:
             Row("1B s2048 compile, one-rank FSDP, foreach AdamW", *one_b, COMPILE + ONE_RANK_FSDP + FOREACH),
             Row("1B s2048 compile + float8", *one_b, COMPILE + FLOAT8),
             Row("1B s2048 compile + float8, before: one-rank FSDP", *one_b, COMPILE + FLOAT8 + ONE_RANK_FSDP),
+            Row("1B s2048 compile + float8, output in float8", *one_b, COMPILE + FLOAT8 + OUTPUT_FLOAT8),
             Row("1B s2048 compile + AC selective op", *one_b, COMPILE + AC_OP),
         ],
         pair=Row("1B s2048 titan vs hand-written (eager)", "1B", 2048, 2),
@@ -167,7 +171,9 @@ def suite(smoke: bool) -> Suite:
                 Row("8B x8 s8192 compile + AC op, before: one-rank FSDP", "8B-x8", 8192, 1,
                     COMPILE + AC_OP + ONE_RANK_FSDP),
                 Row("8B x8 s8192 compile + AC op + float8, before: one-rank FSDP", "8B-x8", 8192, 1,
-                    COMPILE + AC_OP + FLOAT8 + ONE_RANK_FSDP)),
+                    COMPILE + AC_OP + FLOAT8 + ONE_RANK_FSDP),
+                Row("8B x8 s8192 compile + AC op + float8, output in float8", "8B-x8", 8192, 1,
+                    COMPILE + AC_OP + FLOAT8 + OUTPUT_FLOAT8)),
         hf=Row("1B s2048 transformers LlamaForCausalLM compile", *one_b, COMPILE),
         decode=Row("1B decode batch 1, 256 tokens (compiled, CUDA graphs)", "1B", 256, 1),
     )
@@ -473,6 +479,10 @@ def verdicts(results: dict) -> list[str]:
                  ("1B s2048 compile + float8", "1B s2048 compile + float8, before: one-rank FSDP")]
         for after, before_name in gains:
             lines.append(f"master weights / one-rank FSDP, {after}: {speed_ratio(after, before_name)}x")
+    output_rows = [name for name in names["layers"] if name.endswith("output in float8")]
+    if output_rows:  # float8 with the output projection in float8 too (inside the fused loss): not the default
+        _target(lines, "float8 with the output projection in float8 / bf16 on 8B x8", speed_ratio(output_rows[0], bf16),
+                TARGET_FLOAT8, "x", why(output_rows[0]))
     pair = by_name.get(names["pair"]) or {}
     ratio = pair.get("ratio_titan_over_hand") if pair.get("status") == "ok" else None
     _target(lines, "Titan / hand-written loop", ratio, TARGET_VS_HAND, "x", why(names["pair"]))

@@ -213,13 +213,17 @@ def test_config_keys(tmp_path):
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory) -> dict[str, Path]:
-    """The unconverted, the float8 and the compiled float8 run, one process each, side by side."""
+    """The unconverted, the float8 and the compiled float8 run, and the output projection in float8 through
+    the fused loss and through the plain one, one process each, side by side; each folder keeps its log."""
     root = tmp_path_factory.mktemp("single")
-    folders = {"plain": root / "plain", "float8": root / "float8", "compiled": root / "compiled"}
-    extra = {"plain": [], "float8": FLOAT8, "compiled": [*FLOAT8, "--compile.enable"]}
+    output = [*FLOAT8, "--float8.filter_fqns", "[]"]
+    extra = {"plain": [], "float8": FLOAT8, "compiled": [*FLOAT8, "--compile.enable"], "output": output,
+             "output plain loss": [*output, "--training.fused_loss", "false"]}  # fmt: skip
+    folders = {name: root / name.replace(" ", "_") for name in extra}
     with ThreadPoolExecutor(3) as pool:
-        for proc in pool.map(lambda name: run_titan(folders[name], *CORPUS, *extra[name]), folders):
-            assert proc.returncode == 0
+        for name, proc in zip(folders, pool.map(lambda name: run_titan(folders[name], *CORPUS, *extra[name]), folders)):
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            (folders[name] / "run.log").write_text(proc.stdout + proc.stderr)
     return folders
 
 
@@ -262,6 +266,23 @@ def test_compiled_float8_tracks_the_unconverted_run(single_runs):
     gaps = relative_gaps(losses(single_runs["compiled"]), losses(single_runs["plain"]))
     print(f"compiled float8 vs unconverted, relative loss gap: max {max(gaps):.3%}")
     assert max(gaps) < TOLERANCE
+
+
+def test_the_output_projection_in_float8_runs_inside_the_fused_loss(single_runs):
+    """`float8.filter_fqns = []` selects the output projection too: under the tensorwise recipe it stays a plain
+    linear and the fused loss runs its three GEMMs in float8, as torchao's `Float8Linear` output projection with
+    the plain loss computes them (`training.fused_loss = false`). The step-1 losses agree to fp32 rounding; from
+    there the two runs are two float8 runs whose last bits differ, and an e5m2 gradient rounds a value by up to
+    12.5%, so they agree as float8 runs do (`TOLERANCE`). The operands themselves are checked bit for bit against
+    torchao's in `test_fused_loss.py`."""
+    assert "GEMMs run in float8 inside the fused loss" in (single_runs["output"] / "run.log").read_text()
+    assert "inside the fused loss" not in (single_runs["output plain loss"] / "run.log").read_text()
+    fused, plain = losses(single_runs["output"]), losses(single_runs["output plain loss"])
+    gaps = relative_gaps(fused, plain)
+    print(f"float8 output: fused vs plain loss, relative gap per step: max {max(gaps):.2e}")
+    assert len(fused) == STEPS and gaps[0] < 1e-6 and max(gaps) < TOLERANCE
+    assert max(relative_gaps(fused, losses(single_runs["plain"]))) < TOLERANCE
+    assert fused != losses(single_runs["float8"])  # the output projection's float8 is in the loop
 
 
 def test_fsdp_float8_all_gather_resumes_and_exports_plain_weights(fsdp_runs, single_runs):

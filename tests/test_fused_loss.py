@@ -3,7 +3,9 @@
 The reference is torch's own: `F.cross_entropy` on the full fp32 logits of `h @ W.T`, with
 autograd's gradients. fp32 on CPU, to 1e-6 relative: one chunk and many (a ragged last one
 included), ignored labels, no-grad evaluation, and the vocab-parallel path on 2 gloo
-processes with a `Shard(0)` weight. The training runs (1 process, TP, PP, FSDP, CP) are
+processes with a `Shard(0)` weight. The float8 GEMMs (`float8=Float8Loss(...)`, emulated on CPU)
+against torchao's own `Float8Linear` output projection with the plain loss, and on 2 processes
+against one. The training runs (1 process, TP, PP, FSDP, CP) are
 compared by the parity matrix, which now trains every layout through this loss; here one
 run checks that `training.fused_loss = false` (the plain loss) gives the same losses.
 """
@@ -20,7 +22,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from titan_run import TINY, losses, run_titan
 
+from titan_parallel.float8_matmul import Float8Loss
 from titan_parallel.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
+
+FLOAT8 = Float8Loss(emulate=True)  # float8's numbers at fp32 speed: no float8 tensor cores here
 
 TOKENS, DIM, VOCAB = 37, 16, 50
 
@@ -71,6 +76,62 @@ def test_the_compiled_per_chunk_arithmetic_equals_plain_cross_entropy():
     assert max(errors) <= 1e-6, errors
 
 
+def _torchao_float8_plain(h, w, labels):
+    """torchao's tensorwise `Float8Linear` (emulated) as the output projection, then the plain loss."""
+    from dataclasses import replace
+
+    f8 = pytest.importorskip("torchao.float8")
+    head = torch.nn.Sequential(torch.nn.Linear(DIM, VOCAB, bias=False))
+    head[0].weight.data.copy_(w)
+    f8.convert_to_float8_training(head, config=replace(f8.Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True))
+    h = h.clone().requires_grad_()
+    loss = F.cross_entropy(head(h).float(), labels)
+    loss.backward()
+    return loss.detach(), h.grad, head[0].weight.grad
+
+
+def test_float8_gemms_equal_torchao_float8_linear_with_the_plain_loss(monkeypatch):
+    import titan_parallel.float8_matmul as float8_matmul
+
+    monkeypatch.setattr(float8_matmul, "_BLOCK", 4 * DIM)  # eager casts in blocks of 4 rows
+    h, w, labels = _inputs(seed=5)
+    ref = _torchao_float8_plain(h, w, labels)
+    one_chunk = _fused(h, w, labels, chunk_rows=TOKENS, float8=FLOAT8)
+    errors = [_rel_err(a, b) for a, b in zip(one_chunk, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors  # the same float8 operands and scales: fp32 rounding apart
+    # ... and the GEMMs did run in float8: the high-precision gradients are far from torchao's float8 ones.
+    high = _fused(h, w, labels, chunk_rows=TOKENS)
+    assert min(_rel_err(a, b) for a, b in zip(high[1:], ref[1:], strict=True)) > 1e-2
+    # Chunks: the logits (so the loss) are the same; each chunk's logit gradient gets its own e5m2 scale,
+    # whose 2 mantissa bits round a value by up to 12.5%.
+    chunked = _fused(h, w, labels, chunk_rows=8, float8=FLOAT8)
+    errors = [_rel_err(a, b) for a, b in zip(chunked, ref, strict=True)]
+    assert errors[0] <= 1e-6 and max(errors) <= 5e-2, errors
+
+
+def test_float8_compiled_casts_equal_the_eager_ones():
+    """`compile.enable` casts in Inductor kernels (~20 s to compile here)."""
+    h, w, labels = _inputs(seed=6)
+    eager = _fused(h, w, labels, chunk_rows=16, float8=FLOAT8)
+    compiled = _fused(h, w, labels, chunk_rows=16, float8=FLOAT8, compiled=True)
+    errors = [_rel_err(a, b) for a, b in zip(compiled, eager, strict=True)]
+    assert max(errors) <= 1e-6, errors
+
+
+def test_float8_through_torch_scaled_mm_equals_the_emulation():
+    """The GPU path: `torch._scaled_mm` (torch 2.15 has it on CPU too) with its layouts and reciprocal scales,
+    and zero padding where an inner dimension (8-row chunks) is not a multiple of 16."""
+    g = torch.Generator().manual_seed(7)
+    h, w = torch.randn(TOKENS, 32, generator=g), torch.randn(64, 32, generator=g) * 0.3
+    labels = torch.randint(0, 64, (TOKENS,), generator=g)
+    emulated = _fused(h, w, labels, chunk_rows=8, float8=FLOAT8)
+    scaled_mm = _fused(h, w, labels, chunk_rows=8, float8=Float8Loss(emulate=False))
+    errors = [_rel_err(a, b) for a, b in zip(scaled_mm, emulated, strict=True)]
+    assert max(errors) <= 1e-6, errors
+    with pytest.raises(ValueError, match=r"^the float8 loss needs dim \(32\) and this rank's vocab \(50\) in multiples of 16"):
+        linear_cross_entropy(h, w[:50], labels.clamp(max=49), float8=Float8Loss(emulate=False))
+
+
 def test_batched_hidden_states_and_no_grad_evaluation():
     h, w, labels = _inputs(seed=1, ignored=0)
     ref = F.cross_entropy(h @ w.t(), labels)
@@ -110,12 +171,14 @@ def _vocab_parallel_worker(rank: int, port: int, result: dict) -> None:
         h, w, labels = _inputs(seed=3)
         hd = distribute_tensor(h.clone(), mesh, [Replicate()]).requires_grad_()
         wd = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
-        loss = linear_cross_entropy(hd, wd, labels, chunk_rows=8)
-        loss.backward()
-        grad_h = hd.grad.full_tensor()  # a partial sum on each rank, reduced here
-        grad_w = wd.grad.full_tensor()
-        if rank == 0:
-            result.update(loss=loss.detach(), grad_h=grad_h, grad_w=grad_w)
+        for key, float8 in (("", None), ("float8 ", FLOAT8)):
+            loss = linear_cross_entropy(hd, wd, labels, chunk_rows=8, float8=float8)
+            loss.backward()
+            grad_h = hd.grad.full_tensor()  # a partial sum on each rank, reduced here
+            grad_w = wd.grad.full_tensor()
+            hd.grad = wd.grad = None
+            if rank == 0:
+                result.update({key + "loss": loss.detach(), key + "grad_h": grad_h, key + "grad_w": grad_w})
     finally:
         dist.destroy_process_group()
 
@@ -127,7 +190,12 @@ def test_vocab_parallel_on_two_processes_equals_one_process():
         result = manager.dict()
         mp.spawn(_vocab_parallel_worker, args=(_free_port(), result), nprocs=2)
         got = (result["loss"], result["grad_h"], result["grad_w"])
+        got8 = (result["float8 loss"], result["float8 grad_h"], result["float8 grad_w"])
     errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
+    # float8: each shard's weight and logit-gradient amax is all-reduced, so the scales are one process's
+    ref8 = _fused(h, w, labels, chunk_rows=8, float8=FLOAT8)
+    errors = [_rel_err(a, b) for a, b in zip(got8, ref8, strict=True)]
     assert max(errors) <= 1e-6, errors
 
 

@@ -9,6 +9,7 @@ pipeline stage it runs; every part keeps the full model's parameter names.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,9 @@ from titan_parallel import (
     parallelize,
     uses_fsdp,
 )
+from titan_parallel.float8_matmul import Float8Loss
 from titan_parallel.pipeline import LossFn, StageModule
+from titan_parallel.plan import ModelPlan
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
 
     from titan_core.job import Job
     from titan_parallel import ComputeCopies
+
+logger = logging.getLogger("titan")
 
 
 @dataclass
@@ -86,6 +91,17 @@ def build_model_parts(job: Job, mesh: ParallelMesh, device: torch.device, seed: 
     )
 
 
+def float8_loss_of(model: nn.Module, plan: ModelPlan, converters: Converters) -> Float8Loss | None:
+    """The fused loss's float8 GEMMs where [float8] selects the output projection under the tensorwise
+    recipe (`titan_parallel.float8.float8_loss_for`: it then stays a plain linear); else None."""
+    if converters.float8 is None:
+        return None
+    from titan_parallel.float8 import float8_loss_for
+    from titan_parallel.linear_cross_entropy import output_projection_path
+
+    return float8_loss_for(model, output_projection_path(plan), converters.float8)
+
+
 def loss_compiled_for(job: Job) -> bool:
     """Whether `job` runs the plain loss compiled (`titan_core.step.loss_is_compiled`)."""
     from titan_core.step import loss_is_compiled
@@ -134,11 +150,16 @@ def assemble_model(
     with torch.device("meta"):
         model = spec.build(model_args)
     plan = spec.plan
+    float8_loss = float8_loss_of(model, plan, converters) if fused_loss else None
     if converters.float8 is not None:
         from titan_parallel import apply_float8
+        from titan_parallel.linear_cross_entropy import output_projection_path
 
         fsdp_shards = mesh["dp_shard_cp"].size() if fsdp else 1
-        apply_float8(model, converters.float8, fsdp_shards=fsdp_shards)
+        exclude = [output_projection_path(plan) or ""] if float8_loss is not None else []
+        apply_float8(model, converters.float8, fsdp_shards=fsdp_shards, exclude=exclude)
+        if float8_loss is not None:
+            logger.info("float8: the output projection's GEMMs run in float8 inside the fused loss (tensorwise)")
     if converters.mx is not None:
         from titan_parallel import apply_mx
 
@@ -157,7 +178,7 @@ def assemble_model(
         from titan_parallel.linear_cross_entropy import fuse_output_loss
 
         for _, module in stage_modules:
-            head = fuse_output_loss(module, plan, compiled=compiled_loss) or head
+            head = fuse_output_loss(module, plan, compiled=compiled_loss, float8=float8_loss) or head
     if options.dp_mode == "ddp":
         # DDP buckets the gradients of real parameters: materialise first, then wrap.
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)

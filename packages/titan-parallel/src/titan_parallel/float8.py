@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn as nn
 
+from titan_parallel.float8_matmul import Float8Loss
 from titan_parallel.layout import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def gains_from_float8(in_features: int, out_features: int, recipe: str) -> bool:
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 
 
-def float8_filter(options: Float8Options) -> Callable[[nn.Module, str], bool]:
+def float8_filter(options: Float8Options, exclude: Sequence[str] = ()) -> Callable[[nn.Module, str], bool]:
     """torchao's `module_filter_fn`: which `(module, name)` `apply_float8` converts.
 
     A linear is converted when both its dims are multiples of 16 (float8 tensor-core
@@ -148,10 +149,11 @@ def float8_filter(options: Float8Options) -> Callable[[nn.Module, str], bool]:
 
     Args:
         options: the selection (`filter_fqns`, `auto_filter_small_kn`, `recipe_name`).
+        exclude: module names left out whatever the options say (the caller runs them in float8 itself).
     """
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or any(f in fqn for f in options.filter_fqns):
+        if not isinstance(module, nn.Linear) or fqn in exclude or any(f in fqn for f in options.filter_fqns):
             return False
         if module.in_features % 16 or module.out_features % 16:
             return False
@@ -188,7 +190,9 @@ def check_float8(options: Float8Options) -> None:
         )
 
 
-def apply_float8(model: nn.Module, options: Float8Options, *, fsdp_shards: int = 1) -> list[str]:
+def apply_float8(
+    model: nn.Module, options: Float8Options, *, fsdp_shards: int = 1, exclude: Sequence[str] = ()
+) -> list[str]:
     """Swap the selected `nn.Linear`s of `model` for torchao `Float8Linear`s, in place; returns their names.
 
     Call on the meta model, before tensor parallel and FSDP (they choose their float8
@@ -199,6 +203,8 @@ def apply_float8(model: nn.Module, options: Float8Options, *, fsdp_shards: int =
         options: recipe and selection.
         fsdp_shards: how many ranks FSDP shards over; with 1 there is nothing to
             all-gather and `enable_fsdp_float8_all_gather` is left off.
+        exclude: module names to leave plain linears whatever `options` select (the output
+            projection whose GEMMs the fused loss runs in float8: `float8_loss_for`).
     """
     check_float8(options)
     f8 = import_torchao("torchao.float8")
@@ -213,7 +219,7 @@ def apply_float8(model: nn.Module, options: Float8Options, *, fsdp_shards: int =
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = True
-    keep = float8_filter(options)
+    keep = float8_filter(options, exclude)
     chosen = [name for name, module in model.named_modules() if keep(module, name)]
     f8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -233,6 +239,24 @@ def apply_float8(model: nn.Module, options: Float8Options, *, fsdp_shards: int =
             n_linear,
         )
     return chosen
+
+
+def float8_loss_for(model: nn.Module, head_path: str | None, options: Float8Options) -> Float8Loss | None:
+    """The fused loss's float8 GEMMs (`linear_cross_entropy(float8=...)`) where `options` select the output
+    projection and the recipe is tensorwise (the loss casts per tensor); None where it stays in high
+    precision or another recipe converts it (then it is a `Float8Linear` and the loss the plain one).
+
+    Pass the result's head to `apply_float8(exclude=...)` and the result to `fuse_output_loss`.
+
+    Args:
+        model: the model (meta is fine).
+        head_path: the output projection's module name (`output_projection_path`), or None.
+        options: the float8 options.
+    """
+    head = model.get_submodule(head_path) if head_path else None
+    if head is None or options.recipe_name != "tensorwise" or not float8_filter(options)(head, head_path or ""):
+        return None
+    return Float8Loss(emulate=options.emulate)
 
 
 def precompute_float8_scales(parts: Sequence[nn.Module]) -> None:

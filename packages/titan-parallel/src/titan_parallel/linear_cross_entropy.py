@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial
 
+from titan_parallel.float8_matmul import ChunkedFloat8Matmuls, Float8Loss
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan, TPStyle
 
@@ -49,6 +50,7 @@ __all__ = [
     "hidden_states_out",
     "LinearCrossEntropyHead",
     "default_chunk_rows",
+    "output_projection_path",
 ]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default
@@ -114,6 +116,7 @@ def _loss_and_grads(
     ignore_index: int,
     want_grads: bool,
     compiled: bool,
+    float8: Float8Loss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`."""
     lse_of, max_sumexp, grad_of = _kernels(compiled)
@@ -127,10 +130,11 @@ def _loss_and_grads(
     grad_h = torch.empty_like(h) if want_grads else None
     grad_w = torch.zeros_like(weight) if want_grads else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    f8 = ChunkedFloat8Matmuls(h, weight, float8, group, want_grads, compiled) if float8 is not None else None
     for start in range(0, h.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         h_c = h[rows]
-        logits = h_c @ weight.t()  # (chunk, vocab_local)
+        logits = h_c @ weight.t() if f8 is None else f8.logits(rows)  # (chunk, vocab_local)
         target_logit = logits.gather(1, target[rows].clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
         target_logit = torch.where(on_rank[rows], target_logit, 0.0)
         if group is None:
@@ -148,6 +152,9 @@ def _loss_and_grads(
             assert grad_h is not None and grad_w is not None
             g = grad_of(logits, lse, target[rows], scale[rows])  # (chunk, vocab_local), logits' dtype
             del logits
+            if f8 is not None:
+                f8.backward(g, rows, grad_h, grad_w)
+                continue
             torch.mm(g, weight, out=grad_h[rows])
             grad_w.addmm_(g.t(), h_c)
     return total / count, grad_h, grad_w
@@ -174,6 +181,7 @@ def linear_cross_entropy(
     chunk_rows: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     compiled: bool = False,
+    float8: Float8Loss | None = None,
 ) -> torch.Tensor:
     """Mean token cross-entropy of `h @ weight.T` against `labels`, in row chunks (see the module docstring).
 
@@ -187,6 +195,8 @@ def linear_cross_entropy(
         chunk_rows: tokens per chunk; None: `default_chunk_rows(vocab)`.
         ignore_index: label value that contributes nothing.
         compiled: compile the per-chunk arithmetic (`torch.compile`).
+        float8: run the three GEMMs in float8 (`titan_parallel.float8_matmul`: torchao's tensorwise
+            recipe, what a `Float8Linear` output projection computes); None: in `h`'s dtype.
 
     Returns:
         The 0-dim fp32 loss (a plain tensor, the same on every TP rank).
@@ -213,6 +223,8 @@ def linear_cross_entropy(
     rows = h.reshape(-1, h.shape[-1])  # (tokens, dim)
     flat_labels = labels.reshape(-1)
     chunk = chunk_rows or default_chunk_rows(weight.shape[0] * (1 if group is None else dist.get_world_size(group)))
+    if float8 is not None and chunk_rows is None and chunk > 16:
+        chunk -= chunk % 16  # whole float8 tiles in the weight gradient's inner dimension (no padding)
     run = partial(
         _loss_and_grads,
         chunk_rows=chunk,
@@ -220,6 +232,7 @@ def linear_cross_entropy(
         vocab_start=vocab_start,
         ignore_index=ignore_index,
         compiled=compiled,
+        float8=float8,
     )
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
@@ -233,16 +246,24 @@ class LinearCrossEntropyHead:
 
     chunk_rows: int | None = None
     compiled_loss: bool = False
+    float8_loss: Float8Loss | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h)  # type: ignore[misc]
         weight = self.weight  # type: ignore[attr-defined]
-        return linear_cross_entropy(h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss)
+        return linear_cross_entropy(
+            h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss, float8=self.float8_loss
+        )
 
 
 def fuse_output_loss(
-    model: nn.Module, plan: ModelPlan, *, chunk_rows: int | None = None, compiled: bool = False
+    model: nn.Module,
+    plan: ModelPlan,
+    *,
+    chunk_rows: int | None = None,
+    compiled: bool = False,
+    float8: Float8Loss | None = None,
 ) -> nn.Module | None:
     """Make `model`'s output projection compute the loss when called with labels.
 
@@ -257,19 +278,30 @@ def fuse_output_loss(
         plan: names the output projection (`TPStyle.OUTPUT` in `plan.tp`).
         chunk_rows: tokens per chunk (None: `default_chunk_rows`).
         compiled: compile the per-chunk arithmetic.
+        float8: the loss's GEMMs in float8 (`linear_cross_entropy`'s `float8`); leave the projection
+            itself out of `apply_float8` (`output_projection_path` names it).
 
     Returns:
         The output projection, now a `LinearCrossEntropyHead`; None where `model` has none (a
         pipeline stage without it) or it is not a plain `nn.Linear` (e.g. a float8 linear): the
         plain loss on full logits is used there.
     """
-    paths = [path for path, style in plan.tp if style is TPStyle.OUTPUT]
-    head = get_submodule_or_none(model, paths[0]) if paths else None
+    path = output_projection_path(plan)
+    head = get_submodule_or_none(model, path) if path else None
     if head is None or type(head) is not nn.Linear or not hasattr(model, "skip_output"):
         return None
     head.__class__ = type("LinearCrossEntropyLinear", (LinearCrossEntropyHead, nn.Linear), {})
-    head.chunk_rows, head.compiled_loss = chunk_rows, compiled  # type: ignore[assignment]
+    head.chunk_rows, head.compiled_loss, head.float8_loss = chunk_rows, compiled, float8  # type: ignore[assignment]
     return head
+
+
+def output_projection_path(plan: ModelPlan) -> str | None:
+    """The module path of the model's output projection (`TPStyle.OUTPUT` in `plan.tp`), or None.
+
+    Args:
+        plan: the model's plan.
+    """
+    return next((path for path, style in plan.tp if style is TPStyle.OUTPUT), None)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig
 from titan_core.job import Job
 from titan_core.memory.blocks import block_activations, block_backward_peak, saved_per_block
+from titan_core.memory.loss_path import float8_loss_applies, fused_loss_applies, plain_loss_compiled
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job
 from titan_core.muon_groups import takes_muon
@@ -378,6 +379,9 @@ def _rank_memory(
         chunk = min(tokens, default_chunk_rows(job.model_args.vocab_size))
         logits_now = chunk * (act.logits + act.logits_saved) if has_head else 0  # a chunk's loss, saved and freed
         grad_logits = saved_loss if has_head else 0
+        if has_head and float8_loss_applies(job):  # float8 W, h and a chunk's logit gradient, each in two layouts
+            local_vocab = job.model_args.vocab_size // (dims.tp if not p.disable_loss_parallel else 1)
+            logits_now += 2 * (local_vocab * job.model_args.dim + tokens * job.model_args.dim + chunk * local_vocab)
     elif plain_loss_compiled(job):  # Inductor's backward writes the logits' gradient in the compute dtype, fused
         logits_now = grad_logits = tokens * b * job.model_args.vocab_size if has_head else 0
     else:
@@ -435,22 +439,6 @@ def _rank_memory(
         cpu_offloaded=(param_bytes + grad_bytes + opt_bytes) if offload else 0,
         detail=detail,
     )
-
-
-def plain_loss_compiled(job: Job) -> bool:
-    """Whether the run computes the plain loss compiled (`training.fused_loss` resolved to false)."""
-    from titan_core.model_setup import loss_compiled_for
-
-    return loss_compiled_for(job) and not fused_loss_applies(job)
-
-
-def fused_loss_applies(job: Job) -> bool:
-    """Whether the run computes the fused chunked loss (`training.fused_loss`, and an output projection
-    that float8 / MX leave a plain linear, as `fuse_output_loss` requires)."""
-    if not job.cfg.training.fused_loss:
-        return False
-    converted = [c.filter_fqns for c in (job.converters.float8, job.converters.mx) if c is not None]
-    return all("output" in filters for filters in converted)
 
 
 def _expand_blocks(job: Job, names: list[str]) -> list[str]:

@@ -1,0 +1,42 @@
+"""Which loss a job computes, as the memory tiers count it: the fused chunked loss (in float8 or not), or the
+plain loss on full logits, compiled or eager. Each answer is the one `titan_core.model_setup` acts on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from titan_core.model_setup import float8_loss_of, loss_compiled_for
+
+if TYPE_CHECKING:
+    from titan_core.job import Job
+
+
+def plain_loss_compiled(job: Job) -> bool:
+    """Whether the run computes the plain loss compiled (`training.fused_loss` resolved to false)."""
+    return loss_compiled_for(job) and not fused_loss_applies(job)
+
+
+def fused_loss_applies(job: Job) -> bool:
+    """Whether the run computes the fused chunked loss (`training.fused_loss`, and an output projection
+    that MX and float8 leave a plain linear, as `fuse_output_loss` requires, or whose GEMMs float8 runs
+    inside the loss: `float8_loss_of`)."""
+    if not job.cfg.training.fused_loss:
+        return False
+    mx, float8 = job.converters.mx, job.converters.float8
+    if mx is not None and "output" not in mx.filter_fqns:
+        return False
+    if float8 is None or "output" in float8.filter_fqns:
+        return True
+    from titan_parallel.float8 import float8_filter
+    from titan_parallel.linear_cross_entropy import output_projection_path
+
+    model, path = job.meta_model(), output_projection_path(job.spec.plan)
+    converted = path is not None and float8_filter(float8)(model.get_submodule(path), path)
+    return not converted or float8_loss_of(model, job.spec.plan, job.converters) is not None
+
+
+def float8_loss_applies(job: Job) -> bool:
+    """Whether the fused loss runs the output projection's GEMMs in float8 (`float8_loss_of`)."""
+    if not job.cfg.training.fused_loss or job.converters.float8 is None:
+        return False
+    return float8_loss_of(job.meta_model(), job.spec.plan, job.converters) is not None
