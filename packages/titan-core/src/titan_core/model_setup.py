@@ -192,6 +192,15 @@ def assemble_model(
         from titan_parallel import ComputeCopies
 
         copies = ComputeCopies(parts, options.param_dtype)
+        if converters.float8 is not None and converters.float8.recipe_name == "tensorwise":
+            from titan_parallel.float8_precast import PrecastFloat8Weights
+
+            precast = PrecastFloat8Weights(parts, copies, compiled=options.compile and device.type == "cuda")
+            logger.info(
+                "float8: %d weights cast to float8 once per optimizer step (master weights), not in every "
+                "forward, recompute and backward",
+                len(precast.linears),
+            )
     head_owner = next((p for p in parts if any(m is head for m in p.modules())), None) if head is not None else None
     if dims.pp == 1 or pipeline is None or loss_fn is None:
         return ModelParts(parts, fsdp, head, head_owner, copies=copies)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["Float8Loss", "ChunkedFloat8Matmuls", "to_float8", "scaled_mm"]
+__all__ = ["Float8Loss", "ChunkedFloat8Matmuls", "to_float8", "amax_to_scale", "cast_to_float8", "scaled_mm"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _ALIGN = 16  # float8 tensor-core GEMMs need the inner dimension in multiples of 16
@@ -63,19 +63,40 @@ def to_float8(
     amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)  # max |x|, without an |x| temporary
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    top = torch.finfo(dtype).max
-    scale = (top / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)  # in float64, as torchao
+    scale = amax_to_scale(amax, dtype)
+    return cast_to_float8(x, scale, dtype, compiled=compiled), scale
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`finfo(dtype).max / amax` in fp32, computed in float64 as torchao does (amax clamped to 1e-12).
+
+    Args:
+        amax: fp32 max |x|, any shape (one scale per element).
+        dtype: the float8 dtype.
+    """
+    return (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)
+
+
+def cast_to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, compiled: bool = False) -> torch.Tensor:
+    """`x * scale` saturated to the float8 `dtype` (see `to_float8`'s `compiled`).
+
+    Args:
+        x: the high-precision tensor.
+        scale: fp32, 0-dim.
+        dtype: the float8 dtype.
+        compiled: one Inductor kernel; else eager, in blocks of rows.
+    """
     if compiled:
         cast = _compiled_casts.get(dtype)
         if cast is None:
             cast = _compiled_casts[dtype] = torch.compile(partial(_scale_and_saturate, dtype=dtype))
-        return cast(x, scale), scale
+        return cast(x, scale)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
     step = max(1, _BLOCK // max(x.shape[-1], 1))
     for start in range(0, rows_in.shape[0], step):
         rows_out[start : start + step] = _scale_and_saturate(rows_in[start : start + step], scale, dtype)
-    return out, scale
+    return out
 
 
 def _scale_and_saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -89,6 +89,8 @@ class ComputeCopies:
         self.copies = [torch.empty_like(m, dtype=dtype) for m in self.masters]
         self.dtype = dtype
         self.computing = False
+        self.generation = 0
+        """How many times the copies were written (each optimizer step, each refresh from the masters)."""
         self._versions: list[int] | None = None  # the parameters' versions when the copies were last written
         for part in parts:
             part.register_forward_pre_hook(lambda *_: self.use_copies())
@@ -118,6 +120,7 @@ class ComputeCopies:
     def written(self) -> None:
         """The copies equal the masters now (the optimizer wrote both)."""
         self._versions = [p._version for p in self.params]
+        self.generation += 1
 
 
 class _MasterStep:

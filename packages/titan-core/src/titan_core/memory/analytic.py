@@ -20,8 +20,13 @@ from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig
 from titan_core.job import Job
 from titan_core.memory.blocks import block_activations, block_backward_peak, saved_per_block
-from titan_core.memory.loss_path import float8_loss_applies, fused_loss_applies, plain_loss_compiled
 from titan_core.memory.report import MemoryEstimate, RankMemory
+from titan_core.memory.run_paths import (
+    float8_loss_applies,
+    fused_loss_applies,
+    plain_loss_compiled,
+    precast_float8_weights,
+)
 from titan_core.memory.target_job import check_target_job
 from titan_core.muon_groups import takes_muon
 from titan_core.optim import resolve_implementation
@@ -298,7 +303,7 @@ def _rank_memory(
     # Model states: fp32 master parameters, fp32 gradients, two fp32 Adam moments (Muon: one momentum). Master
     # weights (`titan_parallel.master_weights`): the compute copies beside the masters, gradients in the compute dtype.
     master = job.parallel.master_weights
-    param_bytes = (4 + (b if master else 0)) * params.sharded
+    param_bytes = (4 + (b if master else 0)) * params.sharded + precast_float8_weights(job)  # + float8 copies
     grad_bytes = (b if master else 4) * params.sharded
     opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
     if p.dp_mode == "ddp" and dims.dp_replicate > 1:

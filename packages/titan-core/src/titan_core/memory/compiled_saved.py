@@ -405,7 +405,7 @@ def compiled_loss_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes
         job: the resolved job.
         act: the eager figures measured for the job's layout.
     """
-    from titan_core.memory.loss_path import plain_loss_compiled
+    from titan_core.memory.run_paths import plain_loss_compiled
 
     if not plain_loss_compiled(job):
         return act, None

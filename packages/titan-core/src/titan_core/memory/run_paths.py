@@ -1,5 +1,6 @@
-"""Which loss a job computes, as the memory tiers count it: the fused chunked loss (in float8 or not), or the
-plain loss on full logits, compiled or eager. Each answer is the one `titan_core.model_setup` acts on."""
+"""The code paths a job takes that change what its memory holds, as the memory tiers count them: which loss
+it computes (the fused chunked loss, in float8 or not, or the plain loss on full logits, compiled or eager)
+and which weights get a float8 copy. Each answer is the one `titan_core.model_setup` acts on."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ def float8_loss_applies(job: Job) -> bool:
     if not job.cfg.training.fused_loss or job.converters.float8 is None:
         return False
     return float8_loss_of(job.meta_model(), job.spec.plan, job.converters) is not None
+
+
+def precast_float8_weights(job: Job) -> int:
+    """How many weights master weights keep a float8 copy of (`titan_parallel.float8_precast`, 1 byte each):
+    every linear tensorwise [float8] converts, the output projection not where the fused loss casts it."""
+    float8 = job.converters.float8
+    if not job.parallel.master_weights or float8 is None or float8.recipe_name != "tensorwise":
+        return 0
+    from titan_parallel.float8 import float8_filter
+    from titan_parallel.linear_cross_entropy import output_projection_path
+
+    head = output_projection_path(job.spec.plan) if float8_loss_applies(job) else None
+    keep = float8_filter(float8, exclude=[head] if head else [])
+    return sum(m.weight.numel() for name, m in job.meta_model().named_modules() if keep(m, name))
