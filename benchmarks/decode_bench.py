@@ -7,7 +7,8 @@ from one short prompt, and reports per run: decode tokens/s (steps after the fir
 (parameters + KV cache in use) and, on a GPU in `peak_memory_bandwidth`'s table, the
 share of its peak bandwidth; then whether the compiled run's greedy tokens equal the
 eager run's (in bf16 a near-tie of two logits may round either way, so the first
-differing step is given too).
+differing step is given too, with the gap between the two tokens' eager logits there against the
+spacing of bf16 values at that logit: `mismatch_margin`).
 
     uv run python benchmarks/decode_bench.py --smoke                          # CPU, debugmodel, 32 tokens, seconds
     python3 benchmarks/decode_bench.py --flavor 1B --tokens 256 --out decode.json   # on an H100
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,35 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     """The first index where two token lists differ (a length counts), or None when they are equal."""
     index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     return index if index is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+def mismatch_margin(model: torch.nn.Module, plan: Any, prompt: list[int], tokens: list[int], other: int) -> dict:
+    """Why greedy decoding could pick `other` where the eager run picked `tokens[-1]`: the eager logits of
+    that step (the same prefix, `prompt + tokens[:-1]`), the gap between the two tokens' logits, and the
+    spacing of the model dtype's values at that logit. A gap within two spacings is a near-tie: a kernel
+    that rounds differently (Inductor's fused GEMMs, other reduction orders) may pick either.
+
+    Args:
+        model: the model, in eval mode, in the dtype the runs used.
+        plan: its family's plan.
+        prompt: the prompt both runs started from.
+        tokens: the eager run's tokens up to and including the first one the other run did not pick.
+        other: the token the other run picked there.
+    """
+    logits = generate(model, plan, [prompt], len(tokens), GREEDY, return_logits=True).step_logits[-1][0]
+    chosen = tokens[-1]
+    dtype = next(model.parameters()).dtype
+    top = logits[chosen].item()
+    spacing = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(top))) if top else torch.finfo(dtype).tiny
+    gap = top - logits[other].item()
+    return {
+        "eager_token": chosen,
+        "other_token": other,
+        "eager_logit": top,
+        "logit_gap": gap,
+        "dtype_spacing": spacing,
+        "near_tie": abs(gap) <= 2 * spacing,
+    }
 
 
 def _run(model: torch.nn.Module, plan: Any, prompt: list[int], tokens: int, **kwargs: Any) -> dict:
@@ -133,6 +164,10 @@ def run_decode_bench(
     if dynamic:
         runs["dynamic"] = _run(model, spec.plan, prompt, tokens, static_cache=False)
     mismatch = first_mismatch(runs["eager"]["tokens"], runs["compiled"]["tokens"]) if "compiled" in runs else None
+    margin = None
+    if mismatch is not None and mismatch < min(len(runs["eager"]["tokens"]), len(runs["compiled"]["tokens"])):
+        eager_tokens = runs["eager"]["tokens"][: mismatch + 1]
+        margin = mismatch_margin(model, spec.plan, prompt, eager_tokens, runs["compiled"]["tokens"][mismatch])
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
     return {
         "flavor": flavor,
@@ -150,6 +185,7 @@ def run_decode_bench(
         "compile_error": compile_error,
         "tokens_match": mismatch is None and compile_error is None,
         "first_mismatch": mismatch,
+        "first_mismatch_margin": margin,
         "separate_linears_first_mismatch": (
             first_mismatch(runs["compiled"]["tokens"], runs["compiled, separate linears"]["tokens"])
             if "compiled, separate linears" in runs else None
@@ -205,6 +241,12 @@ def main() -> None:
     if "compiled" in figures["runs"]:
         speedup = figures["runs"]["compiled"]["decode_tokens_per_s"] / figures["runs"]["eager"]["decode_tokens_per_s"]
         match = "match" if figures["tokens_match"] else f"differ from token {figures['first_mismatch']}"
+        margin = figures["first_mismatch_margin"]
+        if margin is not None:
+            match += (
+                f" (eager's logits there: {margin['logit_gap']:.3g} apart, {margin['dtype_spacing']:.3g} between "
+                f"neighbouring {figures['dtype']} values: {'a near-tie' if margin['near_tie'] else 'NOT a near-tie'})"
+            )
         print(
             f"compiled ({figures['backend']}{', tuned' if figures['tuned'] else ''}) / eager: {speedup:.2f}x; "
             f"greedy tokens {match}; "

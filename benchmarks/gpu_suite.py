@@ -371,6 +371,7 @@ def measure_decode(row: Row, args, device: torch.device, dtype: str, peak: float
         "bandwidth_share": None if best["bandwidth_share"] is None else round(best["bandwidth_share"], 3),
         "greedy_tokens_match_eager": report["tokens_match"],
         "first_mismatch_with_eager": report["first_mismatch"],
+        "first_mismatch_margin": report["first_mismatch_margin"],
         "compile_error": report["compile_error"],
         "dtype": report["dtype"],
     }
@@ -522,6 +523,10 @@ def markdown(results: dict) -> str:
             note = (f"eager {r['eager_tokens_per_s']:.0f} tokens/s; {r['dtype']}; tuned {r.get('tuned')}; bandwidth share "
                     f"{r['bandwidth_share']}; greedy tokens equal eager's: {r['greedy_tokens_match_eager']} "
                     f"(first differing: {r.get('first_mismatch_with_eager')})")
+            margin = r.get("first_mismatch_margin")
+            if margin:
+                note += (f"; there eager's two logits are {margin['logit_gap']:.3g} apart, bf16 spacing "
+                         f"{margin['dtype_spacing']:.3g}: {'a near-tie' if margin['near_tie'] else 'NOT a near-tie'}")
             if r.get("separate_linears_tokens_per_s"):
                 note += (f"; separate q/k/v, w1/w3 linears: {r['separate_linears_tokens_per_s']:.0f} tokens/s "
                          f"(first token differing from the fused run's: {r['separate_linears_first_mismatch']})")

@@ -257,3 +257,29 @@ def test_decode_bench_smoke():
     assert eager["bytes_per_step"] > figures["parameter_bytes"]  # the KV cache adds to the weights
     assert bench.first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_mismatch([1, 2, 3], [1, 5, 3]) == 1 and bench.first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_decode_bench_tells_a_near_tie_from_a_real_difference():
+    """`mismatch_margin`: where two tokens' output rows are equal their logits tie exactly (the eager run keeps
+    the lower id, argmax's first); a token far below the chosen one is not a near-tie."""
+    import copy
+
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, plan = tiny_model("llama3")
+    model = copy.deepcopy(model)
+    prompt = PROMPTS[0]
+    tokens = generate(model, plan, [prompt], 4).tokens[0]
+    twin = 255 if tokens[-1] != 255 else 254
+    assert twin > tokens[-1]  # so the twin's tie never changes what greedy picks
+    with torch.no_grad():
+        model.output.weight[twin] = model.output.weight[tokens[-1]]
+    assert generate(model, plan, [prompt], 4).tokens[0] == tokens
+    tie = bench.mismatch_margin(model, plan, prompt, tokens, twin)
+    assert tie["logit_gap"] == 0.0 and tie["near_tie"] and tie["eager_token"] == tokens[-1]
+    logits = generate(model, plan, [prompt], 4, return_logits=True).step_logits[-1][0]
+    lowest = int(logits.argmin())
+    far = bench.mismatch_margin(model, plan, prompt, tokens, lowest)
+    assert far["logit_gap"] > 100 * far["dtype_spacing"] and not far["near_tie"]
