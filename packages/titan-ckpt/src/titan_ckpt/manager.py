@@ -38,18 +38,17 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from titan_ckpt import model_state as ms
 from titan_ckpt.argument_checks import RESERVED_STATES, AsyncMode, check_arguments
-from titan_ckpt.dcp_io import ChecksummingWriter, SafeFileSystemReader, read_metadata_safely
+from titan_ckpt.dcp_io import ChecksummingWriter
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.json_states import (
     JsonStateful,
-    load_rng_state,
-    read_json_state,
     rng_state_dict,
     to_json_text,
     write_json_state,
 )
-from titan_ckpt.manifest import MANIFEST_FILE, find_damaged_file, read_manifest, write_manifest
-from titan_ckpt.options import CheckpointOptions
+from titan_ckpt.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from titan_ckpt.options import CheckpointOptions, one_form
+from titan_ckpt.restore import load_states, verify_step_folder
 from titan_ckpt.step_folders import list_complete_steps, prune, publish, remove_tmp_folders, step_folder, tmp_folder
 
 logger = logging.getLogger("titan")
@@ -59,25 +58,6 @@ LoadModelFn = Callable[[Path], Mapping[str, torch.Tensor]]
 SaveModelFn = Callable[[Path, Mapping[str, torch.Tensor]], None]
 """Writes the last model-only save in another format into a folder; called on every rank with its
 parts' full weights (under pipeline parallel, only its stages')."""
-
-
-def _one_form(
-    folder: str | Path | None, options: CheckpointOptions | None, keywords: CheckpointOptions
-) -> CheckpointOptions:
-    """The settings a manager was given: `options`, or `folder` with the setting keywords, never a mix.
-
-    Args:
-        folder: the `folder` argument.
-        options: the `options` argument.
-        keywords: the setting keywords as given (their defaults where not given), with `folder` or "".
-    """
-    if options is None:
-        if folder is None:
-            raise TypeError("CheckpointManager needs a folder, or options=CheckpointOptions(folder=...)")
-        return keywords
-    if folder is not None or keywords != CheckpointOptions(folder=""):
-        raise TypeError("CheckpointManager takes options= or folder with the setting keywords, not both")
-    return options
 
 
 class CheckpointManager:
@@ -154,7 +134,7 @@ class CheckpointManager:
             initial_load_model_only=initial_load_model_only,
             checksums=checksums,
         )
-        o = _one_form(folder, options, keywords)
+        o = one_form(folder, options, keywords)
         self.options = o
         self.states = dict(states or {})
         check_arguments(
@@ -483,7 +463,7 @@ class CheckpointManager:
         start = time.perf_counter()
         if verified:
             manifest = read_manifest(folder)
-            self._verify(folder, manifest)
+            verify_step_folder(self.folder, folder, manifest, self.checksums, self.pg)
             contents, external = set(manifest.get("contents", ())), manifest.get("model_format") == "external"
         else:
             contents, external = {"model"}, False
@@ -493,42 +473,17 @@ class CheckpointManager:
             logger.warning(
                 "checkpoint: %s holds no %s state (model-only save?); those start fresh", folder, ", ".join(absent)
             )
-        tensors: dict[str, torch.Tensor] = {}
-        part_states = opt_states = None
-        if "model" in names and external:
-            if self.load_model_fn is None:
-                raise CheckpointError(
-                    f"{folder} holds its model weights in another format; set load_model_fn to read them, "
-                    "or pick a DCP checkpoint with load_step",
-                    arguments=("load_model_fn", "load_step"),
-                )
-            ms.set_full_model_state(self.model_parts, dict(self.load_model_fn(folder)), str(folder))
-        elif "model" in names:
-            part_states = ms.get_part_states(self.model_parts)
-            tensors.update({k: v for s in part_states for k, v in s.items()})
-        if "optimizer" in names:
-            opt_states = ms.get_optimizer_states(self.model_parts, self.optimizers)
-            tensors.update(ms.flatten_optimizer_tensors(opt_states))
-        if tensors:
-            ms.check_against_metadata(tensors, read_metadata_safely(folder / ".metadata"), str(folder))
-            try:
-                dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), process_group=self.pg)
-            except Exception as err:  # DCP wraps per-rank failures in CheckpointException
-                first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                raise CheckpointError(
-                    f"{folder}: DCP could not load the checkpoint ({first[:300]}); pick another with load_step",
-                    arguments=("load_step",),
-                ) from err
-        if part_states is not None:
-            ms.set_part_states(self.model_parts, part_states)
-        if opt_states is not None:
-            ms.set_optimizer_states(
-                self.model_parts, self.optimizers, opt_states, read_json_state(folder, "optimizer")["param_groups"]
-            )
-        for name in sorted(names & set(self.states)):
-            self.states[name].load_state_dict(read_json_state(folder, name))
-        if "rng" in names:
-            load_rng_state(read_json_state(folder, "rng"), self.device)
+        load_states(
+            folder,
+            names,
+            external=external,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            states=self.states,
+            device=self.device,
+            pg=self.pg,
+            load_model_fn=self.load_model_fn,
+        )
         if self.rank == 0:
             excluded = sorted(set(self._all_states()) - names - set(absent))
             skipped = f"; not loaded: {', '.join(excluded)}" if excluded else ""
@@ -539,25 +494,3 @@ class CheckpointManager:
                 time.perf_counter() - start,
                 skipped,
             )
-
-    def _verify(self, folder: Path, manifest: dict) -> None:
-        """Check every file against the manifest (split over the ranks); all ranks raise the same error."""
-        damaged = find_damaged_file(folder, manifest, self.checksums, self.pg)
-        if damaged is None:
-            return
-        older = [
-            s
-            for s in list_complete_steps(self.folder)
-            if s < manifest.get("step", -1) and step_folder(self.folder, s) != folder
-        ]
-        if older:
-            fix, arguments = (
-                f"resume from an older checkpoint with load_step={older[-1]} (complete: {older})",
-                ("load_step",),
-            )
-        else:
-            fix, arguments = (
-                "no older complete checkpoint exists here; restore the file, or start afresh in another folder",
-                ("folder",),
-            )
-        raise CheckpointError(f"checkpoint file {folder / damaged[0]} {damaged[1]}; {fix}", arguments=arguments)

@@ -47,3 +47,22 @@ class CheckpointOptions:
     initial_load_path: str | Path | None = None
     initial_load_model_only: bool = True
     checksums: bool = True
+
+
+def one_form(
+    folder: str | Path | None, options: CheckpointOptions | None, keywords: CheckpointOptions
+) -> CheckpointOptions:
+    """The settings a manager was given: `options`, or `folder` with the setting keywords, never a mix.
+
+    Args:
+        folder: the `folder` argument.
+        options: the `options` argument.
+        keywords: the setting keywords as given (their defaults where not given), with `folder` or "".
+    """
+    if options is None:
+        if folder is None:
+            raise TypeError("CheckpointManager needs a folder, or options=CheckpointOptions(folder=...)")
+        return keywords
+    if folder is not None or keywords != CheckpointOptions(folder=""):
+        raise TypeError("CheckpointManager takes options= or folder with the setting keywords, not both")
+    return options
