@@ -5,7 +5,10 @@ hidden states `(tokens, dim)` to the gradients of the hidden states and of the w
 
 - plain: `F.cross_entropy((h @ W.T).float(), labels)` (what Titan ran before), eager and compiled;
 - fused: `titan_parallel.linear_cross_entropy` (token chunks, gradients in forward), eager and
-  with its per-chunk arithmetic compiled (Titan's path under `compile.enable`).
+  with its per-chunk arithmetic compiled (Titan's path under `compile.enable`);
+- with torchao installed, float8 (tensorwise): the plain loss on torchao's `Float8Linear`
+  (`float8.filter_fqns = []` with `training.fused_loss = false`), and the fused loss with its
+  GEMMs in float8 (`float8.filter_fqns = []`, the default loss); on a CPU both emulate.
 
 Each variant's loss and gradients are compared with the plain loss computed in fp32 from the
 same bf16 inputs. Peak memory is `max_memory_allocated` above what the inputs hold.
@@ -35,6 +38,36 @@ def _fused(compiled: bool):
     return lambda h, w, labels: linear_cross_entropy(h, w, labels, compiled=compiled)
 
 
+def _float8_variants(compile: bool, emulate: bool) -> dict:
+    """float8 through torchao's `Float8Linear` + the plain loss, and through the fused loss; {} without torchao."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return {}
+    from dataclasses import replace
+
+    from torch.func import functional_call
+
+    from titan_parallel.float8_matmul import Float8Loss
+
+    config = replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=emulate)
+
+    def plain_float8(h, w, labels):
+        head = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
+        convert_to_float8_training(head, config=config)
+        return F.cross_entropy(functional_call(head, {"0.weight": w}, (h,)).float(), labels)
+
+    float8 = Float8Loss(emulate=emulate)  # torch._scaled_mm on the GPU (its CPU kernel is ~700x slower than emulating)
+    out = {
+        "plain float8 eager": plain_float8,
+        "fused float8 eager": lambda h, w, labels: linear_cross_entropy(h, w, labels, float8=float8),
+    }
+    if compile:
+        out["plain float8 compiled"] = torch.compile(plain_float8)
+        out["fused float8 compiled"] = lambda h, w, labels: linear_cross_entropy(h, w, labels, float8=float8, compiled=True)
+    return out
+
+
 def run(tokens: int, dim: int, vocab: int, device: torch.device, dtype: torch.dtype, compile: bool, steps: int) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     h0 = torch.randn(tokens, dim, device=device, generator=g).to(dtype)
@@ -47,6 +80,7 @@ def run(tokens: int, dim: int, vocab: int, device: torch.device, dtype: torch.dt
     if compile:
         variants["plain compiled"] = torch.compile(_plain)
         variants["fused compiled"] = _fused(True)
+    variants.update(_float8_variants(compile, emulate=device.type != "cuda"))
     report: dict = {"tokens": tokens, "dim": dim, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "variants": {}}
