@@ -173,7 +173,8 @@ def suite(smoke: bool) -> Suite:
                 Row("8B x8 s8192 compile + AC op + float8, before: one-rank FSDP", "8B-x8", 8192, 1,
                     COMPILE + AC_OP + FLOAT8 + ONE_RANK_FSDP),
                 Row("8B x8 s8192 compile + AC op + float8, output in float8", "8B-x8", 8192, 1,
-                    COMPILE + AC_OP + FLOAT8 + OUTPUT_FLOAT8)),
+                    COMPILE + AC_OP + FLOAT8 + OUTPUT_FLOAT8),
+                Row("8B x8 s8192 compile + AC op, plain loss", "8B-x8", 8192, 1, COMPILE + AC_OP + PLAIN_LOSS)),
         hf=Row("1B s2048 transformers LlamaForCausalLM compile", *one_b, COMPILE),
         decode=Row("1B decode batch 1, 256 tokens (compiled, CUDA graphs)", "1B", 256, 1),
     )
