@@ -25,6 +25,10 @@ plain loss's 20.8 ms and 1.96 GiB; eager, 5.0 GiB against the plain loss's 11.2 
 
     loss = linear_cross_entropy(h, output.weight, labels)   # == F.cross_entropy(output(h).float(), labels)
 
+With `float8=Float8Loss(...)` the three GEMMs run in float8 (`titan_parallel.float8_matmul`:
+torchao's tensorwise recipe through `torch._scaled_mm`), the hidden states and the weight cast
+once per call, each chunk's logit gradient as it comes.
+
 `fuse_output_loss` makes a model's output projection compute this loss when called
 with labels (`head(h, labels=labels)`), for the trainer.
 """
