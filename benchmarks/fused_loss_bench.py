@@ -57,7 +57,7 @@ def _float8_variants(compile: bool, emulate: bool) -> dict:
         convert_to_float8_training(head, config=config)
         return F.cross_entropy(functional_call(head, {"0.weight": w}, (h,)).float(), labels)
 
-    float8 = Float8Loss(emulate=emulate)  # torch._scaled_mm on the GPU (its CPU kernel is ~700x slower than emulating)
+    float8 = Float8Loss(emulate=emulate)  # torch._scaled_mm on the GPU (its CPU kernel is ~250x slower than emulating)
     out = {
         "plain float8 eager": plain_float8,
         "fused float8 eager": lambda h, w, labels: linear_cross_entropy(h, w, labels, float8=float8),
