@@ -37,11 +37,14 @@ export PYTHONPATH=${src%:}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 "$python" benchmarks/gpu_suite.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
 # The experts' grouped matmul on this GPU (bf16 `torch._grouped_mm` against the per-expert loop).
+# The fused loss alone against the plain one, in bf16 and float8 (benchmarks/fused_loss_bench.py).
 # Memory: every estimate tier against the suite's measured peaks, the measured tier on this GPU,
 # and titan plan's micro-batch run for real (benchmarks/gpu_memory.py).
 case " $* " in
   *" --smoke "*) ;;
   *) timeout "${MEMORY_TIMEOUT_S:-200}" "$python" benchmarks/gpu_memory.py --suite "$out/results.json" --out "$out" \
        --measure --plan 2>&1 | tee "$out/memory_log.txt" || echo "gpu_memory.py stopped (exit $?)"
-     timeout 60 "$python" benchmarks/moe_grouped_mm.py 2>&1 | tee "$out/moe_grouped_mm.txt" || true ;;
+     timeout 60 "$python" benchmarks/moe_grouped_mm.py 2>&1 | tee "$out/moe_grouped_mm.txt" || true
+     # The loss alone at 8192 tokens x 128256: plain / fused, bf16 / float8 (the output projection's float8 lever).
+     timeout 120 "$python" benchmarks/fused_loss_bench.py 2>&1 | tee "$out/fused_loss.txt" || true ;;
 esac
