@@ -38,7 +38,7 @@ def _fused(compiled: bool):
     return lambda h, w, labels: linear_cross_entropy(h, w, labels, compiled=compiled)
 
 
-def _float8_variants(compile: bool, emulate: bool) -> dict:
+def _float8_variants(dim: int, vocab: int, compile: bool, emulate: bool) -> dict:
     """float8 through torchao's `Float8Linear` + the plain loss, and through the fused loss; {} without torchao."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -52,9 +52,10 @@ def _float8_variants(compile: bool, emulate: bool) -> dict:
 
     config = replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=emulate)
 
+    head = torch.nn.Sequential(torch.nn.Linear(dim, vocab, bias=False, device="meta"))
+    convert_to_float8_training(head, config=config)  # once: each call runs it on the given weight
+
     def plain_float8(h, w, labels):
-        head = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
-        convert_to_float8_training(head, config=config)
         return F.cross_entropy(functional_call(head, {"0.weight": w}, (h,)).float(), labels)
 
     float8 = Float8Loss(emulate=emulate)  # torch._scaled_mm on the GPU (its CPU kernel is ~250x slower than emulating)
@@ -80,7 +81,7 @@ def run(tokens: int, dim: int, vocab: int, device: torch.device, dtype: torch.dt
     if compile:
         variants["plain compiled"] = torch.compile(_plain)
         variants["fused compiled"] = _fused(True)
-    variants.update(_float8_variants(compile, emulate=device.type != "cuda"))
+    variants.update(_float8_variants(dim, vocab, compile, emulate=device.type != "cuda"))
     report: dict = {"tokens": tokens, "dim": dim, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "variants": {}}
