@@ -30,7 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["Float8Loss", "ChunkedFloat8Matmuls", "to_float8", "amax_to_scale", "cast_to_float8", "scaled_mm"]
+__all__ = [
+    "Float8Loss",
+    "ChunkedFloat8Matmuls",
+    "to_float8",
+    "amax_to_scale",
+    "cast_to_float8",
+    "scale_and_saturate",
+    "scaled_mm",
+]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _ALIGN = 16  # float8 tensor-core GEMMs need the inner dimension in multiples of 16
@@ -89,17 +97,18 @@ def cast_to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     if compiled:
         cast = _compiled_casts.get(dtype)
         if cast is None:
-            cast = _compiled_casts[dtype] = torch.compile(partial(_scale_and_saturate, dtype=dtype))
+            cast = _compiled_casts[dtype] = torch.compile(partial(scale_and_saturate, dtype=dtype))
         return cast(x, scale)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
     step = max(1, _BLOCK // max(x.shape[-1], 1))
     for start in range(0, rows_in.shape[0], step):
-        rows_out[start : start + step] = _scale_and_saturate(rows_in[start : start + step], scale, dtype)
+        rows_out[start : start + step] = scale_and_saturate(rows_in[start : start + step], scale, dtype)
     return out
 
 
-def _scale_and_saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scale_and_saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x * scale` in fp32, clamped to the float8 `dtype`'s range and cast to it (one pass when compiled)."""
     top = torch.finfo(dtype).max
     return (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
 
@@ -184,9 +193,18 @@ class ChunkedFloat8Matmuls:
             emulate=self.emulate, fast_accum=True,
         )  # fmt: skip
 
-    def backward(self, g: torch.Tensor, rows: slice, grad_h: torch.Tensor, grad_w: torch.Tensor) -> None:
-        """Write `g @ weight` into `grad_h[rows]` and add `g.T @ h[rows]` to `grad_w`; `g` `(chunk, vocab_local)`."""
+    def cast_gradient(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chunk's logit gradient `(chunk, vocab_local)` in e5m2 (amax all-reduced under TP): (g8, g8.T
+        contiguous, scale), what `backward` takes. Without TP the fused loss casts in its gradient kernel."""
         g8, g_scale = to_float8(g, E5M2, self.group, compiled=self.compiled)
+        return g8, g8.t().contiguous(), g_scale
+
+    def backward(
+        self, g8: torch.Tensor, g8_t: torch.Tensor, g_scale: torch.Tensor, rows: slice, grad_h: torch.Tensor,
+        grad_w: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Write `g @ weight` into `grad_h[rows]` and add `g.T @ h[rows]` to `grad_w`, from the chunk's e5m2
+        logit gradient `g8` `(chunk, vocab_local)`, its contiguous transpose `g8_t` and their scale."""
         grad_h[rows] = scaled_mm(g8, g_scale, self.w8_t.t(), self.w_scale, grad_h.dtype, emulate=self.emulate)
         h_chunk = self.h8_t[:, rows].contiguous().t()  # (chunk, dim), column-major
-        grad_w += scaled_mm(g8.t().contiguous(), g_scale, h_chunk, self.h_scale, grad_w.dtype, emulate=self.emulate)
+        grad_w += scaled_mm(g8_t, g_scale, h_chunk, self.h_scale, grad_w.dtype, emulate=self.emulate)

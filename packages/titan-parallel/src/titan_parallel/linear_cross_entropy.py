@@ -44,7 +44,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial
 
-from titan_parallel.float8_matmul import ChunkedFloat8Matmuls, Float8Loss
+from titan_parallel.float8_matmul import (
+    E5M2,
+    ChunkedFloat8Matmuls,
+    Float8Loss,
+    amax_to_scale,
+    scale_and_saturate,
+    to_float8,
+)
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan, TPStyle
 
@@ -96,17 +103,37 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, s
     return probs.mul_(scale.unsqueeze(-1)).to(logits.dtype)
 
 
+def _chunk_grad_float8(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_chunk_grad` cast to e5m2 with its own scale, in both layouts: (g8, g8.T contiguous, scale). Compiled,
+    Inductor reads the logits for the amax and again for the cast, and never writes the bf16 gradient."""
+    g = _chunk_grad(logits, lse, target, scale)
+    g_scale = amax_to_scale(g.abs().amax().float(), E5M2)
+    g8 = scale_and_saturate(g, g_scale, E5M2)
+    return g8, g8.t().contiguous(), g_scale
+
+
+def _chunk_grad_float8_eager(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_chunk_grad_float8` without |g| and fp32 temporaries of the whole chunk (`to_float8` casts in blocks)."""
+    g8, g_scale = to_float8(_chunk_grad(logits, lse, target, scale), E5M2)
+    return g8, g8.t().contiguous(), g_scale
+
+
 _compiled: dict[str, Callable] = {}
 
 
-def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable]:
-    """(lse, max and sum of exps, gradient) per chunk, compiled or eager."""
+def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable, Callable]:
+    """(lse, max and sum of exps, gradient, gradient in e5m2) per chunk, compiled or eager."""
     if not compiled:
-        return _chunk_lse, _chunk_max_sumexp, _chunk_grad
+        return _chunk_lse, _chunk_max_sumexp, _chunk_grad, _chunk_grad_float8_eager
     if not _compiled:
-        for name, fn in (("lse", _chunk_lse), ("max_sumexp", _chunk_max_sumexp), ("grad", _chunk_grad)):
+        for name, fn in (("lse", _chunk_lse), ("max_sumexp", _chunk_max_sumexp), ("grad", _chunk_grad),
+                         ("grad_float8", _chunk_grad_float8)):  # fmt: skip
             _compiled[name] = torch.compile(fn)
-    return _compiled["lse"], _compiled["max_sumexp"], _compiled["grad"]
+    return _compiled["lse"], _compiled["max_sumexp"], _compiled["grad"], _compiled["grad_float8"]
 
 
 def _loss_and_grads(
@@ -123,7 +150,7 @@ def _loss_and_grads(
     float8: Float8Loss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`."""
-    lse_of, max_sumexp, grad_of = _kernels(compiled)
+    lse_of, max_sumexp, grad_of, grad_float8_of = _kernels(compiled)
     vocab_local = weight.shape[0]
     valid = labels != ignore_index
     count = valid.sum()  # on the device: no host sync
@@ -154,11 +181,16 @@ def _loss_and_grads(
         total = total + ((lse - target_logit) * valid[rows]).sum()
         if want_grads:
             assert grad_h is not None and grad_w is not None
+            if f8 is not None:  # the gradient in e5m2; one process casts it in the same kernel
+                if group is None:
+                    g8, g8_t, g_scale = grad_float8_of(logits, lse, target[rows], scale[rows])
+                else:
+                    g8, g8_t, g_scale = f8.cast_gradient(grad_of(logits, lse, target[rows], scale[rows]))
+                del logits
+                f8.backward(g8, g8_t, g_scale, rows, grad_h, grad_w)
+                continue
             g = grad_of(logits, lse, target[rows], scale[rows])  # (chunk, vocab_local), logits' dtype
             del logits
-            if f8 is not None:
-                f8.backward(g, rows, grad_h, grad_w)
-                continue
             torch.mm(g, weight, out=grad_h[rows])
             grad_w.addmm_(g.t(), h_c)
     return total / count, grad_h, grad_w
