@@ -92,6 +92,7 @@ class PrecastFloat8Weights:
 
     def refresh(self) -> None:
         """Recast every weight if the compute copies changed since the last cast."""
+        self.copies.use_copies()  # cast the compute copies, as torchao would (a no-op inside a forward)
         if self._generation == self.copies.generation or not self.linears:
             return
         with torch.no_grad():
