@@ -106,3 +106,16 @@ def test_titan_train_with_master_weights_equals_one_rank_fsdp_under_float8(tmp_p
     assert "weights cast to float8 once per optimizer step (master weights)" in log
     master, fsdp = _losses(tmp_path / "master"), _losses(tmp_path / "fsdp")
     assert len(master) == 6 and master == fsdp
+
+
+def test_the_compiled_casts_write_the_eager_copies(float8_model):
+    """`compiled=True` (CUDA's choice): one Inductor kernel per weight storing straight into the float8 copy."""
+    copies_of = {}
+    for compiled in (False, True):
+        model = copy.deepcopy(float8_model)
+        precast = PrecastFloat8Weights([model], ComputeCopies([model], torch.bfloat16), compiled=compiled)
+        precast.refresh()
+        copies_of[compiled] = [(d.clone(), s.clone()) for d, s in zip(precast.data, precast.scales, strict=True)]
+    assert len(copies_of[True]) == len(copies_of[False]) > 0
+    for (d1, s1), (d2, s2) in zip(copies_of[True], copies_of[False], strict=True):
+        assert torch.equal(s1, s2) and torch.equal(d1.view(torch.uint8), d2.view(torch.uint8))

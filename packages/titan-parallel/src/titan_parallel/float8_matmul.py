@@ -85,7 +85,14 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)
 
 
-def cast_to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, compiled: bool = False) -> torch.Tensor:
+def cast_to_float8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    compiled: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`x * scale` saturated to the float8 `dtype` (see `to_float8`'s `compiled`).
 
     Args:
@@ -93,18 +100,26 @@ def cast_to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
         scale: fp32, 0-dim.
         dtype: the float8 dtype.
         compiled: one Inductor kernel; else eager, in blocks of rows.
+        out: write into this `dtype` tensor of `x`'s shape (the compiled kernel stores into it directly).
     """
     if compiled:
-        cast = _compiled_casts.get(dtype)
+        key = (dtype, out is not None)
+        cast = _compiled_casts.get(key)
         if cast is None:
-            cast = _compiled_casts[dtype] = torch.compile(partial(scale_and_saturate, dtype=dtype))
-        return cast(x, scale)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+            fn = _cast_into if out is not None else scale_and_saturate
+            cast = _compiled_casts[key] = torch.compile(partial(fn, dtype=dtype))
+        return cast(x, scale, out) if out is not None else cast(x, scale)
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1])
     step = max(1, _BLOCK // max(x.shape[-1], 1))
     for start in range(0, rows_in.shape[0], step):
         rows_out[start : start + step] = scale_and_saturate(rows_in[start : start + step], scale, dtype)
     return out
+
+
+def _cast_into(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out.copy_(scale_and_saturate(x, scale, dtype))
 
 
 def scale_and_saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +128,7 @@ def scale_and_saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
 
 
-_compiled_casts: dict[torch.dtype, Callable] = {}
+_compiled_casts: dict[tuple[torch.dtype, bool], Callable] = {}
 _BLOCK = 1 << 24  # elements per eager cast block: 64 MiB of fp32 temporaries
 
 

@@ -101,5 +101,5 @@ class PrecastFloat8Weights:
             scales = amax_to_scale(amaxes, E4M3)
             torch._foreach_copy_(self.scales, list(scales.unbind()))
             for weight, data, scale in zip(weights, self.data, self.scales, strict=True):
-                data.copy_(cast_to_float8(weight, scale, E4M3, compiled=self.compiled))
+                cast_to_float8(weight, scale, E4M3, compiled=self.compiled, out=data)
         self._generation = self.copies.generation
