@@ -123,7 +123,13 @@ def _cast_into(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, dtype: t
 
 
 def scale_and_saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x * scale` in fp32, clamped to the float8 `dtype`'s range and cast to it (one pass when compiled)."""
+    """`x * scale` in fp32, clamped to the float8 `dtype`'s range and cast to it (one pass when compiled).
+
+    Args:
+        x: the high-precision tensor.
+        scale: fp32, 0-dim.
+        dtype: the float8 dtype.
+    """
     top = torch.finfo(dtype).max
     return (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
 
