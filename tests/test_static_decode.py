@@ -243,12 +243,18 @@ def test_bytes_per_step_adds_the_kv_cache_in_use():
     assert timing.steps_per_s == 6.0 and timing.tokens_per_s == 12.0
 
 
-def test_decode_bench_smoke():
-    """The benchmark's eager run (the compiled one is the step the tests above compile)."""
+def _decode_bench():
+    """`benchmarks/decode_bench.py` as a module (benchmarks are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode_bench.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_decode_bench_smoke():
+    """The benchmark's eager run (the compiled one is the step the tests above compile)."""
+    bench = _decode_bench()
     figures = bench.run_decode_bench("debugmodel", 8, "cpu", compile=False)
     assert figures["tokens_match"] and figures["dtype"] == "float32" and list(figures["runs"]) == ["eager"]
     eager = figures["runs"]["eager"]
@@ -264,10 +270,7 @@ def test_decode_bench_tells_a_near_tie_from_a_real_difference():
     the lower id, argmax's first); a token far below the chosen one is not a near-tie."""
     import copy
 
-    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _decode_bench()
     model, plan = tiny_model("llama3")
     model = copy.deepcopy(model)
     prompt = PROMPTS[0]

@@ -102,6 +102,12 @@ def float8_loss_of(model: nn.Module, plan: ModelPlan, converters: Converters) ->
     return float8_loss_for(model, output_projection_path(plan), converters.float8)
 
 
+def precasts_float8_weights(master_weights: bool, converters: Converters) -> bool:
+    """Whether the tensorwise float8 weights keep a copy cast once per optimizer step
+    (`titan_parallel.float8_precast`): under master weights, where nothing gathers them in float8."""
+    return master_weights and converters.float8 is not None and converters.float8.recipe_name == "tensorwise"
+
+
 def loss_compiled_for(job: Job) -> bool:
     """Whether `job` runs the plain loss compiled (`titan_core.step.loss_is_compiled`)."""
     from titan_core.step import loss_is_compiled
@@ -192,7 +198,7 @@ def assemble_model(
         from titan_parallel import ComputeCopies
 
         copies = ComputeCopies(parts, options.param_dtype)
-        if converters.float8 is not None and converters.float8.recipe_name == "tensorwise":
+        if precasts_float8_weights(True, converters):
             from titan_parallel.float8_precast import PrecastFloat8Weights
 
             precast = PrecastFloat8Weights(parts, copies, compiled=options.compile and device.type == "cuda")

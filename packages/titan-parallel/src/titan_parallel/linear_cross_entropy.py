@@ -50,7 +50,6 @@ from titan_parallel.float8_matmul import (
     Float8Loss,
     amax_to_scale,
     scale_and_saturate,
-    to_float8,
 )
 from titan_parallel.modules import get_submodule_or_none
 from titan_parallel.plan import ModelPlan, TPStyle
@@ -114,21 +113,15 @@ def _chunk_grad_float8(
     return g8, g8.t().contiguous(), g_scale
 
 
-def _chunk_grad_float8_eager(
-    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_chunk_grad_float8` without |g| and fp32 temporaries of the whole chunk (`to_float8` casts in blocks)."""
-    g8, g_scale = to_float8(_chunk_grad(logits, lse, target, scale), E5M2)
-    return g8, g8.t().contiguous(), g_scale
-
-
 _compiled: dict[str, Callable] = {}
 
 
-def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable, Callable]:
-    """(lse, max and sum of exps, gradient, gradient in e5m2) per chunk, compiled or eager."""
+def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable, Callable | None]:
+    """(lse, max and sum of exps, gradient, gradient in e5m2) per chunk, compiled; eager, the last is None (the
+    fused cast would hold |g| and fp32 copies of the whole chunk: `ChunkedFloat8Matmuls.cast_gradient` casts in
+    blocks)."""
     if not compiled:
-        return _chunk_lse, _chunk_max_sumexp, _chunk_grad, _chunk_grad_float8_eager
+        return _chunk_lse, _chunk_max_sumexp, _chunk_grad, None
     if not _compiled:
         for name, fn in (("lse", _chunk_lse), ("max_sumexp", _chunk_max_sumexp), ("grad", _chunk_grad),
                          ("grad_float8", _chunk_grad_float8)):  # fmt: skip
@@ -181,8 +174,8 @@ def _loss_and_grads(
         total = total + ((lse - target_logit) * valid[rows]).sum()
         if want_grads:
             assert grad_h is not None and grad_w is not None
-            if f8 is not None:  # the gradient in e5m2; one process casts it in the same kernel
-                if group is None:
+            if f8 is not None:  # the gradient in e5m2; one process, compiled, casts it in the same kernel
+                if group is None and grad_float8_of is not None:
                     g8, g8_t, g_scale = grad_float8_of(logits, lse, target[rows], scale[rows])
                 else:
                     g8, g8_t, g_scale = f8.cast_gradient(grad_of(logits, lse, target[rows], scale[rows]))

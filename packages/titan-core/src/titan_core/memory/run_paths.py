@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan_core.model_setup import float8_loss_of, loss_compiled_for
+from titan_core.model_setup import float8_loss_of, loss_compiled_for, precasts_float8_weights
 
 if TYPE_CHECKING:
     from titan_core.job import Job
@@ -47,7 +47,7 @@ def precast_float8_weights(job: Job) -> int:
     """How many weights master weights keep a float8 copy of (`titan_parallel.float8_precast`, 1 byte each):
     every linear tensorwise [float8] converts, the output projection not where the fused loss casts it."""
     float8 = job.converters.float8
-    if not job.parallel.master_weights or float8 is None or float8.recipe_name != "tensorwise":
+    if float8 is None or not precasts_float8_weights(job.parallel.master_weights, job.converters):
         return 0
     from titan_parallel.float8 import float8_filter
     from titan_parallel.linear_cross_entropy import output_projection_path
