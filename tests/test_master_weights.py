@@ -31,6 +31,31 @@ REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
+def _fsdp_keeps_fp32_grads() -> bool:
+    """Whether FSDP2 gives its gathered bf16 parameters an fp32 `grad_dtype` (torch 2.15 does, 2.11 does not).
+
+    The compute copies keep each gradient in the dtype its backward produced, so RMSNorm's weight gradients stay
+    fp32 (`F.rms_norm` computes them in fp32). FSDP2 of torch 2.15 does the same; that of torch 2.11 rounds them
+    to bf16 (one gradient dtype per reduce-scatter), so there the two runs part at the last bits of those norms.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return "sharded_grad_dtype" in getattr(FSDPParam, "__annotations__", {})
+
+
+FSDP_KEEPS_FP32_GRADS = _fsdp_keeps_fp32_grads()
+
+
+def assert_losses_match_fsdp(master: list[float], fsdp: list[float]) -> None:
+    """Master-weight losses against one-rank FSDP's: bit for bit where FSDP keeps fp32 gradients; else the
+    first two steps bit for bit (the first update's norm gradients round alike) and the rest within 1e-4."""
+    assert len(master) == len(fsdp) > 2
+    if FSDP_KEEPS_FP32_GRADS:
+        assert master == fsdp
+    else:
+        assert master[:2] == fsdp[:2] and master[2:] == pytest.approx(fsdp[2:], rel=1e-4)
+
+
 def tiny_llama() -> torch.nn.Module:
     spec = get_model_spec("llama3")
     args = get_model_args("llama3", "debugmodel")
@@ -227,11 +252,12 @@ def test_titan_train_matches_one_rank_fsdp_and_resumes_bit_exactly(tmp_path):
             run_titan(run, *BF16_RUN, "--optimizer.master_weights", args)
     m, f = metrics(master), metrics(fsdp)
     assert sorted(m) == sorted(f) == [1, 2, 3, 4, 5, 6]
-    # The same bf16 forward and the same gradients (RMSNorm's weights' in fp32 on both paths: FSDP's gathered
-    # parameters have an fp32 `grad_dtype`, the copies None), so the same losses and norms bit for bit.
+    # The same bf16 forward and the same gradients (RMSNorm's weights' in fp32 on both paths where FSDP's gathered
+    # parameters have an fp32 `grad_dtype`; the copies have None), so the same losses and norms bit for bit.
+    assert_losses_match_fsdp([m[s]["loss/global_avg"] for s in sorted(m)], [f[s]["loss/global_avg"] for s in sorted(f)])
     for step in m:
-        assert m[step]["loss/global_avg"] == f[step]["loss/global_avg"], step
-        assert m[step]["optim/grad_norm"] == pytest.approx(f[step]["optim/grad_norm"], rel=1e-6), step
+        rel = 1e-6 if FSDP_KEEPS_FP32_GRADS else 1e-3
+        assert m[step]["optim/grad_norm"] == pytest.approx(f[step]["optim/grad_norm"], rel=rel), step
     # Resume from step 2: the steps after it again, bit for bit; the checkpoint holds fp32 masters. The same
     # checkpoint resumes through one-rank FSDP too (torch's AdamW state, fp32 weights).
     resumed, crossed = tmp_path / "resumed", tmp_path / "crossed"

@@ -81,7 +81,7 @@ def test_static_step_matches_the_references(tiny):
     dynamic = generate(model, plan, PROMPTS, NEW_TOKENS, static_cache=False).tokens
     static = generate(model, plan, PROMPTS, NEW_TOKENS, return_logits=True)
     assert static.tokens == dynamic == recompute.tokens
-    assert all(len(row) == NEW_TOKENS for row in static.tokens) and len(set(static.tokens[0])) > 3
+    assert all(len(row) == NEW_TOKENS for row in static.tokens) and len({t for row in static.tokens for t in row}) > 3
     for a, b in zip(static.step_logits, recompute.step_logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert static.kv_bytes_per_token > 0 and static.timing is not None and static.timing.batch_size == len(PROMPTS)
@@ -122,12 +122,15 @@ def test_compiled_step_matches_eager_with_eos(tiny):
     compiled = generate(model, plan, PROMPTS, NEW_TOKENS, compile=True, compile_backend="aot_eager").tokens
     assert compiled == free
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1  # one graph, no break
-    eos = free[0][3]  # the first sequence's 4th token becomes the end of sequence
+    # the first sequence's first token that appears at index 2 or later becomes the end of sequence (the random
+    # weights differ between torch releases: which token that is, is read from the run)
+    cut = next(i for i, t in enumerate(free[0]) if i >= 2 and free[0].index(t) == i)
+    eos = free[0][cut]
     reference = generate(model, plan, PROMPTS, NEW_TOKENS, eos_ids=[eos], use_kv_cache=False).tokens
     for kwargs in ({}, {"compile": True, "compile_backend": "aot_eager"}):
         stopped = generate(model, plan, PROMPTS, NEW_TOKENS, eos_ids=[eos], **kwargs).tokens
         assert stopped == reference, kwargs
-        assert stopped[0] == free[0][:4]  # cut after the EOS, kept as the last token
+        assert stopped[0] == free[0][: cut + 1]  # cut after the EOS, kept as the last token
         for row, full in zip(stopped, free, strict=True):
             assert row == (full[: full.index(eos) + 1] if eos in full else full)
 

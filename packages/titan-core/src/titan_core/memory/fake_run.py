@@ -282,16 +282,15 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _call(node: Any, grads: list[Any]) -> Any:
+def _call(node: Any, grads: list[Any], edges: int) -> Any:
     """Run one node: a C++ node by calling it; a Python `autograd.Function`'s (not callable) by its `apply`, whose
-    backward returns one result per forward argument, where the node has an edge per tensor argument (Titan's
-    and torch's functions used here take their tensors first: the rest must be None)."""
+    backward returns one result per forward argument, where the node has an edge per tensor argument (`edges`;
+    Titan's and torch's functions used here take their tensors first: the rest must be None)."""
     with torch.no_grad():  # as the engine without `create_graph`: no graph of the backward, holding this one
         if callable(node):
             return node(*grads)
         outs = node.apply(*grads)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    edges = len(node.next_functions)
     assert all(o is None for o in outs[edges:]), f"{type(node).__name__}: a gradient for a non-tensor argument"
     return outs[:edges]
 
@@ -321,25 +320,30 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
     import heapq
 
     roots: list[Any] = [t.grad_fn for t in outputs]
-    outputs.clear()
+    # Each node's edges, input metadata and order, read while the whole graph is alive: a Python function's node
+    # object holds its C++ node weakly in torch 2.11, which frees it with its last consumer, before it runs here.
+    graph: dict[Any, tuple[tuple[tuple[Any, int], ...], list[Any], int]] = {}
     consumers: dict[Any, int] = {}
     stack = list(roots)
     while stack:
         node = stack.pop()
-        for child, _ in node.next_functions:
+        graph[node] = (tuple(node.next_functions), list(node._input_metadata), node._sequence_nr())
+        for child, _ in graph[node][0]:
             if child is not None:
                 if child not in consumers:
                     stack.append(child)
                 consumers[child] = consumers.get(child, 0) + 1
+    outputs.clear()
     pending: dict[Any, list[Any]] = {root: [grad] for root, grad in zip(roots, grads, strict=True)}
     grads.clear()
-    ready = [(-root._sequence_nr(), id(root), root) for root in roots]
+    ready = [(-graph[root][2], id(root), root) for root in roots]
     heapq.heapify(ready)
     del roots
     leaf_grads = []
     while ready:
         _, _, node = heapq.heappop(ready)
         consumers.pop(node, None)
+        edges, _, _ = graph.pop(node)
         inputs: list[Any] | None = pending.pop(node)
         assert inputs is not None
         if type(node).__name__ == "AccumulateGrad":
@@ -347,21 +351,22 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
                 leaf_grads.append(inputs[0])
             inputs = None
             continue
-        outs = _call(node, inputs)
+        outs = _call(node, inputs, len(edges))
         inputs = None
-        for (child, slot), g in zip(node.next_functions, outs if isinstance(outs, tuple) else (outs,), strict=True):
+        for (child, slot), g in zip(edges, outs if isinstance(outs, tuple) else (outs,), strict=True):
             if child is None:
                 continue
-            into: list[Any] | None = pending.setdefault(child, [None] * len(child._input_metadata))
+            metadata = graph[child][1]
+            into: list[Any] | None = pending.setdefault(child, [None] * len(metadata))
             assert into is not None
             if g is not None:
-                g = _as_expected(g, child._input_metadata[slot])
+                g = _as_expected(g, metadata[slot])
                 into[slot] = g if into[slot] is None else into[slot] + g
             consumers[child] -= 1
             if consumers[child] == 0:
-                heapq.heappush(ready, (-child._sequence_nr(), id(child), child))
+                heapq.heappush(ready, (-graph[child][2], id(child), child))
         outs = g = child = None
-        into = None
+        into, edges = None, ()
     return leaf_grads
 
 
