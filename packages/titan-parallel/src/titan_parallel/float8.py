@@ -394,7 +394,7 @@ def apply_mx(model: nn.Module, options: MXOptions, device_type: str = "cuda") ->
     except AssertionError as err:  # torchao's check of torch's version (torchao 0.17 asks more than torch 2.11 has)
         if "torch" not in str(err):
             raise
-        version = getattr(sys.modules.get("torchao"), "__version__", "?")
+        version = import_torchao("torchao").__version__
         raise ParallelConfigError(
             f"MXFP8 training through torchao {version} does not run on torch {torch.__version__} (torchao: {err}); "
             "install the torch release torchao names, or use float8 linears instead"
