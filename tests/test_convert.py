@@ -23,8 +23,9 @@ from titan_ckpt.formats import detect_format
 from titan_ckpt.hf_safetensors import INDEX_FILE, parse_size, plan_shards, read_hf_state_dict
 from titan_ckpt import atomic_output
 from titan_cli.main import app
-from titan_core import convert as convert_module
-from titan_core.convert import check_hf_parity, convert_checkpoint
+from titan_core import hf_parity
+from titan_core.convert import convert_checkpoint
+from titan_core.hf_parity import check_hf_parity
 from titan_models.llama3 import Transformer, args_from_hf_config, llama3_flavors
 from titan_models.llama3.hf_adapter import permute_to_hf
 
@@ -237,7 +238,7 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(hf_source, tmp_path):
 
 
 def test_failed_parity_check_leaves_nothing(hf_source, tmp_path, monkeypatch):
-    monkeypatch.setattr(convert_module, "PARITY_MAX_KL", -1.0)  # any result now fails
+    monkeypatch.setattr(hf_parity, "PARITY_MAX_KL", -1.0)  # any result now fails
     result = run_cli(hf_source, tmp_path / "dcp", "--to", "dcp")
     assert result.exit_code == 1
     assert "parity" in result.stderr and "FAILED" in result.stderr and "was not written" in result.stderr

@@ -38,7 +38,8 @@ def convert(
     parity check: transformers' logits on the HF files against Titan's on the
     converted weights. Nothing is left on disk unless the conversion succeeds.
     """
-    from titan_core.convert import ParityError, convert_checkpoint
+    from titan_core.convert import convert_checkpoint
+    from titan_core.hf_parity import ParityError
     from titan_core.launch import USER_ERRORS
 
     def log(message: str) -> None:

@@ -14,7 +14,6 @@ once the parity check passed.
 
 from __future__ import annotations
 
-import math
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,54 +37,15 @@ from titan_ckpt.hf_safetensors import (
 )
 from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_torch_state_dict
 from titan_core.config.errors import ConfigError
+from titan_core.hf_parity import ParityError, ParityReport, check_hf_parity
 from titan_models import HFAdapter, get_model_args, get_model_spec
 
-PARITY_TOKENS = 256
-"""Sequence length of the parity check."""
-PARITY_MAX_KL = 1e-4
-"""Mean KL(HF || Titan) per token above which the parity check fails (fp32 on both sides
-with identical weights gives ~1e-10)."""
 DEFAULT_MODEL_NAME = "llama3"
 """Family of a source whose config.json and run config name none."""
 TORCH_FILE_NAME = "model.pt"
 """State-dict file written inside a torch-format output folder."""
 # config.json keys that describe the weights or the writer rather than the model; recomputed on write.
 _STALE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "transformers_version")
-
-
-@dataclass(frozen=True)
-class ParityReport:
-    """Outcome of comparing Hugging Face logits with Titan's on the same weights.
-
-    Args:
-        max_abs_diff: largest absolute logit difference; None when skipped.
-        kl: mean per-token KL(HF || Titan); None when skipped.
-        n_tokens: sequence length compared.
-        skipped: why no check ran, or None.
-    """
-
-    max_abs_diff: float | None
-    kl: float | None
-    n_tokens: int
-    skipped: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        """True when skipped or when the logits agree (finite, KL within `PARITY_MAX_KL`)."""
-        if self.skipped is not None:
-            return True
-        assert self.max_abs_diff is not None and self.kl is not None  # None only when skipped
-        return math.isfinite(self.max_abs_diff) and math.isfinite(self.kl) and self.kl <= PARITY_MAX_KL
-
-    def describe(self) -> str:
-        """One line: `parity: max_abs_diff=1.2e-06 kl=3.4e-13 tokens=256 ...` or why it was skipped."""
-        if self.skipped is not None:
-            return f"parity: skipped ({self.skipped})"
-        verdict = "ok" if self.passed else f"FAILED, kl above {PARITY_MAX_KL:g}"
-        return (
-            f"parity: max_abs_diff={self.max_abs_diff:.3e} kl={self.kl:.3e} tokens={self.n_tokens} "
-            f"({verdict}; transformers on the HF files vs Titan on the Titan weights, float32)"
-        )
 
 
 @dataclass(frozen=True)
@@ -107,10 +67,6 @@ class ConversionResult:
     n_params: int
     dtype: str
     parity: ParityReport | None
-
-
-class ParityError(RuntimeError):
-    """The converted weights do not reproduce the source's logits."""
 
 
 RUN_CONFIG = "config.toml"
@@ -435,60 +391,3 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], expected: dict[str, to
     for name in state_dict:
         if name not in expected:
             raise ConfigError(f"{src} has '{name}', which the model does not; {hint}")
-
-
-@torch.no_grad()
-def check_hf_parity(
-    hf_folder: Path,
-    titan_state_dict: dict[str, torch.Tensor],
-    args: Any,
-    build: Callable[[Any], torch.nn.Module],
-    hf_architecture: str,
-    round_to: torch.dtype | None = None,
-    n_tokens: int = PARITY_TOKENS,
-) -> ParityReport:
-    """Logits of transformers' model on `hf_folder` vs Titan's model on `titan_state_dict`,
-    both in float32 on the same random tokens.
-
-    Args:
-        hf_folder: a Hugging Face checkpoint folder.
-        titan_state_dict: Titan-named weights.
-        args: the model's args.
-        build: the model builder (`ModelSpec.build`).
-        hf_architecture: transformers class name, e.g. "LlamaForCausalLM".
-        round_to: round both sides' weights to this dtype first, so a conversion that
-            changes dtype is compared on equal weights; None compares them as stored.
-        n_tokens: sequence length (capped at the model's `max_seq_len`).
-
-    Returns:
-        The report; `skipped` says why when transformers is not installed.
-    """
-    try:
-        import transformers
-    except ImportError:
-        return ParityReport(None, None, 0, skipped="transformers is not installed; `pip install transformers` to check")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    n_tokens = min(n_tokens, args.max_seq_len)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab_size, (1, n_tokens), generator=generator).to(device)  # (1, seqlen)
-
-    dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    hf_class = getattr(transformers, hf_architecture)
-    hf_model = (
-        hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32}).to(device).eval()
-    )
-    if round_to is not None:
-        for param in hf_model.parameters():
-            param.copy_(param.to(round_to))
-    hf_logits = hf_model(tokens).logits.double()  # (1, seqlen, vocab)
-    del hf_model
-
-    with torch.device(device):  # a plain build: its default init is cheap, unlike init_weights' truncated normals
-        model = build(args)
-    model.load_state_dict(cast_floating(titan_state_dict, round_to), strict=True)
-    titan_logits = model.eval()(tokens).double()  # (1, seqlen, vocab)
-    del model
-
-    log_p, log_q = hf_logits.log_softmax(-1), titan_logits.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-    return ParityReport((hf_logits - titan_logits).abs().max().item(), kl, n_tokens)
