@@ -195,6 +195,26 @@ def test_valid_explicit_names_pass():
     check_module_names(llama3_plan, 2, [["tok_embeddings"], ["layers.0", "layers.1"], ["norm", "output"]])
 
 
+def test_gloo_link_warm_up_leaves_out_sends_to_the_own_rank(monkeypatch):
+    """torch 2.11's first step sends a dummy tensor to each neighbouring stage, the own rank too under V schedules;
+    gloo never completes that send (the pp2 V-schedule cases below hung there on 2.11). Ops to other ranks stay."""
+    from types import SimpleNamespace
+
+    from titan_parallel import pipeline
+
+    class Stage:
+        def _get_init_p2p_neighbors_ops(self):
+            return [SimpleNamespace(peer=peer, kind=kind) for peer, kind in ((1, "recv"), (0, "send"), (1, "send"))]
+
+    monkeypatch.setattr(pipeline.torch.distributed, "get_rank", lambda: 1)
+    stage = Stage()
+    pipeline._skip_warm_up_sends_to_self(stage)
+    assert [(op.peer, op.kind) for op in stage._get_init_p2p_neighbors_ops()] == [(0, "send")]
+    newer = SimpleNamespace()  # torch 2.15's stages have no such warm-up: nothing to change
+    pipeline._skip_warm_up_sends_to_self(newer)
+    assert vars(newer) == {}
+
+
 # ---- parity with one process, over real processes ----------------------------------------
 
 
