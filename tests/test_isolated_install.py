@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from lone_install import installed_and_required, lone_env, make_lone_venv, titan_key_pattern
-from titan_run import REPO
+from titan_run import DEBUG_DETAIL, REPO
 
 def test_titan_parallel_installs_alone(tmp_path):
     python = make_lone_venv(tmp_path, "titan-parallel")
@@ -50,7 +50,7 @@ print(json.dumps(out))
         assert arguments and all(re.search(rf"(?<![\w.]){a}(?!\w)", message) for a in arguments), (message, arguments)
         assert not titan_key_pattern().search(message), message
     # A model titan-models does not define, parallelized from the lone install: FSDP x TP and PP x FSDP.
-    env = {**lone_env(), "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    env = {**lone_env(), **DEBUG_DETAIL}
     example = REPO / "examples" / "parallelize_any_model.py"
     run = subprocess.run(
         [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(example)],

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan_run import DEBUG_DETAIL
 
 from titan_models.llama3 import ModelArgs, Transformer, llama3_flavors, llama3_plan
 from titan_parallel import ModelPlan, ParallelConfigError, apply_tp, check_async_tp, check_tp
@@ -28,7 +29,7 @@ TOL = 1e-5
 def launch_worker(suite: str, tmp_path: Path) -> dict:
     """Run the worker on 4 processes and return rank 0's JSON of measured differences."""
     out = tmp_path / f"{suite}.json"
-    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **DEBUG_DETAIL, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER), suite, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

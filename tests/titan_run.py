@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,11 +28,25 @@ TINY = [
 ]
 
 
+
+def _detail_runs_functional_collectives() -> bool:
+    """Whether torch's functional collectives (DTensor's redistribution: TP, CP) run under TORCH_DISTRIBUTED_DEBUG=DETAIL
+    on gloo. torch 2.11's DETAIL wrapper sends them to coalesced all-gather / reduce-scatter ops gloo lacks ("Backend
+    gloo does not support reduce_scatter_tensor_coalesced"; the same runs pass without DETAIL); 2.15's does not.
+    2.12-2.14 were not tried and keep DETAIL."""
+    major, minor = (int(part) for part in version("torch").split(".")[:2])
+    return (major, minor) >= (2, 12)
+
+
+DEBUG_DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if _detail_runs_functional_collectives() else {}
+"""The environment that makes a mismatched collective fail instead of returning garbage, where torch allows it."""
+
+
 def titan_env(debug_detail: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if debug_detail:  # a mismatched collective fails instead of returning garbage
-        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        env.update(DEBUG_DETAIL)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
