@@ -48,12 +48,14 @@ FSDP_KEEPS_FP32_GRADS = _fsdp_keeps_fp32_grads()
 
 def assert_losses_match_fsdp(master: list[float], fsdp: list[float]) -> None:
     """Master-weight losses against one-rank FSDP's: bit for bit where FSDP keeps fp32 gradients; else the
-    first two steps bit for bit (the first update's norm gradients round alike) and the rest within 1e-4."""
+    first two steps bit for bit (the first update's norm gradients round alike) and the rest within 1e-3: FSDP's
+    norm gradients rounded to bf16 (2^-8 relative each) compound over the steps; torch 2.11 on CPU measured up to
+    4.6e-4 (2026-11-27, float8 precast run, step 4). A copy that stopped following its master is off by 1e-2 or more."""
     assert len(master) == len(fsdp) > 2
     if FSDP_KEEPS_FP32_GRADS:
         assert master == fsdp
     else:
-        assert master[:2] == fsdp[:2] and master[2:] == pytest.approx(fsdp[2:], rel=1e-4)
+        assert master[:2] == fsdp[:2] and master[2:] == pytest.approx(fsdp[2:], rel=1e-3)
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -256,7 +258,7 @@ def test_titan_train_matches_one_rank_fsdp_and_resumes_bit_exactly(tmp_path):
     # parameters have an fp32 `grad_dtype`; the copies have None), so the same losses and norms bit for bit.
     assert_losses_match_fsdp([m[s]["loss/global_avg"] for s in sorted(m)], [f[s]["loss/global_avg"] for s in sorted(f)])
     for step in m:
-        rel = 1e-6 if FSDP_KEEPS_FP32_GRADS else 1e-3
+        rel = 1e-6 if FSDP_KEEPS_FP32_GRADS else 5e-3  # torch 2.11: 1.9e-3 at step 6 (2026-11-27)
         assert m[step]["optim/grad_norm"] == pytest.approx(f[step]["optim/grad_norm"], rel=rel), step
     # Resume from step 2: the steps after it again, bit for bit; the checkpoint holds fp32 masters. The same
     # checkpoint resumes through one-rank FSDP too (torch's AdamW state, fp32 weights).
