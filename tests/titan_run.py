@@ -28,7 +28,6 @@ TINY = [
 ]
 
 
-
 def _detail_runs_functional_collectives() -> bool:
     """Whether torch's functional collectives (DTensor's redistribution: TP, CP) run under TORCH_DISTRIBUTED_DEBUG=DETAIL
     on gloo. torch 2.11's DETAIL wrapper sends them to coalesced all-gather / reduce-scatter ops gloo lacks ("Backend
