@@ -50,7 +50,7 @@ def assert_losses_match_fsdp(master: list[float], fsdp: list[float]) -> None:
     """Master-weight losses against one-rank FSDP's: bit for bit where FSDP keeps fp32 gradients; else the
     first two steps bit for bit (the first update's norm gradients round alike) and the rest within 1e-3: FSDP's
     norm gradients rounded to bf16 (2^-8 relative each) compound over the steps; torch 2.11 on CPU measured up to
-    4.6e-4 (2026-11-27, float8 precast run, step 4). A copy that stopped following its master is off by 1e-2 or more."""
+    4.6e-4 (2026-11-27, float8 precast run, step 4)."""
     assert len(master) == len(fsdp) > 2
     if FSDP_KEEPS_FP32_GRADS:
         assert master == fsdp
