@@ -16,6 +16,14 @@ objects. The CPU allocator does not cache, so there is no reserved-but-free memo
 to tell apart. The profile starts before the trainer is built, so the total counts
 everything the job holds; the peak is taken over the train steps only.
 
+One gap in that total: c10 reports a free only on a thread the profiler runs on, and
+a buffer whose last holder is one of gloo's worker threads (a reduce-scatter's copy of
+its input, a collective's temporary) is freed there unreported. Under FSDP the total
+so drifts up by 2-3 MiB a step (the debugmodel rows, checked by allocations landing on
+an address never freed), which is why rows run two steps, not more: the first
+allocates the optimizer state, the second is the one with everything in place.
+Rows measured by live tensors (`MemTracker`) do not depend on it.
+
 The estimates are made for the same config in this process: the analytic tier
 (`estimate_analytic`) and, where torch can trace the layout, the traced tier
 (`estimate_traced`). A row's error is the largest over its pipeline stages of

@@ -5,9 +5,11 @@ One run of the benchmark: three torchrun launches (1, 2 and 4 ranks), each row's
 stepped for real, then both tiers estimated for the same config. Rows measured by live tensor bytes
 must be within 5% (traced) and 10% (analytic); pipeline rows, which only the allocator measures
 (torch's tracker cannot run inside the pipeline backward), hold the analytic tier to the allocator's
-figure, which also counts gloo's own buffers: 10% all the same, but for FSDP inside a pipeline stage,
-whose allocator figure moves with the timing of gloo's reduce-scatter buffers (76.6 to 79.7 MiB on
-stage 0 over four runs of 2026-11-27): 12%.
+figure, which also counts gloo's own buffers: 10% all the same, but for FSDP inside a pipeline stage
+an estimate above the figure may be off by up to 15%. That figure moves with the timing of gloo's
+reduce-scatter buffers: stage 0 read 74.1 to 80.6 MiB over nine runs of 2026-11-27 (one of them on
+CI) against an estimate of 83.7 MiB, +3.8% to +12.9%. An estimate below the figure, the side that
+ends in an out-of-memory, is held to 10% there too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from titan_run import REPO
 
 TRACED_TARGET = 0.05
 ANALYTIC_TARGET = 0.10
-ANALYTIC_TARGET_FSDP_IN_PP = 0.12
+ANALYTIC_TARGET_FSDP_IN_PP = 0.15
+"""Over-estimates only: see the module docstring."""
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,8 @@ def test_every_row_is_within_its_target(results, tier):
             assert tier == "traced" and r["traced_note"], name  # untraced rows say why
             continue
         target = TRACED_TARGET if tier == "traced" else ANALYTIC_TARGET
-        if tier == "analytic" and r["measured_by"] == "allocator" and r["row"]["world"] > r["stages"]:
+        fsdp_in_pp = r["measured_by"] == "allocator" and r["row"]["world"] > r["stages"]
+        if tier == "analytic" and fsdp_in_pp and error > 0:
             target = ANALYTIC_TARGET_FSDP_IN_PP
         assert math.isfinite(error)
         if abs(error) > target:
