@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_models.llama3 import llama3_plan
 from titan_parallel import SCHEDULE_NAMES, ParallelConfigError, PipelineConfig, check_pipeline
@@ -200,19 +201,65 @@ def test_gloo_link_warm_up_leaves_out_sends_to_the_own_rank(monkeypatch):
     gloo never completes that send (the pp2 V-schedule cases below hung there on 2.11). Ops to other ranks stay."""
     from types import SimpleNamespace
 
-    from titan_parallel import pipeline
+    from titan_parallel import pipeline_compat
 
     class Stage:
         def _get_init_p2p_neighbors_ops(self):
             return [SimpleNamespace(peer=peer, kind=kind) for peer, kind in ((1, "recv"), (0, "send"), (1, "send"))]
 
-    monkeypatch.setattr(pipeline.torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(pipeline_compat.torch.distributed, "get_rank", lambda: 1)
     stage = Stage()
-    pipeline._skip_warm_up_sends_to_self(stage)
+    pipeline_compat.skip_warm_up_sends_to_self(stage)
     assert [(op.peer, op.kind) for op in stage._get_init_p2p_neighbors_ops()] == [(0, "send")]
     newer = SimpleNamespace()  # torch 2.15's stages have no such warm-up: nothing to change
-    pipeline._skip_warm_up_sends_to_self(newer)
+    pipeline_compat.skip_warm_up_sends_to_self(newer)
     assert vars(newer) == {}
+
+
+@pytest.mark.parametrize("divisor", [None, 2.0])
+def test_a_fused_loss_node_outlives_the_detach_between_the_backward_halves(divisor):
+    """Zero-bubble schedules run a stage's input backward, detach the loss in place, and later take the weight
+    gradients from the node where the paths meet: for the output projection, the fused loss's Python
+    `autograd.Function` node. torch 2.11 let that node die with the detach (held weakly), so the weight half
+    failed; `keep_custom_loss_node` keeps it. The weight gradient taken after the detach equals autograd's own."""
+    from torch.autograd.graph import GradientEdge
+
+    from titan_parallel.linear_cross_entropy import linear_cross_entropy
+    from titan_parallel.pipeline_compat import keep_custom_loss_node
+
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    labels = torch.randint(0, 16, (6,))
+    expected = torch.autograd.grad(linear_cross_entropy(h, weight, labels) / (divisor or 1), weight)[0]
+
+    raw = linear_cross_entropy(h, weight, labels)
+    fused = raw.grad_fn  # its Python object: what torch's split backward keeps of the node
+    assert type(fused).__name__ == "_LinearCrossEntropyBackward"
+    loss = keep_custom_loss_node(raw if divisor is None else raw / divisor)
+    del raw
+    grad_in = {}
+    fused.register_prehook(lambda grads: grad_in.setdefault("g", grads))
+    (dh,) = torch.autograd.grad(loss, h, retain_graph=True)  # the input half
+    loss.detach_()  # what torch's stage_backward_input does next
+    (dw,) = torch.autograd.grad(GradientEdge(fused, 0), GradientEdge(_accumulator(weight), 0),
+                                grad_outputs=grad_in["g"])  # the weight half, from the node alone
+    torch.testing.assert_close(dw, expected, rtol=0, atol=0)
+    assert dh.shape == h.shape
+
+
+def _accumulator(leaf: torch.Tensor):
+    """The AccumulateGrad node of a leaf tensor (what torch's split backward differentiates towards)."""
+    return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+def test_a_plain_loss_is_left_as_it_is():
+    """Without a Python function node under it, the loss comes back unchanged: its graph still frees at the detach."""
+    from titan_parallel.pipeline_compat import keep_custom_loss_node
+
+    logits = torch.randn(4, 16, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(logits, torch.randint(0, 16, (4,))) / 2
+    assert keep_custom_loss_node(loss) is loss and not hasattr(loss, "_titan_loss_root")
 
 
 # ---- parity with one process, over real processes ----------------------------------------

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_parallel.layout import ParallelConfigError
 from titan_parallel.modules import get_submodule_or_none
+from titan_parallel.pipeline_compat import keep_custom_loss_node, skip_warm_up_sends_to_self
 from titan_parallel.pipeline_layout import (
     SCHEDULE_NAMES,
     available_schedules,
@@ -264,29 +265,8 @@ def build_stages(
     stages = [PipelineStage(module, index, n_stages, device, group=group) for index, module in parts]
     if torch.distributed.get_backend(group) == "gloo":
         for stage in stages:
-            _skip_warm_up_sends_to_self(stage)
+            skip_warm_up_sends_to_self(stage)
     return stages
-
-
-def _skip_warm_up_sends_to_self(stage: PipelineStage) -> None:
-    """Leave out the sends and receives of a stage's link warm-up whose peer is its own rank.
-
-    torch 2.11's schedules open every stage's links at the first step with a dummy send and
-    receive to each neighbouring stage (`_get_init_p2p_neighbors_ops`), the stage's own rank
-    included when a V schedule (ZBVZeroBubble, DualPipeV) puts neighbouring stages on one rank.
-    gloo never completes a send to the sending rank itself, so the first step hung until the
-    process group's timeout. Neighbours on one rank pass tensors in memory and need no link.
-    Later torch releases have no such warm-up; NCCL completes sends to self and keeps torch's ops.
-    """
-    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
-    if warm_up is None:
-        return
-    own_rank = torch.distributed.get_rank()
-
-    def warm_up_with_peers() -> list[torch.distributed.P2POp]:
-        return [op for op in warm_up() if op.peer != own_rank]
-
-    stage._get_init_p2p_neighbors_ops = warm_up_with_peers  # type: ignore[attr-defined]  # torch 2.11 only
 
 
 def build_schedule(
@@ -323,13 +303,14 @@ def build_schedule(
             "split with the same schedule"
         )
 
-    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, target) / n_microbatches
+    def schedule_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(output, target)
+        return keep_custom_loss_node(loss / n_microbatches if scale_loss else loss)
 
     built = schedule_class(
         stages[0] if single else list(stages),
         n_microbatches=n_microbatches,
-        loss_fn=scaled_loss if scale_loss else loss_fn,
+        loss_fn=schedule_loss,
         scale_grads=False,
     )
     if schedule_csv is not None:
