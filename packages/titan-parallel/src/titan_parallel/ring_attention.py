@@ -213,6 +213,24 @@ def _to_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return qg, k.float().unsqueeze(2).contiguous(), v.float().unsqueeze(2).contiguous()
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous.
+
+    torch 2.11's all-gather backward reduce-scatters the incoming gradient as it comes, and the
+    reduce-scatter refuses a non-contiguous one ("Expected input.is_contiguous()"): the backward of
+    `_gather_sequence`'s permute gives one when a micro-batch holds one sequence (pipeline parallel,
+    micro-batch size 1). Later torch makes it contiguous itself; `contiguous()` copies nothing then.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather `(bs, heads, seqlen, head_dim)` over the group into `(bs, heads, seqlen * cp, head_dim)`, rank-major.
 
@@ -220,6 +238,7 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """
     size = dist.get_world_size(group)
     gathered = _all_gather_autograd(x.contiguous(), 0, group)  # (cp * bs, heads, seqlen, head_dim)
+    gathered = _ContiguousGrad.apply(gathered)
     bs, heads, seqlen, head_dim = x.shape
     return (
         gathered.view(size, bs, heads, seqlen, head_dim)
