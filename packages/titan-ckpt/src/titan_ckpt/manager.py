@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from titan_ckpt import model_state as ms
 from titan_ckpt.argument_checks import RESERVED_STATES, AsyncMode, check_arguments
+from titan_ckpt.background import BackgroundSaver
 from titan_ckpt.dcp_io import ChecksummingWriter
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.json_states import (
@@ -171,7 +170,7 @@ class CheckpointManager:
                 "this CPU-only run saves as 'async'"
             )
             self.async_mode = "async"
-        self._stager: DefaultStager | None = None  # CPU staging buffers, kept between async saves
+        self._background = BackgroundSaver(pinned=self.async_mode == "async_with_pinned_mem")
         self._pending: tuple[int, Future[Any], Path, dict] | None = None  # (step, future, tmp folder, manifest info)
         self.last_blocked_s = 0.0  # how long the last save held the training loop
         self._saved_step: int | None = None  # the step of the newest save started
@@ -242,9 +241,7 @@ class CheckpointManager:
         """Finish any background save; call once at the end of training (also after an error)."""
         if self.enable:
             self.wait()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        self._background.close()
 
     def _save(
         self,
@@ -283,21 +280,8 @@ class CheckpointManager:
             self.save_model_fn(tmp, ms.get_full_model_state(self.model_parts, dtype))
             dist.barrier(group=self.pg)
         elif background:
-            if self._stager is None:
-                pinned = self.async_mode == "async_with_pinned_mem"
-                self._stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=pinned,
-                        use_shared_memory=False,
-                        use_async_staging=False,
-                        use_non_blocking_copy=False,
-                    )
-                )
             writer = ChecksummingWriter(tmp, rank=self.rank, checksums=self.checksums)
-            result = dcp.async_save(
-                tensors, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg, async_stager=self._stager
-            )
-            future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+            future = self._background.save(tensors, writer, self.pg)
             self._pending = (step, future, tmp, info)
             self.last_blocked_s = time.perf_counter() - start
             if self.rank == 0:
