@@ -282,17 +282,31 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _call(node: Any, grads: list[Any], edges: int) -> Any:
-    """Run one node: a C++ node by calling it; a Python `autograd.Function`'s (not callable) by its `apply`, whose
-    backward returns one result per forward argument, where the node has an edge per tensor argument (`edges`;
-    Titan's and torch's functions used here take their tensors first: the rest must be None)."""
+def _call(node: Any, grads: list[Any], edges: int, saved: tuple[torch.Tensor, ...] | None) -> Any:
+    """Run one node: a C++ node by calling it; a Python `autograd.Function`'s (not callable) by its backward, on a
+    context holding `saved`, its saved tensors read while the graph was whole (torch 2.11 frees them with the
+    node's C++ half once its last consumer ran, before it runs here). The backward returns one result per forward
+    argument, where the node has an edge per tensor argument (`edges`; Titan's and torch's functions used here
+    take their tensors first: the rest must be None)."""
     with torch.no_grad():  # as the engine without `create_graph`: no graph of the backward, holding this one
         if callable(node):
             return node(*grads)
-        outs = node.apply(*grads)
+        fn = node._forward_cls
+        backward = fn.vjp if fn.vjp is not torch.autograd.Function.vjp else fn.backward  # as `node.apply` picks
+        outs = backward(_SavedContext(node, saved), *grads)
     outs = outs if isinstance(outs, tuple) else (outs,)
     assert all(o is None for o in outs[edges:]), f"{type(node).__name__}: a gradient for a non-tensor argument"
     return outs[:edges]
+
+
+class _SavedContext:
+    """A Python function node's context as its backward sees it, with the saved tensors read beforehand."""
+
+    def __init__(self, node: Any, saved: tuple[torch.Tensor, ...] | None):
+        self._node, self.saved_tensors = node, saved
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._node, name)
 
 
 def _as_expected(grad: torch.Tensor, expected: Any) -> torch.Tensor:
@@ -323,11 +337,14 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
     # Each node's edges, input metadata and order, read while the whole graph is alive: a Python function's node
     # object holds its C++ node weakly in torch 2.11, which frees it with its last consumer, before it runs here.
     graph: dict[Any, tuple[tuple[tuple[Any, int], ...], list[Any], int]] = {}
+    saved: dict[Any, tuple[torch.Tensor, ...]] = {}  # Python function nodes' saved tensors, held until they run
     consumers: dict[Any, int] = {}
     stack = list(roots)
     while stack:
         node = stack.pop()
         graph[node] = (tuple(node.next_functions), list(node._input_metadata), node._sequence_nr())
+        if not callable(node):
+            saved[node] = node.saved_tensors
         for child, _ in graph[node][0]:
             if child is not None:
                 if child not in consumers:
@@ -351,7 +368,7 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
                 leaf_grads.append(inputs[0])
             inputs = None
             continue
-        outs = _call(node, inputs, len(edges))
+        outs = _call(node, inputs, len(edges), saved.pop(node, None))
         inputs = None
         for (child, slot), g in zip(edges, outs if isinstance(outs, tuple) else (outs,), strict=True):
             if child is None:
