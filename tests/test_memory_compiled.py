@@ -87,9 +87,11 @@ def test_compiled_blocks_save_less_than_the_eager_ones(family, flavor):
     assert op.per_token < eager.block_op
     assert op.per_token < none.per_token
     # full AC keeps the block's input alone, one (batch, seq, dim) tensor in the compute dtype: the weights its
-    # backward needs too are model states, not counted
-    assert [t.shape for t in full.tensors] == [(batch, seq_len, args.dim)]
-    assert full.per_token == 2 * args.dim
+    # backward needs too are model states, not counted. Torch 2.11 also keeps the RNG state for the recompute
+    # (5056 bytes of uint8 on the CPU), which 2.15 leaves out when the block draws no random numbers.
+    kept = [t for t in full.tensors if not (t.dtype == torch.uint8 and len(t.shape) == 1 and t.nbytes <= 8192)]
+    assert [t.shape for t in kept] == [(batch, seq_len, args.dim)]
+    assert full.per_token - 2 * args.dim in ((0,) if kept == list(full.tensors) else (0, 1))
     # no AC: the input and attention's fp32 log-sum-exp, one per head and token, are among what is kept
     shapes = {(t.shape, t.dtype) for t in none.tensors}
     assert ((batch, seq_len, args.dim), dtype) in shapes
