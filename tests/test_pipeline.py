@@ -254,12 +254,24 @@ def _accumulator(leaf: torch.Tensor):
 
 
 def test_a_plain_loss_is_left_as_it_is():
-    """Without a Python function node under it, the loss comes back unchanged: its graph still frees at the detach."""
+    """Without a Python function node that takes a weight under it, the loss comes back unchanged: its graph (the
+    logits a compiled loss saves, say) still frees at the detach."""
     from titan_parallel.pipeline_compat import keep_custom_loss_node
 
-    logits = torch.randn(4, 16, requires_grad=True)
-    loss = torch.nn.functional.cross_entropy(logits, torch.randint(0, 16, (4,))) / 2
-    assert keep_custom_loss_node(loss) is loss and not hasattr(loss, "_titan_loss_root")
+    class Identity(torch.autograd.Function):  # stands in for a compiled loss: a Python node fed by the logits
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    head = torch.nn.Linear(8, 16)
+    labels = torch.randint(0, 16, (4,))
+    for logits in (torch.randn(4, 16, requires_grad=True), Identity.apply(head(torch.randn(4, 8)))):
+        loss = torch.nn.functional.cross_entropy(logits, labels) / 2
+        assert keep_custom_loss_node(loss) is loss and not hasattr(loss, "_titan_loss_root")
 
 
 # ---- parity with one process, over real processes ----------------------------------------

@@ -10,7 +10,8 @@ Each function here is a no-op, or costs nothing that matters, where torch has no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -52,26 +53,71 @@ def keep_custom_loss_node(loss: torch.Tensor) -> torch.Tensor:
     Zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) split a stage's backward:
     the input gradients first, the weight gradients later, from the autograd nodes where the two
     paths meet (the fused loss's node, for the output projection's weight). Between the halves torch
-    2.11 detaches the loss in place to free the graph above those nodes; torch holds a Python
+    detaches the loss in place to free the graph above those nodes; torch 2.11 holds a Python
     function's node only weakly, so when the loss's graph was its last owner it died there, and the
     weight half failed with "Attribute '_input_metadata' is invalid".
 
-    When such a node lies on the single path below the loss's root (`_SEARCH_DEPTH` nodes down), the
-    root node is kept on the loss tensor, which the schedule holds until its step ends: the detach
-    then frees nothing the weight half needs, and the node's saved tensors still go when its
-    backward has run. A loss that is the function's own output is first copied (`clone`, exact),
-    as a Python node cannot hold itself. Other losses come back unchanged: a plain cross-entropy's
-    graph keeps freeing at the detach.
+    On such a torch (`_weak_function_nodes`), when a Python function node that takes a weight lies on
+    the single path below the loss's root (`_SEARCH_DEPTH` nodes down), the root node is kept on the
+    loss tensor, which the schedule holds until its step ends: the detach then frees nothing the
+    weight half needs, and the node's saved tensors still go when its backward has run. A loss that
+    is the function's own output is first copied (`clone`, exact), as a Python node cannot hold
+    itself. Any other loss comes back unchanged, and so does every loss on a torch that keeps the
+    nodes (2.15): a plain or compiled cross-entropy's graph, logits included, still frees at the detach.
     """
+    if loss.grad_fn is None or not _weak_function_nodes():
+        return loss
     node = loss.grad_fn
     for _ in range(_SEARCH_DEPTH):
         if node is None or isinstance(node, BackwardCFunction):
             break
-        inputs = [n for n, _ in node.next_functions if n is not None]
-        node = inputs[0] if len(inputs) == 1 else None
-    if not isinstance(node, BackwardCFunction):
+        node = _only_input(node)
+    if not isinstance(node, BackwardCFunction) or not _takes_a_weight(node):
         return loss
     if isinstance(loss.grad_fn, BackwardCFunction):
         loss = loss.clone()
     setattr(loss, "_titan_loss_root", loss.grad_fn)  # noqa: B010  # a C++ node: its Python object owns it
     return loss
+
+
+def _only_input(node: Any) -> Any:
+    """The node's one input node, or None when it has none or several."""
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    return inputs[0] if len(inputs) == 1 else None
+
+
+def _takes_a_weight(node: Any) -> bool:
+    """Whether one of the node's inputs is a leaf that accumulates a gradient (a weight), directly or
+    through single-input nodes (a cast, a view, DTensor's `to_local`)."""
+    for child, _ in node.next_functions:
+        for _ in range(_SEARCH_DEPTH):
+            if child is None or type(child).__name__ == "AccumulateGrad":
+                break
+            child = _only_input(child)
+        if child is not None and type(child).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+@functools.cache
+def _weak_function_nodes() -> bool:
+    """Whether this torch frees a Python `autograd.Function`'s node once no tensor or node holds it, its
+    Python object left behind (torch 2.11; 2.15 keeps the node while the object lives): probed once."""
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    out = Probe.apply(torch.zeros(1, requires_grad=True))
+    node = out.grad_fn
+    del out
+    try:
+        node._input_metadata  # noqa: B018  # raises once the C++ node is gone
+    except RuntimeError:
+        return True
+    return False
