@@ -41,7 +41,16 @@ class BackgroundSaver:
     def save(
         self, tensors: dict[str, torch.Tensor], writer: ChecksummingWriter, process_group: dist.ProcessGroup | None
     ) -> Future[Any]:
-        """Stage `tensors` (returns once they are copied) and write them through `writer` in the background."""
+        """Stage `tensors` (returns once they are copied) and write them through `writer` in the background.
+
+        Args:
+            tensors: the save's tensors by DCP key (the live ones: staging copies them).
+            writer: the storage writer of the step's folder.
+            process_group: the group DCP's collectives run on (None: the default group).
+
+        Returns:
+            The future of the write: its result re-raises a failed write.
+        """
         if self._stager is None:
             self._stager = DefaultStager(
                 StagingOptions(

@@ -35,6 +35,9 @@ def skip_warm_up_sends_to_self(stage: PipelineStage) -> None:
     gloo never completes a send to the sending rank itself, so the first step hung until the
     process group's timeout. Neighbours on one rank pass tensors in memory and need no link.
     Later torch releases have no such warm-up; NCCL completes sends to self and keeps torch's ops.
+
+    Args:
+        stage: a stage of this rank, changed in place (its warm-up, where it has one).
     """
     warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
     if warm_up is None:
@@ -64,6 +67,9 @@ def keep_custom_loss_node(loss: torch.Tensor) -> torch.Tensor:
     is the function's own output is first copied (`clone`, exact), as a Python node cannot hold
     itself. Any other loss comes back unchanged, and so does every loss on a torch that keeps the
     nodes (2.15): a plain or compiled cross-entropy's graph, logits included, still frees at the detach.
+
+    Args:
+        loss: a micro-batch's loss, as the schedule's loss function returns it.
     """
     if loss.grad_fn is None or not _weak_function_nodes():
         return loss
