@@ -119,7 +119,8 @@ def _weak_function_nodes() -> bool:
         def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
             return grad
 
-    out = Probe.apply(torch.zeros(1, requires_grad=True))
+    with torch.enable_grad():
+        out = Probe.apply(torch.zeros(1, requires_grad=True))
     node = out.grad_fn
     del out
     try:
