@@ -11,6 +11,7 @@ Each function here is a no-op, or costs nothing that matters, where torch has no
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,12 +74,11 @@ def keep_custom_loss_node(loss: torch.Tensor) -> torch.Tensor:
     """
     if loss.grad_fn is None or not _weak_function_nodes():
         return loss
-    node = loss.grad_fn
-    for _ in range(_SEARCH_DEPTH):
-        if node is None or isinstance(node, BackwardCFunction):
-            break
-        node = _only_input(node)
-    if not isinstance(node, BackwardCFunction) or not _takes_a_weight(node):
+    node = _down_to(loss.grad_fn, lambda n: isinstance(n, BackwardCFunction))
+    takes_a_weight = node is not None and any(
+        _down_to(child, lambda n: type(n).__name__ == "AccumulateGrad") for child, _ in node.next_functions
+    )  # a weight's gradient leaf, directly or through single-input nodes (a cast, a view, DTensor's `to_local`)
+    if not takes_a_weight:
         return loss
     if isinstance(loss.grad_fn, BackwardCFunction):
         loss = loss.clone()
@@ -86,23 +86,15 @@ def keep_custom_loss_node(loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def _only_input(node: Any) -> Any:
-    """The node's one input node, or None when it has none or several."""
-    inputs = [n for n, _ in node.next_functions if n is not None]
-    return inputs[0] if len(inputs) == 1 else None
-
-
-def _takes_a_weight(node: Any) -> bool:
-    """Whether one of the node's inputs is a leaf that accumulates a gradient (a weight), directly or
-    through single-input nodes (a cast, a view, DTensor's `to_local`)."""
-    for child, _ in node.next_functions:
-        for _ in range(_SEARCH_DEPTH):
-            if child is None or type(child).__name__ == "AccumulateGrad":
-                break
-            child = _only_input(child)
-        if child is not None and type(child).__name__ == "AccumulateGrad":
-            return True
-    return False
+def _down_to(node: Any, found: Callable[[Any], bool]) -> Any:
+    """The first node for which `found` holds on the path from `node` (itself included) down through nodes with
+    one input each, `_SEARCH_DEPTH` steps at most; None when there is none."""
+    for _ in range(_SEARCH_DEPTH + 1):
+        if node is None or found(node):
+            return node
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        node = inputs[0] if len(inputs) == 1 else None
+    return None
 
 
 @functools.cache
