@@ -203,10 +203,8 @@ def worker(spec: str, out: str) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from titan_core.config import load_config
-    from titan_core.memory.torch_patches import allow_repeated_forwards
+    from titan_core.memory.torch_patches import allow_repeated_forwards, peak_tracker
     from titan_core.trainer import Trainer
 
     results: dict[str, list[int]] = {}
@@ -219,7 +217,7 @@ def worker(spec: str, out: str) -> None:
             t = cfg.training
             batches = [(torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),) * 2] * trainer.accum_steps
             # MemTracker's module hooks fail inside torch's pipeline backward (autograd.grad): not under PP.
-            tracker = MemTracker() if trainer.dims.pp == 1 else None
+            tracker = peak_tracker() if trainer.dims.pp == 1 else None
             if tracker is not None:
                 allow_repeated_forwards(tracker, trainer.model.parts)
                 tracker.track_external(*trainer.model.parts, *trainer.optimizers)

@@ -32,6 +32,12 @@ def start_job(run: Path, mode: str) -> subprocess.Popen:
                             env=titan_env(debug_detail=False), cwd=REPO)
 
 
+def torch_older_than(major: int, minor: int) -> bool:
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) < (major, minor)
+
+
 def job_code(job: subprocess.Popen) -> int:
     return job.returncode
 
@@ -61,7 +67,10 @@ def test_stalled_and_dead_rank_end_the_job_naming_it(tmp_path):
     assert sorted(p.name for p in traces.iterdir()) == ["rank_0", "rank_1"]
     analyzer = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(traces)],
                               capture_output=True, text=True, timeout=120)
-    assert "group info: 0:default_pg" in analyzer.stdout + analyzer.stderr, analyzer.stderr[-3000:]
+    if torch_older_than(2, 12):  # 2.11's analyser reads NCCL traces only (gloo's from pytorch/pytorch#180268)
+        assert "gloo != 'nccl' or 'xccl'" in analyzer.stderr, analyzer.stderr[-3000:]
+    else:
+        assert "group info: 0:default_pg" in analyzer.stdout + analyzer.stderr, analyzer.stderr[-3000:]
 
     out, took = finish(die, die_run)
     assert took < 20, (took, out[-4000:])

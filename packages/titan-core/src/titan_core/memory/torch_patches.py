@@ -28,11 +28,19 @@ torch's own error and `titan estimate-memory` says so.
   returns a mode of its own: DTensor propagates shardings on global-shape fake tensors in the
   active fake mode, which the tracker would count as memory of the step.
 - `peak_tracker`, `allow_repeated_forwards`, `pipeline_tracker`: `MemTracker._update_peak_stats`
-  is overridden, `MemTracker._pre_fw_hook` wrapped and, under a pipeline schedule,
-  `MemTracker._mod_tracker` replaced (private): the per-module peaks cost most of the trace's
-  time, the tracker refuses a root module's second forward (gradient accumulation), and its
-  module hooks fail inside the `torch.autograd.grad` a pipeline stage runs. The measured tier
-  (`titan_core.memory.measure_run`) uses these trackers on CPU too.
+  and `MemTracker._track` are overridden, `MemTracker._pre_fw_hook` wrapped and, under a pipeline
+  schedule, `MemTracker._mod_tracker` replaced (private): the per-module peaks cost most of the
+  trace's time, the tracker refuses a root module's second forward (gradient accumulation), its
+  module hooks fail inside the `torch.autograd.grad` a pipeline stage runs, and torch 2.11's
+  tracker counts the tensors of ops run under another fake mode than its own (below). The
+  measured tier (`titan_core.memory.measure_run`) uses these trackers on CPU too.
+
+Torch 2.11's `MemTracker` counts every op's outputs, those of an op run under a fake mode that
+was not active when the tracker was entered included: the fake tensors Dynamo makes while it
+compiles (the master-weight optimizer step, the loss) and those of DTensor's sharding
+propagation. The single-rank bf16 debugmodel run so read 176 MiB where the CPU allocator held
+92 (its optimizer states three times over), full AC 132 MiB against 89. Later torch skips those
+ops itself (`MemTracker._fake_mode_on_entry`); `peak_tracker` skips them on every version.
 """
 
 from __future__ import annotations
@@ -128,14 +136,25 @@ def peak_tracker():
     After every op `MemTracker` walks every module it has seen to update their own peaks:
     for an 8B model that is most of the trace's time (hundreds of modules x tens of thousands
     of ops). The estimate needs only the global peak, which this keeps exactly as
-    `MemTracker` does; where this torch's tracker lacks the fields it reads, the tracker is
-    torch's own, unchanged.
+    `MemTracker` does. It counts the ops of the fake mode active when it is entered only
+    (none in eager), as torch does from 2.12 (module docstring); where this torch's tracker
+    lacks the fields it reads, the tracker is torch's own, unchanged.
     """
     from copy import deepcopy
 
+    from torch._guards import active_fake_mode
     from torch.distributed._tools import mem_tracker
 
     class PeakTracker(mem_tracker.MemTracker):
+        def __enter__(self):
+            if self._depth == 0:  # the fake mode of the ops to count: None in eager, the trace's own when tracing
+                self._titan_entry_mode = active_fake_mode()
+            return super().__enter__()
+
+        def _track(self, reftype, t) -> None:
+            if active_fake_mode() is self._titan_entry_mode:
+                super()._track(reftype, t)
+
         def _update_peak_stats(self, peak_state) -> None:
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot[mem_tracker._TOTAL_KEY]:
@@ -143,7 +162,7 @@ def peak_tracker():
                     self._peak_mem_snap[device] = deepcopy(snapshot)
 
     tracker = PeakTracker()
-    fields = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+    fields = ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap", "_depth", "_track")
     if not hasattr(mem_tracker, "_TOTAL_KEY") or not all(hasattr(tracker, f) for f in fields):
         return mem_tracker.MemTracker()
     return tracker
