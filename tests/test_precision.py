@@ -36,6 +36,21 @@ def test_auto_is_bfloat16_on_a_cpu_with_native_bf16(monkeypatch, amx, avx512_bf1
     assert dtype is torch.bfloat16 and named in reason
 
 
+@pytest.mark.parametrize(("variable", "isa", "native"), [("ONEDNN_MAX_CPU_ISA", "AVX2", False),
+    ("DNNL_MAX_CPU_ISA", "avx512_core", False), ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", True),
+    ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX", True)])  # fmt: skip
+def test_auto_is_float32_where_onednn_is_held_below_bf16(monkeypatch, variable, isa, native):
+    """A CPU with AVX512-BF16 whose oneDNN (torch's bf16 matmuls) is held to an older ISA computes bf16 slowly."""
+    fake_cpu(monkeypatch, amx=False, avx512_bf16=True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv(variable, isa)
+    dtype, reason = resolve_param_dtype("auto", CPU)
+    assert (dtype is torch.bfloat16) is native, reason
+    if not native:
+        assert f"this CPU has AVX512-BF16, but {variable}={isa} keeps torch's bf16 matmuls from it" in reason
+
+
 def test_explicit_bfloat16_without_native_support_trains_but_warns(monkeypatch):
     fake_cpu(monkeypatch, amx=False, avx512_bf16=False)
     with pytest.warns(UserWarning, match=r"many times slower than in float32 \(ask for 'auto' or 'float32' instead\)"):

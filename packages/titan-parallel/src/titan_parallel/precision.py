@@ -3,9 +3,12 @@
 Two questions, answered by asking torch rather than parsing /proc:
 
 - `native_bf16(device)`: does the device run bf16 matmuls at full speed? A CUDA
-  device from Ampere on does; a CPU does with AVX512-BF16 or AMX. On an AVX2-only
-  CPU torch has no fast bf16 kernel: a bf16 matmul measured 0.9 GFLOP/s there
-  against 143 GFLOP/s in fp32, so "auto" picks fp32 on such a machine.
+  device from Ampere on does; a CPU does with AVX512-BF16 or AMX, unless oneDNN
+  (torch's CPU bf16 matmuls) is held below them by `ONEDNN_MAX_CPU_ISA` (or its
+  old name `DNNL_MAX_CPU_ISA`). On an AVX2-only CPU torch has no fast bf16 kernel:
+  a bf16 matmul measured 0.9 GFLOP/s there against 143 GFLOP/s in fp32, so "auto"
+  picks fp32 on such a machine; an AVX512-BF16 CPU with oneDNN held to AVX2
+  measured 2.5 GFLOP/s against 151.
 - `mixed_precision_context(...)`: how the compute dtype is applied. Under
   `dp_mode="fsdp"` FSDP2's `MixedPrecisionPolicy` casts (weights gathered in bf16,
   so activations and the residual stream are bf16 too) on every world size, one
@@ -23,6 +26,21 @@ import warnings
 import torch
 
 __all__ = ["native_bf16", "resolve_param_dtype", "mixed_precision_context"]
+
+
+_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+"""oneDNN's CPU ISA names (`ONEDNN_MAX_CPU_ISA`) below AVX512_CORE_BF16, the first with bf16 dot products."""
+
+
+def _onednn_held_below_bf16() -> str | None:
+    """`NAME=VALUE` of the environment variable that holds oneDNN below bf16 instructions, or None."""
+    import os
+
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # oneDNN reads the first one set
+        value = os.environ.get(name)
+        if value:
+            return f"{name}={value}" if value.strip().upper() in _ONEDNN_ISAS_WITHOUT_BF16 else None
+    return None
 
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
@@ -44,6 +62,9 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
             )
             if has
         ]
+        held = _onednn_held_below_bf16()
+        if features and held:
+            return False, f"this CPU has {' and '.join(features)}, but {held} keeps torch's bf16 matmuls from it"
         if features:
             return True, f"this CPU has {' and '.join(features)}"
         capability = torch.backends.cpu.get_cpu_capability()
