@@ -17,7 +17,9 @@ CPU = torch.device("cpu")
 
 
 def fake_cpu(monkeypatch, *, amx: bool, avx512_bf16: bool) -> None:
-    """Make torch's CPU feature probes answer as a given machine would."""
+    """Make torch's CPU feature probes answer as a given machine would, its oneDNN not held to an older ISA."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
 
@@ -42,8 +44,6 @@ def test_auto_is_bfloat16_on_a_cpu_with_native_bf16(monkeypatch, amx, avx512_bf1
 def test_auto_is_float32_where_onednn_is_held_below_bf16(monkeypatch, variable, isa, native):
     """A CPU with AVX512-BF16 whose oneDNN (torch's bf16 matmuls) is held to an older ISA computes bf16 slowly."""
     fake_cpu(monkeypatch, amx=False, avx512_bf16=True)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv(variable, isa)
     dtype, reason = resolve_param_dtype("auto", CPU)
     assert (dtype is torch.bfloat16) is native, reason

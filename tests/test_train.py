@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from titan_parallel.precision import native_bf16
 
 from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan
 
@@ -14,7 +15,7 @@ def test_default_run_loss_falls_and_writes_run_folder(tmp_path):
     run = tmp_path / "run"
     proc = run_titan(run, "--training.steps", "25", "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "5")
     # "auto" computes in bf16 only where the CPU has native bf16, and says so once.
-    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    native = native_bf16(torch.device("cpu"))[0]  # the CPU's bf16 instructions, where oneDNN may use them
     assert proc.stderr.count("compute dtype auto: ") == 1, proc.stderr[-3000:]
     assert f"compute dtype auto: {'bfloat16' if native else 'float32'}, since this CPU has " in proc.stderr
     records = read_metrics(run)
