@@ -21,6 +21,7 @@ Two questions, answered by asking torch rather than parsing /proc:
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -34,8 +35,6 @@ _ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2",
 
 def _onednn_held_below_bf16() -> str | None:
     """`NAME=VALUE` of the environment variable that holds oneDNN below bf16 instructions, or None."""
-    import os
-
     for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # oneDNN reads the first one set
         value = os.environ.get(name)
         if value:
