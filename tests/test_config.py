@@ -71,6 +71,7 @@ SPEC_DEFAULTS = {
     "optimizer.muon_nesterov": True,
     "optimizer.muon_ns_steps": 5,
     "optimizer.muon_adjust_lr_fn": "match_rms_adamw",
+    "optimizer.muon_ns_dtype": "auto",
     "optimizer.adamw_lr": None,
     "optimizer.adamw_weight_decay": None,
     "lr_scheduler.warmup_steps": 10,

@@ -9,7 +9,8 @@ JOBS.json is a list of
   its folder (metrics.jsonl, checkpoints); with `resume`, rank 0 first copies that folder's
   `checkpoint/step-<step>` into the run's, so that the run resumes from it (same or another layout);
 - `{"owners": out.json}`: `MatrixOwners` on DTensors of several placements over every rank (and over a 2 x 2
-  mesh on 4 ranks), against Newton-Schulz of each whole matrix; rank 0 writes `{case: [equal, owners]}`.
+  mesh on 4 ranks), against Newton-Schulz of each whole matrix, in bf16 (torch's) and in fp32 (case
+  names end ", fp32"); rank 0 writes `{case: [equal, owners]}`.
 One launch pays torchrun's and the imports' start-up once for all its jobs.
 """
 
@@ -65,17 +66,18 @@ def check_owners(out: Path) -> None:
     generator = torch.Generator().manual_seed(0)
     fulls = [torch.randn(shape, generator=generator) for shape, _ in cases.values()]
     params = [distribute_tensor(f, meshes[n], p) for f, (n, (_, p)) in zip(fulls, cases.items(), strict=True)]
-    owners = MatrixOwners(params, list(cases))
-    got = owners.apply([p.to_local() for p in params], lambda i, m: newton_schulz(m, Muon.MUON_DEFAULTS))
     result = {}
-    for i, (name, (shape, placements)) in enumerate(cases.items()):
-        whole = fulls[i] if len(shape) == 3 else fulls[i][None]
-        expected = torch.stack([newton_schulz(m, Muon.MUON_DEFAULTS) for m in whole]).reshape(shape)
-        mine = distribute_tensor(expected, meshes[name], placements).to_local()
-        equal = torch.tensor(float(torch.equal(got[i], mine)))
-        dist.all_reduce(equal, op=dist.ReduceOp.MIN)
-        owned = [m.owner for g in owners.groups for m in g.matrices if m.param == i]
-        result[name] = [bool(equal.item()), owned]
+    for dtype, suffix in ((torch.bfloat16, ""), (torch.float32, ", fp32")):  # torch's Newton-Schulz, and Titan's fp32
+        owners = MatrixOwners(params, list(cases), dtype=dtype)
+        got = owners.apply([p.to_local() for p in params], lambda i, m: newton_schulz(m, Muon.MUON_DEFAULTS, dtype))
+        for i, (name, (shape, placements)) in enumerate(cases.items()):
+            whole = fulls[i] if len(shape) == 3 else fulls[i][None]
+            expected = torch.stack([newton_schulz(m, Muon.MUON_DEFAULTS, dtype) for m in whole]).reshape(shape)
+            mine = distribute_tensor(expected, meshes[name], placements).to_local()
+            equal = torch.tensor(float(got[i].dtype == dtype and torch.equal(got[i], mine)))
+            dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+            owned = [m.owner for g in owners.groups for m in g.matrices if m.param == i]
+            result[name + suffix] = [bool(equal.item()), owned]
     if dist.get_rank() == 0:
         out.write_text(json.dumps(result))
 

@@ -17,11 +17,15 @@ What is torch's and what is not:
   here because they must run on shards while the orthogonalisation runs on whole matrices;
 - torch.optim.Muon refuses 3-D tensors: stacked experts (E, out, in) are E matrices here, each
   orthogonalised and its learning rate adjusted by its own (out, in);
-- the AdamW groups are stepped by a `torch.optim.AdamW` holding the same group dicts and state.
+- the AdamW groups are stepped by a `torch.optim.AdamW` holding the same group dicts and state;
+- torch's Newton-Schulz always computes in bf16. Where bf16 matmuls are slow (CPUs without
+  AVX512-BF16 or AMX: 30-150x slower than fp32, see `newton_schulz`), `ns_dtype=torch.float32` runs
+  the same iteration in fp32 here instead (`optimizer.muon_ns_dtype`, "auto" picks it there).
 
-Element for element this is `torch.optim.Muon` on one process (tests/test_muon.py checks it to 1e-6).
-Distributed, the Newton-Schulz input is what torch would cast to bf16 from the same fp32 momentum,
-so layouts differ from one process only where their gradients do (the order of sums).
+Element for element this is `torch.optim.Muon` on one process (tests/test_muon.py checks it to 1e-6)
+with the bf16 Newton-Schulz. Distributed, the Newton-Schulz input is what torch would cast to
+`ns_dtype` from the same fp32 momentum, so layouts differ from one process only where their
+gradients do (the order of sums).
 
 State: one fp32 `momentum_buffer` per Muon parameter (a `DTensor` like it, so DCP saves, resumes
 and reshards it as it does AdamW's `exp_avg`); AdamW's `exp_avg`, `exp_avg_sq` and `step` for the rest.
@@ -65,6 +69,8 @@ class MuonOptions:
             carry over; Moonlight's) or "original" (sqrt(max(1, A/B)): Keller Jordan's, lr ~0.02).
         adamw_lr: learning rate of the AdamW group; None = the optimizer's `lr`.
         adamw_weight_decay: weight decay of the AdamW group; None = the optimizer's `weight_decay`.
+        ns_dtype: what Newton-Schulz computes in: "bfloat16" (torch.optim.Muon's), "float32", or
+            "auto" (bf16 where the device has native bf16, else fp32: `resolve_ns_dtype`).
     """
 
     momentum: float = 0.95
@@ -73,16 +79,59 @@ class MuonOptions:
     adjust_lr_fn: str = "match_rms_adamw"
     adamw_lr: float | None = None
     adamw_weight_decay: float | None = None
+    ns_dtype: str = "auto"
 
 
-def newton_schulz(matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation of one (m, n) matrix with a Muon group's settings (bf16 out).
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_ns_dtype(name: str, device_type: str) -> tuple[torch.dtype, str]:
+    """The dtype Newton-Schulz computes in for `name` ("auto", "bfloat16", "float32"), and why.
+
+    "auto" is bf16 (torch.optim.Muon's) where `titan_parallel.precision.native_bf16` says the device
+    has it, else fp32: on a CPU without AVX512-BF16 or AMX a bf16 matmul runs 30-150x slower than fp32
+    (one (1024, 4096) orthogonalisation: 81 s in bf16, 0.54 s in fp32, AMD EPYC held to AVX2).
+
+    Args:
+        name: "auto", "bfloat16" or "float32".
+        device_type: where the parameters live, e.g. "cuda" or "cpu".
+    """
+    if name in NS_DTYPES:
+        return NS_DTYPES[name], "as set"
+    if name != "auto":
+        raise ValueError(f"ns_dtype={name!r}; choose one of auto, {', '.join(NS_DTYPES)}")
+    if device_type == "cuda" and not torch.cuda.is_available():  # an estimate for another host
+        return torch.bfloat16, "auto: assumed for a CUDA device (none here)"
+    from titan_parallel.precision import native_bf16
+
+    fast, why = native_bf16(torch.device(device_type))
+    return (torch.bfloat16 if fast else torch.float32), f"auto: {why}"
+
+
+def newton_schulz(matrix: torch.Tensor, group: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of one (m, n) matrix with a Muon group's settings, in `dtype`.
+
+    bf16 is torch's own function. Any other dtype runs the same quintic iteration here (torch's
+    casts to bf16 unconditionally): normalise by the Frobenius norm, then `ns_steps` times
+    X <- a X + (b A + c A A) X with A = X X^T, on the wide orientation of the matrix.
 
     Args:
         matrix: the whole matrix (its momentum update).
         group: a Muon param group (`ns_coefficients`, `ns_steps`, `eps`).
+        dtype: what the iteration computes in (and returns).
     """
-    return _NEWTON_SCHULZ(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"], **_NS_EXTRA)
+    coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+    if dtype == torch.bfloat16:
+        return _NEWTON_SCHULZ(matrix, coefficients, steps, eps, **_NS_EXTRA)
+    a, b, c = coefficients
+    tall = matrix.size(0) > matrix.size(1)
+    x = matrix.to(dtype=dtype, copy=True)
+    x = x.T if tall else x
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 class Muon(torch.optim.Optimizer):
@@ -97,6 +146,8 @@ class Muon(torch.optim.Optimizer):
         foreach: AdamW's kernel choice for the AdamW groups.
         fused: AdamW's kernel choice for the AdamW groups.
         param_names: name of each Muon parameter, for errors.
+        ns_dtype: what Newton-Schulz computes in (and the matrices travel in between ranks): bf16 as
+            torch.optim.Muon, or fp32 where bf16 matmuls are slow (`resolve_ns_dtype`).
     """
 
     description = ""
@@ -120,6 +171,7 @@ class Muon(torch.optim.Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         param_names: dict[torch.Tensor, str] | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ):
         groups = [{**g, "params": list(g["params"])} for g in param_groups]
         for g in groups:
@@ -137,7 +189,8 @@ class Muon(torch.optim.Optimizer):
         self._link_adamw()
         matrices = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
         names = [(param_names or {}).get(p, f"Muon parameter {i}") for i, p in enumerate(matrices)]
-        self.owners = MatrixOwners(matrices, names)
+        self.ns_dtype = ns_dtype
+        self.owners = MatrixOwners(matrices, names, dtype=ns_dtype)
 
     def _link_adamw(self) -> None:
         if self._adamw is not None:
@@ -178,7 +231,7 @@ class Muon(torch.optim.Optimizer):
                 params.append(p)
                 groups.append(group)
                 updates.append(None if p.grad is None else self._momentum(p, group))
-        ortho = self.owners.apply(updates, lambda i, matrix: newton_schulz(matrix, groups[i]))
+        ortho = self.owners.apply(updates, lambda i, matrix: newton_schulz(matrix, groups[i], self.ns_dtype))
         for p, group, update in zip(params, groups, ortho, strict=True):
             if update is None:
                 continue

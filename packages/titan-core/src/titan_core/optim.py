@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from titan_core.config.errors import ConfigError
-from titan_core.muon import Muon, MuonOptions, muon_param_groups
+from titan_core.muon import Muon, MuonOptions, muon_param_groups, resolve_ns_dtype
 
 __all__ = [
     "build_optimizer",
@@ -214,8 +214,10 @@ def build_optimizer(
         groups, names, line = muon_param_groups(
             named, plan, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon=o.muon
         )
-        optimizer = Muon(groups, param_names=names, **kernel)
-        optimizer.description = line  # the trainer logs it once
+        ns_dtype, why = resolve_ns_dtype(o.muon.ns_dtype, device_type)
+        optimizer = Muon(groups, param_names=names, ns_dtype=ns_dtype, **kernel)
+        short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[ns_dtype]
+        optimizer.description = f"{line}; Newton-Schulz in {short} ({why})"  # the trainer logs it once
         return optimizer
     return OPTIMIZERS[name](
         param_list,

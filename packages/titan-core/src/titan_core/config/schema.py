@@ -85,6 +85,8 @@ class Optimizer(Section):
     """Newton-Schulz iterations per orthogonalised matrix."""
     muon_adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Muon's lr per matrix: 'match_rms_adamw' (x 0.2 sqrt(max(A,B)); AdamW's lr carries over) or 'original'."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Muon's Newton-Schulz dtype: 'auto' = bf16 (torch's) where bf16 is native, else fp32 (30-150x faster there)."""
     adamw_lr: PositiveFloat | None = None
     """Under Muon: lr of the AdamW group (embeddings, output, norms, biases, routers); unset = optimizer.lr."""
     adamw_weight_decay: NonNegativeFloat | None = None

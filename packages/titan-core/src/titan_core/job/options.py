@@ -147,6 +147,7 @@ def optimizer_options(cfg: JobConfig) -> OptimizerOptions:
             nesterov=o.muon_nesterov,
             ns_steps=o.muon_ns_steps,
             adjust_lr_fn=o.muon_adjust_lr_fn,
+            ns_dtype=o.muon_ns_dtype,
             adamw_lr=o.adamw_lr,
             adamw_weight_decay=o.adamw_weight_decay,
         ),

@@ -373,11 +373,17 @@ def _rank_memory(
         opt_temp = 4 * max(blocks + list(root.values()), default=0) // max(shards, 1)
     if master:  # the Triton kernel reads the bf16 gradients; elsewhere torch's fused step takes fp32 casts of them
         opt_temp = 0 if job.device_type == "cuda" else 4 * params.sharded
-    # Muon's step (titan_core.muon): each local matrix's fp32 Nesterov update (4 B) and its bf16 result (2 B);
-    # split over ranks, also the exchange's bf16 buffers (titan_parallel.matrix_owners), three alive at once.
-    # Measured (CPU allocator, debugmodel): 6.3 B per Muon element on one process, 12.4 B on FSDP 2.
-    exchanged = shards > 1 or dims.tp > 1
-    opt_temp += (12 if exchanged else 6) * params.muon
+    # Muon's step (titan_core.muon): each local matrix's fp32 Nesterov update (4 B) and its Newton-Schulz result
+    # (r: 2 B in bf16, 4 B in fp32); split over ranks, also the exchange's buffers (titan_parallel.matrix_owners,
+    # r B each), three alive at once. Measured (CPU allocator, debugmodel) per Muon element, bf16 / fp32:
+    # 6.2 / 8.4 B on one process, 12.3 / 20.6 B on FSDP 2.
+    if params.muon:
+        from titan_core.muon import resolve_ns_dtype
+
+        ns_dtype, _ = resolve_ns_dtype(cfg.optimizer.muon_ns_dtype, job.device_type)
+        r = ns_dtype.itemsize
+        exchanged = shards > 1 or dims.tp > 1
+        opt_temp += (4 + r + (3 * r if exchanged else 0)) * params.muon
     if fused:  # one chunk of logits at a time; backward only scales the kept gradients (one copy of each)
         from titan_parallel.linear_cross_entropy import default_chunk_rows
 
