@@ -23,6 +23,7 @@ from titan_parallel import (
     ParallelMesh,
     ParallelOptions,
     PipelineConfig,
+    canonical_name,
     copy_full_state,
     parallelize,
     uses_fsdp,
@@ -229,22 +230,23 @@ def init_weights(parts: list[nn.Module], spec: ModelSpec, model_args: Any, devic
 
     On CUDA each part initialises its own shards (DTensor's RNG slices one global
     stream). Elsewhere each rank initialises a full copy from the seed and keeps
-    its shards (`titan_parallel.copy_full_state`).
+    its shards (`titan_parallel.copy_full_state`), buffers included (the RoPE table):
+    the parts' own init would run its random ops on DTensors first, which all-gather.
     """
     for part in parts:
         part.to_empty(device=device)
         if device.type == "cuda":
             torch.manual_seed(seed)
             part.init_weights(buffer_device=device)  # type: ignore[operator]  # the model's own method
-            continue
-        with warnings.catch_warnings():  # DTensor warns that CPU random ops are not sharded: overwritten below
-            warnings.simplefilter("ignore", UserWarning)
-            part.init_weights(buffer_device=device)  # type: ignore[operator]  # buffers (RoPE); params overwritten next
     if device.type == "cuda":
         return
     reference = spec.build(model_args)
     torch.manual_seed(seed)
     reference.init_weights()  # type: ignore[operator]
-    full = reference.state_dict()
+    full = {**dict(reference.named_buffers()), **reference.state_dict()}  # + the non-persistent buffers
     for part in parts:
+        if any(canonical_name(n) not in full for n, _ in part.named_buffers()):  # a buffer the plain model lacks
+            with warnings.catch_warnings():  # DTensor warns that CPU random ops are not sharded: overwritten next
+                warnings.simplefilter("ignore", UserWarning)
+                part.init_weights(buffer_device=device)  # type: ignore[operator]  # the model's own method
         copy_full_state(part, full)
