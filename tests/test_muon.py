@@ -195,6 +195,9 @@ def test_auto_ns_dtype_is_float32_where_bf16_is_slow_and_the_log_says_why(monkey
     assert resolve_ns_dtype("auto", "cuda")[0] is torch.bfloat16 or torch.cuda.is_available()  # no GPU: assumed bf16
     with pytest.raises(ValueError, match="ns_dtype='fp8'; choose one of auto, bfloat16, float32"):
         resolve_ns_dtype("fp8", "cpu")
+    with pytest.raises(ConfigError, match=r"^optimizer\.muon_ns_dtype='fp8'; choose one of auto, bfloat16, float32"):
+        build_optimizer(model.named_parameters(), name="Muon", lr=0.02, device_type="cpu", plan=spec.plan,
+                        muon=MuonOptions(ns_dtype="fp8"))  # fmt: skip
 
 
 class ReferenceMuon(torch.optim.Optimizer):

@@ -166,7 +166,8 @@ def build_optimizer(
 
     Raises:
         ConfigError: an unknown name or implementation, "fused" on an
-            unsupported device type or dtype, or Muon without names and a plan.
+            unsupported device type or dtype, Muon without names and a plan, or an unknown
+            Newton-Schulz dtype.
         TypeError: neither `options` nor `lr`, or `options` with setting keywords.
     """
     keywords = OptimizerOptions(0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation, muon)
@@ -214,7 +215,10 @@ def build_optimizer(
         groups, names, line = muon_param_groups(
             named, plan, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon=o.muon
         )
-        ns_dtype, why = resolve_ns_dtype(o.muon.ns_dtype, device_type)
+        try:
+            ns_dtype, why = resolve_ns_dtype(o.muon.ns_dtype, device_type)
+        except ValueError as e:
+            raise ConfigError(f"optimizer.muon_{e}") from None
         optimizer = Muon(groups, param_names=names, ns_dtype=ns_dtype, **kernel)
         short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[ns_dtype]
         optimizer.description = f"{line}; Newton-Schulz in {short} ({why})"  # the trainer logs it once
