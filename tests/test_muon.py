@@ -187,11 +187,12 @@ def test_auto_ns_dtype_is_float32_where_bf16_is_slow_and_the_log_says_why(monkey
     model = spec.build(dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1))
     optimizer = build_optimizer(model.named_parameters(), name="Muon", lr=0.02, device_type="cpu", plan=spec.plan)
     assert isinstance(optimizer, Muon) and optimizer.ns_dtype is expected and optimizer.owners.dtype is expected
-    short = "fp32 (auto: this CPU has neither AVX512-BF16 nor AMX" if expected is torch.float32 else "bf16 (auto: "
+    short = ("fp32 (auto: float32, since this CPU has neither AVX512-BF16 nor AMX" if expected is torch.float32
+             else "bf16 (auto: bfloat16, since this CPU has AMX")  # fmt: skip
     assert f"Newton-Schulz in {short}" in optimizer.description
     pinned = build_optimizer(model.named_parameters(), name="Muon", lr=0.02, device_type="cpu", plan=spec.plan,
                              muon=MuonOptions(ns_dtype="bfloat16"))  # fmt: skip
-    assert pinned.ns_dtype is torch.bfloat16 and "Newton-Schulz in bf16 (as set)" in pinned.description
+    assert pinned.ns_dtype is torch.bfloat16 and "Newton-Schulz in bf16 (bfloat16 as requested" in pinned.description
     assert resolve_ns_dtype("auto", "cuda")[0] is torch.bfloat16 or torch.cuda.is_available()  # no GPU: assumed bf16
     with pytest.raises(ValueError, match="ns_dtype='fp8'; choose one of auto, bfloat16, float32"):
         resolve_ns_dtype("fp8", "cpu")

@@ -36,6 +36,7 @@ per step, as for AdamW's foreach kernel).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import _muon as _torch_muon
 
 from titan_parallel.matrix_owners import MatrixOwners
+from titan_parallel.precision import resolve_param_dtype
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 """torch.optim.Muon's `adjust_lr_fn` values offered: an early torch.optim.Muon's two (2.15 adds a third)."""
@@ -82,30 +84,28 @@ class MuonOptions:
     ns_dtype: str = "auto"
 
 
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+NS_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def resolve_ns_dtype(name: str, device_type: str) -> tuple[torch.dtype, str]:
     """The dtype Newton-Schulz computes in for `name` ("auto", "bfloat16", "float32"), and why.
 
-    "auto" is bf16 (torch.optim.Muon's) where `titan_parallel.precision.native_bf16` says the device
-    has it, else fp32: on a CPU without AVX512-BF16 or AMX a bf16 matmul runs 30-150x slower than fp32
-    (one (1024, 4096) orthogonalisation: 81 s in bf16, 0.54 s in fp32, AMD EPYC held to AVX2).
+    The compute dtype's rule (`titan_parallel.resolve_param_dtype`): "auto" is bf16 (torch.optim.Muon's)
+    where the device has native bf16, else fp32. On a CPU without AVX512-BF16 or AMX a bf16 matmul runs
+    30-150x slower than fp32 (one (1024, 4096) orthogonalisation: 81 s in bf16, 0.54 s in fp32, on a
+    2-core AMD EPYC held to AVX2). An explicit "bfloat16" there is kept, and the reason says so.
 
     Args:
         name: "auto", "bfloat16" or "float32".
         device_type: where the parameters live, e.g. "cuda" or "cpu".
     """
-    if name in NS_DTYPES:
-        return NS_DTYPES[name], "as set"
-    if name != "auto":
-        raise ValueError(f"ns_dtype={name!r}; choose one of auto, {', '.join(NS_DTYPES)}")
+    if name not in NS_DTYPES:
+        raise ValueError(f"ns_dtype={name!r}; choose one of {', '.join(NS_DTYPES)}")
     if device_type == "cuda" and not torch.cuda.is_available():  # an estimate for another host
-        return torch.bfloat16, "auto: assumed for a CUDA device (none here)"
-    from titan_parallel.precision import native_bf16
-
-    fast, why = native_bf16(torch.device(device_type))
-    return (torch.bfloat16 if fast else torch.float32), f"auto: {why}"
+        return (torch.float32 if name == "float32" else torch.bfloat16), f"{name}, assumed for a CUDA device"
+    with warnings.catch_warnings():  # its warning is about the model's compute; the reason names it here
+        warnings.simplefilter("ignore", UserWarning)
+        return resolve_param_dtype(name, torch.device(device_type))
 
 
 def newton_schulz(matrix: torch.Tensor, group: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
