@@ -74,7 +74,7 @@ SPEC_DEFAULTS = {
     "optimizer.muon_ns_dtype": "auto",
     "optimizer.adamw_lr": None,
     "optimizer.adamw_weight_decay": None,
-    "lr_scheduler.warmup_steps": 10,
+    "lr_scheduler.warmup_steps": None,
     "lr_scheduler.decay_ratio": None,
     "lr_scheduler.decay_type": "linear",
     "lr_scheduler.min_lr_factor": 0.0,
@@ -245,7 +245,7 @@ hf_assets_path = "./assets/tok"
     assert cfg.training.device == "cpu"  # TOML over default
     assert cfg.optimizer.lr == 1e-3  # TOML over default
     assert cfg.training.local_batch_size == 8  # default
-    assert cfg.lr_scheduler.warmup_steps == 10  # default
+    assert cfg.lr_scheduler.warmup_steps is None  # default: 10, fitted to the run by the job check
     only_toml = load_config(path, [])
     assert (only_toml.training.steps, only_toml.model.hf_assets_path) == (20, "./assets/tok")
 

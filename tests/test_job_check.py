@@ -52,6 +52,8 @@ BROKEN = {
     "checkpoint": (["--checkpoint.last_save_in_hf", "true"], 1, ["checkpoint.last_save_in_hf", "checkpoint.enable"]),
     "profiling": (["--profiling.enable_profiling", "true", "--profiling.profile_freq", "1"], 1, ["profiling.profile_freq", ">= 2"]),
     "metrics": (["--metrics.enable_wandb", "true"], 1, ["metrics.enable_wandb", "pip install 'titan-core[wandb]'"]),
+    "lr_schedule": (["--training.steps", "3", "--lr_scheduler.warmup_steps", "5"], 1,
+                    ["lr_scheduler.warmup_steps: 5 must be between 0 and training.steps (3)", "unset it"]),
     "data": (["--training.dataset_path", "/tmp/shards", "--training.dataset_mix", '[{"path": "/tmp/a", "weight": 1}]'], 1,
              ["training.dataset_mix and training.dataset_path=/tmp/shards are both set", "unset training.dataset_path"]),
     "fault_tolerance": (["--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "2",
@@ -153,6 +155,23 @@ def test_a_valid_job_yields_what_the_trainer_builds_from(tmp_path):
     assert job.checkpoint == CheckpointOptions(folder=tmp_path / "checkpoint", enable=True, interval=7)
     assert job.converters.float8 is None and job.converters.mx is None
     assert job.meta_model() is job.meta_model()  # built once
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warmup", "note"),
+    [
+        ([], 10, None),  # the default, in a run of 20 steps
+        (["--training.steps", "10"], 10, None),
+        (["--training.steps", "1"], 1, "warming up over all 1 step(s) of training.steps"),
+        (["--training.steps", "4"], 4, "warming up over all 4 step(s)"),
+        (["--training.steps", "4", "--lr_scheduler.warmup_steps", "4"], 4, None),  # set: kept, no note
+        (["--training.steps", "4", "--lr_scheduler.warmup_steps", "0"], 0, None),
+    ],
+)
+def test_the_default_warmup_fits_a_shorter_run(overrides, warmup, note):
+    job = resolve(load_config(None, ["--training.steps", "20", *overrides]), 1)
+    assert job.warmup_steps == warmup
+    assert (job.warmup_note is None) if note is None else (note in job.warmup_note)
 
 
 def test_an_unknown_world_size_leaves_only_what_needs_it_unset():

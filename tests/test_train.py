@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
 import torch
 from titan_parallel.precision import native_bf16
 
@@ -28,6 +29,10 @@ def test_default_run_loss_falls_and_writes_run_folder(tmp_path):
     assert abs(first - math.log(2048)) < 1.0
     assert last < first - 2.5, (first, last)
     assert all(r["throughput/tokens_per_s"] > 0 and r["memory/rss_gib"] > 0 for r in records)
+    # Each step logs the LR its update used: warmup s / (W + 1) over W = 5 steps, then linear decay over
+    # the other D = 20 to 0 at D + 1, of optimizer.lr = 8e-4 (the formula of titan_core.lr_schedule).
+    expected_lr = [8e-4 * (s / 6 if s <= 5 else 1 - (s - 5) / 21) for s in range(1, 26)]
+    assert [r["optim/lr"] for r in records] == pytest.approx(expected_lr, rel=1e-12)
     assert (run / "config.toml").read_text().count("[training]") == 1
     assert list((run / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
 

@@ -26,11 +26,44 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from titan_core.config.errors import ConfigError
 
-__all__ = ["build_lr_scheduler", "warmup_stable_decay_factor", "DECAY_TYPES"]
+__all__ = ["build_lr_scheduler", "warmup_stable_decay_factor", "resolve_warmup", "DECAY_TYPES", "DEFAULT_WARMUP_STEPS"]
 
 logger = logging.getLogger("titan")
 
 DECAY_TYPES = ("linear", "sqrt", "cosine")
+DEFAULT_WARMUP_STEPS = 10
+"""`lr_scheduler.warmup_steps` when unset, for a run of at least that many steps."""
+
+
+def resolve_warmup(configured: int | None, steps: int) -> tuple[int, str | None]:
+    """The warmup a run of `steps` steps takes, and a note for the log when the default was shortened.
+
+    Unset, it is `DEFAULT_WARMUP_STEPS`, or all of a shorter run (`titan train --training.steps 1`
+    is a smoke run, not a mistake). Set, it must fit in the run.
+
+    Args:
+        configured: `lr_scheduler.warmup_steps`; None when unset.
+        steps: `training.steps`.
+
+    Returns:
+        (warmup steps, note or None).
+
+    Raises:
+        ConfigError: a set warmup outside [0, steps].
+    """
+    if configured is None:
+        if steps >= DEFAULT_WARMUP_STEPS:
+            return DEFAULT_WARMUP_STEPS, None
+        return steps, (
+            f"lr_scheduler.warmup_steps unset: warming up over all {steps} step(s) of training.steps "
+            f"(the default {DEFAULT_WARMUP_STEPS} is longer than the run)"
+        )
+    if not 0 <= configured <= steps:
+        raise ConfigError(
+            f"lr_scheduler.warmup_steps: {configured} must be between 0 and training.steps ({steps}); "
+            "lower it, unset it, or raise training.steps"
+        )
+    return configured, None
 
 
 def warmup_stable_decay_factor(
@@ -105,11 +138,7 @@ def build_lr_scheduler(
         ConfigError: warmup longer than training, an unknown decay type, or
             a factor or ratio outside [0, 1].
     """
-    if warmup_steps < 0 or warmup_steps > steps:
-        raise ConfigError(
-            f"lr_scheduler.warmup_steps: {warmup_steps} must be between 0 and training.steps ({steps}); "
-            "lower it or raise training.steps"
-        )
+    resolve_warmup(warmup_steps, steps)  # refuses one outside [0, steps]
     if decay_type not in DECAY_TYPES:
         raise ConfigError(f"lr_scheduler.decay_type: unknown {decay_type!r}; choose one of {', '.join(DECAY_TYPES)}")
     if not 0.0 <= min_lr_factor <= 1.0:

@@ -181,12 +181,14 @@ class StepResult:
             None without a guard.
         committed: False when torchft's commit vote dropped the step (`titan_core.fault_tolerance`): no
             update, no LR step; the loop runs the step again.
+        lr: the learning rate this step's update used (the first schedule's, a host float); None without one.
     """
 
     loss: torch.Tensor | None
     grad_norm: torch.Tensor
     found_inf: torch.Tensor | None = None
     committed: bool = True
+    lr: float | None = None
 
 
 class StepRunner:
@@ -332,8 +334,9 @@ class StepRunner:
             self._optimizer_step(found_inf, divisor)  # a bad update is dropped inside the fused kernels
         elif not bool(found_inf.item()):  # foreach / for-loop: the verdict is read on the host (one sync)
             self._optimizer_step(None, divisor)
+        lr = float(self.lr_schedulers[0].get_last_lr()[0]) if self.lr_schedulers else None  # before it moves on
         self.lr_step()  # the schedule follows the step counter, dropped steps included
-        return StepResult(total, norm, found_inf)
+        return StepResult(total, norm, found_inf, lr=lr)
 
     def _optimizer_step(self, found_inf: torch.Tensor | None, clip_divisor: torch.Tensor | None = None) -> None:
         # Read by Adam/AdamW's fused step: found_inf drops the update, grad_scale divides the gradients.

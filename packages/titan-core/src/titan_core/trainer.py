@@ -141,6 +141,8 @@ class Trainer:
             logger.info("compute dtype %s", job.dtype_reason)
             if job.dtype_warning:
                 logger.warning("%s", job.dtype_warning)
+            if job.warmup_note:
+                logger.info("%s", job.warmup_note)
         loss_fn = cross_entropy_loss
         if loss_compiled_for(job):
             loss_fn = torch.compile(cross_entropy_loss)
@@ -179,7 +181,7 @@ class Trainer:
             build_lr_scheduler(
                 optimizer,
                 steps=t.steps,
-                warmup_steps=cfg.lr_scheduler.warmup_steps,
+                warmup_steps=job.warmup_steps,
                 decay_ratio=cfg.lr_scheduler.decay_ratio,
                 decay_type=cfg.lr_scheduler.decay_type,
                 min_lr_factor=cfg.lr_scheduler.min_lr_factor,
@@ -338,7 +340,7 @@ class Trainer:
             "loss/global_avg": avg,
             "loss/global_max": mx,
             "optim/grad_norm": result.grad_norm.item(),
-            "optim/lr": self.lr_schedulers[0].get_last_lr()[0],
+            "optim/lr": result.lr,  # the step's own, not the next one's
             **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),
             **self.spikes.metrics(),
             **self.loader.metrics(),  # host ints: data/epoch, or each mixed source's tokens and epoch

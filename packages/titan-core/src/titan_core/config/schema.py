@@ -96,8 +96,8 @@ class Optimizer(Section):
 class LRScheduler(Section):
     """Warmup-stable-decay learning-rate schedule."""
 
-    warmup_steps: NonNegativeInt = 10
-    """Steps of linear warmup from ~0 to optimizer.lr."""
+    warmup_steps: NonNegativeInt | None = None
+    """Steps of linear warmup from ~0 to optimizer.lr; unset = 10, or all of training.steps when it is fewer."""
     decay_ratio: UnitFraction | None = None
     """Fraction of the steps spent decaying at the end (WSD); unset = decay over all steps after warmup."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"

@@ -50,6 +50,8 @@ class Job:
         pipeline: how to cut and schedule pipeline stages.
         converters: the float8 / MXFP8 linears `model.converters` asks for.
         optimizer: what `build_optimizer` builds.
+        warmup_steps: the LR schedule's warmup (`lr_scheduler.warmup_steps`, or its default fitted to the run).
+        warmup_note: why the default warmup was shortened, for the log; else None.
         checkpoint: the `CheckpointManager`'s settings; `folder` is under `job.dump_folder`.
     """
 
@@ -73,6 +75,8 @@ class Job:
     optimizer: OptimizerOptions
     checkpoint: CheckpointOptions
     weights_reason: str = ""
+    warmup_steps: int = 0
+    warmup_note: str | None = None
     _meta: dict[str, nn.Module] = field(default_factory=dict, repr=False, compare=False)
 
     def meta_model(self) -> nn.Module:
@@ -119,5 +123,7 @@ def resolve(
         optimizer=optimizer_options(cfg),
         checkpoint=checkpoint_options(cfg.checkpoint, Path(cfg.job.dump_folder)),
         weights_reason=d.weights_reason,
+        warmup_steps=d.warmup_steps,
+        warmup_note=d.warmup_note,
         _meta={} if d.meta is None else {"model": d.meta},
     )

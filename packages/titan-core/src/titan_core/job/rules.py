@@ -73,6 +73,8 @@ class Draft:
     names_per_stage: list[list[str]] | None = None
     converters: Converters = field(init=False)
     weights_reason: str = ""
+    warmup_steps: int = field(init=False)
+    warmup_note: str | None = None
     meta: nn.Module | None = None
 
     def meta_model(self) -> nn.Module:
@@ -355,6 +357,13 @@ def _metrics(d: Draft) -> None:
         require_wandb()
 
 
+def _lr_schedule(d: Draft) -> None:
+    """A set `lr_scheduler.warmup_steps` fits in `training.steps`; unset, it is 10 or the whole of a shorter run."""
+    from titan_core.lr_schedule import resolve_warmup
+
+    d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, d.cfg.training.steps)
+
+
 def _data(d: Draft) -> None:
     """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults.
     `eval.enable` needs `eval.tasks`."""
@@ -411,6 +420,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint", _checkpoint),
     Rule("profiling", _profiling),
     Rule("metrics", _metrics),
+    Rule("lr_schedule", _lr_schedule),
     Rule("data", _data),
     Rule("fault_tolerance", fault_tolerance),
     Rule("master_weights", master_weights),
