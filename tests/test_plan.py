@@ -301,7 +301,7 @@ def test_emitted_config_loads_back_and_titan_train_runs_it_unchanged(tmp_path):
     out, run = tmp_path / "plan.toml", tmp_path / "run"
     result = _plan("--config", "llama3_debugmodel", "--gpus", "2", "--gpus-per-node", "2", "--gpu-memory", "4GiB",
                    "--seq-len", "64", "--global-batch-size", "8", "--emit-config", str(out),
-                   "--training.device", "cpu", "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+                   "--training.device", "cpu", "--training.steps", "2",
                    "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
                    "--metrics.log_freq", "1", "--job.dump_folder", str(run))
     assert result.exit_code == 0, result.output
@@ -316,7 +316,12 @@ def test_emitted_config_loads_back_and_titan_train_runs_it_unchanged(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "titan_cli", *shlex.split(command)[1:]], capture_output=True,
                           text=True, env=titan_env(debug_detail=False), timeout=300, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2]
+    # lr_scheduler.warmup_steps stays unset in the emitted file: the default warmup fits the 2-step run,
+    # whose steps train at lr * s / (W + 1) with W = 2, and the log says so once.
+    assert proc.stderr.count("lr_scheduler.warmup_steps unset: warming up over all 2 step(s)") == 1, proc.stderr[-3000:]
+    assert [r["optim/lr"] for r in records] == pytest.approx([8e-4 / 3, 8e-4 * 2 / 3], rel=1e-12)
 
 
 def test_a_compiled_job_plans_a_larger_micro_batch_than_the_eager_estimate_allows():
