@@ -8,14 +8,20 @@ onto [m, 1] as m + (1-m) * shape.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from titan_ckpt import CheckpointOptions
+from titan_core.checkpointing import ConfigSettings, build_checkpointer
 from titan_core.config.errors import ConfigError
 from titan_core.lr_schedule import build_lr_scheduler
+from titan_core.muon import MuonOptions
 from titan_core.optim import OptimizerOptions, build_optimizer
+from titan_models import get_model_args, get_model_spec
 
 
 def _lrs(steps: int, n: int | None = None, **schedule) -> list[float]:
@@ -243,3 +249,99 @@ def test_clip_divisor_refuses_a_norm_that_clips_nothing():
 
     with pytest.raises(ValueError, match="max_norm > 0"):
         clip_divisor(torch.tensor(1.0), 0.0)
+
+
+class _Count:
+    """A JSON state (data position, train state) for the checkpoint manager."""
+
+    def __init__(self):
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+@pytest.fixture
+def world_of_one():
+    """The checkpoint manager's process group, of one process."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+class _Run:
+    """A one-block Llama, its optimizer and LR schedule, and their checkpoints, as the trainer builds them."""
+
+    def __init__(self, folder, *, steps: int, name: str = "AdamW", **settings):
+        torch.manual_seed(0)
+        spec = get_model_spec("llama3")
+        self.model = spec.build(dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1))
+        self.opt = build_optimizer(self.model.named_parameters(), name=name, implementation="fused",
+                                   device_type="cpu", plan=spec.plan, **{"lr": 1e-2, **settings})  # fmt: skip
+        self.sched = build_lr_scheduler(self.opt, steps=steps, warmup_steps=2)
+        self.settings = ConfigSettings([self.opt])
+        self.count = _Count()
+        self.ckpt = build_checkpointer(CheckpointOptions(folder=folder, interval=3), model_parts=[self.model],
+                                       optimizers=[self.opt], lr_schedulers=[self.sched], dataloader=_Count(),
+                                       train_state=self.count, device=torch.device("cpu"))  # fmt: skip
+
+    def resume(self) -> list[str]:
+        assert self.ckpt.load() == 3
+        return self.settings.restore([self.opt], [self.sched])
+
+    def train(self, n: int) -> list[float]:
+        """`n` steps; the LR each step's update used."""
+        used = []
+        for _ in range(n):
+            tokens = torch.randint(2048, (2, 17), generator=torch.Generator().manual_seed(self.count.value))
+            loss = torch.nn.functional.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            self.opt.zero_grad()
+            loss.backward()
+            used.append(self.opt.param_groups[0]["lr"])
+            self.opt.step()
+            self.sched.step()
+            self.count.value += 1
+            self.ckpt.save(self.count.value)
+        self.ckpt.wait()
+        return used
+
+
+def test_a_resume_with_the_same_config_changes_nothing(tmp_path, world_of_one):
+    reference = _Run(tmp_path / "ref", steps=6)
+    lrs = reference.train(6)
+    run = _Run(tmp_path / "run", steps=6)
+    run.train(3)
+    resumed = _Run(tmp_path / "run", steps=6)
+    assert resumed.resume() == []  # betas come back from the checkpoint as a list: not a change
+    assert resumed.train(3) == lrs[3:]  # the same floats
+    for a, b in zip(resumed.model.parameters(), reference.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_resume_takes_the_configs_lr_weight_decay_and_steps(tmp_path, world_of_one):
+    _Run(tmp_path, steps=3, lr=1e-2, weight_decay=0.1).train(3)  # a finished run: its schedule decayed to 0
+    extended = _Run(tmp_path, steps=6, lr=5e-3, weight_decay=0.0, betas=(0.8, 0.9))
+    changed = extended.resume()
+    assert changed == ["betas (0.9, 0.95) -> (0.8, 0.9) (group 0)", "weight_decay 0.1 -> 0.0 (group 0)",
+                       "lr 0.01 -> 0.005 (group 0)"]  # fmt: skip
+    group = extended.opt.param_groups[0]
+    assert (group["weight_decay"], tuple(group["betas"]), group["initial_lr"]) == (0.0, (0.8, 0.9), 5e-3)
+    # Steps 4-6 of a 6-step schedule (W = 2, linear decay over D = 4) at the new peak: factor 1 - (s - 2) / 5
+    # for s = 4, 5, 6 (titan_core.lr_schedule), not the old schedule's last LR (0) for step 4.
+    assert extended.train(3) == pytest.approx([5e-3 * 0.6, 5e-3 * 0.4, 5e-3 * 0.2], rel=1e-12)
+    assert extended.sched.get_last_lr() == pytest.approx([0.0], abs=1e-18)
+
+
+def test_a_resume_under_muon_names_the_group_whose_setting_changed(tmp_path, world_of_one):
+    _Run(tmp_path, steps=6, name="Muon").train(3)
+    resumed = _Run(tmp_path, steps=6, name="Muon", muon=MuonOptions(adamw_lr=2e-3))
+    assert resumed.resume() == ["lr 0.01 -> 0.002 (group 1)"]  # the AdamW group; Muon's (group 0) kept its lr
+    muon_group, adamw_group = resumed.opt.param_groups
+    # Step 4 of 6 (factor 1 - (4 - 2) / 5, as above) at each group's own peak.
+    assert (muon_group["lr"], adamw_group["lr"]) == pytest.approx((1e-2 * 0.6, 2e-3 * 0.6), rel=1e-12)

@@ -224,9 +224,10 @@ def test_load_step_and_exclude_from_loading(reference, tmp_path):
 def test_reshard_2_to_4_to_1_ranks_keeps_losses_and_data_position(reference, tmp_path):
     run = tmp_path / "run"
     train(run, "--checkpoint.async_mode", "async", nproc=2, hook=("stop-after-step", 2))
-    train(run, nproc=4, hook=("stop-after-step", 4))
-    train(run)
+    resumed = [train(run, nproc=4, hook=("stop-after-step", 4)), train(run)]
     assert complete_steps(run) == [2, 4, 6]
+    # The same config: its optimizer settings are the checkpoint's (titan_core.checkpointing.ConfigSettings).
+    assert not any("optimizer settings apply" in out for out in resumed), resumed[0][-3000:]
     assert [json.loads((ckpt(run, s) / "manifest.json").read_text())["world_size"] for s in (2, 4, 6)] == [2, 4, 1]
     assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
     ref = losses(reference)

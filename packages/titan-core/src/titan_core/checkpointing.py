@@ -27,7 +27,10 @@ from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
 from titan_core.job.options import checkpoint_options
 
-__all__ = ["SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
+__all__ = ["ConfigSettings", "SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
+
+# Param-group keys that say how torch's step runs rather than what it computes: put back without a word.
+_KERNEL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
 class SchedulersState:
@@ -55,6 +58,69 @@ class SchedulersState:
                     keys=("optimizer.name", "checkpoint.exclude_from_loading"),
                 )
             scheduler.load_state_dict(dict(state))
+
+
+class ConfigSettings:
+    """Each optimizer param group's settings as this run's config built them, put back after a resume.
+
+    torch's `Optimizer.load_state_dict` restores every group's settings from the checkpoint (peak LR, betas,
+    weight decay, ...), its `lr` included, and `LambdaLR.load_state_dict` the peak LRs (`base_lrs`). Alone,
+    a run resumed with a new `optimizer.lr` or `optimizer.weight_decay` would train on with the old ones, and
+    a finished run extended with more `training.steps` would take its first step at the old schedule's last
+    LR (0 at the end of a full decay). Titan's schedule is rebuilt from the config at every start, only its
+    step count comes from the checkpoint; `restore` makes the groups follow it: the config's settings, and
+    each group's LR the schedule's at the loaded step. With the config unchanged it writes back the values
+    the checkpoint held, bit for bit (`LambdaLR`'s own `base_lr * factor(step)`).
+
+    Args:
+        optimizers: the run's optimizers, after their LR schedules were built (`initial_lr` set).
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self.groups = [
+            [{key: value for key, value in group.items() if key not in ("params", "lr")} for group in o.param_groups]
+            for o in optimizers
+        ]
+
+    def restore(
+        self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR]
+    ) -> list[str]:
+        """Put the built settings back into `optimizers` and set each group's LR from `schedulers`.
+
+        Args:
+            optimizers: the optimizers given at construction, after a checkpoint was loaded into them.
+            schedulers: their `LambdaLR` schedules (one per optimizer), loaded too or fresh.
+
+        Returns:
+            What changed against the checkpoint, e.g. "lr 0.0008 -> 0.0004 (group 0)"; empty when nothing did.
+        """
+        changed: list[str] = []
+        for built_groups, optimizer, scheduler in zip(self.groups, optimizers, schedulers, strict=True):
+            for index, (built, group) in enumerate(zip(built_groups, optimizer.param_groups, strict=True)):
+                for key, value in built.items():
+                    loaded = group.get(key)
+                    if _plain(loaded) != _plain(value):
+                        if key not in _KERNEL_KEYS and optimizer is optimizers[0]:
+                            name = "lr" if key == "initial_lr" else key
+                            changed.append(f"{name} {_plain(loaded)} -> {_plain(value)} (group {index})")
+                        group[key] = value
+            scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+            step = scheduler.last_epoch
+            lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+            scheduler._last_lr = lrs  # what `get_last_lr()` reads; torch's own `step()` sets it the same way
+        return changed
+
+
+def _plain(value: Any) -> Any:
+    """A setting as compared and shown: a checkpoint gives back sequences (betas) as lists, tensors as tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return tuple(value) if isinstance(value, list | tuple) else value
 
 
 def build_checkpointer(
