@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt import CheckpointOptions
-from titan_core.checkpointing import ConfigSettings, build_checkpointer
+from titan_core.checkpointing import build_checkpointer
 from titan_core.config.errors import ConfigError
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.muon import MuonOptions
@@ -285,15 +285,15 @@ class _Run:
         self.opt = build_optimizer(self.model.named_parameters(), name=name, implementation="fused",
                                    device_type="cpu", plan=spec.plan, **{"lr": 1e-2, **settings})  # fmt: skip
         self.sched = build_lr_scheduler(self.opt, steps=steps, warmup_steps=2)
-        self.settings = ConfigSettings([self.opt])
         self.count = _Count()
         self.ckpt = build_checkpointer(CheckpointOptions(folder=folder, interval=3), model_parts=[self.model],
                                        optimizers=[self.opt], lr_schedulers=[self.sched], dataloader=_Count(),
                                        train_state=self.count, device=torch.device("cpu"))  # fmt: skip
 
     def resume(self) -> list[str]:
+        """Load step 3; what the config changed against the checkpoint (`RunCheckpointer`)."""
         assert self.ckpt.load() == 3
-        return self.settings.restore([self.opt], [self.sched])
+        return self.ckpt.settings_changed
 
     def train(self, n: int) -> list[float]:
         """`n` steps; the LR each step's update used."""
@@ -330,6 +330,8 @@ def test_a_resume_takes_the_configs_lr_weight_decay_and_steps(tmp_path, world_of
     changed = extended.resume()
     assert changed == ["betas (0.9, 0.95) -> (0.8, 0.9) (group 0)", "weight_decay 0.1 -> 0.0 (group 0)",
                        "lr 0.01 -> 0.005 (group 0)"]  # fmt: skip
+    # A rollback to that checkpoint (training.on_nonfinite / on_loss_spike = "rollback") keeps the config's too.
+    assert extended.ckpt.restore_latest() == 3 and extended.ckpt.settings_changed == changed
     group = extended.opt.param_groups[0]
     assert (group["weight_decay"], tuple(group["betas"]), group["initial_lr"]) == (0.0, (0.8, 0.9), 5e-3)
     # Steps 4-6 of a 6-step schedule (W = 2, linear decay over D = 4) at the new peak: factor 1 - (s - 2) / 5

@@ -11,10 +11,13 @@ What a checkpoint holds: model and optimizer tensors (DCP, resharded on load), a
 JSON the LR schedule ("lr_scheduler"), the data loader's global position
 ("dataloader", independent of the world size), step and tokens seen ("train_state"),
 and the RNG ("rng"); the names are what `checkpoint.exclude_from_loading` accepts.
+Each load then puts the config's optimizer settings and LR schedule back over the
+checkpoint's (`RunCheckpointer`, `ConfigSettings`): the config says how training goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,9 @@ from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
 from titan_core.job.options import checkpoint_options
 
-__all__ = ["ConfigSettings", "SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
+__all__ = ["ConfigSettings", "RunCheckpointer", "SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
+
+logger = logging.getLogger("titan")
 
 # Param-group keys that say how torch's step runs rather than what it computes: put back without a word.
 _KERNEL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -116,6 +121,43 @@ class ConfigSettings:
         return changed
 
 
+class RunCheckpointer(CheckpointManager):
+    """The trainer's `CheckpointManager`: after every load into the live run (the resume at start, a
+    rollback), the config's optimizer settings and LR schedule are put back (`ConfigSettings`), and
+    what differed from the checkpoint is logged once.
+
+    Args:
+        lr_schedulers: the optimizers' LR schedules (one per optimizer), built before this.
+        **kwargs: `CheckpointManager`'s arguments.
+    """
+
+    def __init__(self, *, lr_schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.lr_schedulers = list(lr_schedulers)
+        self.settings = ConfigSettings(self.optimizers)
+        self.settings_changed: list[str] = []  # what the last load's `ConfigSettings.restore` changed
+
+    def load(self) -> int | None:
+        step = super().load()
+        if step is not None:
+            self._follow_config()
+        return step
+
+    def restore_latest(self, *, exclude: Sequence[str] = ()) -> int | None:
+        step = super().restore_latest(exclude=exclude)
+        if step is not None:
+            self._follow_config()
+        return step
+
+    def _follow_config(self) -> None:
+        self.settings_changed = self.settings.restore(self.optimizers, self.lr_schedulers)
+        if self.settings_changed and self.rank == 0:
+            logger.info(
+                "resume: the config's optimizer settings apply, not the checkpoint's: %s",
+                "; ".join(self.settings_changed),
+            )
+
+
 def _plain(value: Any) -> Any:
     """A setting as compared and shown: a checkpoint gives back sequences (betas) as lists, tensors as tensors."""
     if isinstance(value, torch.Tensor):
@@ -129,14 +171,15 @@ def build_checkpointer(
     run_folder: Path | None = None,
     model_parts: Sequence[nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
-    lr_schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
+    lr_schedulers: Sequence[torch.optim.lr_scheduler.LambdaLR],
     dataloader: Any,
     train_state: Any,
     device: torch.device,
     load_model_fn: LoadModelFn | None = None,
     save_model_fn: SaveModelFn | None = None,
-) -> CheckpointManager:
-    """Build the run's checkpoint manager (disabled: it does nothing).
+) -> RunCheckpointer:
+    """Build the run's checkpoint manager (disabled: it does nothing); each load puts the config's optimizer
+    settings back (`RunCheckpointer`).
 
     Args:
         options: the resolved job's `checkpoint` (`titan_core.job.Job.checkpoint`); or, the former form,
@@ -163,7 +206,8 @@ def build_checkpointer(
         save_model_fn = save_model_fn if section.last_save_in_hf else None
     elif run_folder is not None:
         raise TypeError("build_checkpointer(CheckpointOptions, ...) takes its folder from the options, not run_folder")
-    return CheckpointManager(
+    return RunCheckpointer(
+        lr_schedulers=lr_schedulers,
         model_parts=model_parts,
         optimizers=optimizers,
         states={"lr_scheduler": SchedulersState(lr_schedulers), "dataloader": dataloader, "train_state": train_state},

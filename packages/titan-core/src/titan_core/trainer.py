@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_core.checkpointing import ConfigSettings, build_checkpointer, hf_checkpoint_hooks
+from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
@@ -188,7 +188,6 @@ class Trainer:
             )
             for optimizer in self.optimizers
         ]
-        self.settings = ConfigSettings(self.optimizers)  # put back after a resume: the config's, not the checkpoint's
         self.state = TrainState()
         if self.replicas is not None:  # what a restarted group recovers live from a peer
             self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
@@ -379,14 +378,9 @@ class Trainer:
         ):  # [checkpoint] seed mode: save the initialised model as step-0, no training
             self.checkpointer.save_seed()
             return []
-        # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path)
+        # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path), on the config's
+        # optimizer settings and LR schedule
         resumed = self.checkpointer.load()
-        if resumed is not None:
-            changed = self.settings.restore(self.optimizers, self.lr_schedulers)
-            if changed and self.rank == 0:
-                logger.info(
-                    "resume: the config's optimizer settings apply, not the checkpoint's: %s", "; ".join(changed)
-                )
         if self.replicas is not None:  # torchft's step follows the run's
             self.replicas.resume_at(self.state.step)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
