@@ -235,6 +235,10 @@ def test_reshard_2_to_4_to_1_ranks_keeps_losses_and_data_position(reference, tmp
     for step in (2, 4, 6):  # the global sample stream went on where it stopped: nothing repeated or skipped
         assert read_json(run, step, "dataloader")["samples_consumed"] == step * GLOBAL_BATCH
         assert read_json(run, step, "dataloader") == read_json(reference, step, "dataloader")
+    # Started again once finished: it says so, trains nothing and writes nothing.
+    out = train(run)
+    assert "the run stands at step 6, training.steps is 6: nothing left to train" in out, out[-3000:]
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6] and complete_steps(run) == [2, 4, 6]
 
 
 def test_seed_checkpoint_then_fsdp_2_ranks_start_from_it(reference, tmp_path):

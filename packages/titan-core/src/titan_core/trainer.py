@@ -381,6 +381,13 @@ class Trainer:
         # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path), on the config's
         # optimizer settings and LR schedule
         resumed = self.checkpointer.load()
+        if resumed and self.state.step >= t.steps and self.rank == 0:
+            logger.warning(
+                "checkpoint: the run stands at step %d, training.steps is %d: nothing left to train; "
+                "raise training.steps to go on",
+                self.state.step,
+                t.steps,
+            )
         if self.replicas is not None:  # torchft's step follows the run's
             self.replicas.resume_at(self.state.step)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
