@@ -259,9 +259,25 @@ def test_loader_errors_are_one_line():
         PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1, dp_rank=2, dp_world=2)
     with pytest.raises(ValueError, match="no documents"):
         next(PackedLoader(ListSource([]), ByteTokenizer(), 4, 1))
-    saved = PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1).state_dict()
-    with pytest.raises(ValueError, match="training.seq_len=4"):
+    # A checkpoint's data position that does not fit this run's data: each refusal names the keys and the way on
+    # from the data's start.
+    skip = "or skip the data position with checkpoint.exclude_from_loading=['dataloader']"
+    first = PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1)
+    saved = first.state_dict()
+    with pytest.raises(ValueError, match="training.seq_len=4") as info:
         PackedLoader(ListSource(DOCS), ByteTokenizer(), 8, 1).load_state_dict(saved)
+    assert str(info.value).endswith(skip)
+    with pytest.raises(ValueError, match="does not come from PackedLoader") as info:
+        first.load_state_dict({"format": "titan-token-shards", "seq_len": 4})
+    assert "data keys" in str(info.value) and str(info.value).endswith(skip)
+    for _ in range(3):  # past the first document: 3 x 5 tokens of the stream, inside document 1
+        next(first)
+    assert first.state_dict()["doc_index"] >= 1 and first.state_dict()["doc_offset"] > 0
+    shorter = PackedLoader(ListSource(DOCS[:1]), ByteTokenizer(), 4, 1)
+    shorter.load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match="the dataset changed since the checkpoint") as info:
+        next(shorter)
+    assert str(info.value).endswith(skip)
 
 
 def test_loader_over_real_sources():

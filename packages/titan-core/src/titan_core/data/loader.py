@@ -31,6 +31,9 @@ from titan_core.data.tokenizer import Tokenizer
 
 __all__ = ["PackedLoader"]
 
+SKIP = "or skip the data position with checkpoint.exclude_from_loading=['dataloader']"
+"""How every refusal of a checkpoint's data position ends: the run may go on from the data's start instead."""
+
 
 class PackedLoader:
     """Batches of packed token samples for one data-parallel rank.
@@ -106,7 +109,7 @@ class PackedLoader:
                     raise ConfigError(
                         f"loader state points at token {self.doc_offset} of document {self.doc_index}, "
                         f"which has {len(self._document)}; the dataset or tokenizer changed since the "
-                        "checkpoint: resume with the same ones"
+                        f"checkpoint: resume with the same ones, {SKIP}"
                     )
             piece = self._document[self.doc_offset : self.doc_offset + n_tokens]
             pieces.append(piece)
@@ -132,7 +135,7 @@ class PackedLoader:
             if self.doc_offset:
                 raise ConfigError(
                     f"loader state points into document {self.doc_index}, past the dataset's end; "
-                    "the dataset changed since the checkpoint: resume with the same one"
+                    f"the dataset changed since the checkpoint: resume with the same one, {SKIP}"
                 )
             self.epoch += 1
             self.doc_index = 0
@@ -188,11 +191,14 @@ class PackedLoader:
         """
         missing = {"epoch", "doc_index", "doc_offset", "samples_consumed", "seq_len"} - set(state)
         if missing:
-            raise ConfigError(f"loader state lacks {sorted(missing)}; it does not come from PackedLoader.state_dict()")
+            raise ConfigError(
+                f"loader state lacks {sorted(missing)}; it does not come from PackedLoader.state_dict() (e.g. it was "
+                f"saved reading token shards or a mixture): resume with the checkpoint's data keys, {SKIP}"
+            )
         if state["seq_len"] != self.seq_len:
             raise ConfigError(
                 f"loader state was saved with training.seq_len={state['seq_len']}, this run has {self.seq_len}; "
-                "resume with the same training.seq_len"
+                f"resume with the same training.seq_len, {SKIP}"
             )
         self.epoch = int(state["epoch"])
         self.doc_index = int(state["doc_index"])

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from titan_core.config.errors import ConfigError
+from titan_core.data.loader import SKIP
 from titan_core.data.mix_schedule import MixSchedule
 from titan_core.data.mix_sources import MixSource
 from titan_core.data.token_loader import _Prefetcher
@@ -211,23 +212,22 @@ class MixtureLoader:
         Args:
             state: a dict that `MixtureLoader.state_dict()` returned.
         """
-        skip = "or skip the data position with checkpoint.exclude_from_loading=['dataloader']"
         if state.get("format") != FORMAT:
             read = "in file order (training.shuffle = false)" if state.get("format") else "as text on the fly"
             raise ConfigError(
                 f"the checkpoint's data was read {read} from one source, this run reads {self.key} "
                 f"{'shuffled' if self.shuffle_seed is not None else 'as a mixture'}; resume with the checkpoint's "
-                f"training.shuffle and data keys, {skip}"
+                f"training.shuffle and data keys, {SKIP}"
             )
         if state["seq_len"] != self.seq_len:
             raise ConfigError(
                 f"loader state was saved with training.seq_len={state['seq_len']}, this run has {self.seq_len}; "
-                f"resume with the same training.seq_len, {skip}"
+                f"resume with the same training.seq_len, {SKIP}"
             )
         if state.get("shuffle_seed") != self.shuffle_seed:
             raise ConfigError(
                 f"the checkpoint's data was read with {_describe_shuffle(state.get('shuffle_seed'))}, this run "
-                f"has {_describe_shuffle(self.shuffle_seed)}; resume with the same, {skip}"
+                f"has {_describe_shuffle(self.shuffle_seed)}; resume with the same, {SKIP}"
             )
         shares = self.schedule.shares.tolist()
         ours = [{**s.identity(), "share": share} for s, share in zip(self.sources, shares, strict=True)]
@@ -235,7 +235,7 @@ class MixtureLoader:
         if ours != theirs:
             raise ConfigError(
                 f"the checkpoint read {_describe_sources(theirs)}, this run's {self.key} gives "
-                f"{_describe_sources(ours)}; resume with the same sources, weights and data, {skip}"
+                f"{_describe_sources(ours)}; resume with the same sources, weights and data, {SKIP}"
             )
         self.close()
         for source, saved in zip(self.sources, state["sources"], strict=True):

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from titan_core.config.errors import ConfigError
+from titan_core.data.loader import SKIP
 from titan_core.data.token_shards import FORMAT, TokenShardManifest, read_manifest
 from titan_core.data.tokenizer import Tokenizer, tokenizer_fingerprint
 
@@ -267,25 +268,23 @@ class TokenShardLoader:
             raise ConfigError(
                 f"the checkpoint's data was read shuffled or as a mixture (training.shuffle / "
                 f"training.dataset_mix), this run reads {self.key} in file order; resume with the checkpoint's "
-                "training.shuffle and data keys, or skip the data position with "
-                "checkpoint.exclude_from_loading=['dataloader']"
+                f"training.shuffle and data keys, {SKIP}"
             )
         if state.get("format") != FORMAT or any(k not in state for k in _STATE_KEYS):
             raise ConfigError(
                 f"the checkpoint's dataloader state ({sorted(state)}) is not a token-shard loader's (it has "
                 f"{list(_STATE_KEYS)}), e.g. it was saved reading text on the fly; resume with the checkpoint's "
-                f"{self.key}, or skip the data position with checkpoint.exclude_from_loading=['dataloader']"
+                f"{self.key}, {SKIP}"
             )
         if state["seq_len"] != self.seq_len:
             raise ConfigError(
                 f"loader state was saved with training.seq_len={state['seq_len']}, this run has {self.seq_len}; "
-                "resume with the same training.seq_len"
+                f"resume with the same training.seq_len, {SKIP}"
             )
         if state["total_tokens"] != self.stream.total:
             raise ConfigError(
                 f"loader state was saved on {state['total_tokens']} tokens, {self.key}={self.manifest.folder} "
-                f"holds {self.stream.total}; resume with the same data, or skip the data position with "
-                "checkpoint.exclude_from_loading=['dataloader']"
+                f"holds {self.stream.total}; resume with the same data, {SKIP}"
             )
         self.close()
         self.samples_consumed = int(state["samples_consumed"])
