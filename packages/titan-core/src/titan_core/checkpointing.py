@@ -105,6 +105,7 @@ class ConfigSettings:
                 for key, value in built.items():
                     loaded = group.get(key)
                     if _plain(loaded) != _plain(value):
+                        # the pipeline stages' optimizers share one config: the first one's changes say it all
                         if key not in _KERNEL_KEYS and optimizer is optimizers[0]:
                             name = "lr" if key == "initial_lr" else key
                             changed.append(f"{name} {_plain(loaded)} -> {_plain(value)} (group {index})")
