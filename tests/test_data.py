@@ -200,7 +200,8 @@ def test_resume_mid_stream_gives_identical_batches(steps_before):
     for _ in range(steps_before):
         next(reference)
     state = json.loads(json.dumps(reference.state_dict()))  # plain JSON data
-    assert all(isinstance(v, int) for v in state.values())
+    assert all(isinstance(v, int) for k, v in state.items() if k != "doc_digest")
+    assert state["doc_digest"] is None if state["doc_offset"] == 0 else isinstance(state["doc_digest"], str)
 
     source = ListSource(DOCS)
     resumed = PackedLoader(source, ByteTokenizer(), seq_len, batch)
@@ -278,6 +279,30 @@ def test_loader_errors_are_one_line():
     with pytest.raises(ValueError, match="the dataset changed since the checkpoint") as info:
         next(shorter)
     assert str(info.value).endswith(skip)
+
+
+def test_a_resume_on_other_text_under_the_same_position_is_refused():
+    # The checkpoint was saved inside document 1 ("hello world"); the text there changed, its length did not.
+    first = PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1)
+    for _ in range(3):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # as the checkpoint's JSON holds it
+    assert (state["doc_index"], state["doc_offset"] > 0, len(state["doc_digest"])) == (1, True, 16)
+    edited = [DOCS[0], "HELLO WORLD", *DOCS[2:]]
+    resumed = PackedLoader(ListSource(edited), ByteTokenizer(), 4, 1)
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match="document 1 of .* is not the one the checkpoint was reading") as info:
+        next(resumed)
+    assert str(info.value).endswith("checkpoint.exclude_from_loading=['dataloader']")
+    # The same text resumes, and a save before the document was read again keeps the digest to check.
+    same = PackedLoader(ListSource(DOCS), ByteTokenizer(), 4, 1)
+    same.load_state_dict(state)
+    assert same.state_dict() == state
+    assert [t.tolist() for t in next(same)] == [t.tolist() for t in next(first)]
+    # A state saved before the digest was recorded still loads.
+    old = PackedLoader(ListSource(edited), ByteTokenizer(), 4, 1)
+    old.load_state_dict({k: v for k, v in state.items() if k != "doc_digest"})
+    next(old)
 
 
 def test_loader_over_real_sources():

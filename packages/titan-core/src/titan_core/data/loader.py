@@ -19,6 +19,7 @@ also into a loader with another `dp_world` or `local_batch_size`.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +79,7 @@ class PackedLoader:
         self.doc_offset = 0
         self.samples_consumed = 0
         self._document: np.ndarray | None = None  # wrapped tokens of doc_index, once read
+        self._expected_digest: str | None = None  # a loaded state's `doc_digest`, checked at the next read
         self._documents: Iterator[str] | None = None  # the source, at the next doc to read
 
     def __iter__(self) -> PackedLoader:
@@ -110,6 +112,13 @@ class PackedLoader:
                         f"loader state points at token {self.doc_offset} of document {self.doc_index}, "
                         f"which has {len(self._document)}; the dataset or tokenizer changed since the "
                         f"checkpoint: resume with the same ones, {SKIP}"
+                    )
+                expected, self._expected_digest = self._expected_digest, None
+                if expected is not None and _digest(self._document) != expected:
+                    raise ConfigError(
+                        f"document {self.doc_index} of {self.source!r} is not the one the checkpoint was reading "
+                        f"(its tokens differ); the dataset or tokenizer changed since the checkpoint: resume with "
+                        f"the same ones, {SKIP}"
                     )
             piece = self._document[self.doc_offset : self.doc_offset + n_tokens]
             pieces.append(piece)
@@ -174,11 +183,16 @@ class PackedLoader:
         `doc_offset` counts the tokens of document `doc_index` (BOS included)
         already consumed: samples end mid-document, so the position is a
         document plus an offset; resuming re-tokenizes that one document only.
+        `doc_digest` is a hash of that document's tokens (None at a document
+        boundary): the resume checks it, so other text or another tokenizer
+        under the same path is refused instead of read from a wrong position.
         """
         return {
             "epoch": self.epoch,
             "doc_index": self.doc_index,
             "doc_offset": self.doc_offset,
+            # right after a load, before the document was read again: the loaded digest, still unchecked
+            "doc_digest": self._expected_digest if self._document is None else _digest(self._document),
             "samples_consumed": self.samples_consumed,
             "seq_len": self.seq_len,
         }
@@ -206,9 +220,15 @@ class PackedLoader:
         self.samples_consumed = int(state["samples_consumed"])
         self._document = None
         self._documents = None
+        self._expected_digest = state.get("doc_digest")  # absent from states saved before it was recorded
 
     def __repr__(self) -> str:
         return (
             f"PackedLoader({self.source!r}, {self.tokenizer!r}, seq_len={self.seq_len}, "
             f"local_batch_size={self.local_batch_size}, dp_rank={self.dp_rank}, dp_world={self.dp_world})"
         )
+
+
+def _digest(document: np.ndarray) -> str:
+    """A short hash of a document's wrapped tokens (`PackedLoader.state_dict`'s `doc_digest`)."""
+    return hashlib.blake2b(document.tobytes(), digest_size=8).hexdigest()
