@@ -324,14 +324,20 @@ def test_a_resume_with_the_same_config_changes_nothing(tmp_path, world_of_one):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_resume_takes_the_configs_lr_weight_decay_and_steps(tmp_path, world_of_one):
+def test_a_resume_takes_the_configs_lr_weight_decay_and_steps(tmp_path, world_of_one, caplog):
     _Run(tmp_path, steps=3, lr=1e-2, weight_decay=0.1).train(3)  # a finished run: its schedule decayed to 0
     extended = _Run(tmp_path, steps=6, lr=5e-3, weight_decay=0.0, betas=(0.8, 0.9))
-    changed = extended.resume()
+    with caplog.at_level("INFO", logger="titan"):
+        changed = extended.resume()
+    said = [r.getMessage() for r in caplog.records if "optimizer settings apply" in r.getMessage()]
+    assert said == ["resume: the config's optimizer settings apply, not the checkpoint's: " + "; ".join(changed)]
     assert changed == ["betas (0.9, 0.95) -> (0.8, 0.9) (group 0)", "weight_decay 0.1 -> 0.0 (group 0)",
                        "lr 0.01 -> 0.005 (group 0)"]  # fmt: skip
     # A rollback to that checkpoint (training.on_nonfinite / on_loss_spike = "rollback") keeps the config's too.
-    assert extended.ckpt.restore_latest() == 3 and extended.ckpt.settings_changed == changed
+    caplog.clear()
+    with caplog.at_level("INFO", logger="titan"):
+        assert extended.ckpt.restore_latest() == 3 and extended.ckpt.settings_changed == changed
+    assert any(r.getMessage().startswith("rollback: the config's optimizer settings apply") for r in caplog.records)
     group = extended.opt.param_groups[0]
     assert (group["weight_decay"], tuple(group["betas"]), group["initial_lr"]) == (0.0, (0.8, 0.9), 5e-3)
     # Steps 4-6 of a 6-step schedule (W = 2, linear decay over D = 4) at the new peak: factor 1 - (s - 2) / 5

@@ -141,20 +141,21 @@ class RunCheckpointer(CheckpointManager):
     def load(self) -> int | None:
         step = super().load()
         if step is not None:
-            self._follow_config()
+            self._follow_config("resume")
         return step
 
     def restore_latest(self, *, exclude: Sequence[str] = ()) -> int | None:
         step = super().restore_latest(exclude=exclude)
         if step is not None:
-            self._follow_config()
+            self._follow_config("rollback")
         return step
 
-    def _follow_config(self) -> None:
+    def _follow_config(self, load: str) -> None:
         self.settings_changed = self.settings.restore(self.optimizers, self.lr_schedulers)
         if self.settings_changed and self.rank == 0:
             logger.info(
-                "resume: the config's optimizer settings apply, not the checkpoint's: %s",
+                "%s: the config's optimizer settings apply, not the checkpoint's: %s",
+                load,
                 "; ".join(self.settings_changed),
             )
 
