@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
@@ -20,3 +21,15 @@ def _environment_restored():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A default process group of one process (gloo, in memory) for the module's tests that call collectives
+    in the pytest process (the checkpoint manager's, a guard's); removed after the module if it made it."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()

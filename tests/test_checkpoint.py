@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader
@@ -42,14 +41,7 @@ def errors_name_their_arguments(monkeypatch):
     monkeypatch.setattr(CheckpointError, "__init__", checked_init)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # the manager's collectives (tests/conftest.py)
 
 
 class Embed(nn.Module):

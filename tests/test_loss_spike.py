@@ -12,22 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from titan_run import TINY, read_metrics, run_titan
 from workers.host_sync_worker import counting
 
 from titan_core.loss_spike import SpikeDetector
 from titan_core.run_guard import RunGuard
-
-
-@pytest.fixture
-def world_of_one():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_the_detector_flags_a_spike_after_warmup_on_the_device(world_of_one):

@@ -13,7 +13,6 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from titan_ckpt import CheckpointOptions
 from titan_core.checkpointing import build_checkpointer
@@ -262,17 +261,6 @@ class _Count:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = state["value"]
-
-
-@pytest.fixture
-def world_of_one():
-    """The checkpoint manager's process group, of one process."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 class _Run:
