@@ -158,19 +158,32 @@ class Result:
         return max(errors, key=abs)
 
 
-def measure_rows(rows: list[Row]) -> dict[str, list[tuple[int, int]]]:
-    """Run `rows` of one world size for real under torchrun; (allocator peak, live-tensor peak) per rank, by row."""
+@contextlib.contextmanager
+def measuring(rows: list[Row]):
+    """Run `rows` of one world size for real under torchrun, in the background while the block runs. Yields a
+    dict that holds, once the block and the launch have ended, (allocator peak, live-tensor peak) per rank, by row."""
     world = rows[0].world
+    peaks: dict[str, list[tuple[int, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="titan-memacc-") as folder:
         spec, out = Path(folder) / "rows.json", Path(folder) / "out.json"
         spec.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                __file__, "--worker", str(spec), str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        logs = Path(folder) / "stdout", Path(folder) / "stderr"
+        with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+            proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+            try:
+                yield peaks
+                proc.wait(timeout=900)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        return json.loads(out.read_text())
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{logs[0].read_text()[-3000:]}\n"
+                               f"{logs[1].read_text()[-6000:]}")
+        peaks.update(json.loads(out.read_text()))
 
 
 def allocator_peak(prof, mark: str) -> int:
@@ -239,18 +252,15 @@ def worker(spec: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def estimate_row(row: Row, peaks: list[tuple[int, int]]) -> Result:
-    """The analytic and traced estimates of `row` for the CPU, beside its measured (allocator, live) peaks per rank."""
+def estimate_row(row: Row) -> Result:
+    """The analytic and traced estimates of `row` for the CPU (its measured figures left empty)."""
     from titan_core.config import load_config
     from titan_core.memory.analytic import estimate_analytic
     from titan_core.memory.traced import TraceUnsupported, estimate_traced
 
     cfg = load_config(None, [*BASE, *row.tokens])
     analytic = estimate_analytic(cfg, row.world, device_type="cpu")
-    live = [live for _, live in peaks]
-    allocator = [total for total, _ in peaks]
-    result = Result(row, measured=live if all(live) else allocator, allocator=allocator, measured_by="live" if all(live) else "allocator",
-                    stages=len(analytic.ranks), analytic=[r.total for r in analytic.ranks])
+    result = Result(row, measured=[], allocator=[], stages=len(analytic.ranks), analytic=[r.total for r in analytic.ranks])
     try:
         result.traced = [r.total for r in estimate_traced(cfg, row.world, device_type="cpu").ranks]
     except TraceUnsupported as e:
@@ -258,16 +268,36 @@ def estimate_row(row: Row, peaks: list[tuple[int, int]]) -> Result:
     return result
 
 
+def add_measurement(result: Result, peaks: list[tuple[int, int]]) -> None:
+    """Put a row's measured (allocator, live) peaks per rank into its `result`: the live-tensor peaks where every
+    rank has one, the allocator's otherwise (pipeline rows)."""
+    live = [live for _, live in peaks]
+    result.allocator = [total for total, _ in peaks]
+    result.measured = live if all(live) else result.allocator
+    result.measured_by = "live" if all(live) else "allocator"
+
+
 def run(names: list[str] | None = None) -> list[Result]:
-    """Measure and estimate the rows named (default: all of `ROWS`), one torchrun launch per world size."""
+    """Measure and estimate the rows named (default: all of `ROWS`), one torchrun launch per world size.
+
+    The estimates are made while the one-rank launch runs, on the core it leaves free; the launches of more
+    ranks run alone, as the timing of gloo's buffers moves the allocator's figure of the pipeline rows."""
     rows = [r for r in ROWS if names is None or r.name in names]
     unknown = set(names or ()) - {r.name for r in rows}
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; rows: {', '.join(r.name for r in ROWS)}")
+    worlds = sorted({r.world for r in rows})
     measured: dict[str, list[tuple[int, int]]] = {}
-    for world in sorted({r.world for r in rows}):
-        measured.update(measure_rows([r for r in rows if r.world == world]))
-    return [estimate_row(r, measured[r.name]) for r in rows]
+    with measuring([r for r in rows if r.world == worlds[0]]) as peaks:
+        results = [estimate_row(r) for r in rows]
+    measured.update(peaks)
+    for world in worlds[1:]:
+        with measuring([r for r in rows if r.world == world]) as peaks:
+            pass  # nothing else runs beside it
+        measured.update(peaks)
+    for result in results:
+        add_measurement(result, measured[result.row.name])
+    return results
 
 
 def table(results: list[Result]) -> str:
