@@ -210,6 +210,18 @@ def test_tensorboard_without_folder_is_an_error():
         MetricsLogger(None, enable_tensorboard=True, rank=0, total_steps=10, color=False)
 
 
+def test_validation_has_a_console_line_and_an_evaluation_record_none(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="titan")
+    with MetricsLogger(None, enable_tensorboard=False, rank=0, total_steps=60, color=False) as metrics:
+        metrics.log(12, {"validation/loss": 2.0})
+        metrics.log(12, {"eval/toy/acc": 0.5, "eval/toy/acc_norm": 0.25})  # the evaluator prints its own line
+        metrics.log(13, {"validation/loss": float("nan")})
+        metrics.log(14, {"validation/loss": 800.0})
+    lines = [r.getMessage() for r in caplog.records if r.name == "titan"]
+    assert lines == ["step  12/60  validation loss 2.0000 (ppl 7.39)", "step  13/60  validation loss nan (ppl nan)",
+                     "step  14/60  validation loss 800.0000 (ppl inf)"]  # fmt: skip
+
+
 def test_logger_writes_one_json_record_per_logged_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with MetricsLogger(None, enable_tensorboard=False, rank=0, total_steps=3, color=False, jsonl_path=path) as metrics:

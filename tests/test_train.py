@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -69,13 +70,17 @@ def test_mesh_that_does_not_fit_the_world_fails_before_work(tmp_path):
 def test_validation_and_profiler_traces(tmp_path):
     run = tmp_path / "run"
     hamlet = str(SHARED_DATA / "shakespeare" / "hamlet_gut.txt")
-    run_titan(run, *TINY, "--training.local_batch_size", "4", "--validation.enable", "--validation.freq", "4",
-              "--validation.steps", "2", "--validation.dataset_path", hamlet,
-              "--profiling.enable_profiling", "--profiling.profile_freq", "5")
+    proc = run_titan(run, *TINY, "--training.local_batch_size", "4", "--validation.enable", "--validation.freq", "4",
+                     "--validation.steps", "2", "--validation.dataset_path", hamlet,
+                     "--profiling.enable_profiling", "--profiling.profile_freq", "5")
     records = read_metrics(run)
     val = [(r["step"], r["validation/loss"]) for r in records if "validation/loss" in r]
     assert [s for s, _ in val] == [4, 8, 10]
     assert val[-1][1] < val[0][1]  # the model learns English-ish bytes from the stdlib; Hamlet's loss falls too
+    # each validation is one console line with its loss and perplexity
+    shown = re.findall(r"step +(\d+)/10  validation loss (\S+) \(ppl (\S+)\)", proc.stdout + proc.stderr)
+    assert [(int(s), float(v)) for s, v, _ in shown] == [(s, round(v, 4)) for s, v in val]
+    assert [float(p) for *_, p in shown] == [round(math.exp(v), 2) for _, v in val]
     traces = sorted((run / "profile_traces").glob("iteration_*/rank0_trace.json"), key=lambda t: len(str(t)))
     assert [t.parent.name for t in traces] == ["iteration_5", "iteration_10"]
     assert '"traceEvents"' in traces[0].read_text()[:10000]

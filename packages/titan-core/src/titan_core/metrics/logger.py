@@ -12,7 +12,10 @@ TensorBoard only):
     throughput/mfu_pct                 mfu 4.1%
     memory/max_reserved_gib            mem 1.23GiB   (CUDA; see memory.py)
     memory/rss_gib                     mem 1.23GiB   (host, when no CUDA figure)
+    validation/loss                    validation loss 3.2500 (ppl 25.79)
 
+A record with none of these keys (a downstream evaluation's, whose evaluator prints
+its own line) prints no console line.
 Only rank 0 writes. Text goes through the `logging` logger "titan"; if nothing
 has configured a handler for it, the logger adds one that prints to stdout
 while it is open. When stdout is a terminal a tqdm progress bar (steps
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,12 +79,17 @@ def format_metrics_line(step: int, total_steps: int, metrics: Mapping[str, float
     Returns:
         The line, fields separated by two spaces.
     """
+    width = len(str(total_steps))
+    return "  ".join([_paint(f"step  {step:>{width}}/{total_steps}", "step", color), *_fields(metrics, color)])
+
+
+def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
+    """The console fields of the keys in the module docstring that `metrics` holds, in its order."""
 
     def value(key: str) -> float | None:
         return metrics.get(key)
 
-    width = len(str(total_steps))
-    fields = [_paint(f"step  {step:>{width}}/{total_steps}", "step", color)]
+    fields = []
     if (loss := value("loss/global_avg")) is not None:
         text = f"loss {loss:.4f}"
         if (loss_max := value("loss/global_max")) is not None:
@@ -103,7 +112,10 @@ def format_metrics_line(step: int, total_steps: int, metrics: Mapping[str, float
         mem = value("memory/rss_gib")
     if mem is not None:
         fields.append(_paint(f"mem {mem:.2f}GiB", "mem", color))
-    return "  ".join(fields)
+    if (val_loss := value("validation/loss")) is not None:
+        ppl = math.inf if val_loss > 700 else math.exp(val_loss)  # exp() overflows a float past ~709; NaN stays NaN
+        fields.append(_paint(f"validation loss {val_loss:.4f} (ppl {ppl:.2f})", "loss", color))
+    return fields
 
 
 def _is_console(handler: logging.Handler) -> bool:
@@ -201,7 +213,8 @@ class MetricsLogger:
                 self._writer.add_scalar(tag, v, step)
         if self._wandb is not None:
             self._wandb.log(step, values)
-        logger.info(format_metrics_line(step, self.total_steps, values, color=self.color))
+        if _fields(values, color=False):  # not a bare step line (an evaluation's record: its evaluator says it)
+            logger.info(format_metrics_line(step, self.total_steps, values, color=self.color))
         self.update_progress(step)
 
     def close(self) -> None:
