@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -335,7 +336,12 @@ def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
         options = ParallelOptions(loss_parallel=True, **cp_options)
         model = materialize(parallelize(build_meta(), llama3_plan, mesh, options), ref)
         tokens, labels = shard_sequence(ref.tokens, ref.labels, cp_mesh=mesh["cp"])
-        logits = model(tokens)  # Shard(-1) over tp
+        # the embedding's output as the next module gets it, after FSDP's hooks (registered before this one)
+        views: list[bool] = []
+        model.tok_embeddings.register_forward_hook(lambda _m, _a, out: views.append(out._base is not None))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits = model(tokens)  # Shard(-1) over tp
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             loss.backward()
@@ -343,6 +349,8 @@ def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
         dist.all_reduce(mean_loss, group=mesh["cp"].get_group())
         rec.add(
             f"parallelize_tp2_cp2_{method}",
+            embedding_output_is_view=float(any(views)),
+            view_warnings=float(sum("returned a view" in str(w.message) for w in caught)),
             **grad_diffs(model, ref),
             logits=maxdiff(gather_logits(full(logits).detach(), 2, mesh["cp"].get_group()), ref.logits),
             loss=maxdiff(mean_loss / 2, ref.loss),

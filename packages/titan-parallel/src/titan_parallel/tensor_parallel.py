@@ -38,6 +38,28 @@ from titan_parallel.plan import ModelPlan, TPStyle
 from titan_parallel.tensor_parallel_layout import check_tp
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """torch's `RowwiseParallel` for an embedding (its rows, the vocab, split; its output summed and scattered on
+    the sequence dim), whose output is a tensor of its own rather than a view.
+
+    `DTensor.to_local()` hands back a view of the scattered local tensor, and FSDP2 registers its pre-backward
+    hook (the all-gather of the embedding's weight for its backward) on the output of each module it wraps: an
+    in-place op on that view (`h *= scale`) would drop the hook, and torch 2.15 warns on every forward that it
+    might. The copy costs one sequence-sharded activation per forward.
+
+    Args:
+        input_layouts: as `RowwiseParallel`'s: the layout of the token ids (`Replicate()`).
+        output_layouts: as `RowwiseParallel`'s: the layout of the embedding's output (`Shard(1)`).
+        use_local_output: as `RowwiseParallel`'s: hand on a plain tensor rather than a DTensor.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        # Runs before FSDP's post-forward hook, which `fully_shard` registers after this.
+        module.register_forward_hook(lambda _mod, _args, out: out.clone() if out._base is not None else out)
+        return module
+
+
 def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False) -> ParallelStyle:
     """The torch `ParallelStyle` for one `TPStyle` (see `TPStyle` for the layouts).
 
@@ -54,7 +76,7 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
 
         colwise, rowwise, prepare_input = float8_tp_style_classes()
     if style is TPStyle.EMBEDDING:
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        return EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if style is TPStyle.COLWISE:
         return colwise()
     if style is TPStyle.ROWWISE:
