@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import datetime
 import json
+import logging
 import os
 import sys
 import traceback
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
@@ -41,6 +43,7 @@ from titan_parallel import (
     shard_sequence,
     unshard_sequence,
 )
+from titan_parallel.grad_clip import grad_norm
 from titan_parallel.ring_attention import RingAttention, ring_attention
 from titan_parallel.ulysses_attention import UlyssesAttention, ulysses_attention
 
@@ -347,8 +350,21 @@ def run_tp_cp_parallelize(ref: Reference, rec: Recorder) -> None:
             loss.backward()
         mean_loss = full(loss).detach().clone()
         dist.all_reduce(mean_loss, group=mesh["cp"].get_group())
+        # the gradient norm over FSDP x TP shards (a matrix's gradient is sharded on both mesh dims, a norm's weight
+        # on one): one process's, in one all-reduce per mesh dim, without DTensor's warning about sequential ones
+        warned: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("torch.distributed.tensor._redistribute").addHandler(handler)
+        with CommDebugMode() as comms:
+            norm = grad_norm(model.parameters())
+        logging.getLogger("torch.distributed.tensor._redistribute").removeHandler(handler)
+        ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref.grads.values()]))
         rec.add(
             f"parallelize_tp2_cp2_{method}",
+            grad_norm_rel=abs(norm.item() - ref_norm.item()) / ref_norm.item(),
+            grad_norm_collectives=float(comms.get_total_counts()),
+            grad_norm_warnings=float(sum("sequential" in m for m in warned)),
             embedding_output_is_view=float(any(views)),
             view_warnings=float(sum("returned a view" in str(w.message) for w in caught)),
             **grad_diffs(model, ref),

@@ -1,10 +1,15 @@
 """Gradient clipping with the norm taken over the whole model, however it is split.
 
-Under FSDP/TP the gradients are DTensors and their norm is reduced over the mesh
-they live on; under expert parallel the experts' gradients live on another mesh
-than the rest, so each mesh's norm is taken apart and their squares summed. A
-pipeline stage holds only its own layers, so the squared norms of all stages are
-summed over the `pp` mesh as well.
+Under FSDP/TP the gradients are DTensors. They are grouped by mesh and placements
+(under expert parallel the experts' gradients live on another mesh than the rest;
+under FSDP x TP a norm's weight is sharded on one mesh dim, a matrix on two): each
+group's norm is taken on this rank's shards, and its square summed over the mesh dims
+the group is sharded on: one all-reduce per mesh dim for every group sharded there
+(a vector of scalars), then one root; the groups' norms are then combined. DTensor's
+own norm of a multi-dim mesh redistributes the partial norms one dim after another,
+and torch 2.15 warns about that on every step of an FSDP x TP run. A pipeline stage
+holds only its own layers, so the squared norms of all stages are summed over the
+`pp` mesh as well.
 
 `clip_grad_norm_` scales the gradients in place (one read and one write of every
 gradient). An optimizer whose kernel divides the gradients by a `grad_scale` as it
@@ -20,7 +25,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
+
+_Layout = tuple[DeviceMesh, tuple[Placement, ...]] | None
+"""A gradient's mesh and placements; None for a plain tensor."""
 
 
 @torch.no_grad()
@@ -39,10 +47,10 @@ def clip_grad_norm_(
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         foreach: use the multi-tensor kernels (None = torch's choice).
     """
-    by_mesh = _by_mesh(parameters)
-    total = _total_norm(by_mesh, pp_mesh, foreach)
+    by_layout = _by_layout(parameters)
+    total = _total_norm(by_layout, pp_mesh, foreach)
     if max_norm > 0:
-        for group in by_mesh.values():  # DTensors of different meshes do not mix in one foreach op
+        for group in by_layout.values():  # DTensors of different meshes do not mix in one foreach op
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
 
@@ -58,7 +66,7 @@ def grad_norm(
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         foreach: use the multi-tensor kernels (None = torch's choice).
     """
-    return _total_norm(_by_mesh(parameters), pp_mesh, foreach)
+    return _total_norm(_by_layout(parameters), pp_mesh, foreach)
 
 
 def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -77,13 +85,15 @@ def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
 
 
-def _by_mesh(parameters: Iterable[torch.nn.Parameter]) -> dict[object, list[torch.nn.Parameter]]:
-    """The parameters that have gradients, grouped by the mesh their gradients live on (None: plain tensors)."""
-    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+def _by_layout(parameters: Iterable[torch.nn.Parameter]) -> dict[_Layout, list[torch.nn.Parameter]]:
+    """The parameters that have gradients, grouped by the (mesh, placements) of their gradients (None: plain
+    tensors)."""
+    by_layout: dict[_Layout, list[torch.nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    return by_mesh
+            key: _Layout = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+            by_layout.setdefault(key, []).append(p)
+    return by_layout
 
 
 def _fp32_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -92,18 +102,37 @@ def _fp32_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
 
 
+def _norm(grads: list[torch.Tensor], foreach: bool | None) -> torch.Tensor:
+    """The L2 norm of `grads` together (plain tensors, or DTensors of one layout)."""
+    if any(g.dtype != torch.float32 for g in grads):  # bf16 gradients (`ComputeCopies`): fp32 norms, as FSDP's
+        return torch.linalg.vector_norm(torch.stack(_fp32_norms(grads)), 2.0)
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
+
+
 def _total_norm(
-    by_mesh: dict[object, list[torch.nn.Parameter]], pp_mesh: DeviceMesh | None, foreach: bool | None
+    by_layout: dict[_Layout, list[torch.nn.Parameter]], pp_mesh: DeviceMesh | None, foreach: bool | None
 ) -> torch.Tensor:
-    norms = []
-    for group in by_mesh.values():
+    norms: list[torch.Tensor] = []  # each group's norm: global, or this rank's shards' until reduced below
+    over: dict[tuple[DeviceMesh, int], list[int]] = {}  # (mesh, dim) -> the groups (indices) sharded on it
+    for key, group in by_layout.items():
         grads = [p.grad for p in group if p.grad is not None]  # all of them (filtered above); narrows the type
-        if any(g.dtype != torch.float32 for g in grads):  # bf16 gradients (`ComputeCopies`): fp32 norms, as FSDP's
-            norm = torch.linalg.vector_norm(torch.stack(_fp32_norms(grads)), 2.0)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
-        # A Partial or Replicate DTensor: materialise the global value.
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if key is None or any(placement.is_partial() for placement in key[1]):
+            norm = _norm(grads, foreach)  # plain tensors; or Partial gradients: DTensor's own reduction
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            continue
+        mesh, placements = key
+        norms.append(_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads], foreach))
+        for dim, placement in enumerate(placements):
+            if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard, or FSDP x TP's _StridedShard
+                over.setdefault((mesh, dim), []).append(len(norms) - 1)
+    reduced = sorted({i for members in over.values() for i in members})
+    squares = {i: norms[i] ** 2 for i in reduced}  # summed over each mesh dim in turn, then one root
+    for (mesh, dim), members in over.items():
+        summed = torch.stack([squares[i] for i in members])
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        squares.update(zip(members, summed.unbind(), strict=True))
+    for i in reduced:
+        norms[i] = squares[i] ** 0.5
     if not norms:
         total = torch.zeros(())
     else:
