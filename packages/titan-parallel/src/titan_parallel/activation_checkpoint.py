@@ -5,6 +5,16 @@ Modes (`apply_ac`'s `ac_mode`, checked by `titan_parallel.layout.check_ac`):
 - "selective" with an int N: every Nth block is recomputed.
 - "selective" with "op": every block, but the outputs of matmuls and attention
   are saved (every other one for matmuls), so only cheap ops are recomputed.
+
+Selective "op" mode and profiler annotations: torch 2.15's selective checkpointing replays
+every op of a block's forward by its count, and caches ops with effects, among them
+`record_function`'s enter and exit. FSDP annotates its hooks that way, and the hooks of an
+FSDP unit inside a block (the experts under expert parallel, on a mesh of their own) run a
+different number of times in the recompute than in the forward: the backward failed with
+"profiler._record_function_enter_new.default invocation index 3 encountered during
+backward but not found in storage" (pytorch/torchtitan#3427). `apply_ac` adds those
+annotation ops to torch's `SAC_IGNORED_OPS`, as torch's own fix does (pytorch/pytorch#196862):
+they run each time, outside the replay, and no tensor computation changes.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
+import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
@@ -72,6 +83,16 @@ def _op_policy() -> Callable[[], _Contexts]:
     return make_contexts
 
 
+def _ignore_annotations_in_sac() -> None:
+    """Put `record_function`'s ops into torch's `SAC_IGNORED_OPS` (see the module docstring)."""
+    import torch.utils.checkpoint as checkpoint
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None:
+            checkpoint.SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
 def apply_ac(
     model: nn.Module, plan: ModelPlan, ac_mode: Literal["none", "selective", "full"], ac_selective_option: str = "2"
 ) -> nn.Module:
@@ -89,6 +110,8 @@ def apply_ac(
     container = get_submodule_or_none(model, plan.blocks)
     if container is None:
         return model
+    if ac_mode == "selective" and ac_selective_option == "op":
+        _ignore_annotations_in_sac()
     for i, (name, block) in enumerate(list(container.named_children())):
         if ac_mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)

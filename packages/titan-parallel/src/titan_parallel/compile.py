@@ -17,13 +17,24 @@ tensor-parallel feed-forward graph (max error ~0.1 against eager on the debug
 model, torch 2.15; `aot_eager` matches eager exactly), so there TP blocks are
 captured by Dynamo and AOT autograd but not lowered by Inductor
 (`compile_backend`). GPUs use Inductor.
+
+A Mixture-of-Experts block (`ModelPlan.moe`) is compiled piece by piece: every child of
+the block but the MoE module, and the MoE's children but its experts (the router, the
+shared experts). The experts, and the MoE's dispatch of tokens to them, stay eager, as in
+torchtitan: how many tokens reach each expert is data, so their shapes are too (torch
+2.15's Inductor failed on the backward of the whole block: "expected [u8, ...] to have
+been codegen-ed"), and under expert parallel the experts are an FSDP unit of their own
+whose hooks cannot run inside a compiled graph ("Call to `torch._dynamo.disable()`").
+Inside an activation-checkpointed block the pieces are compiled within the checkpoint
+wrapper, so the block is still recomputed as one.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from titan_parallel.modules import iter_blocks
+from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
 
 
@@ -44,7 +55,7 @@ def apply_compile(
 
     Args:
         model: the model or pipeline stage.
-        plan: names the blocks.
+        plan: names the blocks, and the Mixture-of-Experts module in them (whose experts stay eager).
         fullgraph: fail rather than fall back to eager on a graph break (False lets an
             eager-only piece, such as ring attention, run between compiled graphs).
         per_child: compile each child module of a block rather than the block (under TP),
@@ -52,9 +63,29 @@ def apply_compile(
         backend: the `torch.compile` backend (see `compile_backend`).
     """
     # Sequence-parallel norms stay eager under TP: compiled, they too gave their DTensor input a wrong gradient.
-    eager = {path for path, style in plan.block_tp if style is TPStyle.NORM}
+    eager = {path for path, style in plan.block_tp if style is TPStyle.NORM} if per_child else set()
+    experts = f"{plan.moe}.experts" if plan.moe is not None else None
     for block in iter_blocks(model, plan):
-        units = [m for name, m in block.named_children() if name not in eager] if per_child else [block]
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        if experts is not None and get_submodule_or_none(inner, experts) is not None:
+            units = _units_around(inner, experts, eager)
+        elif per_child:
+            units = [m for name, m in block.named_children() if name not in eager]
+        else:
+            units = [block]
         for unit in units:
             unit.compile(fullgraph=fullgraph, backend=backend)
     return model
+
+
+def _units_around(module: nn.Module, path: str, eager: set[str]) -> list[nn.Module]:
+    """The children of `module` to compile so that the submodule at `path` (and the code of its ancestors) runs
+    eager: every child off the path (less those named in `eager`), and the same inside each ancestor of `path`."""
+    head, _, rest = path.partition(".")
+    units = []
+    for name, child in module.named_children():
+        if name == head:
+            units += _units_around(child, rest, set()) if rest else []
+        elif name not in eager:
+            units.append(child)
+    return units
