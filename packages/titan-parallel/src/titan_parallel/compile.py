@@ -26,16 +26,25 @@ torchtitan: how many tokens reach each expert is data, so their shapes are too (
 been codegen-ed"), and under expert parallel the experts are an FSDP unit of their own
 whose hooks cannot run inside a compiled graph ("Call to `torch._dynamo.disable()`").
 Inside an activation-checkpointed block the pieces are compiled within the checkpoint
-wrapper, so the block is still recomputed as one.
+wrapper, so the block is still recomputed as one. Before torch 2.15 (2.11 measured; 2.12-2.14
+not tried) Dynamo traced non-reentrant checkpointing's saved-tensor hooks run from inside such
+a piece, recompiled `WeakKeyDictionary.__setitem__` once per saved tensor and failed at the
+recompile limit: there an activation-checkpointed MoE block stays eager (said once in the log).
 """
 
 from __future__ import annotations
 
+import logging
+
+import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
+
+logger = logging.getLogger("titan")
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def compile_backend(device_type: str, tp_degree: int) -> str:
@@ -65,9 +74,14 @@ def apply_compile(
     # Sequence-parallel norms stay eager under TP: compiled, they too gave their DTensor input a wrong gradient.
     eager = {path for path, style in plan.block_tp if style is TPStyle.NORM} if per_child else set()
     experts = f"{plan.moe}.experts" if plan.moe is not None else None
+    left_eager = 0
     for block in iter_blocks(model, plan):
-        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        checkpointed = isinstance(block, CheckpointWrapper)
+        inner = block.get_submodule("_checkpoint_wrapped_module") if checkpointed else block
         if experts is not None and get_submodule_or_none(inner, experts) is not None:
+            if checkpointed and _TORCH < (2, 15):
+                left_eager += 1
+                continue
             units = _units_around(inner, experts, eager)
         elif per_child:
             units = [m for name, m in block.named_children() if name not in eager]
@@ -75,6 +89,12 @@ def apply_compile(
             units = [block]
         for unit in units:
             unit.compile(fullgraph=fullgraph, backend=backend)
+    if left_eager:
+        logger.info(
+            f"compile: {left_eager} activation-checkpointed Mixture-of-Experts block(s) run eager on torch "
+            f"{torch.__version__} (its Dynamo traces checkpointing's hooks inside their compiled pieces; "
+            "torch 2.15 compiles them)"
+        )
     return model
 
 
