@@ -322,7 +322,8 @@ class Trainer:
         return self.runner.step(batches, guard, step=self.state.step + 1)
 
     def _reduce_loss(self, loss: torch.Tensor | None) -> tuple[float, float]:
-        """Global average and max of the step loss over data-parallel ranks (and from the last pipeline stage)."""
+        """Global average and max of the step loss over the data- and context-parallel ranks (a CP rank's loss is
+        that of its share of each sequence), from the last pipeline stage."""
         avg = loss.detach().clone() if loss is not None else torch.zeros((), device=self.device)
         mx = loss.detach().clone() if loss is not None else torch.full((), -float("inf"), device=self.device)
         group = self.mesh["dp_cp"].get_group()
