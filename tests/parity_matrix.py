@@ -147,14 +147,13 @@ LAYOUTS = [
     Layout("compile_pp2_cp2_ulysses", 4, 1, ("--compile.enable", "true", *_pp("1F1B", *CP2_ULYSSES)), slow=True),
     Layout("moe_ep2_tp2_cp2_ulysses", 4, 1, (EP, "2", f"{P}tensor_parallel_degree", "2", *CP2_ULYSSES), model=DEEPSEEK),
     # Expert parallel: the experts split over ep ranks carved from the FSDP ranks, tokens by all-to-all.
-    Layout("moe_ep2", 2, 2, (EP, "2"), model=DEEPSEEK),
+    # With selective "op" AC around the experts' own FSDP unit (torch 2.15's replay of FSDP's annotations failed there).
+    Layout("moe_ep2", 2, 2, (EP, "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                             "op"), model=DEEPSEEK),
     Layout("moe_ep4", 4, 4, (EP, "4"), model=DEEPSEEK),
     Layout("moe_ep2_fsdp4", 4, 4, (EP, "2"), model=DEEPSEEK),  # each expert FSDP-sharded over 2 ranks
     Layout("moe_ep2_hsdp2x2", 4, 4, (EP, "2", f"{P}data_parallel_replicate_degree", "2"), model=DEEPSEEK),
-    # Selective "op" AC around the experts' own FSDP unit (torch 2.15's replay of FSDP's annotations failed), and
-    # compiled (the experts and their dispatch eager, the rest of each MoE block compiled piece by piece) under full AC.
-    Layout("moe_ep2_ac_selective_op", 2, 2, (EP, "2", "--activation_checkpoint.mode", "selective",
-                                             "--activation_checkpoint.selective_ac_option", "op"), model=DEEPSEEK),
+    # Compiled (the experts and their dispatch eager, the rest of each MoE block compiled piece by piece), under full AC.
     Layout("compile_moe_ep2_ac_full", 2, 2, ("--compile.enable", "true", EP, "2", "--activation_checkpoint.mode", "full"),
            model=DEEPSEEK, slow=True),
     # Qwen3-MoE's auxiliary balance loss is divided over the pipeline microbatches as the loss is.
