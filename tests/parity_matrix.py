@@ -89,8 +89,8 @@ class Layout:
     dp: int  # data-parallel degree: local batch = GLOBAL_BATCH / dp
     args: tuple[str, ...]
     slow: bool = False
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL; off for DDP, whose reducer crashes (SIGSEGV) under the
-    # DETAIL wrapper process group in torch 2.15 on gloo.
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL when the layout runs alone (this script; a row the test runs again alone);
+    # off for DDP, whose reducer crashes (SIGSEGV) under the DETAIL wrapper process group in torch 2.15 on gloo.
     debug_detail: bool = True
     model: tuple[str, ...] = ()  # --model.* arguments; () = the default Llama 3 debug model
     dtype: str = "float32"  # training.mixed_precision_param of the layout and its one-process reference
