@@ -99,3 +99,19 @@ def test_layout_matches_one_process(layout, references, shared_runs, tmp_path):
     if layout.dp > 1:  # each data-parallel rank reads its own share, so the per-rank max is above the mean
         records = [r for r in read_metrics(folder) if "loss/global_avg" in r]
         assert all(r["loss/global_max"] >= r["loss/global_avg"] for r in records)
+
+
+def test_a_pipeline_run_logs_the_loss_of_the_stage_that_holds_the_output(selected, shared_runs):
+    """Rank 0 holds the first stage (the last too under V schedules); its log says what the stage holding the
+    output projection computes, which the shared runs keep in `train.log`."""
+    rows = [lay for lay in selected if "--parallelism.pipeline_parallel_degree" in lay.args]
+    if not rows:
+        pytest.skip("no pipeline row selected")
+    for layout in rows:
+        folder = shared_runs(layout)
+        if folder is None:
+            continue  # its parity test reports the failure
+        lines = [line for line in (folder / "train.log").read_text().splitlines() if " loss: " in line]
+        assert len(lines) == 1 and lines[0].endswith(
+            "output projection + cross-entropy fused, in chunks of at most 1 GiB of fp32 logits"
+            " (training.fused_loss) on the last pipeline stage"), (layout.name, lines)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -118,15 +119,30 @@ def loss_is_compiled(compile_loss: bool, tp: int, loss_parallel: bool) -> bool:
     return compile_loss and not (tp > 1 and loss_parallel)
 
 
-def describe_loss(fused: bool, head: torch.nn.Module | None) -> str:
-    """One line for the start-up log: which loss the run computes, and why."""
+def describe_loss(fused: bool, head: torch.nn.Module | None, pp_group: dist.ProcessGroup | None = None) -> str:
+    """One line for the start-up log: which loss the run computes, and why. Under pipeline parallel the loss is
+    the stage holding the output projection's, which rank 0 may not hold: a collective over `pp_group` (every
+    rank of it calls this) tells rank 0 that stage's line.
+
+    Args:
+        fused: `training.fused_loss`.
+        head: this rank's fused output projection + loss (`ModelParts.head`), or None.
+        pp_group: the pipeline-parallel group, when there is more than one stage.
+    """
     if head is not None:
         rows = getattr(head, "chunk_rows", None)
         size = f"{rows} tokens" if rows else "chunks of at most 1 GiB of fp32 logits"
-        return f"output projection + cross-entropy fused, in {size} (training.fused_loss)"
-    if fused:
-        return "plain cross-entropy on full logits (this rank holds no plain nn.Linear output projection to fuse)"
-    return "plain cross-entropy on full logits (training.fused_loss = false)"
+        line = f"output projection + cross-entropy fused, in {size} (training.fused_loss)"
+    elif fused:
+        line = "plain cross-entropy on full logits (the output projection is not a plain nn.Linear to fuse)"
+    else:
+        line = "plain cross-entropy on full logits (training.fused_loss = false)"
+    if pp_group is None:
+        return line
+    lines: list[tuple[bool, str] | None] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(lines, (head is not None, line), group=pp_group)
+    stages = [entry for entry in lines if entry is not None]
+    return next((text for has_head, text in stages if has_head), line) + " on the last pipeline stage"
 
 
 class StepLoss:

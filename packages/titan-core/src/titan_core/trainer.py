@@ -10,7 +10,6 @@ below gets the plain arguments it uses. `docs/architecture.md` walks through it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -47,40 +46,13 @@ from titan_core.step import (
     cross_entropy_loss,
     describe_loss,
 )
+from titan_core.train_state import TrainState, set_determinism
 from titan_core.validation import Validator
 from titan_parallel.attention_backend import choose_sdpa_backends
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
 
 logger = logging.getLogger("titan")
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Progress of the run, saved in checkpoints."""
-
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-
-
-def set_determinism(seed: int | None, deterministic: bool) -> int:
-    """Seed every RNG with the same seed on every rank (rank 0's when `seed` is None); returns it."""
-    if seed is None:
-        chosen = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64)
-        dist.broadcast(chosen, src=0)
-        seed = int(chosen.item())
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    return seed
 
 
 class Trainer:
@@ -154,8 +126,10 @@ class Trainer:
             self.loss.fn = HeadLoss(self.model.head)
         implementation, why = resolve_implementation(cfg.optimizer.implementation, self.device.type)
         attention, attention_why = choose_sdpa_backends(t.attention_backend, self.device)
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        loss_line = describe_loss(t.fused_loss, self.model.head, pp_group)  # a collective under PP
         if self.rank == 0:
-            logger.info("loss: %s", describe_loss(t.fused_loss, self.model.head))
+            logger.info("loss: %s", loss_line)
             if self.model.copies is not None:
                 logger.info("optimizer step kernel: master weights (%s)", job.weights_reason)
             else:
