@@ -89,7 +89,7 @@ def test_expert_parallel_estimate_prints_a_table_and_gathers_fewer_experts():
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "analytic estimate, 2 ranks" in proc.stdout
+    assert "analytic estimate, 2 ranks: dp_shard=2, ep=2 (" in proc.stdout  # the layout names the EP degree
     for component in ("parameters", "gradients", "optimizer", "activations", "communication", "temporary", "total"):
         assert any(line.startswith(component) for line in lines), component
 

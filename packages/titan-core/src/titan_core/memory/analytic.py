@@ -173,7 +173,8 @@ def describe_layout(job: Job, compute_bytes: int) -> str:
 
 
 def _degrees(dims: ParallelDims) -> dict[str, int]:
-    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    """The degrees above 1; `ep` last, as it is carved from the dp_shard x cp ranks rather than multiplying them."""
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
     return {n: getattr(dims, n) for n in names if getattr(dims, n) > 1}
 
 
