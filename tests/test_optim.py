@@ -300,13 +300,15 @@ class _Run:
         return used
 
 
-def test_a_resume_with_the_same_config_changes_nothing(tmp_path, world_of_one):
+def test_a_resume_with_the_same_config_changes_nothing(tmp_path, world_of_one, caplog):
     reference = _Run(tmp_path / "ref", steps=6)
     lrs = reference.train(6)
     run = _Run(tmp_path / "run", steps=6)
     run.train(3)
     resumed = _Run(tmp_path / "run", steps=6)
-    assert resumed.resume() == []  # betas come back from the checkpoint as a list: not a change
+    with caplog.at_level("INFO", logger="titan"):
+        assert resumed.resume() == []  # betas come back from the checkpoint as a list: not a change
+    assert not [r for r in caplog.records if "resume:" in r.getMessage()]  # neither a setting nor the LR moved
     assert resumed.train(3) == lrs[3:]  # the same floats
     for a, b in zip(resumed.model.parameters(), reference.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -319,6 +321,9 @@ def test_a_resume_takes_the_configs_lr_weight_decay_and_steps(tmp_path, world_of
         changed = extended.resume()
     said = [r.getMessage() for r in caplog.records if "optimizer settings apply" in r.getMessage()]
     assert said == ["resume: the config's optimizer settings apply, not the checkpoint's: " + "; ".join(changed)]
+    # The 3-step schedule had decayed to 0 for step 4; the 6-step one gives it 5e-3 x 0.6 (below).
+    said = [r.getMessage() for r in caplog.records if "next step's LR" in r.getMessage()]
+    assert said == ["resume: the next step's LR follows the config's schedule, not the checkpoint's: 0 -> 0.003 (group 0)"]
     assert changed == ["betas (0.9, 0.95) -> (0.8, 0.9) (group 0)", "weight_decay 0.1 -> 0.0 (group 0)",
                        "lr 0.01 -> 0.005 (group 0)"]  # fmt: skip
     # A rollback to that checkpoint (training.on_nonfinite / on_loss_spike = "rollback") keeps the config's too.

@@ -151,13 +151,26 @@ class RunCheckpointer(CheckpointManager):
         return step
 
     def _follow_config(self, load: str) -> None:
+        saved_lrs = [_plain(group["lr"]) for group in self.optimizers[0].param_groups]
         self.settings_changed = self.settings.restore(self.optimizers, self.lr_schedulers)
-        if self.settings_changed and self.rank == 0:
+        if self.rank != 0:
+            return
+        if self.settings_changed:
             logger.info(
                 "%s: the config's optimizer settings apply, not the checkpoint's: %s",
                 load,
                 "; ".join(self.settings_changed),
             )
+        # The LR itself: a new peak, warm-up or training.steps moves it even where no group setting changed.
+        lrs = [_plain(group["lr"]) for group in self.optimizers[0].param_groups]
+        moved = [
+            f"{old:.4g} -> {new:.4g} (group {i})"
+            for i, (old, new) in enumerate(zip(saved_lrs, lrs, strict=True))
+            if old != new
+        ]
+        if moved:
+            logger.info("%s: the next step's LR follows the config's schedule, not the checkpoint's: %s", load,
+                        "; ".join(moved))  # fmt: skip
 
 
 def _plain(value: Any) -> Any:
