@@ -39,7 +39,7 @@ def tokenize(
 ) -> None:
     """Tokenize documents once into token shards that `titan train` reads with O(1) work per rank.
 
-    Each document becomes [bos] + ids + [eos], in the order read: the same token stream
+    Each document becomes BOS + ids + EOS, in the order read: the same token stream
     as tokenizing on the fly with the same tokenizer. The output appears only once complete.
     """
     from titan_core.data import build_tokenizer, write_token_shards
