@@ -25,6 +25,7 @@ from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
+from titan_core.job.host_memory import check_host_memory, host_memory_available
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
@@ -60,9 +61,11 @@ class Trainer:
 
     Args:
         cfg: the resolved job config.
+        host_memory_check: on the CPU, refuse a model whose states alone exceed this machine's free memory
+            (`titan_core.job.host_memory`); off for a trainer built on fake tensors (the traced estimate).
     """
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, *, host_memory_check: bool = True):
         t = cfg.training
         self.device = resolve_device(t.device)
         self.rank, self.world_size = init_distributed(
@@ -109,6 +112,10 @@ class Trainer:
             )
         self.n_params = self.spec.count_params(self.model_args)
         self.n_active_params = self.spec.active_params(self.model_args)
+        if host_memory_check and job.device_type == "cpu":  # refused before allocating, not OOM-killed later
+            d, local_processes = self.dims, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            shards = d.dp_shard * d.cp * d.tp * d.pp
+            check_host_memory(self.n_params, cfg.optimizer.name, shards, local_processes, host_memory_available())
         if self.rank == 0:
             logger.info("compute dtype %s", job.dtype_reason)
             if job.dtype_warning:

@@ -207,7 +207,7 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
             warnings.simplefilter("ignore")
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             with building(mode):  # the whole trainer on fake tensors, but its device meshes
-                trainer = Trainer(cfg)
+                trainer = Trainer(cfg, host_memory_check=False)  # nothing real is allocated
             if model_args is not None and trainer.model_args != model_args:
                 raise RuntimeError(
                     f"the traced model's shape {trainer.model_args} differs from the checked job's {model_args}; "
