@@ -87,3 +87,18 @@ def test_missing_torchao_is_found_when_the_job_is_resolved(monkeypatch):
     assert str(caught.value) == (
         "model.converters = ['float8'] needs torchao, which is not installed; pip install titan-parallel[float8] (torchao)"
     )
+
+
+def test_a_start_that_cannot_load_the_folders_checkpoint_leaves_the_runs_config(tmp_path):
+    """Another model pointed at a run folder: one line, and the folder's config.toml is still its run's (titan
+    generate / convert read the model from it)."""
+    run = tmp_path / "run"
+    run_titan(run, *TINY, "--training.steps", "2", "--checkpoint.enable", "true")
+    before = (run / "config.toml").read_bytes()
+    qwen3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel")
+    proc = run_titan(run, *TINY, "--training.steps", "4", "--checkpoint.enable", "true", *qwen3, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("titan: error: ")]
+    assert len(errors) == 1 and "it was saved from another model" in errors[0], proc.stderr[-3000:]
+    assert (run / "config.toml").read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "config.toml", "metrics.jsonl"]

@@ -349,20 +349,26 @@ class Trainer:
                 saved if self.cfg.checkpoint.enable else "nothing saved (checkpoint.enable is off)",
             )
 
+    def _write_config(self) -> None:
+        """Rank 0 writes the resolved config as the run folder's `config.toml`, whole or not at all."""
+        if self.rank == 0:
+            staged = self.run_folder / "config.toml.tmp"
+            staged.write_text(dump_toml(self.cfg))
+            staged.replace(self.run_folder / "config.toml")
+
     def train(self) -> list[float]:
         """Run `training.steps` steps; returns the global-average loss of each logged step."""
         cfg, t = self.cfg, self.cfg.training
         if self.rank == 0:
             self.run_folder.mkdir(parents=True, exist_ok=True)
-            (self.run_folder / "config.toml").write_text(dump_toml(cfg))
-        if (
-            cfg.checkpoint.create_seed_checkpoint
-        ):  # [checkpoint] seed mode: save the initialised model as step-0, no training
+        if cfg.checkpoint.create_seed_checkpoint:  # [checkpoint] seed mode: save the initialised model as step-0
+            self._write_config()
             self.checkpointer.save_seed()
             return []
         # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path), on the config's
         # optimizer settings and LR schedule
         resumed = self.checkpointer.load()
+        self._write_config()  # after the load: a start that cannot resume this folder leaves its run's config
         if resumed and self.state.step >= t.steps and self.rank == 0:
             logger.warning(
                 "checkpoint: the run stands at step %d, training.steps is %d: nothing left to train; "
