@@ -99,6 +99,10 @@ def test_a_start_that_cannot_load_the_folders_checkpoint_leaves_the_runs_config(
     proc = run_titan(run, *TINY, "--training.steps", "4", "--checkpoint.enable", "true", *qwen3, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("titan: error: ")]
-    assert len(errors) == 1 and "it was saved from another model" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"titan: error: job.dump_folder {run} holds the checkpoints of a llama3/debugmodel "
+                                "run (its config.toml), and this run is qwen3/debugmodel: choose another "
+                                "job.dump_folder"), errors[0]  # fmt: skip
+    assert "it was saved from another model" in errors[0]  # and titan_ckpt's own words, which tensor is missing
     assert (run / "config.toml").read_bytes() == before
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "config.toml", "metrics.jsonl"]

@@ -30,7 +30,14 @@ from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint
 from titan_core.job.options import checkpoint_options
 
-__all__ = ["ConfigSettings", "RunCheckpointer", "SchedulersState", "build_checkpointer", "hf_checkpoint_hooks"]
+__all__ = [
+    "ConfigSettings",
+    "RunCheckpointer",
+    "SchedulersState",
+    "another_models_checkpoint",
+    "build_checkpointer",
+    "hf_checkpoint_hooks",
+]
 
 logger = logging.getLogger("titan")
 
@@ -171,6 +178,37 @@ class RunCheckpointer(CheckpointManager):
         if moved:
             logger.info("%s: the next step's LR follows the config's schedule, not the checkpoint's: %s", load,
                         "; ".join(moved))  # fmt: skip
+
+
+def another_models_checkpoint(
+    error: Exception, run_folder: Path, checkpoint_folder: str | Path, name: str, flavor: str
+) -> ConfigError | None:
+    """The error to tell when the run folder's own checkpoint did not load because an earlier run of another
+    model saved it (its `config.toml` says which); None when that is not the case (the error stands).
+
+    Args:
+        error: what the load raised.
+        run_folder: `job.dump_folder`.
+        checkpoint_folder: where the run's `step-N` folders are.
+        name: this run's `model.name`.
+        flavor: this run's `model.flavor`.
+    """
+    import tomllib
+
+    if str(checkpoint_folder) not in str(error):  # not the folder's own checkpoint (initial_load_path)
+        return None
+    try:
+        saved = tomllib.loads((Path(run_folder) / "config.toml").read_text()).get("model", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if (saved.get("name"), saved.get("flavor")) == (name, flavor):
+        return None
+    return ConfigError(
+        f"job.dump_folder {run_folder} holds the checkpoints of a {saved.get('name')}/{saved.get('flavor')} run "
+        f"(its config.toml), and this run is {name}/{flavor}: choose another job.dump_folder, or resume that "
+        f"run with its model.name and model.flavor ({error})",
+        keys=("job.dump_folder", "model.name", "model.flavor"),
+    )
 
 
 def _plain(value: Any) -> Any:

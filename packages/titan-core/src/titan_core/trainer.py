@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_core.checkpointing import build_checkpointer, hf_checkpoint_hooks
+from titan_ckpt import CheckpointError
+from titan_core.checkpointing import another_models_checkpoint, build_checkpointer, hf_checkpoint_hooks
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
@@ -367,7 +368,15 @@ class Trainer:
             return []
         # [checkpoint] resume: newest complete step-N (or load_step / initial_load_path), on the config's
         # optimizer settings and LR schedule
-        resumed = self.checkpointer.load()
+        try:
+            resumed = self.checkpointer.load()
+        except CheckpointError as e:
+            told = another_models_checkpoint(
+                e, self.run_folder, self.job.checkpoint.folder, cfg.model.name, cfg.model.flavor
+            )
+            if told is None:
+                raise
+            raise told from e
         self._write_config()  # after the load: a start that cannot resume this folder leaves its run's config
         if resumed and self.state.step >= t.steps and self.rank == 0:
             logger.warning(
