@@ -139,8 +139,12 @@ def test_local_sources_txt_jsonl_parquet(tmp_path):
 def test_local_sources_other_text_field_and_errors(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"content": "one"}\n{"content": "two"}\n')
     assert list(build_source("x", str(tmp_path / "d.jsonl"), text_field="content")) == ["one", "two"]
-    with pytest.raises(ValueError, match="'text'"):
+    with pytest.raises(ValueError) as err:
         list(build_source("x", str(tmp_path / "d.jsonl")))
+    assert str(err.value) == (
+        f"{tmp_path / 'd.jsonl'}:1 has no field 'text' (has ['content']); "
+        "set training.dataset_text_field to the field of the text"
+    )
 
     pattern = str(tmp_path / "nothing" / "*.txt")
     with pytest.raises(FileNotFoundError) as err:

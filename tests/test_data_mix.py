@@ -121,6 +121,15 @@ def test_bad_paths_and_names_are_one_line_naming_the_key(tmp_path, two):
     assert str(caught.value).startswith("training.dataset_mix[1].path: ") and "does not exist" in str(caught.value)
     with pytest.raises(ConfigError, match=r"dataset_mix\[0\] and \[1\] are both named 'web'; set a distinct name"):
         mix_loader([two[0], two[0]], [1, 1], batch=2)
+    # a text source whose records lack the field names the entry's own key for it
+    (tmp_path / "notes.jsonl").write_text('{"body": "one"}\n')
+    loader = mix_loader([two[0], tmp_path / "notes.jsonl"], [1, 1], batch=4)
+    with pytest.raises(ConfigError) as caught:
+        for _ in range(3):
+            next(iter(loader))
+    assert str(caught.value).endswith(
+        "has no field 'text' (has ['body']); set training.dataset_mix[1].text_field to the field of the text"
+    )
 
 
 def test_a_toml_mix_reads_and_writes_back(tmp_path):

@@ -147,6 +147,18 @@ def test_an_error_midway_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_records_without_the_text_field_name_the_option_and_leave_nothing(tmp_path):
+    corpus = tmp_path / "notes.jsonl"
+    corpus.write_text('{"text": "one"}\n{"body": "two"}\n')
+    result = CliRunner().invoke(app, ["tokenize", str(corpus), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"titan tokenize: error: {corpus}:2 has no field 'text' (has ['body']); "
+        "set --dataset-text-field to the field of the text"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl"]
+
+
 def test_dtype_is_uint16_up_to_65536_tokens_else_uint32(tmp_path):
     assert token_dtype(258) == token_dtype(65_536) == np.uint16
     assert token_dtype(65_537) == np.uint32

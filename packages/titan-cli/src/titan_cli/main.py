@@ -6,6 +6,8 @@ command that needs them, so `titan --help` answers at once.
 
 from __future__ import annotations
 
+import inspect
+
 import typer
 
 from titan_cli.convert_cmd import convert
@@ -47,7 +49,13 @@ def main(
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@app.command(context_settings=_PASS_THROUGH)
+def _help(command) -> str:
+    """`command`'s docstring with each paragraph on one line: Typer's rich help keeps a docstring's line breaks,
+    so a paragraph wrapped at the source's width would print ragged at any other terminal width."""
+    doc = inspect.getdoc(command) or ""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in doc.split("\n\n"))
+
+
 def train(
     ctx: typer.Context,
     config: str | None = typer.Option(
@@ -99,14 +107,15 @@ def train(
 
 
 # The subcommands live in their own modules, which import only typer at start-up;
-# registered here, after `train`, so `titan --help` lists them in this order.
-app.command()(convert)
-app.command("estimate-memory", context_settings=_EST)(estimate_memory)
-app.command("plan", context_settings=_PLAN)(plan)
-app.command()(tokenize)
-app.command()(generate)
-app.command("eval")(evaluate)
-app.command()(lighthouse)
+# registered here in the order `titan --help` lists them.
+app.command(context_settings=_PASS_THROUGH, help=_help(train))(train)
+app.command(help=_help(convert))(convert)
+app.command("estimate-memory", context_settings=_EST, help=_help(estimate_memory))(estimate_memory)
+app.command("plan", context_settings=_PLAN, help=_help(plan))(plan)
+app.command(help=_help(tokenize))(tokenize)
+app.command(help=_help(generate))(generate)
+app.command("eval", help=_help(evaluate))(evaluate)
+app.command(help=_help(lighthouse))(lighthouse)
 
 if __name__ == "__main__":
     app()

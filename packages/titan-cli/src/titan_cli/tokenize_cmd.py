@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 _DEFAULT_SHARD_TOKENS = 100_000_000  # titan_core.data.token_shards.DEFAULT_SHARD_TOKENS, not imported at start-up
+FIELD_OPTION = "--dataset-text-field"
 
 
 def tokenize(
@@ -29,7 +30,7 @@ def tokenize(
         help="The tokenizer, as model.hf_assets_path (a folder or file); unset = the byte tokenizer.",
     ),
     dataset_text_field: str = typer.Option(
-        "text", "--dataset-text-field", help="JSON field / parquet column / record field of the text."
+        "text", FIELD_OPTION, help="JSON field / parquet column / record field of the text."
     ),
     shard_tokens: int = typer.Option(
         _DEFAULT_SHARD_TOKENS, "--shard-tokens", help="A shard closes once it holds this many tokens."
@@ -89,7 +90,7 @@ def open_source(name: str, text_field: str):
     from titan_core.data.local_files import expand_pattern
 
     if looks_like_path(name):
-        return LocalFileSource(expand_pattern(name, "titan tokenize INPUT"), text_field)
+        return LocalFileSource(expand_pattern(name, "titan tokenize INPUT"), text_field, field_key=FIELD_OPTION)
     if name == "stdlib":
         return StdlibSource()
-    return HFDatasetSource(name, text_field)
+    return HFDatasetSource(name, text_field, key="titan tokenize INPUT", field_key=FIELD_OPTION)

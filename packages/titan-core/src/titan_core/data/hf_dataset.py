@@ -15,20 +15,29 @@ class HFDatasetSource:
     Args:
         name: the dataset's hub name, e.g. `"allenai/c4"`.
         text_field: the record field that holds the text.
-        key: the config key that names the dataset, for error messages.
+        key: the setting that names the dataset (a config key or a command's argument), for error messages.
+        field_key: the setting that holds `text_field`, named when a record lacks the field.
     """
 
-    def __init__(self, name: str, text_field: str = "text", *, key: str = "training.dataset"):
+    def __init__(
+        self,
+        name: str,
+        text_field: str = "text",
+        *,
+        key: str = "training.dataset",
+        field_key: str = "training.dataset_text_field",
+    ):
         try:
             import datasets
         except ImportError as e:
             raise MissingPackageError(
                 f"{key}: streaming {name!r} from the hub needs the datasets package: "
-                "pip install 'titan-core[hf]', or set training.dataset to 'stdlib' or a local path"
+                f"pip install 'titan-core[hf]', or point {key} at 'stdlib' or local files"
             ) from e
         self.name = name
         self.text_field = text_field
         self.key = key
+        self.field_key = field_key
         try:
             self._dataset = datasets.load_dataset(name, split="train", streaming=True)
         except Exception as e:
@@ -36,7 +45,7 @@ class HFDatasetSource:
             raise ConfigError(
                 f"{key}: could not load {name!r} from the Hugging Face hub "
                 f"(hub unreachable, offline, or no such dataset: {type(e).__name__}: {reason}); "
-                "set training.dataset_path to local .txt/.jsonl/.parquet files, or training.dataset to 'stdlib'"
+                f"point {key} at local .txt/.jsonl/.parquet files (a file, folder or glob), or 'stdlib'"
             ) from e
 
     def __iter__(self) -> Iterator[str]:
@@ -53,7 +62,7 @@ class HFDatasetSource:
             if self.text_field not in record:
                 raise ConfigError(
                     f"{self.key}: {self.name!r} records have no field {self.text_field!r} "
-                    f"(have {list(record)}); set the dataset's text_field"
+                    f"(have {list(record)}); set {self.field_key} to the field of the text"
                 )
             yield str(record[self.text_field] or "")
 

@@ -59,24 +59,27 @@ def count_documents(path: Path, text_field: str) -> int:
     return import_parquet().ParquetFile(path).metadata.num_rows
 
 
-def read_documents(path: Path, text_field: str, start: int = 0) -> Iterator[str]:
+def read_documents(
+    path: Path, text_field: str, start: int = 0, *, field_key: str = "training.dataset_text_field"
+) -> Iterator[str]:
     """The documents of `path`, from its `start`-th on.
 
     Args:
         path: a `.txt`, `.jsonl` or `.parquet` file.
         text_field: the JSON field / parquet column of the text.
         start: how many of the file's documents to skip.
+        field_key: the setting that holds `text_field`, named when a record lacks it.
     """
     if path.suffix == ".txt":
         if start == 0:
             yield path.read_text(encoding="utf-8", errors="replace")
     elif path.suffix == ".jsonl":
-        yield from read_jsonl(path, text_field, start)
+        yield from read_jsonl(path, text_field, start, field_key)
     else:
-        yield from read_parquet(path, text_field, start)
+        yield from read_parquet(path, text_field, start, field_key)
 
 
-def read_jsonl(path: Path, text_field: str, start: int) -> Iterator[str]:
+def read_jsonl(path: Path, text_field: str, start: int, field_key: str) -> Iterator[str]:
     """The `text_field` of each JSON line of `path`, from the `start`-th on (blank lines skipped)."""
     index = 0
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -93,17 +96,19 @@ def read_jsonl(path: Path, text_field: str, start: int) -> Iterator[str]:
             if not isinstance(record, dict) or text_field not in record:
                 fields = list(record) if isinstance(record, dict) else type(record).__name__
                 raise ConfigError(
-                    f"{path}:{line_no} has no field {text_field!r} (has {fields}); set the dataset's text_field"
+                    f"{path}:{line_no} has no field {text_field!r} (has {fields}); "
+                    f"set {field_key} to the field of the text"
                 )
             yield str(record[text_field] or "")
 
 
-def read_parquet(path: Path, text_field: str, start: int) -> Iterator[str]:
+def read_parquet(path: Path, text_field: str, start: int, field_key: str) -> Iterator[str]:
     """The `text_field` column of `path`, row group by row group, from row `start` on."""
     parquet_file = import_parquet().ParquetFile(path)
     if text_field not in parquet_file.schema_arrow.names:
         raise ConfigError(
-            f"{path} has no column {text_field!r} (has {parquet_file.schema_arrow.names}); set the dataset's text_field"
+            f"{path} has no column {text_field!r} (has {parquet_file.schema_arrow.names}); "
+            f"set {field_key} to the column of the text"
         )
     for group in range(parquet_file.num_row_groups):
         n_rows = parquet_file.metadata.row_group(group).num_rows
@@ -136,11 +141,14 @@ class LocalFileSource:
     Args:
         files: `.txt` / `.jsonl` / `.parquet` files, in reading order.
         text_field: the JSON field / parquet column of the text.
+        field_key: the setting that holds `text_field` (a config key or a command's option), named when a
+            record lacks the field.
     """
 
-    def __init__(self, files: list[Path], text_field: str = "text"):
+    def __init__(self, files: list[Path], text_field: str = "text", *, field_key: str = "training.dataset_text_field"):
         self.files = list(files)
         self.text_field = text_field
+        self.field_key = field_key
         self._counts: dict[Path, int] = {}
 
     def __iter__(self) -> Iterator[str]:
@@ -159,7 +167,7 @@ class LocalFileSource:
                 if n_docs >= self._counts[path]:
                     n_docs -= self._counts[path]
                     continue
-            yield from read_documents(path, self.text_field, n_docs)
+            yield from read_documents(path, self.text_field, n_docs, field_key=self.field_key)
             n_docs = 0
 
     def __repr__(self) -> str:

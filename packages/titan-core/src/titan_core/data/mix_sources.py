@@ -116,12 +116,13 @@ def open_source(
         manifest = read_manifest(path, key)
         check_tokenizer(manifest, tokenizer, key)
         return MixSource(name, key, windows=TokenWindows(manifest, seq_len, shuffle_key, key))
+    field_key = key.removesuffix(".path") + ".text_field"  # the entry's own text_field wins
     if path == "stdlib":
         documents: Any = StdlibSource()
     elif looks_like_path(path):
-        documents = LocalFileSource(expand_pattern(path, key), text_field)
+        documents = LocalFileSource(expand_pattern(path, key), text_field, field_key=field_key)
     else:
-        documents = HFDatasetSource(path, text_field, key=key)
+        documents = HFDatasetSource(path, text_field, key=key, field_key=field_key)
     return MixSource(name, key, stream=PackedLoader(documents, tokenizer, seq_len, 1, 0, 1))
 
 
