@@ -190,9 +190,15 @@ def test_trainer_checkpoint_step_folder_to_hf(tmp_path):
     optimizer = {f"optimizer.state.{k}.exp_avg": torch.zeros_like(v) for k, v in state.items()}
     dcp.save({**state, **optimizer}, checkpoint_id=str(step), no_dist=True)
     (step / "train_state.json").write_text('{"step": 3}')
-    (run / "config.toml").write_text('[job]\ndump_folder = "run"\n\n[model]\nname = "llama3"\nflavor = "debugmodel"\n')
+    gone = tmp_path / "assets-on-another-machine"
+    (run / "config.toml").write_text(
+        f'[job]\ndump_folder = "run"\n\n[model]\nname = "llama3"\nflavor = "debugmodel"\nhf_assets_path = "{gone}"\n'
+    )
 
-    result = convert_checkpoint(str(step), tmp_path / "hf", "hf")
+    lines: list[str] = []
+    result = convert_checkpoint(str(step), tmp_path / "hf", "hf", log=lines.append)
+    # the run's tokenizer is not on this machine: said in a line, the conversion goes on without it
+    assert f"the run's tokenizer (model.hf_assets_path {gone} in {run / 'config.toml'}) is not here" in "\n".join(lines)
     assert result.parity.passed and result.parity.max_abs_diff < 1e-5 and result.parity.n_tokens == 256
     hf = load_hf_files(tmp_path / "hf")
     assert torch.equal(hf["lm_head.weight"], state["output.weight"])
@@ -291,3 +297,43 @@ def test_hf_weights_reader_and_writer_for_the_trainer(tmp_path):
     assert "lm_head.weight" not in load_hf_files(tmp_path)  # tied, as transformers saves it
     back = read_hf_weights(tmp_path, "llama3", args)
     assert set(back) == set(state) and all(torch.equal(back[k], state[k].bfloat16()) for k in state)
+
+
+def test_exports_of_a_run_carry_its_tokenizer(tmp_path):
+    """A run trained with `model.hf_assets_path` exports with its tokenizer: the last save in Hugging Face format and
+    `titan convert` of a DCP step both carry the tokenizer files, so `transformers` tokenizes as training did and
+    `titan generate` on the export, away from the run folder, continues as it does from the run's checkpoint."""
+    from test_tokenizers import train_tiny_bpe
+    from titan_run import TINY, run_titan
+
+    from titan_core.data import build_tokenizer
+
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    train_tiny_bpe(assets, ["<s>", "</s>"])
+    (assets / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    run = tmp_path / "run"
+    run_titan(run, *TINY, "--training.steps", "2", "--model.hf_assets_path", str(assets), "--checkpoint.enable",
+              "--checkpoint.interval", "1", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")  # fmt: skip
+    last = run / "checkpoint" / "step-2"
+    assert detect_format(last) == "hf"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (last / name).read_bytes() == (assets / name).read_bytes(), name
+
+    export = tmp_path / "elsewhere" / "export"
+    result = CliRunner().invoke(app, ["convert", str(run / "checkpoint" / "step-1"), str(export), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    assert f"tokenizer: tokenizer.json, tokenizer_config.json from {assets}" in result.output
+    text = "To be, or not to be, that is the question"
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == build_tokenizer(str(assets)).encode(text)
+
+    def generate(source: Path) -> list[str]:
+        out = CliRunner().invoke(app, ["generate", str(source), "-p", "To be", "-n", "12", "--temperature", "0"])
+        assert out.exit_code == 0, out.output
+        return out.output.splitlines()
+
+    from_run, from_export = generate(run / "checkpoint" / "step-1"), generate(export)
+    assert from_run[0] == from_export[0] and from_run[0].startswith("To be")  # the prompt and its continuation
+    described = [next(line for line in lines if line.startswith("model ")) for lines in (from_run, from_export)]
+    assert described[0].endswith(f"tokenizer of {assets}") and described[1].endswith(f"tokenizer in {export}")

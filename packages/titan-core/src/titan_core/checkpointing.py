@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from titan_ckpt import CheckpointManager, CheckpointOptions, LoadModelFn, SaveModelFn, parse_dtype
 from titan_core.config.errors import ConfigError
-from titan_core.config.schema import Checkpoint
+from titan_core.config.schema import Checkpoint, Model
 from titan_core.job.options import checkpoint_options
 
 __all__ = [
@@ -272,13 +272,14 @@ def build_checkpointer(
 
 
 def hf_checkpoint_hooks(
-    ckpt: Checkpoint, model_name: str, model_args: Any, hf_source: Any, *, rank: int
+    ckpt: Checkpoint, model: Model, model_args: Any, hf_source: Any, *, rank: int
 ) -> dict[str, Any]:
     """`build_checkpointer`'s readers/writers for `checkpoint.initial_load_in_hf` / `last_save_in_hf`.
 
     Args:
         ckpt: the `checkpoint` config section.
-        model_name: the registered model family (`model.name`), for its Hugging Face adapter.
+        model: the `model` config section: the family (its Hugging Face adapter) and the tokenizer
+            (`hf_assets_path`), whose files the export carries.
         model_args: the model's shape.
         hf_source: the resolved Hugging Face source of `initial_load_path`, or None (then the path itself).
         rank: this process's rank (rank 0 writes the export).
@@ -287,13 +288,14 @@ def hf_checkpoint_hooks(
     if ckpt.initial_load_in_hf:
         from titan_core.convert import read_hf_weights
 
-        hooks["load_model_fn"] = lambda path: read_hf_weights(hf_source or path, model_name, model_args)
+        hooks["load_model_fn"] = lambda path: read_hf_weights(hf_source or path, model.name, model_args)
     if ckpt.last_save_in_hf:
         from titan_core.convert import write_hf_weights
 
         def save_hf(folder, state_dict):
             if rank == 0:
-                write_hf_weights(folder, dict(state_dict), model_name, model_args, dtype=parse_dtype(ckpt.export_dtype))
+                state, dtype = dict(state_dict), parse_dtype(ckpt.export_dtype)
+                write_hf_weights(folder, state, model.name, model_args, dtype, tokenizer=model.hf_assets_path)
 
         hooks["save_model_fn"] = save_hf
     return hooks

@@ -7,13 +7,17 @@ layout); the model's `ModelSpec.hf_adapter` renames (and for Llama 3 permutes) t
 Hugging Face. The family is `--model-name`, or the one whose Hugging Face architecture the
 source's `config.json` names (`infer_model_name`). The shape of a Titan-side source comes
 from `--flavor`, a `config.json` beside it, or the run's `config.toml` above a trainer
-checkpoint (`<run>/checkpoint/step-N`). Every output is written to a hidden sibling
+checkpoint (`<run>/checkpoint/step-N`). The tokenizer travels along: the source folder's
+tokenizer files, else those of the run's `model.hf_assets_path` (`copy_tokenizer`), so
+`transformers` and `titan generate` read an export with the tokenizer it was trained
+with. Every output is written to a hidden sibling
 folder and renamed into place only once complete and, when Hugging Face is involved,
 once the parity check passed.
 """
 
 from __future__ import annotations
 
+import shutil
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +40,8 @@ from titan_ckpt.hf_safetensors import (
     write_hf_config,
 )
 from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_torch_state_dict
-from titan_core.config.errors import ConfigError
+from titan_core.config.errors import ConfigError, MissingFileError
+from titan_core.data.tokenizer import find_tokenizer_file
 from titan_core.hf_parity import ParityError, ParityReport, check_hf_parity
 from titan_models import HFAdapter, get_model_args, get_model_spec
 
@@ -138,6 +143,8 @@ def convert_checkpoint(
             write_torch_state_dict(tmp / TORCH_FILE_NAME, written)
             write_hf_config(tmp, hf_config)
             copy_extra_files(extras_dir, tmp)
+        if tmp.is_dir() and src_format != "hf":
+            copy_run_tokenizer(src_path, tmp, log)
         if parity_check and "hf" in (src_format, to):
             log("checking parity with transformers")
             if to == "hf":  # HF side: the files just written; Titan side: the source weights
@@ -172,6 +179,7 @@ def write_hf_weights(
     args: Any,
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
+    tokenizer: str | Path | None = None,
 ) -> None:
     """Write Titan-named full weights as a Hugging Face checkpoint into `folder` (a
     `checkpoint.last_save_in_hf` writer; call it on one rank).
@@ -183,12 +191,16 @@ def write_hf_weights(
         args: the model's args.
         dtype: cast floating-point weights to this; None keeps them.
         max_shard_size: shard size limit.
+        tokenizer: the run's `model.hf_assets_path`, whose tokenizer files are copied along; None: the byte
+            tokenizer, which has no files.
     """
     adapter = _hf_adapter(model_name)
     # write_hf_checkpoint records the dtype of the weights it writes as torch_dtype
     write_hf_checkpoint(
         folder, adapter.to_hf(state_dict, args), adapter.hf_config_from_args(args, "float32"), max_shard_size, dtype
     )
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, Path(folder))
 
 
 def infer_model_name(src: Path, src_format: str) -> str:
@@ -221,6 +233,49 @@ def infer_model_name(src: Path, src_format: str) -> str:
             )
     run = find_run_config(folder)
     return str(run[1].get("model", {}).get("name", DEFAULT_MODEL_NAME)) if run is not None else DEFAULT_MODEL_NAME
+
+
+def copy_tokenizer(assets: str | Path, folder: Path) -> list[str]:
+    """Copy the tokenizer that `model.hf_assets_path` names into `folder`: its tokenizer file (the one
+    `build_tokenizer` reads) and the `HF_EXTRA_FILES` beside it. Returns the names copied.
+
+    Args:
+        assets: a tokenizer folder or file, as `model.hf_assets_path`.
+        folder: an existing folder (an export of the weights).
+    """
+    path = Path(assets).expanduser()
+    file = find_tokenizer_file(path) if path.is_dir() else path
+    names = copy_extra_files(file.parent, folder)
+    if file.name not in names:
+        shutil.copyfile(file, folder / file.name)
+        names.append(file.name)
+    return names
+
+
+def copy_run_tokenizer(src: Path, folder: Path, log: Callable[[str], None]) -> None:
+    """Give an export of a training checkpoint its run's tokenizer (`model.hf_assets_path` of the run's
+    config.toml), unless the source folder carried tokenizer files of its own, or the run used the byte
+    tokenizer (which has no files). A run whose tokenizer is not on this machine gets a line, not an error.
+
+    Args:
+        src: the source checkpoint (a step folder or a file in one).
+        folder: the export being written.
+    """
+    try:
+        find_tokenizer_file(folder)
+        return  # the source's own tokenizer files came along
+    except MissingFileError:
+        pass
+    run = find_run_config(src)
+    if run is None or run[1].get("model", {}).get("hf_assets_path") is None:
+        return
+    toml_path, assets = run[0], run[1]["model"]["hf_assets_path"]
+    try:
+        names = copy_tokenizer(assets, folder)
+    except (MissingFileError, FileNotFoundError):
+        log(f"the run's tokenizer (model.hf_assets_path {assets} in {toml_path}) is not here; the export carries none")
+        return
+    log(f"tokenizer: {', '.join(names)} from {assets} (the run's model.hf_assets_path)")
 
 
 def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:

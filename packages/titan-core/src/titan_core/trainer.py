@@ -183,7 +183,7 @@ class Trainer:
             dataloader=self.loader,
             train_state=self.state,
             device=self.device,
-            **hf_checkpoint_hooks(cfg.checkpoint, cfg.model.name, self.model_args, job.hf_source, rank=self.rank),
+            **hf_checkpoint_hooks(cfg.checkpoint, cfg.model, self.model_args, job.hf_source, rank=self.rank),
         )
         # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
         self.balancer = ExpertLoadBalancer(
