@@ -14,6 +14,7 @@ from titan_core.data import (
     LocalFileSource,
     PackedLoader,
     StdlibSource,
+    build_loader,
     build_source,
 )
 
@@ -88,19 +89,69 @@ def test_stdlib_source_yields_the_standard_library():
 
 
 def test_stdlib_source_skips_folders_and_falls_back_offline(tmp_path):
-    for rel in ["b.py", "a.py", "pkg/c.py", "pkg/notes.txt", "test/t.py", "tests/t.py", "idlelib/i.py",
+    for rel in ["b.py", "a.py", "pkg/c.py", "v8.py", "pkg/notes.txt", "test/t.py", "tests/t.py", "idlelib/i.py",
                 "site-packages/s.py", "lib2to3/l.py", "pkg/tests/t.py"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(f"# {rel}\n")
+    # v8.py is validation's: zlib.crc32(b"v8.py") % 20 == 0 (the corpus module's rule); the others are training's
     assert list(StdlibSource(tmp_path)) == ["# a.py\n", "# b.py\n", "# pkg/c.py\n"]
     assert list(StdlibSource(tmp_path).skip(2)) == ["# pkg/c.py\n"]
+    assert list(StdlibSource(tmp_path, split="validation")) == ["# v8.py\n"]
+    assert list(StdlibSource(tmp_path, split="all")) == ["# a.py\n", "# b.py\n", "# pkg/c.py\n", "# v8.py\n"]
 
     empty = tmp_path / "stripped"
     empty.mkdir()
-    fallback = list(StdlibSource(empty))  # no .py files: the interpreter's own docstrings
+    fallback = list(StdlibSource(empty, split="all"))  # no .py files: the interpreter's own docstrings
     assert len(fallback) > 5
     assert fallback[0].startswith("builtins") and "print" in fallback[0]
-    assert list(StdlibSource(empty).skip(3)) == fallback[3:]
+    assert list(StdlibSource(empty, split="all").skip(3)) == fallback[3:]
+    # split by index there: every 20th document, from the first, is validation's
+    assert list(StdlibSource(empty, split="validation")) == fallback[::20]
+    assert list(StdlibSource(empty)) == [doc for i, doc in enumerate(fallback) if i % 20]
+
+
+def test_the_stdlib_corpus_holds_out_validation_files_that_training_never_reads():
+    every = StdlibSource(split="all").files
+    train, held_out = build_source("stdlib").files, build_source("stdlib", split="validation").files
+    assert not set(train) & set(held_out) and sorted(train + held_out) == sorted(every)
+    assert 0.02 * len(every) < len(held_out) < 0.1 * len(every)
+    # the loaders: training and validation read different text from their first batch on
+    first = {}
+    for section in ("training", "validation"):
+        loader = build_loader("stdlib", None, "text", ByteTokenizer(), seq_len=64, local_batch_size=2, section=section)
+        first[section] = next(iter(loader))[0]
+    assert not torch.equal(first["training"], first["validation"])
+    validation_text = bytes(first["validation"][0, 1:].tolist()).decode("utf-8", errors="replace")
+    assert validation_text in held_out[0].read_text(encoding="utf-8")  # the first held-out file's start
+
+
+def test_validation_on_the_training_data_is_named_in_a_warning(tmp_path):
+    from titan_core.config import load_config
+    from titan_core.validation import training_overlap
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "b"}\n')
+
+    def overlap(*overrides: str) -> str | None:
+        return training_overlap(load_config(None, ["--validation.enable", *overrides]))
+
+    assert overlap() is None  # stdlib on both sides: split
+    assert overlap("--training.dataset_path", str(corpus), "--validation.dataset_path", str(other)) is None
+    same = overlap("--training.dataset_path", str(corpus), "--validation.dataset_path", f"{tmp_path}/../{tmp_path.name}/corpus.jsonl")
+    assert same == (
+        f"validation.dataset_path reads what training trains on (training.dataset_path = {corpus}): the validation "
+        "loss measures the fit to text the run has seen, not to held-out text; point validation.dataset_path at "
+        "other files"
+    )
+    mix = json.dumps([{"path": "stdlib", "weight": 1}, {"path": str(corpus), "weight": 1}])
+    assert f"(training.dataset_mix[1].path = {corpus})" in overlap(
+        "--training.dataset_mix", mix, "--validation.dataset", str(corpus)
+    )
+    assert overlap("--training.dataset", "allenai/c4", "--validation.dataset", "allenai/c4").startswith(
+        "validation.dataset reads what training trains on (training.dataset = allenai/c4)"
+    )
 
 
 def write_local_corpus(folder):

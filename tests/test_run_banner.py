@@ -96,3 +96,8 @@ def test_a_moe_banner_counts_active_parameters_and_expert_parallel():
 def test_no_shipped_default_claims_a_description():
     assert load_config(None, []).job.description == ""
     assert load_config("llama3_debugmodel", []).job.description == ""
+
+
+def test_validation_on_the_stdlib_corpus_reads_its_held_out_files():
+    line = banner(["--validation.enable"])
+    assert "data: the built-in Python stdlib corpus, validation the stdlib corpus's held-out files" in line

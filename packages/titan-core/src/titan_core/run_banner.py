@@ -24,7 +24,7 @@ def run_banner(job: Job) -> str:
     source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
     data = f"data: {source}"
     if cfg.validation.enable:
-        data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path)}"
+        data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path, held_out=True)}"
     tokenizer = f"tokenizer {cfg.model.hf_assets_path}" if cfg.model.hf_assets_path else "byte tokenizer"
     parts = [
         f"model {cfg.model.name}/{cfg.model.flavor} ({n_params / 1e6:.1f}M params{active})",
@@ -38,17 +38,18 @@ def run_banner(job: Job) -> str:
     return " | ".join(parts)
 
 
-def describe_dataset(dataset: str, dataset_path: str | None) -> str:
+def describe_dataset(dataset: str, dataset_path: str | None, held_out: bool = False) -> str:
     """Where a `[training]` / `[validation]` section reads its documents from, in a few words.
 
     Args:
         dataset: the section's `dataset`.
         dataset_path: the section's `dataset_path` (local files or token shards; wins over `dataset`).
+        held_out: the `[validation]` section's, which reads the stdlib corpus's held-out files.
     """
     if dataset_path:
         return dataset_path if dataset == "stdlib" else f"{dataset} from {dataset_path}"
     if dataset == "stdlib":
-        return "the built-in Python stdlib corpus"
+        return "the stdlib corpus's held-out files" if held_out else "the built-in Python stdlib corpus"
     return dataset if looks_like_path(dataset) else f"{dataset} (Hugging Face)"
 
 

@@ -49,7 +49,7 @@ from titan_core.step import (
     describe_loss,
 )
 from titan_core.train_state import TrainState, set_determinism
-from titan_core.validation import Validator
+from titan_core.validation import Validator, training_overlap
 from titan_parallel.attention_backend import choose_sdpa_backends
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
@@ -123,6 +123,8 @@ class Trainer:
                 logger.warning("%s", job.dtype_warning)
             if job.warmup_note:
                 logger.info("%s", job.warmup_note)
+            if cfg.validation.enable and (overlap := training_overlap(cfg)):
+                logger.warning("%s", overlap)
         loss_fn = cross_entropy_loss
         if loss_compiled_for(job):
             loss_fn = torch.compile(cross_entropy_loss)

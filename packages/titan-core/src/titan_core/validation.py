@@ -5,17 +5,53 @@ so the figures of different steps compare. The forward is the step runner's
 (`titan_core.step.StepRunner.eval_loss`): the same placement, CP sharding, mixed
 precision and loss parallel as training, and under pipeline parallel the
 schedule's forward-only pass.
+
+Held out by default: `validation.dataset = "stdlib"` reads the stdlib corpus's
+validation files, which training never reads (`titan_core.data.corpus`). Data that
+training reads too (the same `dataset_path` or hub name) is the user's choice, and
+`training_overlap` names it in a warning at start-up.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titan_core.config.schema import JobConfig
 from titan_core.data import MixtureLoader, PackedLoader, TokenShardLoader
+from titan_core.data.corpus import looks_like_path
+
+
+def training_overlap(cfg: JobConfig) -> str | None:
+    """A warning when `[validation]` reads data `[training]` trains on (the same local path or hub dataset), else
+    None. The stdlib corpus is split, so "stdlib" on both sides is not an overlap.
+
+    Args:
+        cfg: the job's config.
+    """
+    v, t = cfg.validation, cfg.training
+    key, name = ("validation.dataset_path", v.dataset_path) if v.dataset_path else ("validation.dataset", v.dataset)
+    if name == "stdlib":
+        return None
+    if t.dataset_mix:
+        sources = [(f"training.dataset_mix[{i}].path", entry.path) for i, entry in enumerate(t.dataset_mix)]
+    else:
+        sources = [("training.dataset_path", t.dataset_path) if t.dataset_path else ("training.dataset", t.dataset)]
+
+    def where(source: str) -> str:
+        return os.path.realpath(os.path.expanduser(source)) if looks_like_path(source) else source
+
+    for train_key, source in sources:
+        if where(source) == where(name):
+            return (
+                f"{key} reads what training trains on ({train_key} = {source}): the validation loss measures the "
+                f"fit to text the run has seen, not to held-out text; point {key} at other files"
+            )
+    return None
 
 
 class Validator:

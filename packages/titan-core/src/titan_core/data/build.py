@@ -110,5 +110,5 @@ def loader_factory(
         return functools.partial(
             TokenShardLoader, manifest, seq_len, local_batch_size, dp_rank, dp_world, prefetch=prefetch, key=key
         )
-    source = build_source(dataset, dataset_path, text_field)
+    source = build_source(dataset, dataset_path, text_field, split="validation" if section == "validation" else "train")
     return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)

@@ -6,7 +6,11 @@ cheaply (whole files, unparsed lines) so that a resumed run does not re-read
 what it already trained on. `build_source` picks the source from the config:
 
 - `"stdlib"` (the default): the Python standard library's own `.py` files, a
-  corpus every Python install already has. Titan's offline default.
+  corpus every Python install already has. Titan's offline default. Its files
+  split in two, so that validation on it is held out: a file whose path's CRC-32
+  is 0 mod 20 (34 of 601 files, 0.5 of 11 MB, on Python 3.11) is validation's
+  (`split="validation"`), every other file training's. The rule is per file, so a
+  Python version that adds or drops files leaves the others where they were.
 - a local file, folder or glob of `.txt` / `.jsonl` / `.parquet` files.
 - anything else: a Hugging Face hub dataset, streamed.
 """
@@ -18,9 +22,10 @@ import importlib
 import os
 import sys
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from titan_core.data.hf_dataset import HFDatasetSource
 from titan_core.data.local_files import SUFFIXES, LocalFileSource, expand_pattern
@@ -29,6 +34,9 @@ __all__ = ["DocumentSource", "StdlibSource", "build_source", "looks_like_path"]
 
 # Stdlib folders that are not library code (tests, the IDE, installed packages).
 _STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"})
+VALIDATION_EVERY = 20
+"""One stdlib file in this many (by its path's CRC-32) is held out for validation."""
+Split = Literal["train", "validation", "all"]
 
 
 @runtime_checkable
@@ -44,7 +52,9 @@ class DocumentSource(Protocol):
         ...
 
 
-def build_source(dataset: str, dataset_path: str | None = None, text_field: str = "text") -> DocumentSource:
+def build_source(
+    dataset: str, dataset_path: str | None = None, text_field: str = "text", split: Split = "train"
+) -> DocumentSource:
     """The document source that the config names.
 
     Args:
@@ -52,11 +62,12 @@ def build_source(dataset: str, dataset_path: str | None = None, text_field: str 
         dataset_path: local files (a file, folder or glob); when set, it wins
             over `dataset`.
         text_field: the JSON field / parquet column / record field of the text.
+        split: which part of the stdlib corpus (`StdlibSource`); other sources are read whole.
     """
     if dataset_path:
         return LocalFileSource(expand_pattern(dataset_path, "training.dataset_path"), text_field)
     if dataset == "stdlib":
-        return StdlibSource()
+        return StdlibSource(split=split)
     if looks_like_path(dataset):
         return LocalFileSource(expand_pattern(dataset, "training.dataset"), text_field)
     return HFDatasetSource(dataset, text_field)
@@ -82,22 +93,31 @@ class StdlibSource:
     Skips the `test`/`tests`/`idlelib`/`site-packages`/`lib2to3` folders. On an
     install stripped of its `.py` files, falls back to the docstrings of the
     builtin modules (one document per module): still offline, never a download.
+    Those split by their index: every 20th, from the first, is validation's.
 
     Args:
         root: the stdlib folder; `sysconfig.get_paths()["stdlib"]` by default.
+        split: `"train"` (the default), `"validation"` (the files held out from training: module docstring), or
+            `"all"`.
     """
 
-    def __init__(self, root: str | Path | None = None):
+    def __init__(self, root: str | Path | None = None, split: Split = "train"):
         self.root = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+        self.split = split
         self._files: list[Path] | None = None
         self._fallback: list[str] | None = None
 
     @property
     def files(self) -> list[Path]:
-        """The stdlib `.py` files, sorted by their path under `root`."""
+        """The stdlib `.py` files of this split, sorted by their path under `root`."""
         if self._files is None:
-            self._files = list_stdlib_files(self.root)
+            files = list_stdlib_files(self.root)
+            self._files = [f for f in files if self._keeps(zlib.crc32(f.relative_to(self.root).as_posix().encode()))]
         return self._files
+
+    def _keeps(self, number: int) -> bool:
+        """Whether the document of `number` (its path's CRC-32; a fallback document's index) is in this split."""
+        return self.split == "all" or (number % VALIDATION_EVERY == 0) == (self.split == "validation")
 
     def __iter__(self) -> Iterator[str]:
         return self.skip(0)
@@ -110,14 +130,14 @@ class StdlibSource:
         """
         if not self.files:
             if self._fallback is None:
-                self._fallback = collect_builtin_docs()
+                self._fallback = [doc for i, doc in enumerate(collect_builtin_docs()) if self._keeps(i)]
             yield from self._fallback[n_docs:]
             return
         for path in self.files[n_docs:]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
     def __repr__(self) -> str:
-        return f"StdlibSource({str(self.root)!r})"
+        return f"StdlibSource({str(self.root)!r}, split={self.split!r})"
 
 
 def list_stdlib_files(root: Path) -> list[Path]:
