@@ -209,6 +209,8 @@ def test_traced_tier_runs_the_step_and_falls_back_naming_what_it_cannot_trace():
     assert pipeline.exit_code == 0, pipeline.output
     assert "analytic estimate, 2 ranks" in pipeline.output
     assert "note: not traced: pipeline parallel (parallelism.pipeline_parallel_degree > 1)" in pipeline.output
+    alone = _cli("--config", "llama3_debugmodel")
+    assert alone.exit_code == 0 and "analytic estimate, 1 rank: no parallelism (" in alone.output, alone.output
 
 
 def test_torchft_replica_groups_add_the_flat_gradient_copy():

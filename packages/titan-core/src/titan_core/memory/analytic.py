@@ -156,7 +156,7 @@ def describe_layout(job: Job, compute_bytes: int) -> str:
     cfg = job.cfg
     dims, accum_steps = _sized(job)
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    degrees = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "1 rank"
+    degrees = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "no parallelism"
     extras = [
         f"{'bf16' if compute_bytes == 2 else 'fp32'} compute",
         f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""),

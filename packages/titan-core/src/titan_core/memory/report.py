@@ -112,7 +112,8 @@ def render_text(estimate: MemoryEstimate, title: str) -> str:
     if any(r.cpu_offloaded for r in e.ranks):
         rows.append(("CPU-offloaded (host)", [r.cpu_offloaded for r in e.ranks]))
     width = max(len(name) for name, _ in rows) + 2
-    lines = [title, f"{e.tier} estimate, {e.world_size} ranks: {e.layout}", ""]
+    ranks = "1 rank" if e.world_size == 1 else f"{e.world_size} ranks"
+    lines = [title, f"{e.tier} estimate, {ranks}: {e.layout}", ""]
     lines.append(" " * width + "".join(f"{h:>14}" for h in heads))
     for name, values in rows:
         if name == "total":
