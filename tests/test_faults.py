@@ -8,6 +8,7 @@ losses must be exactly equal (fp32, same seed, deterministic CPU kernels).
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -118,11 +119,15 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path, reference):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "restart 1 of 1 (titan train --max-restarts): resumed from step" in stdout + stderr
-    records = read_metrics(folder)
-    restarted_at = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
-    resumed_from = records[restarted_at]["step"] - 1
+    resumed_from = int(re.search(r"resumed from step (\d+)", stdout + stderr).group(1))
     assert resumed_from % 3 == 0 and resumed_from <= killed_after + 1
     assert last_loss_per_step(folder) == reference
+    # one trajectory: each step logged once; what the killed processes logged past the checkpoint is set aside
+    steps = [r["step"] for r in read_metrics(folder) if "loss/global_avg" in r]
+    assert steps == sorted(set(steps)) == list(range(1, len(steps) + 1))
+    aside = folder / "metrics.superseded.jsonl"
+    set_aside = [json.loads(line)["step"] for line in aside.read_text().splitlines()] if aside.exists() else []
+    assert all(step > resumed_from for step in set_aside), (resumed_from, set_aside)
 
 
 def run_nonfinite(folder: Path, bad_step: int, *args: str) -> subprocess.CompletedProcess:

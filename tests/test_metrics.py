@@ -234,6 +234,44 @@ def test_logger_writes_one_json_record_per_logged_step(tmp_path):
     assert not (tmp_path / "r1").exists()  # rank 0 only
 
 
+def test_a_run_resumed_at_step_n_keeps_one_trajectory_in_metrics_and_tensorboard(tmp_path, caplog):
+    """A process killed after step 5 (a torn last line), resumed from its step-3 checkpoint, logs steps 4 and 5 anew:
+    metrics.jsonl holds each step once, the earlier records of 4 and 5 go to metrics.superseded.jsonl, and TensorBoard
+    shows the new values of 4 and 5 only. A fresh start in the folder then sets the whole trajectory aside."""
+    caplog.set_level(logging.INFO, logger="titan")
+    path, tb = tmp_path / "metrics.jsonl", tmp_path / "tb"
+
+    def run(start: int, steps: range, loss: float) -> None:
+        with MetricsLogger(tb, enable_tensorboard=True, rank=0, total_steps=6, color=False, jsonl_path=path,
+                           start_step=start) as metrics:  # fmt: skip
+            for step in steps:
+                metrics.log(step, {"loss/global_avg": loss + step})
+
+    run(0, range(1, 6), 10.0)
+    with open(path, "a") as f:
+        f.write('{"step": 6, "loss/glo')  # killed in the middle of a write
+    caplog.clear()
+    run(3, range(4, 7), 20.0)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss/global_avg"]) for r in records] == [(1, 11), (2, 12), (3, 13), (4, 24), (5, 25), (6, 26)]
+    aside = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+    assert aside == ['{"step": 4, "loss/global_avg": 14.0}', '{"step": 5, "loss/global_avg": 15.0}', '{"step": 6, "loss/glo']
+    lines = [r.getMessage() for r in caplog.records if r.name == "titan" and r.getMessage().startswith("metrics:")]
+    assert lines == [f"metrics: {path} held 3 records past step 3 (steps 4-5) from an earlier process in this folder, "
+                     "which this run logs anew from step 4: moved to metrics.superseded.jsonl"]  # fmt: skip
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss/global_avg")] == [(1, 11), (2, 12), (3, 13), (4, 24), (5, 25),
+                                                                              (6, 26)]  # fmt: skip
+
+    run(0, range(1, 3), 30.0)  # a fresh start in the same folder: a new trajectory
+    assert [json.loads(line)["loss/global_avg"] for line in path.read_text().splitlines()] == [31, 32]
+    assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 3 + 6
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss/global_avg")] == [(1, 31), (2, 32)]
+
+
 def _log_three_steps(monkeypatch, stream, color):
     """Log steps 1-3 with stdout = `stream` and no logging configured anywhere."""
     monkeypatch.setattr("sys.stdout", stream)

@@ -174,7 +174,9 @@ def test_kill_9_during_training_and_during_async_save_then_resume(reference, tmp
 
     # A: continued from step 3 and matches the uninterrupted run bit for bit (data order, LR, optimizer).
     assert "loaded" in a_out and "step-3" in a_out
-    assert logged_steps(a) == [1, 2, 3, 4, 4, 5, 6]  # step 4 ran again after the resume
+    assert logged_steps(a) == [1, 2, 3, 4, 5, 6]  # step 4 ran again after the resume: logged once
+    assert "held 1 record past step 3 (step 4)" in a_out  # the killed process's step 4 was set aside
+    assert [json.loads(line)["step"] for line in (a / "metrics.superseded.jsonl").read_text().splitlines()] == [4]
     assert losses(a) == losses(reference)
     assert read_json(a, 6, "dataloader") == read_json(reference, 6, "dataloader")
 

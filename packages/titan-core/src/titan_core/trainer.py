@@ -410,6 +410,7 @@ class Trainer:
             jsonl_path=self.run_folder / "metrics.jsonl",
             config_toml=dump_toml(cfg),
             wandb=WandbOptions.from_config(cfg, self.run_folder) if cfg.metrics.enable_wandb else None,
+            start_step=self.state.step,
         )
         if self.rank == 0:
             logger.info("%s", run_banner(self.job))  # model, data, batch, dtype, layout (+ job.description)

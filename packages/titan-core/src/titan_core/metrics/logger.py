@@ -24,6 +24,13 @@ above it (`tqdm.contrib.logging.logging_redirect_tqdm`); when stdout is not a
 terminal there is no bar and no colour codes. Every logged step is also one JSON
 line in `metrics.jsonl`, the record scripts and tests read.
 
+One trajectory per run folder: a run that starts at step N (N = 0 for a fresh
+start, the checkpoint's step for a resume) logs steps N+1 on, so the records an
+earlier process left past step N (steps it ran after its last checkpoint, or a
+whole earlier run in the same folder) are moved from `metrics.jsonl` to
+`metrics.superseded.jsonl`, with a line that says so, and TensorBoard hides the
+earlier event files' steps from N+1 on (`SummaryWriter(purge_step=N + 1)`).
+
 The resolved config is recorded once at the start: as TOML text (tag `config`)
 in TensorBoard, and as the run's config in Weights & Biases (`wandb_sink.py`,
 optional), which receives the same values as TensorBoard each step.
@@ -35,6 +42,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -118,6 +126,44 @@ def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
     return fields
 
 
+def set_aside_records_after(path: Path, step: int) -> str | None:
+    """Move the records of `path` (a `metrics.jsonl`) whose step is after `step`, and any torn line a killed process
+    left, to `metrics.superseded.jsonl` beside it; returns the line saying so, or None when there were none.
+    `path` is replaced whole (staged, renamed), so a kill leaves either file.
+
+    Args:
+        path: the run's `metrics.jsonl` (need not exist).
+        step: the step the new run starts from.
+    """
+    if not path.is_file():
+        return None
+    kept, later, steps = [], [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            record_step = None  # a line torn by a kill
+        if record_step is not None and record_step <= step:
+            kept.append(line + "\n")
+        else:
+            later.append(line + "\n")
+            steps += [] if record_step is None else [record_step]
+    if not later:
+        return None
+    aside = path.with_name("metrics.superseded.jsonl")
+    with open(aside, "a", encoding="utf-8") as f:
+        f.writelines(later)
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text("".join(kept), encoding="utf-8")
+    os.replace(staged, path)
+    low, high = (min(steps), max(steps)) if steps else (None, None)
+    span = "a torn line" if low is None else f"step {low}" if low == high else f"steps {low}-{high}"
+    return (
+        f"metrics: {path} held {len(later)} record{'s' * (len(later) != 1)} past step {step} ({span}) from an earlier "
+        f"process in this folder, which this run logs anew from step {step + 1}: moved to {aside.name}"
+    )
+
+
 def _is_console(handler: logging.Handler) -> bool:
     return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
 
@@ -134,6 +180,8 @@ class MetricsLogger:
         jsonl_path: append one JSON record per logged step to this file; None writes none.
         config_toml: the resolved config as TOML, written once to TensorBoard as text; None writes none.
         wandb: log to a Weights & Biases run made with these options; None = no W&B.
+        start_step: the step the run starts from (0, or the resumed checkpoint's); records and TensorBoard events
+            of later steps that an earlier process wrote are set aside (module docstring).
     """
 
     def __init__(
@@ -146,6 +194,7 @@ class MetricsLogger:
         jsonl_path: str | Path | None = None,
         config_toml: str | None = None,
         wandb: WandbOptions | None = None,
+        start_step: int = 0,
     ) -> None:
         self.rank = rank
         self.total_steps = total_steps
@@ -168,11 +217,12 @@ class MetricsLogger:
                 )
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(log_dir))
+            self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1)
             if config_toml is not None:
                 self._writer.add_text("config", f"```toml\n{config_toml}```", global_step=0)
         if wandb is not None:
             self._wandb = WandbSink(wandb)
+        superseded = None if jsonl_path is None else set_aside_records_after(Path(jsonl_path), start_step)
         if jsonl_path is not None:
             self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if not logger.hasHandlers():
@@ -187,6 +237,8 @@ class MetricsLogger:
             consoles = [lg for lg in (logging.root, logger) if any(_is_console(h) for h in lg.handlers)]
             self._redirect.enter_context(logging_redirect_tqdm(loggers=consoles))
             self._bar = tqdm(total=total_steps, file=self._stream, bar_format=_BAR_FORMAT, unit=" steps")
+        if superseded:
+            logger.info("%s", superseded)
 
     def update_progress(self, step: int) -> None:
         """Advance the progress bar to `step` steps done (call every step; cheap)."""
