@@ -180,10 +180,12 @@ def test_logger_writes_tensorboard_and_console(tmp_path, caplog):
     metrics_logger = MetricsLogger(tb, enable_tensorboard=True, rank=0, total_steps=60, color=True)
     metrics_logger.log(12, STEP_12)
     metrics_logger.log(13, {"loss/global_avg": 5.0, "throughput/mfu_pct": None, "optim/lr": 7e-4})
+    metrics_logger.log(14, {"optim/grad_norm": 19.0})
     metrics_logger.close()
 
     lines = [r.getMessage() for r in caplog.records if r.name == "titan"]
-    assert lines == [LINE_12, "step  13/60  loss 5.0000  lr 7.0e-04"]  # pytest's stdout is no TTY: no colour
+    # pytest's stdout is no TTY: no colour; the grad norm keeps 3 significant digits, "19.0" rather than "19"
+    assert lines == [LINE_12, "step  13/60  loss 5.0000  lr 7.0e-04", "step  14/60  grad_norm 19.0"]
 
     events = EventAccumulator(str(tb))
     events.Reload()

@@ -104,7 +104,7 @@ def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
             text += f" (max {loss_max:.2f})"
         fields.append(_paint(text, "loss", color))
     if (grad_norm := value("optim/grad_norm")) is not None:
-        fields.append(_paint(f"grad_norm {grad_norm:.3g}", "grad_norm", color))
+        fields.append(_paint(f"grad_norm {grad_norm:#.3g}", "grad_norm", color))  # "19.0", not "19"
     if (lr := value("optim/lr")) is not None:
         fields.append(_paint(f"lr {lr:.1e}", "lr", color))
     if (tokens_per_s := value("throughput/tokens_per_s")) is not None:
