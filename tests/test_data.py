@@ -205,6 +205,13 @@ def test_local_sources_other_text_field_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         build_source("stdlib", missing)
     assert "training.dataset_path" in str(err.value) and missing in str(err.value)
+    # validation's data is named by validation's keys
+    with pytest.raises(FileNotFoundError) as err:
+        build_loader("stdlib", missing, "text", ByteTokenizer(), seq_len=8, local_batch_size=1, section="validation")
+    assert str(err.value).startswith(f"validation.dataset_path: {missing} does not exist"), str(err.value)
+    with pytest.raises(FileNotFoundError) as err:
+        build_loader(missing, None, "text", ByteTokenizer(), seq_len=8, local_batch_size=1, section="validation")
+    assert str(err.value).startswith(f"validation.dataset: {missing} does not exist"), str(err.value)
 
 
 def test_hub_dataset_offline_error_names_the_key(monkeypatch):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from titan_core.data.corpus import build_source, looks_like_path
+from titan_core.data.corpus import Split, build_source, looks_like_path
 from titan_core.data.loader import PackedLoader
 from titan_core.data.mix_schedule import shares_of
 from titan_core.data.mix_sources import MixEntry, MixSource, default_name, open_sources
@@ -110,5 +110,6 @@ def loader_factory(
         return functools.partial(
             TokenShardLoader, manifest, seq_len, local_batch_size, dp_rank, dp_world, prefetch=prefetch, key=key
         )
-    source = build_source(dataset, dataset_path, text_field, split="validation" if section == "validation" else "train")
+    split: Split = "validation" if section == "validation" else "train"
+    source = build_source(dataset, dataset_path, text_field, split=split, section=section)
     return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)

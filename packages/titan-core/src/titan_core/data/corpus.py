@@ -53,7 +53,11 @@ class DocumentSource(Protocol):
 
 
 def build_source(
-    dataset: str, dataset_path: str | None = None, text_field: str = "text", split: Split = "train"
+    dataset: str,
+    dataset_path: str | None = None,
+    text_field: str = "text",
+    split: Split = "train",
+    section: str = "training",
 ) -> DocumentSource:
     """The document source that the config names.
 
@@ -63,14 +67,15 @@ def build_source(
             over `dataset`.
         text_field: the JSON field / parquet column / record field of the text.
         split: which part of the stdlib corpus (`StdlibSource`); other sources are read whole.
+        section: the config section the keys belong to (`training`, `validation`), for error messages.
     """
     if dataset_path:
-        return LocalFileSource(expand_pattern(dataset_path, "training.dataset_path"), text_field)
+        return LocalFileSource(expand_pattern(dataset_path, f"{section}.dataset_path"), text_field)
     if dataset == "stdlib":
         return StdlibSource(split=split)
     if looks_like_path(dataset):
-        return LocalFileSource(expand_pattern(dataset, "training.dataset"), text_field)
-    return HFDatasetSource(dataset, text_field)
+        return LocalFileSource(expand_pattern(dataset, f"{section}.dataset"), text_field)
+    return HFDatasetSource(dataset, text_field, key=f"{section}.dataset")
 
 
 def looks_like_path(name: str) -> bool:
