@@ -149,8 +149,9 @@ def test_validation_on_the_training_data_is_named_in_a_warning(tmp_path):
     assert f"(training.dataset_mix[1].path = {corpus})" in overlap(
         "--training.dataset_mix", mix, "--validation.dataset", str(corpus)
     )
-    assert overlap("--training.dataset", "allenai/c4", "--validation.dataset", "allenai/c4").startswith(
-        "validation.dataset reads what training trains on (training.dataset = allenai/c4)"
+    assert overlap("--training.dataset", "allenai/c4", "--validation.dataset", "allenai/c4") is None  # its splits
+    assert overlap("--training.dataset", str(corpus), "--validation.dataset", str(corpus)).startswith(
+        f"validation.dataset reads what training trains on (training.dataset = {corpus})"
     )
 
 
@@ -222,6 +223,33 @@ def test_hub_dataset_offline_error_names_the_key(monkeypatch):
     message = str(err.value)
     assert "training.dataset" in message and "stdlib" in message and "unreachable" in message
     assert "\n" not in message
+
+
+def test_validation_reads_a_hub_datasets_validation_split(monkeypatch):
+    """Training streams a hub dataset's `train` split, validation its `validation` split (the hub replaced by
+    in-memory datasets of the same kind, `IterableDataset`s, that record which split was asked for)."""
+    datasets = pytest.importorskip("datasets")
+    splits = {"train": ["seen in training"] * 3, "validation": ["held out"] * 3}
+    asked = []
+
+    def load_dataset(name, split, streaming):
+        asked.append((name, split, streaming))
+        if split not in splits:
+            raise ValueError(f'Unknown split "{split}". Should be one of {list(splits)}.')
+        return datasets.Dataset.from_list([{"text": t} for t in splits[split]]).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    texts = {}
+    for section in ("training", "validation"):
+        loader = build_loader("org/corpus", None, "text", ByteTokenizer(), seq_len=8, local_batch_size=1, section=section)
+        texts[section] = bytes(next(iter(loader))[0][0, 1:].tolist()).decode()
+    assert asked == [("org/corpus", "train", True), ("org/corpus", "validation", True)]
+    assert texts == {"training": "seen in", "validation": "held ou"}
+    splits.pop("validation")
+    with pytest.raises(ValueError) as err:
+        build_source("org/corpus", None, split="validation", section="validation")
+    assert str(err.value).startswith("validation.dataset: could not load the 'validation' split of 'org/corpus'")
+    assert 'Unknown split "validation"' in str(err.value) and "\n" not in str(err.value)
 
 
 # ---------------------------------------------------------------- loader

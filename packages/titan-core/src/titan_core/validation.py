@@ -7,9 +7,10 @@ precision and loss parallel as training, and under pipeline parallel the
 schedule's forward-only pass.
 
 Held out by default: `validation.dataset = "stdlib"` reads the stdlib corpus's
-validation files, which training never reads (`titan_core.data.corpus`). Data that
-training reads too (the same `dataset_path` or hub name) is the user's choice, and
-`training_overlap` names it in a warning at start-up.
+validation files, which training never reads (`titan_core.data.corpus`), and a hub
+dataset its `validation` split. Local files that training reads too (the same
+`dataset_path`) are the user's choice, and `training_overlap` names them in a
+warning at start-up.
 """
 
 from __future__ import annotations
@@ -27,26 +28,26 @@ from titan_core.data.corpus import looks_like_path
 
 
 def training_overlap(cfg: JobConfig) -> str | None:
-    """A warning when `[validation]` reads data `[training]` trains on (the same local path or hub dataset), else
-    None. The stdlib corpus is split, so "stdlib" on both sides is not an overlap.
+    """A warning when `[validation]` reads local files `[training]` trains on (the same path), else None. The
+    stdlib corpus is split, and validation reads a hub dataset's `validation` split, so neither overlaps.
 
     Args:
         cfg: the job's config.
     """
     v, t = cfg.validation, cfg.training
     key, name = ("validation.dataset_path", v.dataset_path) if v.dataset_path else ("validation.dataset", v.dataset)
-    if name == "stdlib":
-        return None
+    if not v.dataset_path and (name == "stdlib" or not looks_like_path(name)):
+        return None  # the stdlib corpus's held-out files, or a hub dataset's validation split
     if t.dataset_mix:
         sources = [(f"training.dataset_mix[{i}].path", entry.path) for i, entry in enumerate(t.dataset_mix)]
     else:
         sources = [("training.dataset_path", t.dataset_path) if t.dataset_path else ("training.dataset", t.dataset)]
 
     def where(source: str) -> str:
-        return os.path.realpath(os.path.expanduser(source)) if looks_like_path(source) else source
+        return os.path.realpath(os.path.expanduser(source))
 
     for train_key, source in sources:
-        if where(source) == where(name):
+        if source != "stdlib" and where(source) == where(name):
             return (
                 f"{key} reads what training trains on ({train_key} = {source}): the validation loss measures the "
                 f"fit to text the run has seen, not to held-out text; point {key} at other files"

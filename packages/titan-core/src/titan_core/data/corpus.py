@@ -66,7 +66,8 @@ def build_source(
         dataset_path: local files (a file, folder or glob); when set, it wins
             over `dataset`.
         text_field: the JSON field / parquet column / record field of the text.
-        split: which part of the stdlib corpus (`StdlibSource`); other sources are read whole.
+        split: which part of the stdlib corpus (`StdlibSource`), or of a hub dataset (its `validation` split for
+            `"validation"`, else `train`); local files are read whole.
         section: the config section the keys belong to (`training`, `validation`), for error messages.
     """
     if dataset_path:
@@ -75,7 +76,9 @@ def build_source(
         return StdlibSource(split=split)
     if looks_like_path(dataset):
         return LocalFileSource(expand_pattern(dataset, f"{section}.dataset"), text_field)
-    return HFDatasetSource(dataset, text_field, key=f"{section}.dataset")
+    return HFDatasetSource(
+        dataset, text_field, key=f"{section}.dataset", split="validation" if split == "validation" else "train"
+    )
 
 
 def looks_like_path(name: str) -> bool:

@@ -1,4 +1,8 @@
-"""Documents from a Hugging Face hub dataset, streamed (`datasets`, imported lazily)."""
+"""Documents from a Hugging Face hub dataset, streamed (`datasets`, imported lazily).
+
+Training reads the dataset's `train` split, validation its `validation` split (as
+torchtitan's `c4_validation` does), so that validation on a hub dataset is held out.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class HFDatasetSource:
         text_field: the record field that holds the text.
         key: the setting that names the dataset (a config key or a command's argument), for error messages.
         field_key: the setting that holds `text_field`, named when a record lacks the field.
+        split: the dataset's split to read: `"train"`, or `"validation"` for a validation section.
     """
 
     def __init__(
@@ -26,6 +31,7 @@ class HFDatasetSource:
         *,
         key: str = "training.dataset",
         field_key: str = "training.dataset_text_field",
+        split: str = "train",
     ):
         try:
             import datasets
@@ -38,13 +44,14 @@ class HFDatasetSource:
         self.text_field = text_field
         self.key = key
         self.field_key = field_key
+        self.split = split
         try:
-            self._dataset = datasets.load_dataset(name, split="train", streaming=True)
+            self._dataset = datasets.load_dataset(name, split=split, streaming=True)
         except Exception as e:
             reason = (str(e).splitlines() or [""])[0][:200]
             raise ConfigError(
-                f"{key}: could not load {name!r} from the Hugging Face hub "
-                f"(hub unreachable, offline, or no such dataset: {type(e).__name__}: {reason}); "
+                f"{key}: could not load the {split!r} split of {name!r} from the Hugging Face hub "
+                f"(hub unreachable, offline, no such dataset or split: {type(e).__name__}: {reason}); "
                 f"point {key} at local .txt/.jsonl/.parquet files (a file, folder or glob), or 'stdlib'"
             ) from e
 
@@ -67,4 +74,4 @@ class HFDatasetSource:
             yield str(record[self.text_field] or "")
 
     def __repr__(self) -> str:
-        return f"HFDatasetSource({self.name!r}, text_field={self.text_field!r})"
+        return f"HFDatasetSource({self.name!r}, text_field={self.text_field!r}, split={self.split!r})"
