@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -126,10 +127,28 @@ def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
     return fields
 
 
+_STEP_PREFIX = re.compile(r'\{"step": (-?\d+)[,}]')
+"""The start of every record `MetricsLogger.log` writes, read without parsing the rest."""
+
+
+def _record_step(line: str) -> int | None:
+    """The step of a `metrics.jsonl` line, or None for a line torn by a kill (no newline; or not a record)."""
+    if not line.endswith("\n"):
+        return None
+    if (match := _STEP_PREFIX.match(line)) is not None and line.endswith("}\n"):
+        return int(match.group(1))
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record.get("step") if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
 def set_aside_records_after(path: Path, step: int) -> str | None:
     """Move the records of `path` (a `metrics.jsonl`) whose step is after `step`, and any torn line a killed process
     left, to `metrics.superseded.jsonl` beside it; returns the line saying so, or None when there were none.
-    `path` is replaced whole (staged, renamed), so a kill leaves either file.
+    The file is read line by line, twice at most (a long run's file need not fit in memory), and replaced whole
+    (staged, renamed), so a kill leaves either file.
 
     Args:
         path: the run's `metrics.jsonl` (need not exist).
@@ -137,29 +156,26 @@ def set_aside_records_after(path: Path, step: int) -> str | None:
     """
     if not path.is_file():
         return None
-    kept, later, steps = [], [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record_step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            record_step = None  # a line torn by a kill
-        if record_step is not None and record_step <= step:
-            kept.append(line + "\n")
-        else:
-            later.append(line + "\n")
-            steps += [] if record_step is None else [record_step]
-    if not later:
-        return None
-    aside = path.with_name("metrics.superseded.jsonl")
-    with open(aside, "a", encoding="utf-8") as f:
-        f.writelines(later)
-    staged = path.with_name(path.name + ".tmp")
-    staged.write_text("".join(kept), encoding="utf-8")
+    with open(path, encoding="utf-8") as f:
+        if all((s := _record_step(line)) is not None and s <= step for line in f):
+            return None
+    aside, staged = path.with_name("metrics.superseded.jsonl"), path.with_name(path.name + ".tmp")
+    moved, steps = 0, []
+    with open(path, encoding="utf-8") as f, open(staged, "w", encoding="utf-8") as keep:
+        with open(aside, "a", encoding="utf-8") as out:
+            for line in f:
+                record_step = _record_step(line)
+                if record_step is not None and record_step <= step:
+                    keep.write(line)
+                else:
+                    out.write(line if line.endswith("\n") else line + "\n")
+                    moved += 1
+                    steps += [] if record_step is None else [record_step]
     os.replace(staged, path)
     low, high = (min(steps), max(steps)) if steps else (None, None)
     span = "a torn line" if low is None else f"step {low}" if low == high else f"steps {low}-{high}"
     return (
-        f"metrics: {path} held {len(later)} record{'s' * (len(later) != 1)} past step {step} ({span}) from an earlier "
+        f"metrics: {path} held {moved} record{'s' * (moved != 1)} past step {step} ({span}) from an earlier "
         f"process in this folder, which this run logs anew from step {step + 1}: moved to {aside.name}"
     )
 
