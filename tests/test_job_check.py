@@ -307,8 +307,12 @@ def test_an_error_on_the_ranks_reaches_the_user_as_one_line(tmp_path):
     # which spares a first 2-rank run that would save one.
     run = tmp_path / "run"
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.steps", "5"]
-    proc = run_titan(run, *TINY, *ckpt, "--checkpoint.load_step", "3", nproc=2, check=False)
+    # OMP_NUM_THREADS unset, as in a user's shell: the launcher sets torchrun's default of 1 itself, without
+    # torchrun's 7-line "Setting OMP_NUM_THREADS environment variable for each process" banner
+    proc = run_titan(run, *TINY, *ckpt, "--checkpoint.load_step", "3", nproc=2, check=False,
+                     env={"OMP_NUM_THREADS": None})  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(errors) == 1 and errors[0].startswith("titan: error: "), proc.stderr[-3000:]
+    assert "OMP_NUM_THREADS" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "checkpoint.load_step" in errors[0] and "complete checkpoints: none" in errors[0], errors[0]

@@ -52,12 +52,13 @@ def titan_env(debug_detail: bool = True) -> dict[str, str]:
 
 def run_titan(
     dump_folder: Path, *args: str, nproc: int = 1, check: bool = True, timeout: float = 600, debug_detail: bool = True,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `titan train` (N processes via `--nproc-per-node`) with `args`, into `dump_folder`; `env` adds variables."""
+    """Run `titan train` (N processes via `--nproc-per-node`) with `args`, into `dump_folder`; `env` adds variables
+    (a None value removes one)."""
     cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc),
            "--job.dump_folder", str(dump_folder), *args]
-    env = {**titan_env(debug_detail), **(env or {})}
+    env = {k: v for k, v in {**titan_env(debug_detail), **(env or {})}.items() if v is not None}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

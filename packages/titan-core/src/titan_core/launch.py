@@ -219,6 +219,8 @@ def launch(
         # restarted ranks' gloo then dials the dead ranks' old addresses ("connectFullMesh failed ...
         # Connection refused"). Opting out of the shared store gives each attempt a fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if nproc_per_node > 1:  # torchrun's own default, set here to spare its 7-line banner saying so
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else ["--standalone"]
     return _run_torchrun([*launcher, "--module", "titan_core.launch", *argv])
