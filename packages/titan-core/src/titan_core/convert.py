@@ -266,16 +266,27 @@ def copy_run_tokenizer(src: Path, folder: Path, log: Callable[[str], None]) -> N
         return  # the source's own tokenizer files came along
     except MissingFileError:
         pass
-    run = find_run_config(src)
-    if run is None or run[1].get("model", {}).get("hf_assets_path") is None:
+    if (run := run_tokenizer_assets(src)) is None:
         return
-    toml_path, assets = run[0], run[1]["model"]["hf_assets_path"]
+    toml_path, assets = run
     try:
         names = copy_tokenizer(assets, folder)
     except (MissingFileError, FileNotFoundError):
         log(f"the run's tokenizer (model.hf_assets_path {assets} in {toml_path}) is not here; the export carries none")
         return
     log(f"tokenizer: {', '.join(names)} from {assets} (the run's model.hf_assets_path)")
+
+
+def run_tokenizer_assets(path: Path) -> tuple[Path, str] | None:
+    """The `config.toml` of the run `path` belongs to and its `model.hf_assets_path`; None when there is no run
+    config or the run used the byte tokenizer (the key unset).
+
+    Args:
+        path: a run folder, its checkpoint folder, a step folder, or a file in one.
+    """
+    run = find_run_config(path)
+    assets = None if run is None else run[1].get("model", {}).get("hf_assets_path")
+    return None if run is None or assets is None else (run[0], str(assets))
 
 
 def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_core.config.errors import ConfigError, MissingFileError
-from titan_core.convert import find_run_config
+from titan_core.convert import run_tokenizer_assets
 from titan_core.data.hf_tokenizer import read_tokenizer_config
 from titan_core.data.tokenizer import Tokenizer, build_tokenizer, find_tokenizer_file
 
@@ -88,13 +88,9 @@ def _tokenizer_path(folder: Path) -> tuple[Path | None, str, bool]:
         return find_tokenizer_file(folder).parent, f"tokenizer in {folder}", True
     except MissingFileError:
         pass
-    run = find_run_config(folder)
-    if run is None:
+    if (run := run_tokenizer_assets(folder)) is None:
         return None, "byte tokenizer", False
-    toml_path, run_config = run
-    assets = run_config.get("model", {}).get("hf_assets_path")
-    if assets is None:
-        return None, "byte tokenizer", False
+    toml_path, assets = run
     path = Path(assets).expanduser()
     if not path.exists():
         raise ConfigError(

@@ -160,19 +160,20 @@ def set_aside_records_after(path: Path, step: int) -> str | None:
         if all((s := _record_step(line)) is not None and s <= step for line in f):
             return None
     aside, staged = path.with_name("metrics.superseded.jsonl"), path.with_name(path.name + ".tmp")
-    moved, steps = 0, []
+    moved, low, high = 0, None, None  # the set-aside records and their lowest and highest steps
     with open(path, encoding="utf-8") as f, open(staged, "w", encoding="utf-8") as keep:
         with open(aside, "a", encoding="utf-8") as out:
             for line in f:
                 record_step = _record_step(line)
                 if record_step is not None and record_step <= step:
                     keep.write(line)
-                else:
-                    out.write(line if line.endswith("\n") else line + "\n")
-                    moved += 1
-                    steps += [] if record_step is None else [record_step]
+                    continue
+                out.write(line if line.endswith("\n") else line + "\n")
+                moved += 1
+                if record_step is not None:
+                    low = record_step if low is None else min(low, record_step)
+                    high = record_step if high is None else max(high, record_step)
     os.replace(staged, path)
-    low, high = (min(steps), max(steps)) if steps else (None, None)
     span = "a torn line" if low is None else f"step {low}" if low == high else f"steps {low}-{high}"
     return (
         f"metrics: {path} held {moved} record{'s' * (moved != 1)} past step {step} ({span}) from an earlier "
@@ -238,8 +239,9 @@ class MetricsLogger:
                 self._writer.add_text("config", f"```toml\n{config_toml}```", global_step=0)
         if wandb is not None:
             self._wandb = WandbSink(wandb)
-        superseded = None if jsonl_path is None else set_aside_records_after(Path(jsonl_path), start_step)
+        superseded = None
         if jsonl_path is not None:
+            superseded = set_aside_records_after(Path(jsonl_path), start_step)
             self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if not logger.hasHandlers():
             self._handler = logging.StreamHandler(self._stream)
