@@ -56,6 +56,9 @@ BROKEN = {
                     ["lr_scheduler.warmup_steps: 5 must be between 0 and training.steps (3)", "unset it"]),
     "data": (["--training.dataset_path", "/tmp/shards", "--training.dataset_mix", '[{"path": "/tmp/a", "weight": 1}]'], 1,
              ["training.dataset_mix and training.dataset_path=/tmp/shards are both set", "unset training.dataset_path"]),
+    "attention_mask": (["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"], 2,
+                       ["model.attn_mask_type = 'block_causal'", "parallelism.context_parallel_degree=2",
+                        "set context_parallel_degree to 1 or attn_mask_type to 'causal'"]),
     "fault_tolerance": (["--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "2",
                          "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse", "http://localhost:29510"], 1,
                         ["fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"]),
@@ -126,6 +129,8 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
         (FT_ON + ["--model.name", "deepseek_v3"], ["MoE expert biases", "fault_tolerance.enable"]),
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
+        (["--model.attn_mask_type", "block_causal", "--parallelism.pipeline_parallel_degree", "2"],
+         ["model.attn_mask_type = 'block_causal'", "pipeline_parallel_degree=2", "only the first stage"]),
     ],
 )
 def test_more_broken_jobs(overrides, expected):

@@ -71,6 +71,8 @@ def test_the_default_run_says_what_it_runs_and_a_description_follows_when_set():
     )
     described = banner(["--training.mixed_precision_param", "float32", "--job.description", "lr sweep, run 3"])
     assert described == f"{line} | lr sweep, run 3"
+    masked = banner(["--training.mixed_precision_param", "float32", "--model.attn_mask_type", "block_causal"])
+    assert masked == line.replace("(5.8M params)", "(5.8M params, attention within each document)")
 
 
 def test_a_moe_banner_counts_active_parameters_and_expert_parallel():

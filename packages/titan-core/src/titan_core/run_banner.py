@@ -21,6 +21,8 @@ def run_banner(job: Job) -> str:
     n_params = job.spec.count_params(job.model_args)
     n_active = job.spec.active_params(job.model_args)
     active = f", {n_active / 1e6:.1f}M active" if n_active != n_params else ""
+    if cfg.model.attn_mask_type == "block_causal":
+        active += ", attention within each document"
     source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
     data = f"data: {source}"
     if cfg.validation.enable:

@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titan_models.document_mask import document_ids
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
@@ -227,6 +228,8 @@ class StepRunner:
         attention_backends: SDPA kernels in priority order (`titan_parallel.attention_backend`); None: torch's.
         replicas: torchft replica groups (`titan_core.fault_tolerance`): quorum, cross-group gradient average
             and commit vote around the step; None without fault tolerance.
+        documents: `(bos_id, eos_id)` of the packed data: attention stays within each document (block-causal,
+            `model.attn_mask_type`), the model given each batch's `document_ids`; None: causal attention.
     """
 
     def __init__(
@@ -246,6 +249,7 @@ class StepRunner:
         after_step: Callable[[], None] | None = None,
         attention_backends: Sequence[str] | None = None,
         replicas: ReplicaGroups | None = None,
+        documents: tuple[int, int] | None = None,
     ):
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
@@ -258,6 +262,7 @@ class StepRunner:
         self.balancer, self.after_step = balancer, after_step
         self.attention_backends = attention_backends
         self.replicas = replicas
+        self.documents = documents
         # Torch's pipeline schedule over this rank's stages, or without pipeline parallel a one-stage schedule
         # with the same interface (`step`, `eval`; stages with `is_first` / `is_last`).
         self.schedule: Any
@@ -306,11 +311,14 @@ class StepRunner:
         losses: list[torch.Tensor] | None = [] if any(stage.is_last for stage in stages) else None
         args = (inputs,) if any(stage.is_first for stage in stages) else ()
         target = labels if losses is not None else None
+        extra: dict[str, torch.Tensor] = {}  # the model's keyword inputs besides the tokens
+        if self.documents is not None and args:
+            extra["document_ids"] = document_ids(inputs, *self.documents)  # (bs, seqlen)
         with self.forward_context():
             if backward:
-                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+                schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)
             else:
-                schedule.eval(*args, target=target, losses=losses)
+                schedule.eval(*args, target=target, losses=losses, **extra)
         if losses is None:
             return None
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
@@ -440,13 +448,23 @@ class OneStageSchedule:
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.module, self.loss_fn = module, loss_fn
 
-    def step(self, inputs: torch.Tensor, *, target: torch.Tensor, losses: list[torch.Tensor], **_: object) -> None:
-        loss = self.loss_fn(self.module(inputs), target)
+    def step(
+        self,
+        inputs: torch.Tensor,
+        *,
+        target: torch.Tensor,
+        losses: list[torch.Tensor],
+        return_outputs: bool = False,
+        **model_kwargs: torch.Tensor,
+    ) -> None:
+        loss = self.loss_fn(self.module(inputs, **model_kwargs), target)
         loss.backward()
         losses.append(loss)
 
-    def eval(self, inputs: torch.Tensor, *, target: torch.Tensor, losses: list[torch.Tensor]) -> None:
-        losses.append(self.loss_fn(self.module(inputs), target))
+    def eval(
+        self, inputs: torch.Tensor, *, target: torch.Tensor, losses: list[torch.Tensor], **model_kwargs: torch.Tensor
+    ) -> None:
+        losses.append(self.loss_fn(self.module(inputs, **model_kwargs), target))
 
 
 def _no_pipeline_eval(*args: object, **kwargs: object) -> None:

@@ -195,6 +195,7 @@ class Trainer:
             pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
         )
         # One step, for every layout: forward context, loss normalisation, micro-batches, clip, optimizer
+        documents = (self.tokenizer.bos_id, self.tokenizer.eos_id)  # where block-causal attention cuts the batch
         self.runner = StepRunner(
             self.model,
             self.optimizers,
@@ -210,6 +211,7 @@ class Trainer:
             balancer=self.balancer,
             after_step=self._float8_after_step(),
             replicas=self.replicas,
+            documents=documents if cfg.model.attn_mask_type == "block_causal" else None,
         )
         # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
         self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)

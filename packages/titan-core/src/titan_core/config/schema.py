@@ -56,6 +56,8 @@ class Model(Section):
     """Folder with tokenizer.json / tokenizer.model / config.json; unset = the offline byte tokenizer."""
     converters: list[Literal["float8", "mx"]] = []
     """Swap linears before parallelizing: 'float8' (torchao float8 training, see [float8]) or 'mx' (MXFP8, see [mx])."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """'causal': attend across packed documents; 'block_causal': only within each (FlexAttention on GPUs)."""
 
 
 class Optimizer(Section):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -381,6 +382,32 @@ def _data(d: Draft) -> None:
         )
 
 
+def _attention_mask(d: Draft) -> None:
+    """`model.attn_mask_type = 'block_causal'` needs a model whose forward takes `document_ids`, and whole
+    sequences on one stage: no context or pipeline parallel."""
+    if d.cfg.model.attn_mask_type != "block_causal":
+        return
+    p, setting = d.cfg.parallelism, "model.attn_mask_type = 'block_causal'"
+    if p.context_parallel_degree > 1:
+        raise ConfigError(
+            f"{setting} with parallelism.context_parallel_degree={p.context_parallel_degree}: context parallel's "
+            "ring and Ulysses attention take no document mask; set context_parallel_degree to 1 or attn_mask_type "
+            "to 'causal'"
+        )
+    if p.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"{setting} with parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the mask is built "
+            "from the tokens, which only the first stage sees; set pipeline_parallel_degree to 1 or attn_mask_type "
+            "to 'causal'"
+        )
+    forward = type(d.meta_model()).forward
+    if "document_ids" not in inspect.signature(forward).parameters:
+        raise ConfigError(
+            f"{setting}: model.name '{d.cfg.model.name}' ({forward.__qualname__}) takes no document_ids; "
+            "set attn_mask_type to 'causal' or give its forward a document_ids argument (titan_models.document_mask)"
+        )
+
+
 def _keys(table: Mapping[str, str], *fields: str) -> dict[str, str]:
     """The entries of `table` for `fields`."""
     return {name: table[name] for name in fields}
@@ -422,6 +449,7 @@ RULES: tuple[Rule, ...] = (
     Rule("metrics", _metrics),
     Rule("lr_schedule", _lr_schedule),
     Rule("data", _data),
+    Rule("attention_mask", _attention_mask),
     Rule("fault_tolerance", fault_tolerance),
     Rule("master_weights", master_weights),
 )

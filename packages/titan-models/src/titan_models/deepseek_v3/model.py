@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_models.document_mask import block_causal_mask, masked_attention
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, apply_rotary_emb, init_trunc_normal_
 from titan_models.moe import MoE, MoEArgs
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of `q_norm` and `kv_norm` (fixed, as in DeepSeek's and transformers' code: not `norm_eps`)."""
@@ -212,15 +217,20 @@ class ScaledDotProductAttention(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
         """Args:
             q: `(bs, n_heads, seqlen, qk_head_dim)` after RoPE.
             k: `(bs, n_heads, seqlen, qk_head_dim)` after RoPE.
             v: `(bs, n_heads, seqlen, v_head_dim)`.
+            mask: a block-causal mask (`titan_models.document_mask`); None is causal over the whole sequence.
 
         Returns:
             `(bs, n_heads, seqlen, v_head_dim)`.
         """
+        if mask is not None:
+            return masked_attention(q, k, v, mask, scale=self.scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
 
     def extra_repr(self) -> str:
@@ -253,11 +263,18 @@ class Attention(nn.Module):
         self.k_rope_to_heads = nn.Identity()
         self.sdpa = ScaledDotProductAttention(args.softmax_scale)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """Args:
             x: `(bs, seqlen, dim)`.
             rope_cache: `(max_seq_len, qk_rope_head_dim)` RoPE table.
             positions: `(seqlen,)` or `(bs, seqlen)` absolute positions; None means `arange(seqlen)`.
+            mask: the block-causal mask of packed documents (`titan_models.document_mask`); None: causal.
 
         Returns:
             `(bs, seqlen, dim)`.
@@ -277,7 +294,9 @@ class Attention(nn.Module):
         k_rope = self.k_rope_to_heads(k_rope).expand(-1, -1, k_nope.shape[2], -1)  # (bs, seqlen, n_heads, rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
 
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_heads, seqlen, v_head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # The cores that context parallel and the KV cache put in place take no mask: it goes only when set.
+        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # (bs, n_heads, seqlen, v_head_dim)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # wo: (bs, seqlen, n_heads * v_head_dim) -> dim
 
     def init_weights(self, out_std: float) -> None:
@@ -307,14 +326,21 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim) if dense else None
         self.moe = None if dense else MoE(args.dim, args.moe)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """Args:
         x: `(bs, seqlen, dim)`.
         rope_cache: `(max_seq_len, qk_rope_head_dim)` RoPE table.
         positions: absolute positions for RoPE, or None for `arange(seqlen)`.
+        mask: the block-causal mask of packed documents, or None for causal attention.
         """
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
-        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)
+        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions, mask=mask)
         ffn = self.feed_forward if self.feed_forward is not None else self.moe
         assert ffn is not None  # a block has one of the two
         return h + ffn(self.ffn_norm(h))
@@ -362,12 +388,16 @@ class Transformer(nn.Module):
             return torch.empty(a.max_seq_len, a.qk_rope_head_dim)  # (max_seq_len, rope_dim)
         return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Args:
             tokens: `(bs, seqlen)` int64 token ids, or `(bs, seqlen, dim)` hidden states
                 on a pipeline stage without `tok_embeddings`.
             positions: `(seqlen,)` or `(bs, seqlen)` int64 absolute positions for RoPE
                 (context parallel passes its shard's positions); None means `arange(seqlen)`.
+            document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
+                attention stays within each document (block-causal); None: causal over the whole sequence.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
@@ -380,8 +410,9 @@ class Transformer(nn.Module):
                 "shorten the sequence or raise max_seq_len"
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions)
+            h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None or self.skip_output:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_models.document_mask import block_causal_mask, masked_attention
 from titan_models.errors import ModelConfigError
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass(frozen=True)
@@ -176,15 +181,20 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor, positions: torch
 class ScaledDotProductAttention(nn.Module):
     """Causal `softmax(q k^T / sqrt(head_dim)) v`, its own module so context parallel can swap it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
         """Args:
             q: `(bs, n_heads, seqlen, head_dim)`.
             k: `(bs, n_kv_heads, seqlen, head_dim)`; `n_kv_heads` divides `n_heads` (grouped-query).
             v: `(bs, n_kv_heads, seqlen, head_dim)`.
+            mask: a block-causal mask (`titan_models.document_mask`); None is causal over the whole sequence.
 
         Returns:
             `(bs, n_heads, seqlen, head_dim)`.
         """
+        if mask is not None:
+            return masked_attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
 
 
@@ -201,11 +211,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """Args:
             x: `(bs, seqlen, dim)`.
             rope_cache: `(max_seq_len, head_dim)` RoPE table.
             positions: `(seqlen,)` or `(bs, seqlen)` absolute positions; None means `arange(seqlen)`.
+            mask: the block-causal mask of packed documents (`titan_models.document_mask`); None: causal.
 
         Returns:
             `(bs, seqlen, dim)`.
@@ -216,7 +233,9 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         xq = apply_rotary_emb(xq, rope_cache, positions)
         xk = apply_rotary_emb(xk, rope_cache, positions)
-        out = self.sdpa(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))  # (bs, n_heads, seqlen, head_dim)
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        # The cores that context parallel and the KV cache put in place take no mask: it goes only when set.
+        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # (bs, n_heads, seqlen, head_dim)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
         return self.wo(out)
 
@@ -261,14 +280,21 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """Args:
         x: `(bs, seqlen, dim)`.
         rope_cache: `(max_seq_len, head_dim)` RoPE table.
         positions: absolute positions for RoPE, or None for `arange(seqlen)`.
+        mask: the block-causal mask of packed documents, or None for causal attention.
         """
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
-        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)
+        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -309,12 +335,16 @@ class Transformer(nn.Module):
             return torch.empty(a.max_seq_len, a.attention_head_dim)  # (max_seq_len, head_dim)
         return precompute_rope_cache(a.attention_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Args:
             tokens: `(bs, seqlen)` int64 token ids, or `(bs, seqlen, dim)` hidden states
                 on a pipeline stage without `tok_embeddings`.
             positions: `(seqlen,)` or `(bs, seqlen)` int64 absolute positions for RoPE
                 (context parallel passes its shard's positions); None means `arange(seqlen)`.
+            document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
+                attention stays within each document (block-causal); None: causal over the whole sequence.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
@@ -327,8 +357,9 @@ class Transformer(nn.Module):
                 "shorten the sequence or raise max_seq_len"
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions)
+            h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None or self.skip_output:

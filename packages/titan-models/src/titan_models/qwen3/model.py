@@ -14,13 +14,18 @@ device, shard, `to_empty`, then call `Transformer.init_weights`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from titan_models.document_mask import block_causal_mask
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, ScaledDotProductAttention, init_trunc_normal_, precompute_rope_cache
 from titan_models.moe import MoE, MoEArgs
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,18 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """Args:
             x: `(bs, seqlen, dim)`.
             rope_cache: `(max_seq_len, head_dim)` RoPE table.
             positions: `(seqlen,)` or `(bs, seqlen)` absolute positions; None means `arange(seqlen)`.
+            mask: the block-causal mask of packed documents (`titan_models.document_mask`); None: causal.
 
         Returns:
             `(bs, seqlen, dim)`.
@@ -126,7 +138,9 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         xq = apply_rotary_emb(xq, rope_cache, positions)
         xk = apply_rotary_emb(xk, rope_cache, positions)
-        out = self.sdpa(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2))  # (bs, n_heads, seqlen, head_dim)
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        # The cores that context parallel and the KV cache put in place take no mask: it goes only when set.
+        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # (bs, n_heads, seqlen, head_dim)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
         return self.wo(out)
 
@@ -156,14 +170,21 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """Args:
         x: `(bs, seqlen, dim)`.
         rope_cache: `(max_seq_len, head_dim)` RoPE table.
         positions: absolute positions for RoPE, or None for `arange(seqlen)`.
+        mask: the block-causal mask of packed documents, or None for causal attention.
         """
         # rope_cache and positions go by keyword: tensor parallel prepares only the first positional input.
-        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)
+        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions, mask=mask)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -211,12 +232,16 @@ class Transformer(nn.Module):
             return torch.empty(a.max_seq_len, a.head_dim)  # (max_seq_len, head_dim)
         return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Args:
             tokens: `(bs, seqlen)` int64 token ids, or `(bs, seqlen, dim)` hidden states
                 on a pipeline stage without `tok_embeddings`.
             positions: `(seqlen,)` or `(bs, seqlen)` int64 absolute positions for RoPE
                 (context parallel passes its shard's positions); None means `arange(seqlen)`.
+            document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
+                attention stays within each document (block-causal); None: causal over the whole sequence.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
@@ -229,8 +254,9 @@ class Transformer(nn.Module):
                 "shorten the sequence or raise max_seq_len"
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions)
+            h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None or self.skip_output:
