@@ -63,6 +63,9 @@ dtype-by-dtype check fails there.
 
 from __future__ import annotations
 
+import json
+import os
+import random
 import sys
 import tempfile
 import time
@@ -103,6 +106,23 @@ DEEPSEEK = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe")
 EP = f"{P}expert_parallel_degree"
 CP2_ULYSSES = (f"{P}context_parallel_degree", "2", f"{P}context_parallel_method", "ulysses")
+
+
+def short_documents() -> str:
+    """A JSONL file of 400 texts of 8 to 60 bytes, written once into the temp folder. With the byte tokenizer and
+    seq_len 32 nearly every sequence crosses a document boundary, so block-causal attention masks something."""
+    path = Path(tempfile.gettempdir()) / "titan-parity-short-documents.jsonl"
+    if not path.exists():
+        rng = random.Random(0)
+        words = "the a of to in shard rank step loss grad token layer mask block head".split()
+        lines = [json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(2, 12)))[:60]}) for _ in range(400)]
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text("\n".join(lines) + "\n")
+        partial.replace(path)  # whole or absent, whichever process writes it
+    return str(path)
+
+
+BLOCK_CAUSAL = ("--model.attn_mask_type", "block_causal", "--training.dataset_path", short_documents())
 
 
 def _pp(schedule: str, *extra: str) -> tuple[str, ...]:
@@ -161,6 +181,8 @@ LAYOUTS = [
     Layout("moe_ep2_tp2", 4, 2, (EP, "2", f"{P}tensor_parallel_degree", "2"), model=DEEPSEEK),
     # Qwen3-MoE under TP: QK-norm on head-sharded activations, the MoE replicated over the TP ranks.
     Layout("qwen3_moe_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), model=QWEN3_MOE),
+    # Attention within each document (model.attn_mask_type), on short documents, the mask with TP's head shards.
+    Layout("block_causal_fsdp2_tp2", 4, 2, (f"{P}tensor_parallel_degree", "2"), model=BLOCK_CAUSAL),
     # bf16, against a one-process bf16 reference: FSDP casts for 1 rank as for N (the tolerance: module docstring).
     Layout("bf16_fsdp2", 2, 2, (), dtype="bfloat16", tolerance=BF16_TOLERANCE),
     Layout("bf16_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), dtype="bfloat16", tolerance=BF16_TOLERANCE),

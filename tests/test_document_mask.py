@@ -147,3 +147,23 @@ def test_a_model_that_takes_no_document_ids_is_refused_in_one_line(monkeypatch):
     message = str(caught.value)
     assert "model.name 'causal_only_test'" in message and "takes no document_ids" in message, message
     assert "\n" not in message
+
+
+def test_compiled_blocks_take_the_mask_as_eager_ones_do():
+    """Regional compile (each block, inductor's C++ backend on CPU) with the dense mask as a block input."""
+    model = build("llama3", "debugmodel")
+    docs = documents(4, (30, 12, 40), 2048)
+    tokens = torch.cat(docs)[None, :64]  # (1, 64)
+    ids = document_ids(tokens, BOS, EOS)
+    eager = model(tokens, document_ids=ids)
+    eager.float().pow(2).mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block))
+    compiled = model(tokens, document_ids=ids)
+    compiled.float().pow(2).mean().backward()
+    assert (compiled - eager).abs().max() < TOL
+    for name, p in model.named_parameters():
+        reference = grads[name.replace("._orig_mod", "")]
+        assert (p.grad - reference).abs().max() <= 1e-5 * reference.abs().max(), name
