@@ -17,8 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parity_matrix import short_documents
+from titan_run import TINY, losses, run_titan_shared
+
 from titan_core.config import ConfigError, load_config
 from titan_core.job import resolve
+from titan_core.step import describe_attention
 from titan_models import get_model_args, get_model_spec, registry
 from titan_models.document_mask import block_causal_mask, document_ids, masked_attention
 from titan_models.llama3 import Transformer
@@ -42,6 +46,10 @@ def test_the_dense_mask_by_hand():
     assert mask.shape == (2, 1, 4, 4)
     assert mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     assert mask[1, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
+    # Off CUDA the dense mask is the default; on CUDA FlexAttention's (the start-up line says which).
+    assert torch.equal(block_causal_mask(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 2]])), mask)
+    assert describe_attention("cuDNN first", "block_causal", torch.device("cuda")).startswith("FlexAttention, compiled")
+    assert describe_attention("cuDNN first", "causal", torch.device("cuda")) == "cuDNN first"
 
 
 def build(name: str, flavor: str) -> torch.nn.Module:
@@ -167,3 +175,16 @@ def test_compiled_blocks_take_the_mask_as_eager_ones_do():
     for name, p in model.named_parameters():
         reference = grads[name.replace("._orig_mod", "")]
         assert (p.grad - reference).abs().max() <= 1e-5 * reference.abs().max(), name
+
+
+def test_titan_train_masks_what_it_trains_on(tmp_path):
+    """The trainer hands the model each batch's documents: at step 1 (the same weights, the same batch) the loss
+    under the mask differs from the causal one on short documents, and the start-up line names the kernel."""
+    data = ["--training.dataset_path", short_documents(), "--training.steps", "2"]
+    masked, causal = tmp_path / "masked", tmp_path / "causal"
+    runs = {masked: [*TINY, *data, "--model.attn_mask_type", "block_causal"], causal: [*TINY, *data]}
+    assert run_titan_shared(runs) == {masked, causal}, (tmp_path / "jobs-masked.log").read_text()[-3000:]
+    masked_loss, causal_loss = losses(masked)[0], losses(causal)[0]
+    assert abs(masked_loss - causal_loss) > 1e-3, (masked_loss, causal_loss)
+    log = (tmp_path / "jobs-masked.log").read_text()
+    assert "attention kernel: SDPA with a dense mask within each document (model.attn_mask_type)" in log

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_models.document_mask import document_ids
+from titan_models.document_mask import document_ids, uses_flex
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
@@ -106,6 +106,21 @@ class HeadLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.head(hidden, labels=labels)  # through the module call: FSDP's and TP's hooks run
+
+
+def describe_attention(sdpa_why: str, attn_mask_type: str, device: torch.device) -> str:
+    """The start-up line's attention kernel: SDPA's order (`sdpa_why`), or the block-causal kernel.
+
+    Args:
+        sdpa_why: `titan_parallel.choose_sdpa_backends`'s reason.
+        attn_mask_type: `model.attn_mask_type`.
+        device: the training device.
+    """
+    if attn_mask_type != "block_causal":
+        return sdpa_why
+    if uses_flex(device):
+        return "FlexAttention, compiled, within each document (model.attn_mask_type; not training.attention_backend)"
+    return f"SDPA with a dense mask within each document (model.attn_mask_type), {sdpa_why}"
 
 
 def loss_is_compiled(compile_loss: bool, tp: int, loss_parallel: bool) -> bool:

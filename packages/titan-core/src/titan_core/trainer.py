@@ -46,6 +46,7 @@ from titan_core.step import (
     StepResult,
     StepRunner,
     cross_entropy_loss,
+    describe_attention,
     describe_loss,
 )
 from titan_core.train_state import TrainState, set_determinism
@@ -135,7 +136,7 @@ class Trainer:
         if self.model.head is not None:  # the output projection computes the loss, in token chunks
             self.loss.fn = HeadLoss(self.model.head)
         implementation, why = resolve_implementation(cfg.optimizer.implementation, self.device.type)
-        attention, attention_why = choose_sdpa_backends(t.attention_backend, self.device)
+        attention, sdpa_why = choose_sdpa_backends(t.attention_backend, self.device)
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         loss_line = describe_loss(t.fused_loss, self.model.head, pp_group)  # a collective under PP
         if self.rank == 0:
@@ -144,7 +145,7 @@ class Trainer:
                 logger.info("optimizer step kernel: master weights (%s)", job.weights_reason)
             else:
                 logger.info("optimizer step kernel: %s (%s)", implementation, why)
-            logger.info("attention kernel: %s", attention_why)
+            logger.info("attention kernel: %s", describe_attention(sdpa_why, cfg.model.attn_mask_type, self.device))
         # One optimizer and LR schedule per model part (pipeline stage), so that
         # checkpoints key optimizer state by the full model's parameter names.
         self.optimizers = [

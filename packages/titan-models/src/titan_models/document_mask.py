@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 _compiled_flex: Any = None  # torch.compile(flex_attention), built on first use on a GPU
 
 
+def uses_flex(device: torch.device) -> bool:
+    """Whether `block_causal_mask` builds a FlexAttention `BlockMask` on `device` (CUDA) or a dense mask.
+
+    Args:
+        device: where the model computes.
+    """
+    return device.type == "cuda"
+
+
 def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
     """The document of each position: 0 for the first (possibly partial) one, +1 at each boundary.
 
@@ -64,7 +73,7 @@ def block_causal_mask(ids: torch.Tensor, *, flex: bool | None = None) -> torch.T
         `(bs, 1, seqlen, seqlen)` bool, or a `BlockMask` for `(bs, any head, seqlen, seqlen)`.
     """
     if flex is None:
-        flex = ids.device.type == "cuda"
+        flex = uses_flex(ids.device)
     bs, seqlen = ids.shape
     if not flex:
         causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=ids.device).tril()  # (seqlen, seqlen)
