@@ -59,6 +59,7 @@ SPEC_DEFAULTS = {
     "model.flavor": "debugmodel",
     "model.hf_assets_path": None,
     "model.converters": [],
+    "model.attn_mask_type": "causal",
     "optimizer.name": "AdamW",
     "optimizer.lr": 8e-4,
     "optimizer.beta1": 0.9,

@@ -17,6 +17,7 @@ from titan_core.data import (
     build_loader,
     build_source,
 )
+from titan_core.data.hf_dataset import HFDatasetSource
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 HAMLET = SHARED / "shakespeare" / "hamlet_gut.txt"
@@ -232,8 +233,8 @@ def test_validation_reads_a_hub_datasets_validation_split(monkeypatch):
     splits = {"train": ["seen in training"] * 3, "validation": ["held out"] * 3}
     asked = []
 
-    def load_dataset(name, split, streaming):
-        asked.append((name, split, streaming))
+    def load_dataset(path, name=None, *, split, streaming):
+        asked.append((path, split, streaming))
         if split not in splits:
             raise ValueError(f'Unknown split "{split}". Should be one of {list(splits)}.')
         return datasets.Dataset.from_list([{"text": t} for t in splits[split]]).to_iterable_dataset()
@@ -250,6 +251,38 @@ def test_validation_reads_a_hub_datasets_validation_split(monkeypatch):
         build_source("org/corpus", None, split="validation", section="validation")
     assert str(err.value).startswith("validation.dataset: could not load the 'validation' split of 'org/corpus'")
     assert 'Unknown split "validation"' in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_hub_dataset_of_several_configs_takes_one_after_a_colon(tmp_path, monkeypatch):
+    """`NAME:CONFIG` (as `allenai/c4:en`), on a real `datasets` dataset of two configs: a local folder whose
+    README declares them, which `load_dataset` reads as it reads a hub repository's, offline."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "corpus"
+    (repo / "en").mkdir(parents=True)
+    (repo / "de").mkdir()
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: en\n  data_files:\n  - split: train\n    path: en/train.jsonl\n"
+        "  - split: validation\n    path: en/validation.jsonl\n"
+        "- config_name: de\n  data_files:\n  - split: train\n    path: de/train.jsonl\n---\n"
+    )
+    (repo / "en" / "train.jsonl").write_text('{"text": "hello"}\n')
+    (repo / "en" / "validation.jsonl").write_text('{"text": "held out"}\n')
+    (repo / "de" / "train.jsonl").write_text('{"text": "hallo"}\n')
+    assert list(HFDatasetSource(f"{repo}:de")) == ["hallo"]
+    assert list(HFDatasetSource(f"{repo}:en", split="validation", key="validation.dataset")) == ["held out"]
+    with pytest.raises(ValueError) as missing:
+        HFDatasetSource(str(repo))
+    message = str(missing.value)
+    assert message.startswith(f"training.dataset: could not load the 'train' split of '{repo}'"), message
+    assert "Config name is missing. Please pick one among the available configs: ['en', 'de']" in message
+    assert message.endswith(f"name one after a colon ({repo}:CONFIG)") and "\n" not in message
+    with pytest.raises(ValueError) as unknown:
+        HFDatasetSource(f"{repo}:fr")
+    assert "BuilderConfig 'fr' not found. Available: ['en', 'de']" in str(unknown.value)
+    assert str(unknown.value).endswith("point training.dataset at local .txt/.jsonl/.parquet files (a file, folder "
+                                       "or glob), or 'stdlib'")
 
 
 # ---------------------------------------------------------------- loader

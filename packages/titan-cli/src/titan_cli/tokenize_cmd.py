@@ -17,8 +17,8 @@ def tokenize(
     inputs: list[str] = typer.Argument(
         ...,
         help=(
-            "Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name;"
-            " read in the order given."
+            "Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name"
+            " (NAME:CONFIG for one of its configs, as allenai/c4:en); read in the order given."
         ),
     ),
     output: str = typer.Option(

@@ -112,7 +112,7 @@ class DatasetSource(Section):
     """One source of `training.dataset_mix`: `{path = "...", weight = 0.7}` (TOML inline table)."""
 
     path: str
-    """A token-shard folder (`titan tokenize`), 'stdlib', local .txt/.jsonl/.parquet files, or a hub dataset."""
+    """A token-shard folder (`titan tokenize`), 'stdlib', .txt/.jsonl/.parquet files, or a hub dataset (NAME:CONFIG)."""
     weight: float
     """Share of the samples, relative to the other sources' weights (normalised to sum to 1)."""
     name: str | None = None
@@ -158,7 +158,7 @@ class Training(Section):
     """Data, batch, precision and the length of the run."""
 
     dataset: str = "stdlib"
-    """Dataset name: 'stdlib' (offline Python stdlib corpus), a registered name, or a Hugging Face dataset id."""
+    """'stdlib' (offline Python stdlib corpus), local files or a hub dataset (NAME:CONFIG as 'allenai/c4:en')."""
     dataset_path: str | None = None
     """Local file or folder to read the dataset from instead of its default location."""
     dataset_text_field: str = "text"

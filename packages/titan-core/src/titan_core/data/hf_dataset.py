@@ -2,6 +2,9 @@
 
 Training reads the dataset's `train` split, validation its `validation` split (as
 torchtitan's `c4_validation` does), so that validation on a hub dataset is held out.
+A dataset of several configs takes one after a colon, `NAME:CONFIG`
+(`allenai/c4:en`, `HuggingFaceFW/fineweb-edu:sample-10BT`): hub names hold no colon, and one
+string per source keeps a mixture's `path` and `titan tokenize`'s inputs as they are.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ class HFDatasetSource:
     """The `train` split of a hub dataset, streamed, one document per record.
 
     Args:
-        name: the dataset's hub name, e.g. `"allenai/c4"`.
+        name: the dataset's hub name, e.g. `"allenai/c4"`, with its config after a colon where it has several
+            (`"allenai/c4:en"`).
         text_field: the record field that holds the text.
         key: the setting that names the dataset (a config key or a command's argument), for error messages.
         field_key: the setting that holds `text_field`, named when a record lacks the field.
@@ -45,14 +49,18 @@ class HFDatasetSource:
         self.key = key
         self.field_key = field_key
         self.split = split
+        repo, colon, config = name.partition(":")
         try:
-            self._dataset = datasets.load_dataset(name, split=split, streaming=True)
+            self._dataset = datasets.load_dataset(repo, name=config or None, split=split, streaming=True)
         except Exception as e:
-            reason = (str(e).splitlines() or [""])[0][:200]
+            reason = " ".join(str(e).split())[:300]  # datasets lists the configs on the lines after the first
+            if not colon and "config" in reason.lower():
+                fix = f"name one after a colon ({repo}:CONFIG)"
+            else:
+                fix = f"point {key} at local .txt/.jsonl/.parquet files (a file, folder or glob), or 'stdlib'"
             raise ConfigError(
                 f"{key}: could not load the {split!r} split of {name!r} from the Hugging Face hub "
-                f"(hub unreachable, offline, no such dataset or split: {type(e).__name__}: {reason}); "
-                f"point {key} at local .txt/.jsonl/.parquet files (a file, folder or glob), or 'stdlib'"
+                f"(hub unreachable, offline, no such dataset, config or split: {type(e).__name__}: {reason}); {fix}"
             ) from e
 
     def __iter__(self) -> Iterator[str]:
