@@ -5,8 +5,8 @@ The reference is the model itself run on each document alone: RoPE makes attenti
 distance between positions, so a document's logits inside a packed sequence under the block-causal mask
 must equal its logits when it is the whole sequence, in every family; its gradients likewise. The
 document ids and masks are checked against tables written out by hand. The multi-process layouts
-(FSDP 2 x TP 2 against one process, on short documents) are a row of the parity matrix
-(`block_causal_fsdp2_tp2`).
+against one process, on short documents, are rows of the parity matrix (`block_causal_*`: FSDP 2 x TP 2,
+and two pipeline schedules, whose later stages build the mask from their micro-batch's document ids).
 """
 
 from __future__ import annotations

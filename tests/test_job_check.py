@@ -129,8 +129,6 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
         (FT_ON + ["--model.name", "deepseek_v3"], ["MoE expert biases", "fault_tolerance.enable"]),
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
-        (["--model.attn_mask_type", "block_causal", "--parallelism.pipeline_parallel_degree", "2"],
-         ["model.attn_mask_type = 'block_causal'", "pipeline_parallel_degree=2", "only the first stage"]),
     ],
 )
 def test_more_broken_jobs(overrides, expected):

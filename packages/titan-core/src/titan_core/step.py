@@ -327,7 +327,9 @@ class StepRunner:
         args = (inputs,) if any(stage.is_first for stage in stages) else ()
         target = labels if losses is not None else None
         extra: dict[str, torch.Tensor] = {}  # the model's keyword inputs besides the tokens
-        if self.documents is not None and args:
+        if self.documents is not None:
+            # Every rank holds the batch: each stage gets its micro-batch's slice (torch's schedules split keyword
+            # inputs along dim 0 and pass them to every stage's forward), and builds the mask from it.
             extra["document_ids"] = document_ids(inputs, *self.documents)  # (bs, seqlen)
         with self.forward_context():
             if backward:

@@ -384,7 +384,7 @@ def _data(d: Draft) -> None:
 
 def _attention_mask(d: Draft) -> None:
     """`model.attn_mask_type = 'block_causal'` needs a model whose forward takes `document_ids`, and whole
-    sequences on one stage: no context or pipeline parallel."""
+    sequences: no context parallel."""
     if d.cfg.model.attn_mask_type != "block_causal":
         return
     p, setting = d.cfg.parallelism, "model.attn_mask_type = 'block_causal'"
@@ -392,12 +392,6 @@ def _attention_mask(d: Draft) -> None:
         raise ConfigError(
             f"{setting} with parallelism.context_parallel_degree={p.context_parallel_degree}: context parallel's "
             "ring and Ulysses attention take no document mask; set context_parallel_degree to 1 or attn_mask_type "
-            "to 'causal'"
-        )
-    if p.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"{setting} with parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the mask is built "
-            "from the tokens, which only the first stage sees; set pipeline_parallel_degree to 1 or attn_mask_type "
             "to 'causal'"
         )
     forward = type(d.meta_model()).forward
