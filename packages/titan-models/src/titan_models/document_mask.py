@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 _compiled_flex: Any = None  # torch.compile(flex_attention), built on first use on a GPU
+_compiled_create_block_mask: Any = None  # torch.compile(create_block_mask), likewise
 
 
 def uses_flex(device: torch.device) -> bool:
@@ -79,12 +80,20 @@ def block_causal_mask(ids: torch.Tensor, *, flex: bool | None = None) -> torch.T
         causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=ids.device).tril()  # (seqlen, seqlen)
         same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (bs, seqlen, seqlen)
         return (same & causal).unsqueeze(1)  # (bs, 1, seqlen, seqlen)
+    global _compiled_create_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return (kv <= q) & (ids[b, q] == ids[b, kv])
 
-    return create_block_mask(same_document_causal, bs, None, seqlen, seqlen, device=ids.device)
+    create: Any = create_block_mask
+    if ids.device.type == "cuda":
+        # Eager, the mask is evaluated over all (bs, seqlen, seqlen) pairs with int64 gathers: GiBs at seq_len 8192.
+        # Compiled (as torchtitan does), it is one fused pass; a new batch's ids reuse the graph (no recompile).
+        if _compiled_create_block_mask is None:
+            _compiled_create_block_mask = torch.compile(create_block_mask)
+        create = _compiled_create_block_mask
+    return create(same_document_causal, bs, None, seqlen, seqlen, device=ids.device)
 
 
 def masked_attention(
