@@ -60,6 +60,7 @@ AC_FULL = ("--activation_checkpoint.mode", "full")
 PLAIN_LOSS = ("--training.fused_loss", "false")
 FLASH = ("--training.attention_backend", "flash")
 FOREACH = ("--optimizer.implementation", "foreach")
+BLOCK_CAUSAL = ("--model.attn_mask_type", "block_causal")  # attention within each document (FlexAttention on CUDA)
 ONE_RANK_FSDP = ("--optimizer.master_weights", "off")  # bf16 through FSDP on one rank, as before master weights
 FLOAT8_OUTPUT = ("--float8.filter_fqns", "[]", *PLAIN_LOSS)  # the output projection in float8 too (a module call)
 
@@ -142,6 +143,7 @@ def suite(smoke: bool) -> Suite:
                 Row("eager, foreach AdamW", flavor, seq, batch, FOREACH),
                 Row("eager + AC selective op", flavor, seq, batch, AC_OP),
                 Row("eager + AC full", flavor, seq, batch, AC_FULL),
+                Row("eager, block-causal", flavor, seq, batch, BLOCK_CAUSAL),
             ],
             pair=Row("titan vs hand-written (eager)", flavor, seq, batch),
             layers=(Row("tiny 8B stand-in eager", "8B-x8", seq, batch),
@@ -164,6 +166,7 @@ def suite(smoke: bool) -> Suite:
             Row("1B s2048 compile + float8, before: one-rank FSDP", *one_b, COMPILE + FLOAT8 + ONE_RANK_FSDP),
             Row("1B s2048 compile + float8, output in float8", *one_b, COMPILE + FLOAT8 + OUTPUT_FLOAT8),
             Row("1B s2048 compile + AC selective op", *one_b, COMPILE + AC_OP),
+            Row("1B s2048 compile, block-causal (FlexAttention)", *one_b, COMPILE + BLOCK_CAUSAL),
         ],
         pair=Row("1B s2048 titan vs hand-written (eager)", "1B", 2048, 2),
         layers=(Row("8B x8 s8192 compile + AC op", "8B-x8", 8192, 1, COMPILE + AC_OP),
@@ -174,7 +177,9 @@ def suite(smoke: bool) -> Suite:
                     COMPILE + AC_OP + FLOAT8 + ONE_RANK_FSDP),
                 Row("8B x8 s8192 compile + AC op + float8, output in float8", "8B-x8", 8192, 1,
                     COMPILE + AC_OP + FLOAT8 + OUTPUT_FLOAT8),
-                Row("8B x8 s8192 compile + AC op, plain loss", "8B-x8", 8192, 1, COMPILE + AC_OP + PLAIN_LOSS)),
+                Row("8B x8 s8192 compile + AC op, plain loss", "8B-x8", 8192, 1, COMPILE + AC_OP + PLAIN_LOSS),
+                Row("8B x8 s8192 compile + AC op, block-causal (FlexAttention)", "8B-x8", 8192, 1,
+                    COMPILE + AC_OP + BLOCK_CAUSAL)),
         hf=Row("1B s2048 transformers LlamaForCausalLM compile", *one_b, COMPILE),
         decode=Row("1B decode batch 1, 256 tokens (compiled, CUDA graphs)", "1B", 256, 1),
     )

@@ -77,10 +77,16 @@ FAMILIES = [
 ]
 
 
+# On a GPU the same checks run FlexAttention (compiled, a BlockMask); on CPU the dense mask.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "flavor"), FAMILIES)
-def test_a_packed_document_reads_as_the_document_alone(name, flavor):
-    model = build(name, flavor).eval()
-    docs = [documents(1, (9, 13, 4, 11), 2048), documents(2, (20, 5, 17), 2048)]
+def test_a_packed_document_reads_as_the_document_alone(name, flavor, device):
+    model = build(name, flavor).eval().to(device)
+    docs = [[d.to(device) for d in documents(1, (9, 13, 4, 11), 2048)],
+            [d.to(device) for d in documents(2, (20, 5, 17), 2048)]]  # fmt: skip
     width = min(sum(len(d) for d in row) for row in docs)
     packed = torch.stack([torch.cat(row)[:width] for row in docs])  # (2, width)
     with torch.no_grad():
@@ -99,9 +105,10 @@ def test_a_packed_document_reads_as_the_document_alone(name, flavor):
     assert (plain - out).abs().max() > 1e-2
 
 
-def test_gradients_of_a_packed_batch_are_those_of_its_documents():
-    model = build("llama3", "debugmodel")
-    docs = documents(3, (12, 7, 15, 6), 2048)
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_of_a_packed_batch_are_those_of_its_documents(device):
+    model = build("llama3", "debugmodel").to(device)
+    docs = [d.to(device) for d in documents(3, (12, 7, 15, 6), 2048)]
     packed = torch.cat(docs)[None]  # (1, n)
     inputs, labels = packed[:, :-1], packed[:, 1:]
     loss = F.cross_entropy(model(inputs, document_ids=document_ids(inputs, BOS, EOS))[0], labels[0], reduction="sum")
@@ -110,7 +117,7 @@ def test_gradients_of_a_packed_batch_are_those_of_its_documents():
     model.zero_grad()
     # Each document alone, predicting its own next tokens and, at its eos, the next document's bos
     # (the packed sequence's label there).
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for i, doc in enumerate(docs):
         following = docs[i + 1][:1] if i + 1 < len(docs) else doc[:0]
         target = torch.cat([doc[1:], following])
