@@ -58,6 +58,9 @@ _SAVE_OPS = _ops(
     "_c10d_functional.reduce_scatter_tensor",
     "aten.max",
 )
+_FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)  # a higher-order op, without overloads
+if _FLEX_ATTENTION is not None:  # block-causal attention on GPUs: as costly to recompute as SDPA's kernels
+    _SAVE_OPS.add(_FLEX_ATTENTION)
 
 
 _MATMULS = _ops("aten.mm", "aten._scaled_mm")  # bf16 and float8 matmuls share the save-every-other count
