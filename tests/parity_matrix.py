@@ -186,6 +186,9 @@ LAYOUTS = [
     # Each pipeline stage builds the mask from its micro-batch's slice of the document ids (a keyword input).
     Layout("block_causal_pp2_Interleaved1F1B", 2, 1, _pp("Interleaved1F1B"), model=BLOCK_CAUSAL),
     Layout("block_causal_pp2_ZBVZeroBubble", 2, 1, _pp("ZBVZeroBubble"), model=BLOCK_CAUSAL),
+    # Under Ulysses CP the core attends over whole sequences: the mask of the whole sequence (document ids taken
+    # before the sequence is sharded), with FSDP over the cp ranks.
+    Layout("block_causal_fsdp2_cp2_ulysses", 4, 2, CP2_ULYSSES, model=BLOCK_CAUSAL),
     # bf16, against a one-process bf16 reference: FSDP casts for 1 rank as for N (the tolerance: module docstring).
     Layout("bf16_fsdp2", 2, 2, (), dtype="bfloat16", tolerance=BF16_TOLERANCE),
     Layout("bf16_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), dtype="bfloat16", tolerance=BF16_TOLERANCE),

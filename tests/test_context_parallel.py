@@ -103,6 +103,21 @@ def test_ulysses_with_values_of_another_head_dim(cp_results, cp):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_ulysses_attends_under_the_whole_sequences_mask(cp_results, cp, shape):
+    """Block-causal over packed documents: the core gets the mask of the whole sequence, after the exchange."""
+    r = cp_results[f"ulysses_masked_cp{cp}_{shape}"]
+    for key in ("out", "dq", "dk", "dv"):
+        assert r[key] < TOL, (key, r)
+    assert r["mask_matters"] == 1.0, r  # without the mask the output is another one
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_refuses_a_mask_naming_ulysses(cp_results, cp):
+    assert cp_results[f"ring_refuses_a_mask_cp{cp}"] == {"refused": 1.0}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
 def test_shard_sequence_takes_the_head_tail_positions(cp_results, cp):
     assert cp_results[f"shard_sequence_cp{cp}"] == {"labels": 0.0, "tokens": 0.0}
 

@@ -6,7 +6,8 @@ distance between positions, so a document's logits inside a packed sequence unde
 must equal its logits when it is the whole sequence, in every family; its gradients likewise. The
 document ids and masks are checked against tables written out by hand. The multi-process layouts
 against one process, on short documents, are rows of the parity matrix (`block_causal_*`: FSDP 2 x TP 2,
-and two pipeline schedules, whose later stages build the mask from their micro-batch's document ids).
+two pipeline schedules, whose later stages build the mask from their micro-batch's document ids, and FSDP 2 x
+Ulysses CP 2, whose attention takes the whole sequence's mask).
 """
 
 from __future__ import annotations

@@ -268,6 +268,56 @@ def run_ulysses_mla_shaped(rec: Recorder) -> None:
         )
 
 
+class MaskedSDPA(torch.nn.Module):
+    """An attention core that takes the model's mask, as the models' own: SDPA under it, causal without one."""
+
+    def forward(self, q, k, v, mask=None):
+        gqa = q.size(1) != k.size(1)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def run_ulysses_masked(rec: Recorder) -> None:
+    """Ulysses hands the core the whole sequence's mask (block-causal over packed documents): against SDPA under
+    that mask on the whole sequence, GQA (4 query heads on 2 KV heads) and MLA's head dims; ring attention refuses
+    a mask."""
+    bs, seq = 2, 32
+    ids = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 3 + [2] * 9])  # boundaries inside chunks
+    mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = mask[:, None]  # (bs, 1, seq, seq), written here, not by titan_models.document_mask
+    for cp in (2, 4):
+        mesh = build_mesh(cp=cp)
+        group, rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+        idx = head_tail_index(seq, cp, rank)
+        for name, (n_heads, n_kv_heads, qk_dim, v_dim) in {"gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8)}.items():
+            gen = torch.Generator().manual_seed(9)
+            q = torch.randn(bs, n_heads, seq, qk_dim, generator=gen, requires_grad=True)
+            k = torch.randn(bs, n_kv_heads, seq, qk_dim, generator=gen, requires_grad=True)
+            v = torch.randn(bs, n_kv_heads, seq, v_dim, generator=gen, requires_grad=True)
+            dout = torch.randn(bs, n_heads, seq, v_dim, generator=gen)
+            expected = MaskedSDPA()(q, k, v, mask)
+            (expected * dout).sum().backward()
+            ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+            out = UlyssesAttention(MaskedSDPA(), group)(ql, kl, vl, mask=mask)
+            (out * dout[:, :, idx]).sum().backward()
+            causal = ulysses_attention(ql.detach(), kl.detach(), vl.detach(), group, MaskedSDPA())
+            rec.add(
+                f"ulysses_masked_cp{cp}_{name}",
+                out=maxdiff(out, expected[:, :, idx]),
+                dq=maxdiff(ql.grad, q.grad[:, :, idx]),
+                dk=maxdiff(kl.grad, k.grad[:, :, idx]),
+                dv=maxdiff(vl.grad, v.grad[:, :, idx]),
+                mask_matters=float(maxdiff(causal, out) > 1e-2),
+            )
+        try:
+            RingAttention(group)(q.detach()[:, :, idx], k.detach()[:, :, idx], v.detach()[:, :, idx], mask=mask)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        rec.add(f"ring_refuses_a_mask_cp{cp}", refused=float("use cp_method='ulysses'" in refused))
+
+
 def gather_logits(local: torch.Tensor, cp: int, group) -> torch.Tensor:
     """All-gather the cp ranks' logits and put them back in sequence order (written independently)."""
     parts = [torch.empty_like(local) for _ in range(cp)]
@@ -385,6 +435,7 @@ def main() -> None:
     elif suite == "cp":
         run_ring_alone(rec)
         run_ulysses_mla_shaped(rec)
+        run_ulysses_masked(rec)
         run_cp(ref, rec)
         run_cp_stages(ref, rec)
         run_tp_cp_parallelize(ref, rec)

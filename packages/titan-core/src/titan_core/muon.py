@@ -42,10 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim import _muon as _torch_muon
 
-from titan_parallel.matrix_owners import MatrixOwners
 from titan_parallel.precision import resolve_param_dtype
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -190,6 +188,8 @@ class Muon(torch.optim.Optimizer):
         matrices = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
         names = [(param_names or {}).get(p, f"Muon parameter {i}") for i, p in enumerate(matrices)]
         self.ns_dtype = ns_dtype
+        from titan_parallel.matrix_owners import MatrixOwners  # here: a job check imports this module, not DTensor
+
         self.owners = MatrixOwners(matrices, names, dtype=ns_dtype)
 
     def _link_adamw(self) -> None:
@@ -254,6 +254,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # here: the job check imports this module's options only
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 

@@ -312,25 +312,30 @@ class StepRunner:
                 stack.enter_context(loss_parallel())
             yield
 
-    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
-        """A batch on the device (without waiting for the copy), its sequence sharded under CP."""
+    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """A batch on the device (without waiting for the copy), its sequence sharded under CP, and the model's
+        keyword inputs besides the tokens: each position's document under block-causal attention."""
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
+        extra: dict[str, torch.Tensor] = {}
+        if self.documents is not None:
+            # Of the whole sequence, before CP shards it: Ulysses' attention sees whole sequences. Every pipeline
+            # rank holds the batch: each stage gets its micro-batch's slice (torch's schedules split keyword
+            # inputs along dim 0 and pass them to every stage's forward), and builds the mask from it.
+            extra["document_ids"] = document_ids(inputs, *self.documents)  # (bs, seqlen)
         if self.cp_mesh is not None:
             inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.cp_mesh)
-        return inputs, labels
+        return inputs, labels, extra
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, backward: bool) -> torch.Tensor | None:
-        """One micro-batch through the schedule: the sum of its (divided) losses, None off the last stage."""
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, *, backward: bool
+    ) -> torch.Tensor | None:
+        """One micro-batch through the schedule (`extra`: the model's keyword inputs besides the tokens): the sum
+        of its (divided) losses, None off the last stage."""
         schedule, stages = self.schedule, self.stages
         losses: list[torch.Tensor] | None = [] if any(stage.is_last for stage in stages) else None
         args = (inputs,) if any(stage.is_first for stage in stages) else ()
         target = labels if losses is not None else None
-        extra: dict[str, torch.Tensor] = {}  # the model's keyword inputs besides the tokens
-        if self.documents is not None:
-            # Every rank holds the batch: each stage gets its micro-batch's slice (torch's schedules split keyword
-            # inputs along dim 0 and pass them to every stage's forward), and builds the mask from it.
-            extra["document_ids"] = document_ids(inputs, *self.documents)  # (bs, seqlen)
         with self.forward_context():
             if backward:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)

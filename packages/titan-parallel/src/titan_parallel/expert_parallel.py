@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 
 from titan_parallel.layout import ParallelConfigError
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
@@ -130,6 +129,7 @@ def apply_ep(model: nn.Module, plan: ModelPlan, ep_mesh: DeviceMesh) -> nn.Modul
         ep_mesh: the 1-D expert-parallel mesh, `mesh["ep"]`.
     """
     check_ep(model, plan, ep_mesh.size())
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor  # here: `check_ep` stays light
 
     def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for weight_name in EXPERT_WEIGHTS:
@@ -156,4 +156,6 @@ def is_expert_parallel(module: nn.Module) -> bool:
     Args:
         module: the experts module.
     """
+    from torch.distributed.tensor import DTensor
+
     return any(isinstance(getattr(module, name, None), DTensor) for name in EXPERT_WEIGHTS)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["ComputeCopies", "MasterAdam", "MasterAdamW", "master_weights_blockers"]
 
@@ -74,6 +73,8 @@ class ComputeCopies:
     """
 
     def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype):
+        from torch.distributed.tensor import DTensor  # here: `master_weights_blockers` (a job check) stays light
+
         params: dict[int, nn.Parameter] = {}
         for part in parts:
             for name, p in part.named_parameters():

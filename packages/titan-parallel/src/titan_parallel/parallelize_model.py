@@ -20,9 +20,6 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from titan_parallel.activation_checkpoint import apply_ac
-from titan_parallel.compile import apply_compile, compile_backend
-from titan_parallel.fsdp import apply_ddp, apply_fsdp
 from titan_parallel.layout import (
     ParallelDims,
     check_ac,
@@ -140,6 +137,12 @@ def parallelize(
         options: dtypes and the optional features (checked first, `check_options`).
     """
     check_options(mesh, options)
+    # Imported here, as EP, TP and CP below: `ParallelOptions` and the checks stay light to import (FSDP's and
+    # compile's modules pull DTensor and sympy, ~3 s of a process's start on a 2-core CPU, for a job check).
+    from titan_parallel.activation_checkpoint import apply_ac
+    from titan_parallel.compile import apply_compile, compile_backend
+    from titan_parallel.fsdp import apply_ddp, apply_fsdp
+
     if mesh.dims.ep > 1:
         from titan_parallel.expert_parallel import apply_ep
 

@@ -310,13 +310,20 @@ class RingAttention(nn.Module):
         self.scale = scale
 
     @torch.compiler.disable  # point-to-point collectives inside an autograd.Function: run eagerly
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None) -> torch.Tensor:
         """Args:
             q: `(bs, n_heads, seqlen/cp, head_dim)`; k, v: `(bs, n_kv_heads, seqlen/cp, head_dim)`.
+            mask: must be None: the ring computes causal attention only (each rank sees a chunk of the keys at a
+                time, not a mask of the whole sequence); `UlyssesAttention` takes one.
 
         Returns:
             `(bs, n_heads, seqlen/cp, head_dim)`.
         """
+        if mask is not None:
+            raise ValueError(
+                "ring attention computes causal attention only and takes no attention mask (a block-causal one "
+                "over packed documents, say); use cp_method='ulysses', whose attention sees whole sequences"
+            )
         check_rotate_method(self.rotate_method, k.shape[-1], v.shape[-1])
         return ring_attention(q, k, v, self.group, self.rotate_method, scale=self.scale)
 

@@ -9,7 +9,9 @@ both methods. Around each core:
    rank r receives heads `[r heads/cp, (r+1) heads/cp)` of every position. Unpacking the received
    buffer is a copy anyway; it also puts the `2cp` head-tail chunks back in sequence order;
 2. the model's own core runs on the whole sequence: ordinary causal SDPA, with whichever kernel
-   `titan_parallel.attention_backend` picks (flash, cuDNN, or the CPU kernel); it knows nothing of CP;
+   `titan_parallel.attention_backend` picks (flash, cuDNN, or the CPU kernel); it knows nothing of CP.
+   A mask the model gives (block-causal attention over packed documents) is the whole sequence's, in
+   sequence order, and goes to the core as it is: after the exchange the core sees whole sequences;
 3. one all-to-all sends every rank its own positions of every head back.
 
 q, k and v travel in one buffer (keys and values in a second one when their head dims
@@ -30,6 +32,8 @@ ring attention), and which gloo runs on CPU.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,7 +119,12 @@ def _heads_to_sequence(out: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, core: nn.Module
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    core: nn.Module,
+    mask: Any = None,
 ) -> torch.Tensor:
     """Causal attention of head-tail sequence shards by head-sharded attention over the whole sequence.
 
@@ -126,13 +135,20 @@ def ulysses_attention(
         v: `(bs, n_kv_heads, seqlen/cp, v_head_dim)` local values.
         group: the context-parallel process group.
         core: the model's causal attention `(q, k, v) -> out` on whole sequences (its own softmax scale).
+        mask: None for causal attention; else the whole sequence's attention mask (the model's, e.g. a
+            block-causal `(bs, 1, seqlen, seqlen)` boolean tensor or FlexAttention `BlockMask`), which the core
+            takes as `core(q, k, v, mask=mask)`.
 
     Returns:
         `(bs, n_heads, seqlen/cp, v_head_dim)`, dtype of q.
     """
     cp = dist.get_world_size(group)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return core(q, k, v) if mask is None else core(q, k, v, mask=mask)
+
     if cp == 1:
-        return core(q, k, v)
+        return attend(q, k, v)
     n_heads, n_kv_heads = q.size(1), k.size(1)
     if n_heads % cp:  # `check_cp_method` refuses this before launch; here for direct callers
         raise ParallelConfigError(
@@ -148,7 +164,7 @@ def ulysses_attention(
     else:  # MLA: keys and values differ in head dim
         q, k = _sequence_to_heads([q, k], group)
         (v,) = _sequence_to_heads([v], group)
-    out = core(q, k, v)  # (bs, n_heads/cp, seqlen, v_head_dim)
+    out = attend(q, k, v)  # (bs, n_heads/cp, seqlen, v_head_dim)
     return _heads_to_sequence(out, group)  # (bs, n_heads, seqlen/cp, v_head_dim)
 
 
@@ -166,14 +182,15 @@ class UlyssesAttention(nn.Module):
         self.core = core
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> torch.Tensor:
         """Args:
             q: `(bs, n_heads, seqlen/cp, head_dim)`; k, v: `(bs, n_kv_heads, seqlen/cp, head_dim)`.
+            mask: None (causal), or the whole sequence's mask for the core (see `ulysses_attention`).
 
         Returns:
             `(bs, n_heads, seqlen/cp, head_dim)`.
         """
-        return ulysses_attention(q, k, v, self.group, self.core)
+        return ulysses_attention(q, k, v, self.group, self.core, mask)
 
     def extra_repr(self) -> str:
         return f"cp={dist.get_world_size(self.group)}"
