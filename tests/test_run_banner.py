@@ -95,6 +95,13 @@ def test_a_moe_banner_counts_active_parameters_and_expert_parallel():
     assert line.endswith("| 2 processes: dp_shard=2, ep=2")
 
 
+def test_the_layout_names_ulysses_context_parallel():
+    ulysses = ["--training.seq_len", "64", "--parallelism.context_parallel_degree", "2"]
+    assert banner(ulysses, world_size=4).endswith("| 4 processes: dp_shard=2 x cp=2")  # ring, the default
+    ulysses += ["--parallelism.context_parallel_method", "ulysses"]
+    assert banner(ulysses, world_size=4).endswith("| 4 processes: dp_shard=2 x cp=2 Ulysses")
+
+
 def test_no_shipped_default_claims_a_description():
     assert load_config(None, []).job.description == ""
     assert load_config("llama3_debugmodel", []).job.description == ""

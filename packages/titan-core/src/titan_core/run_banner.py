@@ -95,12 +95,16 @@ def _describe_compute(job: Job) -> str:
 
 
 def _describe_layout(job: Job) -> str:
-    """'1 process', or '8 processes: dp_shard=2 x tp=4'."""
+    """'1 process', or '8 processes: dp_shard=2 x tp=4' ('cp=2 Ulysses' under Ulysses context parallel)."""
     if job.dims is None:
         return "world size not known yet"
     d = job.dims
     degrees = {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp}
-    split = " x ".join(f"{name}={value}" for name, value in degrees.items() if value > 1)
+    split = " x ".join(
+        f"{name}={value}" + (" Ulysses" if name == "cp" and job.parallel.cp_method == "ulysses" else "")
+        for name, value in degrees.items()
+        if value > 1
+    )
     if d.ep > 1:
         split += f", ep={d.ep}"
     if d.world_size == 1:
