@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,19 +44,34 @@ def job_code(job: subprocess.Popen) -> int:
     return job.returncode
 
 
-def finish(job: subprocess.Popen, run: Path) -> tuple[str, float]:
-    """The job's output, and seconds from the fault to the job's end."""
-    out, _ = job.communicate(timeout=240)
-    ended = time.time()
-    assert job.returncode != 0, out[-4000:]
-    assert (run / "FAULT").exists(), f"the job ended before the fault:\n{out[-4000:]}"
-    return out, ended - float((run / "FAULT").read_text())
+def watch(job: subprocess.Popen) -> Callable[[Path], tuple[str, float]]:
+    """Wait for `job` in a thread from now on, noting when it ends (not when the test gets to it); the returned
+    `finish(run)` gives the job's output and the seconds from the fault to the job's end."""
+    done: dict[str, object] = {}
+
+    def wait() -> None:
+        done["out"], _ = job.communicate(timeout=240)
+        done["ended"] = time.time()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+
+    def finish(run: Path) -> tuple[str, float]:
+        thread.join(timeout=250)
+        out = str(done.get("out", ""))
+        assert "ended" in done, "the job did not end within 240 s"
+        assert job.returncode != 0, out[-4000:]
+        assert (run / "FAULT").exists(), f"the job ended before the fault:\n{out[-4000:]}"
+        return out, float(str(done["ended"])) - float((run / "FAULT").read_text())
+
+    return finish
 
 
 def test_stalled_and_dead_rank_end_the_job_naming_it(tmp_path):
     stall_run, die_run = tmp_path / "stall", tmp_path / "die"
     stall, die = start_job(stall_run, "stall"), start_job(die_run, "die")
-    out, took = finish(stall, stall_run)
+    finish_stall, finish_die = watch(stall), watch(die)  # each job's end is noted when it happens
+    out, took = finish_stall(stall_run)
     # The timeout, the other rank's grace to report and the stuck rank's own exit, with room for a busy machine.
     assert took < TIMEOUT_S + 25, (took, out[-4000:])
     assert job_code(stall) == 4, out[-4000:]  # `titan train`'s exit code for a hung or lost rank, told in one line
@@ -72,7 +89,7 @@ def test_stalled_and_dead_rank_end_the_job_naming_it(tmp_path):
     else:
         assert "group info: 0:default_pg" in analyzer.stdout + analyzer.stderr, analyzer.stderr[-3000:]
 
-    out, took = finish(die, die_run)
+    out, took = finish_die(die_run)
     assert took < 20, (took, out[-4000:])
     # The surviving rank's report names the dead one.
     assert job_code(die) == 4, out[-4000:]
