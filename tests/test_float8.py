@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from titan_run import DEBUG_DETAIL, SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_shared
+from titan_run import DEBUG_DETAIL, SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_all
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import Float8Options, MXOptions, ParallelConfigError, apply_float8, apply_mx, check_float8, check_mx
@@ -246,11 +246,7 @@ def single_runs(tmp_path_factory) -> dict[str, Path]:
     extra = {"plain": [], "float8": FLOAT8, "compiled": [*FLOAT8, "--compile.enable"], "output": output,
              "output plain loss": [*output, "--training.fused_loss", "false"]}  # fmt: skip
     folders = {name: root / name.replace(" ", "_") for name in extra}
-    done = run_titan_shared({folders[name]: [*CORPUS, *args] for name, args in extra.items()}, nproc=1)
-    for name, folder in folders.items():
-        if folder not in done:  # failed there: alone, to report the error
-            proc = run_titan(folder, *CORPUS, *extra[name])
-            (folder / "train.log").write_text(proc.stdout + proc.stderr)
+    run_titan_all({folders[name]: [*CORPUS, *args] for name, args in extra.items()})
     return folders
 
 
@@ -269,10 +265,7 @@ def fsdp_runs(tmp_path_factory) -> dict[str, object]:
     args = [*CORPUS, *FLOAT8, "--training.local_batch_size", "4", "--float8.enable_fsdp_float8_all_gather",
             "--float8.precompute_float8_dynamic_scale_for_fsdp", "--checkpoint.enable", "--checkpoint.interval", "10"]
     first = {full: [*args, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"], pp: PP_ROWWISE}
-    done = run_titan_shared(first, nproc=2)
-    for folder in first.keys() - done:  # failed there: alone, to report the error
-        proc = run_titan(folder, *first[folder], nproc=2)
-        (folder / "train.log").write_text(proc.stdout + proc.stderr)
+    run_titan_all(first, nproc=2)
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(full / "checkpoint" / "step-10", resumed / "checkpoint" / "step-10")
     run_titan(resumed, *args, nproc=2)

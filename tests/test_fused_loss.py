@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from titan_run import TINY, losses, run_titan
+from titan_run import TINY, losses, run_titan_all
 
 from titan_parallel.float8_matmul import Float8Loss
 from titan_parallel.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
@@ -201,8 +201,7 @@ def test_vocab_parallel_on_two_processes_equals_one_process():
 
 def test_a_run_with_the_fused_loss_trains_as_the_plain_loss(tmp_path):
     args = [*TINY, "--training.steps", "4", "--training.mixed_precision_param", "float32"]
-    run_titan(tmp_path / "fused", *args)
-    run_titan(tmp_path / "plain", *args, "--training.fused_loss", "false")
+    run_titan_all({tmp_path / "fused": args, tmp_path / "plain": [*args, "--training.fused_loss", "false"]})
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert len(fused) == len(plain) == 4
     for a, b in zip(fused, plain, strict=True):

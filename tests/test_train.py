@@ -10,7 +10,7 @@ import pytest
 import torch
 from titan_parallel.precision import native_bf16
 
-from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan
+from titan_run import SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_all
 
 
 def test_default_run_loss_falls_and_writes_run_folder(tmp_path):
@@ -41,8 +41,8 @@ def test_default_run_loss_falls_and_writes_run_folder(tmp_path):
 def test_gradient_accumulation_equals_larger_batch(tmp_path):
     big = tmp_path / "big"
     accum = tmp_path / "accum"
-    run_titan(big, *TINY, "--training.local_batch_size", "8")
-    run_titan(accum, *TINY, "--training.local_batch_size", "2", "--training.global_batch_size", "8")
+    run_titan_all({big: [*TINY, "--training.local_batch_size", "8"],
+                   accum: [*TINY, "--training.local_batch_size", "2", "--training.global_batch_size", "8"]})  # fmt: skip
     diffs = [abs(a - b) for a, b in zip(losses(big), losses(accum), strict=True)]
     assert max(diffs) < 1e-5, diffs
 

@@ -92,6 +92,16 @@ def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: 
     return done
 
 
+def run_titan_all(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: bool = True) -> None:
+    """Train every run (folder -> `titan train` arguments): in one launch (`run_titan_shared`), then each that did
+    not finish there alone (`run_titan`), which raises with its error. Each folder keeps its log in train.log."""
+    done = run_titan_shared(runs, nproc, debug_detail)
+    for folder, args in runs.items():
+        if folder not in done:
+            proc = run_titan(folder, *args, nproc=nproc, debug_detail=debug_detail)
+            (folder / "train.log").write_text(proc.stdout + proc.stderr)
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     """The per-step records the trainer wrote to `metrics.jsonl`."""
     lines = (dump_folder / "metrics.jsonl").read_text().splitlines()
