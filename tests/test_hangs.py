@@ -47,22 +47,22 @@ def job_code(job: subprocess.Popen) -> int:
 def watch(job: subprocess.Popen) -> Callable[[Path], tuple[str, float]]:
     """Wait for `job` in a thread from now on, noting when it ends (not when the test gets to it); the returned
     `finish(run)` gives the job's output and the seconds from the fault to the job's end."""
-    done: dict[str, object] = {}
+    ended: list[tuple[str, float]] = []  # (output, end time), once the job ends
 
     def wait() -> None:
-        done["out"], _ = job.communicate(timeout=240)
-        done["ended"] = time.time()
+        out, _ = job.communicate(timeout=240)
+        ended.append((out, time.time()))
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
 
     def finish(run: Path) -> tuple[str, float]:
         thread.join(timeout=250)
-        out = str(done.get("out", ""))
-        assert "ended" in done, "the job did not end within 240 s"
+        assert ended, "the job did not end within 240 s"
+        out, end = ended[0]
         assert job.returncode != 0, out[-4000:]
         assert (run / "FAULT").exists(), f"the job ended before the fault:\n{out[-4000:]}"
-        return out, float(str(done["ended"])) - float((run / "FAULT").read_text())
+        return out, end - float((run / "FAULT").read_text())
 
     return finish
 

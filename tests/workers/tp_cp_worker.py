@@ -196,6 +196,15 @@ def run_async_tp_plumbing(rec: Recorder) -> None:
 # ---- context parallel ----------------------------------------------------------------------
 
 
+def shard_diffs(out, expected, local, whole, idx) -> dict[str, float]:
+    """Max |difference| of a sharded attention's output and q, k, v gradients (`local`, leaves holding this rank's
+    positions `idx`) from the whole sequence's (`expected`, and `whole`'s gradients) at those positions."""
+    diffs = {"out": maxdiff(out, expected[:, :, idx])}
+    for name, part, full_leaf in zip(("dq", "dk", "dv"), local, whole, strict=True):
+        diffs[name] = maxdiff(part.grad, full_leaf.grad[:, :, idx])
+    return diffs
+
+
 def run_ring_alone(rec: Recorder) -> None:
     """`ring_attention` and `ulysses_attention` on random q/k/v against causal SDPA on the whole sequence, forward
     and backward."""
@@ -229,10 +238,7 @@ def run_ring_alone(rec: Recorder) -> None:
                 (out * dout[:, :, idx]).sum().backward()
                 rec.add(
                     f"ring_cp{cp}_{method}_h{n_heads}_kv{n_kv_heads}",
-                    out=maxdiff(out, expected[:, :, idx]),
-                    dq=maxdiff(ql.grad, q.grad[:, :, idx]),
-                    dk=maxdiff(kl.grad, k.grad[:, :, idx]),
-                    dv=maxdiff(vl.grad, v.grad[:, :, idx]),
+                    **shard_diffs(out, expected, (ql, kl, vl), (q, k, v), idx),
                 )
 
 
@@ -261,10 +267,7 @@ def run_ulysses_mla_shaped(rec: Recorder) -> None:
         (out * dout[:, :, idx]).sum().backward()
         rec.add(
             f"ulysses_cp{cp}_v_head_dim",
-            out=maxdiff(out, expected[:, :, idx]),
-            dq=maxdiff(ql.grad, q.grad[:, :, idx]),
-            dk=maxdiff(kl.grad, k.grad[:, :, idx]),
-            dv=maxdiff(vl.grad, v.grad[:, :, idx]),
+            **shard_diffs(out, expected, (ql, kl, vl), (q, k, v), idx),
         )
 
 
@@ -304,10 +307,7 @@ def run_ulysses_masked(rec: Recorder) -> None:
             causal = ulysses_attention(ql.detach(), kl.detach(), vl.detach(), group, MaskedSDPA())
             rec.add(
                 f"ulysses_masked_cp{cp}_{name}",
-                out=maxdiff(out, expected[:, :, idx]),
-                dq=maxdiff(ql.grad, q.grad[:, :, idx]),
-                dk=maxdiff(kl.grad, k.grad[:, :, idx]),
-                dv=maxdiff(vl.grad, v.grad[:, :, idx]),
+                **shard_diffs(out, expected, (ql, kl, vl), (q, k, v), idx),
                 mask_matters=float(maxdiff(causal, out) > 1e-2),
             )
         try:

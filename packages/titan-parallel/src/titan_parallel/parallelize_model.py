@@ -138,7 +138,8 @@ def parallelize(
     """
     check_options(mesh, options)
     # Imported here, as EP, TP and CP below: `ParallelOptions` and the checks stay light to import (FSDP's and
-    # compile's modules pull DTensor and sympy, ~3 s of a process's start on a 2-core CPU, for a job check).
+    # compile's modules pull DTensor and sympy, ~3 s of a process's start on a 2-core AVX2-only AMD EPYC, for a
+    # job check).
     from titan_parallel.activation_checkpoint import apply_ac
     from titan_parallel.compile import apply_compile, compile_backend
     from titan_parallel.fsdp import apply_ddp, apply_fsdp
