@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -26,6 +27,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest files first (LONGEST_FIRST), each file's tests in their order."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch and the packages, ~350,000 objects alive for the whole session) is left out
+    of the garbage collector's later passes, as `titan train`'s ranks do (`titan_core.launch.collector_paused`):
+    test_plan_ep's in-process tests spent 9.6 s of 130 s of CPU in the collector before, 7.0 s after."""
+    gc.freeze()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    gc.unfreeze()  # before the interpreter's teardown: else triton's bindings report the frozen objects as leaked
 
 
 @pytest.fixture(autouse=True)

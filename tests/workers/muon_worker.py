@@ -16,21 +16,25 @@ One launch pays torchrun's and the imports' start-up once for all its jobs.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from titan_core.launch import collector_paused
 
-from titan_core.config import load_config
-from titan_core.muon import Muon, newton_schulz
-from titan_core.trainer import Trainer
-from titan_parallel.distributed import init_distributed
-from titan_parallel.matrix_owners import MatrixOwners
+with collector_paused(freeze=True):  # as `titan train`'s ranks import; unfrozen at the end
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from titan_core.config import load_config
+    from titan_core.muon import Muon, newton_schulz
+    from titan_core.trainer import Trainer
+    from titan_parallel.distributed import init_distributed
+    from titan_parallel.matrix_owners import MatrixOwners
 
 
 def train(run: dict) -> None:
@@ -95,3 +99,4 @@ def main(jobs_file: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    gc.unfreeze()

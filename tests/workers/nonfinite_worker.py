@@ -20,10 +20,12 @@ import json
 import os
 import sys
 
-import torch
-from torch.distributed.tensor import DTensor
-from titan_core import trainer as trainer_module
-from titan_core.launch import main
+from titan_core.launch import collector_paused, main
+
+with collector_paused(freeze=True):  # as `titan train`'s ranks import (main unfreezes at its end)
+    import torch
+    from torch.distributed.tensor import DTensor
+    from titan_core import trainer as trainer_module
 
 
 def state_checksum(trainer) -> float:

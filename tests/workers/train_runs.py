@@ -23,13 +23,15 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from titan_core.launch import collector_paused, setup_logging
 
-from titan_core.config import load_config
-from titan_core.launch import setup_logging
-from titan_core.trainer import Trainer
-from titan_parallel.distributed import init_distributed
+with collector_paused(freeze=True):  # as `titan train`'s ranks import (they leave by os._exit: nothing to unfreeze)
+    import torch
+    import torch.distributed as dist
+
+    from titan_core.config import load_config
+    from titan_core.trainer import Trainer
+    from titan_parallel.distributed import init_distributed
 
 DONE = "DONE"
 

@@ -21,11 +21,14 @@ resume from the newest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from titan_ckpt.errors import CheckpointError
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_toml(cfg), end="")
             return 0
         setup_logging()
-        from titan_core.trainer import Trainer  # torch is imported here, not for --print-config
+        with collector_paused(freeze=True):  # unfrozen below
+            from titan_core.trainer import Trainer  # torch is imported here, not for --print-config
 
         trainer = Trainer(cfg)
         trainer.train()
@@ -119,7 +123,34 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "titan_parallel.distributed" in sys.modules:
             sys.modules["titan_parallel.distributed"].shutdown_distributed()
+        gc.unfreeze()  # before the interpreter's teardown: else triton's bindings report the frozen as leaked
     return 0
+
+
+@contextlib.contextmanager
+def collector_paused(freeze: bool = False) -> Iterator[None]:
+    """Python's cyclic garbage collector off while the block imports (torch, DCP, DTensor, sympy: thousands of
+    modules and ~350,000 objects, none of them garbage).
+
+    With the collector on, each of its full passes during the imports walks every object made so far: ~0.9 s of
+    a rank's ~13 s of imports, and ~0.8 s more in the passes that follow while the trainer is built and trains
+    (a 2-core AVX2-only AMD EPYC, torch 2.15, Python 3.11). Frozen (`gc.freeze`), the modules' objects, which
+    live as long as the process, are left out of every later pass: the collector's time over a whole tiny run
+    goes from ~1.75 s to 0.03 s.
+
+    Args:
+        freeze: freeze what is alive after the block (`gc.freeze`); call `gc.unfreeze()` before the process
+            ends normally, else triton's bindings report the frozen objects as leaked at exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 def _fault_exit_code(error: Exception) -> int | None:
@@ -164,7 +195,8 @@ def check_job_here(argv: list[str], world_size: int | None, *, max_restarts: int
     """Check the whole job in this process; print one line and return 2 when it cannot run, else 0."""
     try:
         config, _, overrides = split_args(argv)
-        from titan_core.job import resolve
+        with collector_paused():
+            from titan_core.job import resolve
 
         cfg = load_config(config, overrides)
         resolve(cfg, world_size)
