@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     0 (done, or stopped by SIGTERM/SIGUSR1 after saving), 2 (config or input error), 3 (non-finite
     loss or grad norm under `training.on_nonfinite`), 4 (a collective timed out or lost a rank)."""
     argv = sys.argv[1:] if argv is None else argv
+    frozen_by_caller = gc.get_freeze_count() > 0  # a caller that froze its objects unfreezes them itself
     try:
         config, print_config, overrides = split_args(argv)
         cfg = load_config(config, overrides)
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "titan_parallel.distributed" in sys.modules:
             sys.modules["titan_parallel.distributed"].shutdown_distributed()
-        gc.unfreeze()  # before the interpreter's teardown: else triton's bindings report the frozen as leaked
+        if not frozen_by_caller:  # before the interpreter's teardown: else triton's bindings report them as leaked
+            gc.unfreeze()
     return 0
 
 
