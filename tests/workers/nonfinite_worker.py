@@ -22,7 +22,7 @@ import sys
 
 from titan_core.launch import collector_paused, main
 
-with collector_paused(freeze=True):  # as `titan train`'s ranks import (main unfreezes at its end)
+with collector_paused(freeze=True):  # as `titan train`'s ranks import (they leave by os._exit: nothing to unfreeze)
     import torch
     from torch.distributed.tensor import DTensor
     from titan_core import trainer as trainer_module
