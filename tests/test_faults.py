@@ -47,16 +47,18 @@ def wait_for_steps(folder: Path, n: int, proc: subprocess.Popen, timeout: float 
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:
-    """RANK -> pid of the training processes the `titan train` process started."""
-    found = {}
-    for child in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split():
+    """RANK -> pid of the training processes under the `titan train` process: on CPU they are forked from a
+    server it started (titan_core.rank_fork) and named `titan-rank<RANK>`."""
+    found, todo = {}, [agent_pid]
+    while todo:
+        pid = todo.pop()
         try:
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            todo += [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except FileNotFoundError:
             continue
-        env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
-        if b"RANK" in env:
-            found[int(env[b"RANK"])] = int(child)
+        if name.startswith("titan-rank"):
+            found[int(name.removeprefix("titan-rank"))] = pid
     return found
 
 

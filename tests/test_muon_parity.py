@@ -90,10 +90,8 @@ def launch(nproc: int, runs: dict, root: Path) -> None:
         jobs.append({"owners": str(root / f"owners-{nproc}.json")})
     jobs_file = root / f"jobs-{nproc}.json"
     jobs_file.write_text(json.dumps(jobs))
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
-    proc = subprocess.run([*launcher, str(WORKER), str(jobs_file)], cwd=REPO, env=titan_env(), capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(WORKER), str(nproc), str(jobs_file)], cwd=REPO, env=titan_env(),
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 

@@ -67,7 +67,7 @@ def run_titan(
 
 def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: bool = True) -> set[Path]:
     """Train several runs (folder -> `titan train` arguments) one after another in one launch of `nproc` processes
-    (tests/workers/train_runs.py: torchrun's and the imports' start-up, most of a tiny run's time, paid once);
+    (tests/workers/train_runs.py: the imports' start-up, most of a tiny run's time, paid once);
     returns the folders of the runs that finished. The launch ends at the first run that fails (or after 180 s
     a run on average): the folders of the runs that did not finish are removed, for the caller to run each alone
     (`run_titan`), which reports the error. The launch's output is left in `jobs-<first>.log`."""
@@ -76,10 +76,8 @@ def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: 
     first = next(iter(runs))
     jobs_file = first.parent / f"jobs-{first.name}.json"
     jobs_file.write_text(json.dumps([{"folder": str(folder), "args": list(args)} for folder, args in runs.items()]))
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
     with open(jobs_file.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen([*launcher, str(TRAIN_RUNS), str(jobs_file)], cwd=REPO, env=titan_env(debug_detail),
+        proc = subprocess.Popen([sys.executable, str(TRAIN_RUNS), str(nproc), str(jobs_file)], cwd=REPO, env=titan_env(debug_detail),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             proc.wait(timeout=180 * len(runs))

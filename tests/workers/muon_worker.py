@@ -1,8 +1,7 @@
 """Several `titan train` runs (the real `Trainer`) one after another in one launch, and a check of the
 matrix exchange on its own, for tests/test_muon_parity.py.
 
-    python tests/workers/muon_worker.py JOBS.json                     # one process
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/muon_worker.py JOBS.json
+    python tests/workers/muon_worker.py N JOBS.json
 
 JOBS.json is a list of
 - `{"folder": run folder, "args": [titan train args ...], "resume": [folder, step] | null}`: a run trains into
@@ -11,33 +10,28 @@ JOBS.json is a list of
 - `{"owners": out.json}`: `MatrixOwners` on DTensors of several placements over every rank (and over a 2 x 2
   mesh on 4 ranks), against Newton-Schulz of each whole matrix, in bf16 (torch's) and in fp32 (case
   names end ", fp32"); rank 0 writes `{case: [equal, owners]}`.
-One launch pays torchrun's and the imports' start-up once for all its jobs.
+For N > 1 the ranks run under torchrun's elastic agent, forked from one process that imported the trainer, as
+`titan train` starts a CPU job (`titan_core.rank_fork`); the imports are in the functions, so that the agent
+does not pay them too. One launch pays the imports' start-up once for all its jobs and ranks.
 """
 
 from __future__ import annotations
 
-import gc
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
-from titan_core.launch import collector_paused
-
-with collector_paused(freeze=True):  # as `titan train`'s ranks import; unfrozen at the end
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from titan_core.config import load_config
-    from titan_core.muon import Muon, newton_schulz
-    from titan_core.trainer import Trainer
-    from titan_parallel.distributed import init_distributed
-    from titan_parallel.matrix_owners import MatrixOwners
+from titan_core.launch import RANK_PRELOAD, collector_paused
 
 
 def train(run: dict) -> None:
+    import torch.distributed as dist
+
+    from titan_core.config import load_config
+    from titan_core.trainer import Trainer
+
     folder = Path(run["folder"])
     if run["resume"] and dist.get_rank() == 0:
         source, step = run["resume"]
@@ -48,6 +42,14 @@ def train(run: dict) -> None:
 
 def check_owners(out: Path) -> None:
     """Each case: (global shape, placements); 3-D shapes are stacks of matrices (dim 0)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from titan_core.muon import Muon, newton_schulz
+    from titan_parallel.matrix_owners import MatrixOwners
+
     world = dist.get_world_size()
     cases = {
         "rows, uneven": ((7, 5), [Shard(0)]),
@@ -87,6 +89,15 @@ def check_owners(out: Path) -> None:
 
 
 def main(jobs_file: str) -> None:
+    """One rank: every job of `jobs_file`, in order."""
+    with collector_paused(freeze=True):  # as `titan train`'s ranks import (imported already when forked)
+        import torch
+        import torch.distributed as dist
+
+        from titan_core.rank_fork import rank_finished, rank_started
+        from titan_parallel.distributed import init_distributed
+
+    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
     init_distributed(torch.device("cpu"))
     for job in json.loads(Path(jobs_file).read_text()):
         if "owners" in job:
@@ -95,8 +106,16 @@ def main(jobs_file: str) -> None:
             train(job)
         dist.barrier()
     dist.destroy_process_group()
+    rank_finished()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
-    gc.unfreeze()
+    nproc, jobs_file = int(sys.argv[1]), sys.argv[2]
+    if nproc == 1:
+        main(jobs_file)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown, as `titan train`
+    from titan_core.rank_fork import run_elastic
+
+    run_elastic(["--standalone", f"--nproc-per-node={nproc}"], main, (jobs_file,), preload=RANK_PRELOAD)

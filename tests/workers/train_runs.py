@@ -1,21 +1,23 @@
 """Several `titan train` runs (the real `Trainer`, as `titan train` builds it) one after another in one launch,
 for `titan_run.run_titan_shared` (the parity matrix, and other tests whose runs share a launch).
 
-    python tests/workers/train_runs.py JOBS.json                     # one process (the references)
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/train_runs.py JOBS.json
+    python tests/workers/train_runs.py N JOBS.json
 
-JOBS.json is a list of `{"folder": run folder, "args": [titan train args ...]}`. Each run trains into its folder
-(metrics.jsonl; rank 0's log in train.log) on the launch's one process group; once every rank is through it,
-rank 0 writes `DONE` there.
+JOBS.json is a list of `{"folder": run folder, "args": [titan train args ...]}`. For N > 1 the ranks run under
+torchrun's elastic agent, forked from one process that imported the trainer, as `titan train` starts a CPU job
+(`titan_core.rank_fork`); for N = 1 this process is the one rank. Each run trains into its folder (metrics.jsonl;
+rank 0's log in train.log) on the launch's one process group; once every rank is through it, rank 0 writes `DONE`
+there.
 Between runs dynamo's caches are reset, so that a compiled run compiles its blocks afresh, as in a launch of its own
 (the recompile limit is per code object and the blocks' forward is shared by every run). A run that raises ends
 the launch (the other ranks would wait in a collective): the runs without `DONE` are then run again, each in a
 launch of its own, by the caller, which reports the error of the one that fails.
-One launch pays torchrun's and the imports' start-up (~6 s of CPU per process) once for all its runs.
+One launch pays the imports' start-up (~13 s of CPU) once for all its runs and ranks.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -23,20 +25,23 @@ import sys
 import traceback
 from pathlib import Path
 
-from titan_core.launch import collector_paused, setup_logging
-
-with collector_paused(freeze=True):  # as `titan train`'s ranks import (they leave by os._exit: nothing to unfreeze)
-    import torch
-    import torch.distributed as dist
-
-    from titan_core.config import load_config
-    from titan_core.trainer import Trainer
-    from titan_parallel.distributed import init_distributed
+from titan_core.launch import RANK_PRELOAD, collector_paused, setup_logging
 
 DONE = "DONE"
 
 
-def main(jobs_file: str) -> None:
+def run_jobs(jobs_file: str) -> None:
+    """One rank: every run of `jobs_file`, in order."""
+    with collector_paused(freeze=True):  # as `titan train`'s ranks import (imported already when forked)
+        import torch
+        import torch.distributed as dist
+
+        from titan_core.config import load_config
+        from titan_core.rank_fork import rank_finished, rank_started
+        from titan_core.trainer import Trainer
+        from titan_parallel.distributed import init_distributed, shutdown_distributed
+
+    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
     setup_logging()
     init_distributed(torch.device("cpu"))
     for job in json.loads(Path(jobs_file).read_text()):
@@ -55,18 +60,25 @@ def main(jobs_file: str) -> None:
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)  # torchrun then stops the other ranks
+            os._exit(1)  # the agent then stops the other ranks
         dist.barrier()
         if log is not None:
             logging.getLogger().removeHandler(log)
             log.close()
             (folder / DONE).write_text("")
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # As titan_core.launch does: skip interpreter teardown, which gloo's threads can abort.
-    os._exit(0)
+    shutdown_distributed()
+    rank_finished()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    nproc, jobs_file = int(sys.argv[1]), sys.argv[2]
+    if nproc == 1:
+        run_jobs(jobs_file)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown, as `titan train`
+    from titan_core.rank_fork import run_elastic
+
+    gc.disable()  # the agent's imports (torch) make no garbage worth a pass
+    run_elastic(["--standalone", f"--nproc-per-node={nproc}"], run_jobs, (jobs_file,), preload=RANK_PRELOAD)

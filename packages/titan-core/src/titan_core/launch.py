@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +52,8 @@ STOPPED_FILE = "stopped.txt"
 STOP_GRACE_SECONDS = 120
 """After forwarding SIGTERM/SIGUSR1, the agent waits this long for the ranks to save and exit, then kills them."""
 EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_COLLECTIVE = 2, 3, 4
+RANK_PRELOAD = ("titan_core.rank_preload",)
+"""What the process CPU ranks are forked from imports once (`forked_rank`)."""
 
 
 def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
@@ -193,23 +196,24 @@ def _report_stop(signal_name: str, step: int, *, saved: bool) -> None:
         print(line, file=sys.stderr)
 
 
-def check_job_here(argv: list[str], world_size: int | None, *, max_restarts: int = 0) -> int:
-    """Check the whole job in this process; print one line and return 2 when it cannot run, else 0."""
+def check_job_here(argv: list[str], world_size: int | None, *, max_restarts: int = 0) -> tuple[int, str]:
+    """Check the whole job in this process; print one line and return (2, "") when it cannot run, else 0 and the
+    device type the job runs on ("cpu" / "cuda")."""
     try:
         config, _, overrides = split_args(argv)
         with collector_paused():
             from titan_core.job import resolve
 
         cfg = load_config(config, overrides)
-        resolve(cfg, world_size)
+        job = resolve(cfg, world_size)
     except USER_ERRORS as e:
         if os.environ.get("TITAN_TRACEBACK"):
             raise
         print(error_line(e), file=sys.stderr)
-        return EXIT_USER_ERROR
+        return EXIT_USER_ERROR, ""
     if max_restarts and not cfg.checkpoint.enable:
         print("titan: warning: --max-restarts without checkpoint.enable restarts from step 0", file=sys.stderr)
-    return 0
+    return 0, job.device_type
 
 
 def launch(
@@ -246,7 +250,8 @@ def launch(
     if "--print-config" in argv or (nproc_per_node == 1 and nnodes == "1" and max_restarts == 0):
         return main(argv)  # one process: the trainer checks the job first thing
     world_size = nproc_per_node * int(nnodes) if nnodes.isdigit() else None
-    if code := check_job_here(argv, world_size, max_restarts=max_restarts):
+    code, device_type = check_job_here(argv, world_size, max_restarts=max_restarts)
+    if code:
         return code
     if max_restarts:
         # torch 2.15's agent keeps one TCPStore across restarts without a per-attempt key prefix: the
@@ -257,7 +262,29 @@ def launch(
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else ["--standalone"]
+    if device_type == "cpu":  # ranks forked from one process that imported the trainer (titan_core.rank_fork)
+        return _run_torchrun(launcher, forked_argv=argv)
     return _run_torchrun([*launcher, "--module", "titan_core.launch", *argv])
+
+
+def forked_rank(argv: list[str]) -> None:
+    """One rank of a CPU job, forked by `launch`'s agent from a process that imported the trainer: `main(argv)`,
+    with the exit code and output an interpreter of its own would have.
+
+    Args:
+        argv: the config arguments, as for `main`.
+    """
+    from titan_core.rank_fork import rank_finished, rank_started
+
+    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
+    try:
+        code = main(argv)
+    except Exception:
+        traceback.print_exc()  # a bug keeps its traceback, on the rank's stderr
+        sys.exit(1)
+    if code:
+        sys.exit(code)
+    rank_finished()
 
 
 def _agent_signal_args() -> list[str]:
@@ -277,8 +304,10 @@ def _agent_signal_args() -> list[str]:
     return args
 
 
-def _run_torchrun(args: list[str]) -> int:
-    """Run torchrun's elastic agent in this process; a rank's user error becomes one line."""
+def _run_torchrun(args: list[str], forked_argv: list[str] | None = None) -> int:
+    """Run torchrun's elastic agent in this process; a rank's user error becomes one line. With `forked_argv`,
+    `args` are the launcher's options only, and each rank is `forked_rank(forked_argv)`, forked from a process
+    that imported the trainer once (`titan_core.rank_fork`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -289,7 +318,12 @@ def _run_torchrun(args: list[str]) -> int:
         os.environ[ERROR_DIR_ENV] = folder
         stopped_file = Path(folder, STOPPED_FILE)
         try:
-            run(parse_args([*_agent_signal_args(), *args]))
+            if forked_argv is None:
+                run(parse_args([*_agent_signal_args(), *args]))
+            else:
+                from titan_core.rank_fork import run_elastic
+
+                run_elastic([*_agent_signal_args(), *args], forked_rank, (forked_argv,), preload=RANK_PRELOAD)
         except ChildFailedError as failed:
             reports = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"), key=_rank_of)]
             if reports:
