@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from titan_run import DEBUG_DETAIL, SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_all
+from titan_run import DEBUG_DETAIL, FORK_RUN, SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_all
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import Float8Options, MXOptions, ParallelConfigError, apply_float8, apply_mx, check_float8, check_mx
@@ -346,7 +346,7 @@ def test_tp2_all_gathers_in_float8(tmp_path):
     rounding; the logits of rowwise (power-of-two scales, high-precision all-gathers) stay within 1e-5."""
     out = tmp_path / "tp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **DEBUG_DETAIL}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)]
+    cmd = [sys.executable, str(FORK_RUN), "2", str(WORKER), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = json.loads(out.read_text())

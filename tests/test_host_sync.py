@@ -17,15 +17,14 @@ import sys
 import pytest
 import torch
 
-from titan_run import REPO, titan_env
+from titan_run import FORK_RUN, REPO, titan_env
 
 ARGS = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard",
         "false", "--debug.seed", "7"]
 
 
 def host_reads(tmp_path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "tests/workers/host_sync_worker.py", *ARGS, "--job.dump_folder", str(tmp_path), *args]
+    cmd = [sys.executable, str(FORK_RUN), "2", "tests/workers/host_sync_worker.py", *ARGS, "--job.dump_folder", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=titan_env(), capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("HOST-SYNC ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from titan_run import REPO, losses, read_metrics, run_titan, titan_env
+from titan_run import FORK_RUN, REPO, losses, read_metrics, run_titan, titan_env
 
 WORKER = REPO / "tests" / "workers" / "ckpt_train.py"
 GLOBAL_BATCH = 4
@@ -30,8 +30,7 @@ EP = "--parallelism.expert_parallel_degree"
 def train_until(run: Path, stop_after: int, nproc: int, *args: str) -> None:
     """Train with `nproc` ranks from the newest checkpoint; every rank exits after step `stop_after`."""
     batch = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), "stop-after-step", str(stop_after), *RUN, *batch, "--job.dump_folder", str(run), *args]
+    cmd = [sys.executable, str(FORK_RUN), str(nproc), str(WORKER), "stop-after-step", str(stop_after), *RUN, *batch, "--job.dump_folder", str(run), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=titan_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

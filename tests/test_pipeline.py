@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +28,8 @@ from titan_parallel.pipeline_layout import (
     stage_module_names,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from titan_run import FORK_RUN, REPO
+
 WORKER = REPO / "tests" / "workers" / "pp_worker.py"
 TOL = 1e-5
 V_SCHEDULES = {"ZBVZeroBubble", "DualPipeV"}
@@ -281,7 +281,7 @@ def test_a_plain_loss_is_left_as_it_is():
 def runs(tmp_path_factory) -> dict:
     """Launch the worker once on 4 processes; its per-case, per-rank results."""
     out = tmp_path_factory.mktemp("pp") / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER), str(out)]
+    cmd = [sys.executable, str(FORK_RUN), "4", str(WORKER), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]

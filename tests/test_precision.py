@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from titan_parallel import ParallelOptions, mixed_precision_context, resolve_param_dtype, uses_fsdp
-from titan_run import REPO, TINY, run_titan, titan_env
+from titan_run import FORK_RUN, REPO, TINY, run_titan, titan_env
 
 CPU = torch.device("cpu")
 
@@ -95,8 +95,7 @@ def test_fsdp_where_it_shards_or_casts():
 
 def dtype_paths(nproc: int, *layouts: str) -> dict:
     """One bf16 step per layout on `nproc` gloo ranks, as tests/workers/precision_worker.py records it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "tests/workers/precision_worker.py", *layouts]
+    cmd = [sys.executable, str(FORK_RUN), str(nproc), "tests/workers/precision_worker.py", *layouts]
     # No TORCH_DISTRIBUTED_DEBUG=DETAIL: DDP's reducer crashes under its wrapper process group (torch 2.15, gloo).
     env = titan_env(debug_detail=False)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -4,8 +4,8 @@ keep_latest_k, a bf16 model-only last save, and a seed checkpoint started on 2 F
 
 Every run is the same tiny job (debugmodel, fp32, seq_len 32, global batch 4, 6 steps,
 warmup 2 then linear decay, so the LR differs at every step); the uninterrupted one-process
-run is the reference. Runs are real processes (`python -m titan_core.launch`, torchrun for
-several ranks); crashes are SIGKILLs sent to the run's process group at points that
+run is the reference. Runs are real processes (`python -m titan_core.launch` for one rank,
+`titan train` for several, the hook worker's ranks forked as `titan train` forks them); crashes are SIGKILLs sent to the run's process group at points that
 tests/workers/ckpt_train.py makes deterministic.
 """
 
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from titan_run import FORK_RUN, REPO
+
 WORKER = REPO / "tests" / "workers" / "ckpt_train.py"
 STEPS = 6
 GLOBAL_BATCH = 4
@@ -47,9 +48,14 @@ def env() -> dict[str, str]:
 
 
 def command(run: Path, args: tuple[str, ...], nproc: int, hook: tuple[str, int] | None) -> list[str]:
-    """`python -m titan_core.launch` (or the hook worker), under torchrun for several ranks."""
-    target = [str(WORKER), hook[0], str(hook[1])] if hook else ["-m", "titan_core.launch"]
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    """`python -m titan_core.launch` for one rank, `titan train` for several (or the hook worker, its ranks forked
+    as `titan train` forks them: tests/fork_run.py)."""
+    if hook:
+        target = [str(WORKER), hook[0], str(hook[1])]
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, str(FORK_RUN), str(nproc)]
+    else:
+        target = ["-m", "titan_core.launch"] if nproc == 1 else ["-m", "titan_cli", "train", "--nproc-per-node", str(nproc)]
+        launcher = [sys.executable]
     batch = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
     return [*launcher, *target, *TINY, *batch, "--job.dump_folder", str(run), *args]
 

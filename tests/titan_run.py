@@ -14,6 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 TRAIN_RUNS = REPO / "tests" / "workers" / "train_runs.py"
+FORK_RUN = REPO / "tests" / "fork_run.py"
+"""`python FORK_RUN N WORKER ARGS ...`: torchrun's `--standalone --nproc-per-node N`, the ranks forked (tests/fork_run.py)."""
 
 # A tiny, fast, exactly reproducible run: fp32, fixed seed, every step logged.
 TINY = [

@@ -1,7 +1,7 @@
 """`python -m titan_core.launch` with a crash point or a stop injected, for tests/test_resume.py.
 
     python tests/workers/ckpt_train.py HOOK N [titan train args ...]          # one process
-    python -m torch.distributed.run --nproc-per-node K tests/workers/ckpt_train.py HOOK N [...]
+    python tests/fork_run.py K tests/workers/ckpt_train.py HOOK N [...]   # K ranks (or under torchrun)
 
 HOOK:
 - `hang-after-step`: once step N is trained, logged and checkpointed (if due), rank 0
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from rank_exit import leave
 from titan_ckpt import dcp_io
 from titan_ckpt.manager import CheckpointManager
 from titan_core.launch import main
@@ -55,7 +56,7 @@ def install(hook: str, n: int, folder: Path) -> None:
             self.close()
             dist.barrier()
             dist.destroy_process_group()
-            os._exit(0)
+            leave(0)
         return save(self, step, last_step=last_step, **kwargs)
 
     CheckpointManager.save = save_with_hook
@@ -76,7 +77,4 @@ if __name__ == "__main__":
     if hook not in HOOKS:
         sys.exit(f"unknown hook {hook!r}; one of {HOOKS}")
     install(hook, n, dump_folder(argv))
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main(argv))

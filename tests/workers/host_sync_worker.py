@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import traceback
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rank_exit import leave
 from titan_core.config import load_config
 from titan_core.run_guard import RunGuard
 from titan_core.trainer import Trainer
@@ -114,5 +114,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    sys.stdout.flush()
-    os._exit(0)
+    leave(0)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from rank_exit import leave
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import (
     ParallelDims,
@@ -212,7 +213,7 @@ def main() -> None:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)
+    leave(0)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
+from rank_exit import leave
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import (
     ParallelConfigError,
@@ -452,8 +453,6 @@ if __name__ == "__main__":
         main()
     except Exception:
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        leave(1)
     dist.destroy_process_group()
-    os._exit(0)
+    leave(0)

@@ -1,0 +1,48 @@
+"""`python tests/fork_run.py N WORKER [ARGS ...]`: `torchrun --standalone --nproc-per-node N WORKER ARGS ...`, with the
+ranks forked from one process that ran the worker's imports once, as `titan train` starts a CPU job
+(`titan_core.rank_fork`): a rank's imports (~13 s of CPU here) are paid once per launch, not once per rank.
+
+Each rank runs the worker as `__main__` (its imports are already loaded). A worker ends with
+`rank_exit.leave(code)`, which returns here in a forked rank and is `os._exit(code)` in a rank of its own. In
+the fork server, this module (preloaded as the agent's `__main__`) runs the worker's top level under another name:
+its imports and definitions, not its `__main__` block.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+SCRIPT_ENV = "TITAN_TEST_FORKED_SCRIPT"
+"""Set by the agent for the fork server and the ranks: the worker's path."""
+
+
+def run_worker(script: str, argv: list[str]) -> None:
+    """One rank: the worker as `__main__`, with `argv`; its exit code kept."""
+    from titan_core.rank_fork import rank_finished, rank_started
+
+    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+    rank_finished()
+
+
+def _load_worker(script: str) -> None:
+    sys.path.insert(0, os.path.dirname(script))  # as for a script run by python itself
+    runpy.run_path(script, run_name="__fork_preload__")
+
+
+if __name__ == "__main__":
+    nproc, script, *args = int(sys.argv[1]), os.path.abspath(sys.argv[2]), *sys.argv[3:]
+    os.environ[SCRIPT_ENV] = script
+    sys.path.insert(0, os.path.dirname(script))
+    from titan_core.rank_fork import run_elastic
+
+    run_elastic(["--standalone", f"--nproc-per-node={nproc}"], run_worker, (script, args), preload=["torch._dynamo"])
+elif __name__ == "__mp_main__" and os.environ.get(SCRIPT_ENV):  # the fork server, preloading the agent's __main__
+    _load_worker(os.environ[SCRIPT_ENV])
