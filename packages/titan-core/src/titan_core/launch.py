@@ -3,10 +3,12 @@
 `titan train` calls `launch`: it resolves the whole job in this process
 (`titan_core.job`), then trains here for one process or starts N under
 torchrun's elastic agent (run in this process, so that a failed rank is reported
-by its message rather than by the launcher's traceback). Each started process
-runs `python -m titan_core.launch [--config X] [--section.key value ...]`, i.e.
-`main`, which torchrun users may also start themselves:
-`torchrun --nproc-per-node N -m titan_core.launch ...`.
+by its message rather than by the launcher's traceback). On CUDA each started
+process runs `python -m titan_core.launch [--config X] [--section.key value ...]`,
+i.e. `main`, which torchrun users may also start themselves:
+`torchrun --nproc-per-node N -m titan_core.launch ...`. On CPU the ranks are
+forked from one process that imported the trainer once (`forked_rank`,
+`titan_core.rank_fork`), each named `titan-rank<RANK>`.
 
 A config or input error on any rank reaches the user as one line,
 `titan: error: ...`, naming the config keys, and so does a run stopped by a
@@ -224,7 +226,9 @@ def launch(
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
 ) -> int:
-    """Check the job, then train: in this process for one, else under torchrun's elastic agent.
+    """Check the job, then train: in this process for one, else under torchrun's elastic agent (on CPU its ranks
+    are forked from a process that imported the trainer and the calling script, which must then keep its own
+    call of `launch` under `if __name__ == "__main__":`, as multiprocessing requires).
 
     Args:
         argv: the config arguments (`--config X`, `--section.key value`, `--print-config`).
