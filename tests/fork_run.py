@@ -1,6 +1,6 @@
 """`python tests/fork_run.py N WORKER [ARGS ...]`: `torchrun --standalone --nproc-per-node N WORKER ARGS ...`, with the
 ranks forked from one process that ran the worker's imports once, as `titan train` starts a CPU job
-(`titan_core.rank_fork`): a rank's imports (~13 s of CPU here) are paid once per launch, not once per rank.
+(`titan_core.rank_fork`): a rank's imports (~13 s of CPU on a 2-core AVX2-only AMD EPYC) are paid once per launch, not once per rank.
 
 Each rank runs the worker as `__main__` (its imports are already loaded). A worker ends with
 `rank_exit.leave(code)`, which returns here in a forked rank and is `os._exit(code)` in a rank of its own. In
@@ -22,7 +22,7 @@ def run_worker(script: str, argv: list[str]) -> None:
     """One rank: the worker as `__main__`, with `argv`; its exit code kept."""
     from titan_core.rank_fork import rank_finished, rank_started
 
-    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
+    rank_started()
     sys.argv = [script, *argv]
     try:
         runpy.run_path(script, run_name="__main__")

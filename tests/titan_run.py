@@ -79,8 +79,9 @@ def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: 
     jobs_file = first.parent / f"jobs-{first.name}.json"
     jobs_file.write_text(json.dumps([{"folder": str(folder), "args": list(args)} for folder, args in runs.items()]))
     with open(jobs_file.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, str(TRAIN_RUNS), str(nproc), str(jobs_file)], cwd=REPO, env=titan_env(debug_detail),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, str(TRAIN_RUNS), str(nproc), str(jobs_file)], cwd=REPO,
+                                env=titan_env(debug_detail), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
         try:
             proc.wait(timeout=180 * len(runs))
         except subprocess.TimeoutExpired:  # a hang: end every process of the launch (its own session)

@@ -18,12 +18,11 @@ does not pay them too. One launch pays the imports' start-up once for all its jo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
-from titan_core.launch import RANK_PRELOAD, collector_paused
+from titan_core.launch import collector_paused
 
 
 def train(run: dict) -> None:
@@ -94,10 +93,8 @@ def main(jobs_file: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from titan_core.rank_fork import rank_finished, rank_started
         from titan_parallel.distributed import init_distributed
 
-    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
     init_distributed(torch.device("cpu"))
     for job in json.loads(Path(jobs_file).read_text()):
         if "owners" in job:
@@ -106,16 +103,9 @@ def main(jobs_file: str) -> None:
             train(job)
         dist.barrier()
     dist.destroy_process_group()
-    rank_finished()
 
 
 if __name__ == "__main__":
-    nproc, jobs_file = int(sys.argv[1]), sys.argv[2]
-    if nproc == 1:
-        main(jobs_file)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # no interpreter teardown, as `titan train`
-    from titan_core.rank_fork import run_elastic
+    from rank_exit import run_ranks
 
-    run_elastic(["--standalone", f"--nproc-per-node={nproc}"], main, (jobs_file,), preload=RANK_PRELOAD)
+    run_ranks(int(sys.argv[1]), main, sys.argv[2])

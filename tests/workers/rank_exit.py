@@ -1,9 +1,12 @@
-"""How a worker rank ends (`leave`), under `torchrun` or `tests/fork_run.py` alike."""
+"""How a worker rank ends (`leave`), under `torchrun` or `tests/fork_run.py` alike, and how a worker whose ranks
+are one function starts them (`run_ranks`)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def leave(code: int) -> None:
@@ -14,3 +17,24 @@ def leave(code: int) -> None:
     if os.environ.get("TITAN_TEST_FORKED_SCRIPT"):
         raise SystemExit(code)
     os._exit(code)
+
+
+def run_ranks(nproc: int, entry: Callable[..., None], *args: Any) -> None:
+    """`entry(*args)` as every rank: here for one process, else forked as `titan train` forks a CPU job's ranks
+    (`titan_core.rank_fork`, the trainer preloaded). Call it from the worker's `__main__` block only: the fork
+    server runs the worker's top level without this module on its path."""
+    if nproc == 1:
+        entry(*args)
+        leave(0)
+    from titan_core.launch import RANK_PRELOAD
+    from titan_core.rank_fork import run_elastic
+
+    run_elastic(["--standalone", f"--nproc-per-node={nproc}"], _forked_rank, (entry, *args), preload=RANK_PRELOAD)
+
+
+def _forked_rank(entry: Callable[..., None], *args: Any) -> None:
+    from titan_core.rank_fork import rank_finished, rank_started
+
+    rank_started()
+    entry(*args)
+    rank_finished()

@@ -280,7 +280,7 @@ def forked_rank(argv: list[str]) -> None:
     """
     from titan_core.rank_fork import rank_finished, rank_started
 
-    rank_started(f"titan-rank{os.environ.get('RANK', 0)}")
+    rank_started()
     try:
         code = main(argv)
     except Exception:

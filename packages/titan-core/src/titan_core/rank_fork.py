@@ -5,10 +5,9 @@ DCP with sympy, Dynamo, the trainer): ~13 s of CPU on a 2-core AVX2-only AMD EPY
 step. On CPU the ranks share the machine's cores, so N ranks pay that N times over on the same cores.
 `run_elastic(..., entry=f)` instead runs torchrun's elastic agent with a function entrypoint and
 multiprocessing's `forkserver` start method: one server process imports `preload` (and the launching script)
-once, with the garbage collector paused and the imported objects frozen, and each rank is forked from it (a
-restart under `--max-restarts` forks again from the same server). Rendezvous, the ranks' environment (`RANK`,
-`WORLD_SIZE`, `MASTER_ADDR`, ...), signal forwarding, restarts and failure reports are the agent's, as under
-torchrun.
+once, and each rank is forked from it (a restart under `--max-restarts` forks again from the same server).
+Rendezvous, the ranks' environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...), signal forwarding, restarts and
+failure reports are the agent's, as under torchrun.
 
 `titan train` forks its ranks this way for jobs on CPU. On CUDA each rank still starts an interpreter of its own:
 forking is safe there only while the server has not initialised CUDA, which nothing in Titan's imports does, but
@@ -81,13 +80,10 @@ def _fork_server(preload: list[str]) -> Iterator[None]:
         multiprocessing.get_context("forkserver").set_forkserver_preload(previous)
 
 
-def rank_started(name: str) -> None:
-    """Called first thing in a forked rank: names the process `name` (`ps -o comm`, `top`, /proc/PID/comm; its
-    command line is the fork server's) where Linux allows.
-
-    Args:
-        name: the process name, at most 15 bytes (e.g. `titan-rank3`).
-    """
+def rank_started() -> None:
+    """Called first thing in a forked rank: names the process `titan-rank<RANK>` (`ps -o comm`, `top`,
+    /proc/PID/comm, `pkill -x`; its command line is the fork server's) where Linux allows."""
+    name = f"titan-rank{os.environ.get('RANK', 0)}"
     with contextlib.suppress(OSError, AttributeError):  # no prctl: not Linux
         ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
 
