@@ -10,7 +10,12 @@ in that module's forward at the collective calls (docs/parallelism.md derives th
 Before timing, every method's first-step loss is checked against the first's (the methods compute the same
 function).
 
+`--block-causal` trains with attention within each packed document (`model.attn_mask_type block_causal`,
+the documents of the default corpus: whole files) and times the attention modules under a mask of 8
+documents per sequence: Ulysses hands it to SDPA over whole sequences, ring attention reads it per block.
+
     uv run python benchmarks/cp_methods.py                                   # debugmodel, 1 x 2048 tokens, cp 2
+    uv run python benchmarks/cp_methods.py --block-causal --seq-len 1024     # under a document mask
     uv run python benchmarks/cp_methods.py --flavor 50M --seq-len 4096 --rounds 5
     uv run python benchmarks/cp_methods.py --seq-len 256 --steps 1 --rounds 1 --warmup 1   # smoke
 
@@ -50,11 +55,12 @@ def overrides(args: argparse.Namespace, method: str) -> list[str]:
         "--debug.seed", "7", "--job.dump_folder", str(Path(tempfile.gettempdir()) / "titan-cp-methods"),
         "--parallelism.context_parallel_degree", str(args.cp), "--parallelism.context_parallel_method", cp_method,
         "--parallelism.context_parallel_rotate_method", rotate,
+        "--model.attn_mask_type", "block_causal" if args.block_causal else "causal",
     ]
 
 
-def time_attention(core, q, k, v, repeats: int) -> list[float]:
-    """Wall seconds of `repeats` forward + backward calls of one block's attention module on q, k, v."""
+def time_attention(core, q, k, v, repeats: int, mask=None) -> list[float]:
+    """Wall seconds of `repeats` forward + backward calls of one block's attention module on q, k, v (and mask)."""
     import torch
     import torch.distributed as dist
 
@@ -62,7 +68,7 @@ def time_attention(core, q, k, v, repeats: int) -> list[float]:
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        out = core(q, k, v)
+        out = core(q, k, v) if mask is None else core(q, k, v, mask=mask)
         out.backward(torch.ones_like(out))
         dist.barrier()
         times.append(time.perf_counter() - start)
@@ -144,14 +150,20 @@ def worker(args: argparse.Namespace, out: str) -> None:
     q = torch.randn(args.batch, heads, local, head_dim, generator=gen, dtype=dtype, requires_grad=True)
     k = torch.randn(args.batch, kv_heads, local, head_dim, generator=gen, dtype=dtype, requires_grad=True)
     v = torch.randn(args.batch, kv_heads, local, head_dim, generator=gen, dtype=dtype, requires_grad=True)
+    mask = None
+    if args.block_causal:  # 8 documents per sequence, the whole sequence's mask, as the model builds it
+        from titan_models.document_mask import block_causal_mask
+
+        ids = torch.arange(args.seq_len) * 8 // args.seq_len
+        mask = block_causal_mask(ids.expand(args.batch, -1), flex=False)
     attention_times, sent_bytes = {}, {}
     for m in names:
         core = next(iter(trainers[m].model.parts[0].layers.values())).attention.sdpa
         with counting_sent_bytes(args.cp) as sent:
-            core(q, k, v)
+            core(q, k, v) if mask is None else core(q, k, v, mask=mask)
         sent_bytes[m] = sent[0]
-        time_attention(core, q, k, v, 1)  # warm-up
-        attention_times[m] = time_attention(core, q, k, v, args.rounds * len(batches))
+        time_attention(core, q, k, v, 1, mask)  # warm-up
+        attention_times[m] = time_attention(core, q, k, v, args.rounds * len(batches), mask)
     if dist.get_rank() == 0:
         cores = {m: " ".join(repr(next(iter(trainers[m].model.parts[0].layers.values())).attention.sdpa).split())
                  for m in names}
@@ -192,6 +204,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each method first (>= 1)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
+    parser.add_argument("--block-causal", action="store_true", help="attention within each packed document")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -210,7 +223,8 @@ def main() -> None:
     s = results["shape"]
     print(f"llama3/{args.flavor}: {results['params'] / 1e6:.1f}M params, dim {s['dim']}, {s['layers']} layers, "
           f"{s['heads']} heads / {s['kv_heads']} KV heads of {s['head_dim']}; batch {args.batch} x {args.seq_len} "
-          f"tokens, {args.dtype}, cp {args.cp} ({args.cp} gloo processes, 1 thread each)")
+          f"tokens, {args.dtype}, cp {args.cp} ({args.cp} gloo processes, 1 thread each)"
+          + (", block-causal (attention alone: 8 documents per sequence)" if args.block_causal else ""))
     print(f"torch {results['torch']}  CPU: {cpu_name()} ({os.cpu_count()} cores)")
     steps, attention = results["steps"], results["attention"]
     base = chosen(args)[0]

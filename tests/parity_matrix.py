@@ -189,6 +189,9 @@ LAYOUTS = [
     # Under Ulysses CP the core attends over whole sequences: the mask of the whole sequence (document ids taken
     # before the sequence is sharded), with FSDP over the cp ranks.
     Layout("block_causal_fsdp2_cp2_ulysses", 4, 2, CP2_ULYSSES, model=BLOCK_CAUSAL),
+    # Ring attention reads that mask at each ring step's positions (K/V rotated rank to rank), on TP's head shards.
+    Layout("block_causal_tp2_cp2_rotate", 4, 1, (f"{P}tensor_parallel_degree", "2", f"{P}context_parallel_degree", "2",
+                                                 f"{P}context_parallel_rotate_method", "rotate"), model=BLOCK_CAUSAL),
     # bf16, against a one-process bf16 reference: FSDP casts for 1 rank as for N (the tolerance: module docstring).
     Layout("bf16_fsdp2", 2, 2, (), dtype="bfloat16", tolerance=BF16_TOLERANCE),
     Layout("bf16_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), dtype="bfloat16", tolerance=BF16_TOLERANCE),

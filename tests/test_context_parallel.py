@@ -2,7 +2,7 @@
 
 The parity run is one launch of `workers/tp_cp_worker.py cp` on 4 gloo processes:
 ring and Ulysses attention alone against causal SDPA (incl. GQA, Ulysses' repeated KV
-heads and values of another head dim), a seeded 2-layer debugmodel under CP=2 and CP=4
+heads and values of another head dim) and against SDPA under a block-causal mask, a seeded 2-layer debugmodel under CP=2 and CP=4
 with both ring K/V exchanges and Ulysses, two pipeline stages run back to back
 (positions from the pre-hook), and TP=2 x CP=2 through `parallelize` with FSDP.
 """
@@ -102,19 +102,25 @@ def test_ulysses_with_values_of_another_head_dim(cp_results, cp):
         assert r[key] < TOL, (key, r)
 
 
+# Ulysses hands the model's own core (dense here) its mask; the rotation needs one head dim (MLA: allgather).
+MASKED = [
+    (shape, method, form)
+    for shape in ("gqa", "mla")
+    for method in ("ulysses", "allgather", "rotate")
+    for form in ("dense", "block_mask")
+    if not (method == "ulysses" and form == "block_mask") and not (method == "rotate" and shape == "mla")
+]
+
+
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("shape", ["gqa", "mla"])
-def test_ulysses_attends_under_the_whole_sequences_mask(cp_results, cp, shape):
-    """Block-causal over packed documents: the core gets the mask of the whole sequence, after the exchange."""
-    r = cp_results[f"ulysses_masked_cp{cp}_{shape}"]
+@pytest.mark.parametrize(("shape", "method", "form"), MASKED)
+def test_attention_under_the_whole_sequences_mask(cp_results, cp, shape, method, form):
+    """Block-causal over packed documents: Ulysses' core gets the whole sequence's mask after the exchange; ring
+    attention reads it at each block's positions, from the dense mask or a FlexAttention BlockMask."""
+    r = cp_results[f"masked_cp{cp}_{shape}_{method}_{form}"]
     for key in ("out", "dq", "dk", "dv"):
         assert r[key] < TOL, (key, r)
     assert r["mask_matters"] == 1.0, r  # without the mask the output is another one
-
-
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_refuses_a_mask_naming_ulysses(cp_results, cp):
-    assert cp_results[f"ring_refuses_a_mask_cp{cp}"] == {"refused": 1.0}
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -7,12 +7,11 @@ must equal its logits when it is the whole sequence, in every family; its gradie
 document ids and masks are checked against tables written out by hand. The multi-process layouts
 against one process, on short documents, are rows of the parity matrix (`block_causal_*`: FSDP 2 x TP 2,
 two pipeline schedules, whose later stages build the mask from their micro-batch's document ids, and FSDP 2 x
-Ulysses CP 2, whose attention takes the whole sequence's mask).
+CP 2 with Ulysses and with ring attention, whose attention takes the whole sequence's mask). A model whose
+forward takes no document ids is refused by the job check (test_job_check).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -21,12 +20,9 @@ import torch.nn.functional as F
 from parity_matrix import short_documents
 from titan_run import TINY, losses, run_titan_shared
 
-from titan_core.config import ConfigError, load_config
-from titan_core.job import resolve
 from titan_core.step import describe_attention
-from titan_models import get_model_args, get_model_spec, registry
+from titan_models import get_model_args, get_model_spec
 from titan_models.document_mask import block_causal_mask, document_ids, masked_attention
-from titan_models.llama3 import Transformer
 
 BOS, EOS = 1, 2
 TOL = 1e-5  # fp32 logits of O(1)-O(10): only the order of sums differs
@@ -146,23 +142,6 @@ def test_flex_attention_reads_the_mask_as_the_dense_one(heads, kv_heads, qk_dim,
     flex = masked_attention(q, k, v, block_causal_mask(ids, flex=True), scale=scale)
     assert flex.shape == (2, heads, seqlen, v_dim)
     assert (flex - dense).abs().max() < TOL
-
-
-def test_a_model_that_takes_no_document_ids_is_refused_in_one_line(monkeypatch):
-    llama = get_model_spec("llama3")
-
-    class CausalOnly(Transformer):  # a family written before document masks: forward(tokens)
-        def forward(self, tokens):
-            return super().forward(tokens)
-
-    # In the registry for this test only (register_model_spec would keep it for the rest of the session).
-    monkeypatch.setitem(registry._MODEL_SPECS, "causal_only_test", dataclasses.replace(llama, name="causal_only_test",
-                                                                                         build=CausalOnly))
-    with pytest.raises(ConfigError) as caught:
-        resolve(load_config(None, ["--model.name", "causal_only_test", "--model.attn_mask_type", "block_causal"]), 1)
-    message = str(caught.value)
-    assert "model.name 'causal_only_test'" in message and "takes no document_ids" in message, message
-    assert "\n" not in message
 
 
 def test_compiled_blocks_take_the_mask_as_eager_ones_do():

@@ -20,6 +20,8 @@ from titan_core.job.naming import PARALLEL_KEYS, RUN_KEYS
 from titan_core.job.options import CHECKPOINT_KEYS, DIMS_KEYS, PARALLEL_OPTION_KEYS, PIPELINE_KEYS
 from titan_core.launch import error_line
 from titan_parallel import ParallelConfigError, ParallelDims, ParallelOptions, PipelineConfig
+from titan_models import get_model_spec, registry
+from titan_models.llama3 import Transformer
 from titan_parallel.float8 import Float8Options, MXOptions
 from typer.testing import CliRunner
 
@@ -56,10 +58,9 @@ BROKEN = {
                     ["lr_scheduler.warmup_steps: 5 must be between 0 and training.steps (3)", "unset it"]),
     "data": (["--training.dataset_path", "/tmp/shards", "--training.dataset_mix", '[{"path": "/tmp/a", "weight": 1}]'], 1,
              ["training.dataset_mix and training.dataset_path=/tmp/shards are both set", "unset training.dataset_path"]),
-    "attention_mask": (["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"], 2,
-                       ["model.attn_mask_type = 'block_causal'", "parallelism.context_parallel_degree=2",
-                        "ring attention ('ring') takes no document mask",
-                        "set parallelism.context_parallel_method = 'ulysses'"]),
+    "attention_mask": (["--model.name", "causal_only_test", "--model.attn_mask_type", "block_causal"], 1,
+                       ["model.attn_mask_type = 'block_causal': model.name 'causal_only_test'",
+                        "takes no document_ids", "set attn_mask_type to 'causal'"]),
     "fault_tolerance": (["--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", "2",
                          "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse", "http://localhost:29510"], 1,
                         ["fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"]),
@@ -82,6 +83,19 @@ NAMED_KEYS = {
 }
 
 
+def register_causal_only_family(monkeypatch) -> None:
+    """`causal_only_test`: Llama 3 written before document masks (`forward(tokens)`), in the registry for one test
+    (`register_model_spec` would keep it for the rest of the session)."""
+    llama = get_model_spec("llama3")
+
+    class CausalOnly(Transformer):
+        def forward(self, tokens):
+            return super().forward(tokens)
+
+    spec = dataclasses.replace(llama, name="causal_only_test", build=CausalOnly)
+    monkeypatch.setitem(registry._MODEL_SPECS, "causal_only_test", spec)
+
+
 def test_every_rule_has_a_broken_example():
     assert [rule.name for rule in RULES] == list(BROKEN)
 
@@ -93,6 +107,8 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         pytest.skip("a CUDA device is visible")
     if rule == "metrics":
         monkeypatch.setitem(sys.modules, "wandb", None)  # as if the optional package were not installed
+    if rule == "attention_mask":
+        register_causal_only_family(monkeypatch)
     with pytest.raises(ConfigError) as caught:
         resolve(load_config(None, overrides), world_size)
     message = str(caught.value)

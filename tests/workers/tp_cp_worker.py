@@ -282,14 +282,28 @@ class MaskedSDPA(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def run_ulysses_masked(rec: Recorder) -> None:
-    """Ulysses hands the core the whole sequence's mask (block-causal over packed documents): against SDPA under
-    that mask on the whole sequence, GQA (4 query heads on 2 KV heads) and MLA's head dims; ring attention refuses
-    a mask."""
+def run_masked(rec: Recorder) -> None:
+    """Ulysses and ring attention under the whole sequence's mask (block-causal over packed documents): against
+    SDPA under that mask on the whole sequence, GQA (4 query heads on 2 KV heads) and MLA's head dims (ring:
+    all-gather only, as the rotation needs one head dim). Ring attention reads the dense mask and a FlexAttention
+    BlockMask of the same documents alike; documents start inside chunks, so some ring steps hold keys that
+    some of a rank's queries see none of."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     bs, seq = 2, 32
     ids = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 3 + [2] * 9])  # boundaries inside chunks
     mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
     mask = mask[:, None]  # (bs, 1, seq, seq), written here, not by titan_models.document_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+    block_mask = create_block_mask(same_document_causal, bs, None, seq, seq, device="cpu")
+    cores = {
+        "ulysses": lambda group: UlyssesAttention(MaskedSDPA(), group),
+        "allgather": lambda group: RingAttention(group, "allgather"),
+        "rotate": lambda group: RingAttention(group, "rotate"),
+    }
     for cp in (2, 4):
         mesh = build_mesh(cp=cp)
         group, rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
@@ -302,21 +316,20 @@ def run_ulysses_masked(rec: Recorder) -> None:
             dout = torch.randn(bs, n_heads, seq, v_dim, generator=gen)
             expected = MaskedSDPA()(q, k, v, mask)
             (expected * dout).sum().backward()
-            ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-            out = UlyssesAttention(MaskedSDPA(), group)(ql, kl, vl, mask=mask)
-            (out * dout[:, :, idx]).sum().backward()
-            causal = ulysses_attention(ql.detach(), kl.detach(), vl.detach(), group, MaskedSDPA())
-            rec.add(
-                f"ulysses_masked_cp{cp}_{name}",
-                **shard_diffs(out, expected, (ql, kl, vl), (q, k, v), idx),
-                mask_matters=float(maxdiff(causal, out) > 1e-2),
-            )
-        try:
-            RingAttention(group)(q.detach()[:, :, idx], k.detach()[:, :, idx], v.detach()[:, :, idx], mask=mask)
-            refused = ""
-        except ValueError as e:
-            refused = str(e)
-        rec.add(f"ring_refuses_a_mask_cp{cp}", refused=float("use cp_method='ulysses'" in refused))
+            for method, core in cores.items():
+                if method == "rotate" and qk_dim != v_dim:
+                    continue
+                forms = {"dense": mask, "block_mask": block_mask} if method != "ulysses" else {"dense": mask}
+                for form, given in forms.items():
+                    ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+                    out = core(group)(ql, kl, vl, mask=given)
+                    (out * dout[:, :, idx]).sum().backward()
+                    causal = core(group)(ql.detach(), kl.detach(), vl.detach())
+                    rec.add(
+                        f"masked_cp{cp}_{name}_{method}_{form}",
+                        **shard_diffs(out, expected, (ql, kl, vl), (q, k, v), idx),
+                        mask_matters=float(maxdiff(causal, out) > 1e-2),
+                    )
 
 
 def gather_logits(local: torch.Tensor, cp: int, group) -> torch.Tensor:
@@ -436,7 +449,7 @@ def main() -> None:
     elif suite == "cp":
         run_ring_alone(rec)
         run_ulysses_mla_shaped(rec)
-        run_ulysses_masked(rec)
+        run_masked(rec)
         run_cp(ref, rec)
         run_cp_stages(ref, rec)
         run_tp_cp_parallelize(ref, rec)

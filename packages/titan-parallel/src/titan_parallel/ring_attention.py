@@ -10,6 +10,16 @@ rank does the same causal work. Two ways to exchange K/V:
   too, passing the K/V gradients along until they reach their owner. With the
   head-tail layout every step after the first is one unmasked half-size block.
 
+A mask restricts the causal attention further: block-causal attention over packed documents, as the
+model builds it once per forward for the whole sequence (a dense boolean `(bs, 1, seqlen, seqlen)`, or a
+FlexAttention `BlockMask`). Each partial attention reads the mask at its own queries' and keys'
+global positions: the dense one by indexing, a `BlockMask` by evaluating its `mask_mod` on those
+positions (broadcast index tensors, so no `(seqlen, seqlen)` tensor is built). A query may then see
+none of a ring step's keys (they belong to earlier documents); its partial attention is zero with a
+log-sum-exp of -inf, which the merge weighs as nothing. Every query sees itself, so the merged
+attention is never empty. The blocks are computed whole, masked or not: skipping a block no query
+sees would need a host sync per step.
+
 Written here rather than taken from `torch.distributed.tensor.experimental.context_parallel`
 because that one swaps SDPA kernels behind a context manager, rings only the CUDA
 kernels (flash, efficient, cuDNN), and shards buffers itself with its own load
@@ -69,21 +79,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     Args:
         q: `(bs, n_kv_heads, n_rep, lq, head_dim)` float32.
         k, v: `(bs, n_kv_heads, 1, lk, head_dim)` float32.
-        mask: `(lq, lk)` bool, True where a query may see a key; None for all.
+        mask: `(lq, lk)` or `(bs, 1, 1, lq, lk)` bool, True where a query may see a key; None for all.
         scale: the softmax scale.
 
     Returns:
-        out `(bs, n_kv_heads, n_rep, lq, head_dim)`, lse `(bs, n_kv_heads, n_rep, lq)`.
+        out `(bs, n_kv_heads, n_rep, lq, head_dim)`, lse `(bs, n_kv_heads, n_rep, lq)`; a query that sees
+        no key gets zeros and an lse of -inf.
     """
     scores = q @ k.transpose(-1, -2) * scale  # (bs, n_kv_heads, n_rep, lq, lk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = scores.logsumexp(dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row with no key: exp(-inf - 0) = 0, not nan
+    return torch.exp(scores - finite.unsqueeze(-1)) @ v, lse
 
 
 def _attend_backward(q, k, v, dout, lse, delta, mask, scale):
     """Gradients of one partial attention, given the final (merged) lse and delta = rowsum(dout * out).
+
+    The merged lse is finite (every query sees itself), so masked keys get exact zeros.
 
     Shapes as in `_attend`; dout `(bs, n_kv_heads, n_rep, lq, head_dim)`, delta like lse.
     Returns dq like q, dk and dv like k (summed over the query heads sharing them).
@@ -100,7 +114,7 @@ def _attend_backward(q, k, v, dout, lse, delta, mask, scale):
 
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Fold a partial attention into the running (out, lse), in place."""
+    """Fold a partial attention into the running (out, lse), in place; the running lse is finite."""
     new_lse = torch.logaddexp(lse, part_lse)
     out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(part_out * torch.exp(part_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
@@ -125,42 +139,97 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
+def _visible(mask: object, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Where the queries at global positions `q_pos` may see the keys at `k_pos` under the whole sequence's `mask`.
+
+    Args:
+        mask: a dense boolean `(bs, 1, seqlen, seqlen)` tensor, or a FlexAttention `BlockMask` over
+            `(bs, 1, seqlen, seqlen)` (its `mask_mod` is evaluated at these positions only).
+        q_pos: `(lq,)` int64 global query positions.
+        k_pos: `(lk,)` int64 global key positions.
+
+    Returns:
+        `(bs, 1, lq, lk)` bool.
+    """
+    if isinstance(mask, torch.Tensor):
+        return mask[:, :, q_pos.unsqueeze(1), k_pos.unsqueeze(0)]  # one gather of (bs, 1, lq, lk)
+    mask_mod = getattr(mask, "mask_mod", None)
+    if mask_mod is None:
+        raise TypeError(f"ring attention: mask must be a boolean tensor or a FlexAttention BlockMask, not {type(mask)}")
+    bs = mask.shape[0]  # type: ignore[attr-defined]
+    batch = torch.arange(bs, device=q_pos.device).view(bs, 1, 1)
+    head = torch.zeros(1, 1, 1, dtype=torch.long, device=q_pos.device)  # one mask for every head (checked)
+    return mask_mod(batch, head, q_pos.view(1, -1, 1), k_pos.view(1, 1, -1)).unsqueeze(1)
+
+
+def _check_mask(mask: object, bs: int, seqlen: int) -> None:
+    """The mask is the whole sequence's, one for every head: `(bs, 1, seqlen, seqlen)`."""
+    shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else tuple(getattr(mask, "shape", ()))
+    if len(shape) != 4 or shape[0] != bs or shape[1] != 1 or shape[2:] != (seqlen, seqlen):
+        raise ValueError(
+            f"ring attention: the mask must be the whole sequence's, one for every head, of shape "
+            f"(bs={bs}, 1, {seqlen}, {seqlen}); got {shape}"
+        )
+
+
+def _ring_step(
+    step: int, rank: int, size: int, positions: torch.Tensor, own_mask: torch.Tensor, mask: object
+) -> tuple[slice, slice, torch.Tensor | None]:
+    """What ring step `step` computes on `rank`: (its query rows, its columns of the K/V held, their mask).
+
+    Head-tail layout: step 0 is my own K/V, causal by position; from a source before me all my queries see
+    its head chunk and none of its tail; from a source after me only my tail chunk sees it, all of it.
+    A `mask` (block-causal) restricts each block further, read at the block's global positions.
+    """
+    seqlen = positions.numel()
+    chunk = seqlen // 2
+    source = (rank - step) % size
+    causal: torch.Tensor | None = None
+    if step == 0:
+        rows, cols, causal = slice(None), slice(None), own_mask
+    elif source < rank:
+        rows, cols = slice(None), slice(None, chunk)
+    else:
+        rows, cols = slice(chunk, None), slice(None)
+    if mask is None:
+        return rows, cols, causal
+    source_positions = cp_positions(seqlen, source, size, device=positions.device)
+    block = _visible(mask, positions[rows], source_positions[cols]).unsqueeze(1)  # (bs, 1, 1, lq, lk)
+    return rows, cols, block if causal is None else block & causal
+
+
 class _RingAttention(torch.autograd.Function):
-    """Ring attention over head-tail shards; inputs in the `_attend` layout, float32."""
+    """Ring attention over head-tail shards; inputs in the `_attend` layout, float32; `mask` as `_visible`'s."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, mask):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        chunk = q.size(-2) // 2
         positions = cp_positions(q.size(-2), rank, size, device=q.device)
         own_mask = positions.unsqueeze(1) >= positions.unsqueeze(0)  # (seqlen, seqlen)
         kv = torch.stack([k, v])  # (2, bs, n_kv_heads, 1, seqlen, head_dim)
+        out = lse = None
         for step in range(size):
             requests = []
             if step + 1 < size:
                 next_kv, requests = _exchange(kv, group)  # overlaps with this step's compute
-            source = (rank - step) % size
-            if step == 0:  # my own K/V: causal by position
-                out, lse = _attend(q, k, v, own_mask, scale)
-            elif source < rank:  # all my queries see the source's head chunk, none its tail
-                part_out, part_lse = _attend(q, kv[0][..., :chunk, :], kv[1][..., :chunk, :], None, scale)
-                _merge_(out, lse, part_out, part_lse)
-            else:  # only my tail chunk sees the source, all of it
-                part_out, part_lse = _attend(q[..., chunk:, :], kv[0], kv[1], None, scale)
-                _merge_(out[..., chunk:, :], lse[..., chunk:], part_out, part_lse)
+            rows, cols, block = _ring_step(step, rank, size, positions, own_mask, mask)
+            part_out, part_lse = _attend(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block, scale)
+            if out is None:  # step 0: every query sees itself, so the running lse is finite from here on
+                out, lse = part_out, part_lse
+            else:
+                _merge_(out[..., rows, :], lse[..., rows], part_out, part_lse)
             _wait(requests)
             if step + 1 < size:
                 kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse, own_mask)
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, out, lse, positions, own_mask)
+        ctx.group, ctx.scale, ctx.mask = group, scale, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, own_mask = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        q, k, v, out, lse, positions, own_mask = ctx.saved_tensors
+        group, scale, mask = ctx.group, ctx.scale, ctx.mask
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        chunk = q.size(-2) // 2
         dout = dout.contiguous()
         delta = (dout * out).sum(dim=-1)  # (bs, n_kv_heads, n_rep, seqlen)
         dq = torch.zeros_like(q)
@@ -170,33 +239,27 @@ class _RingAttention(torch.autograd.Function):
             kv_requests = []
             if step + 1 < size:
                 next_kv, kv_requests = _exchange(kv, group)  # overlaps with this step's compute
-            source = (rank - step) % size
-            if step == 0:
-                dq_part, dk, dv = _attend_backward(q, k, v, dout, lse, delta, own_mask, scale)
-                dq += dq_part
-                dkv[0] += dk
-                dkv[1] += dv
-            elif source < rank:
-                kh, vh = kv[0][..., :chunk, :], kv[1][..., :chunk, :]
-                dq_part, dk, dv = _attend_backward(q, kh, vh, dout, lse, delta, None, scale)
-                dq += dq_part
-                dkv[0][..., :chunk, :] += dk
-                dkv[1][..., :chunk, :] += dv
-            else:
-                rows = slice(chunk, None)
-                dq_part, dk, dv = _attend_backward(
-                    q[..., rows, :], kv[0], kv[1], dout[..., rows, :], lse[..., rows], delta[..., rows], None, scale
-                )
-                dq[..., rows, :] += dq_part
-                dkv[0] += dk
-                dkv[1] += dv
+            rows, cols, block = _ring_step(step, rank, size, positions, own_mask, mask)
+            dq_part, dk, dv = _attend_backward(
+                q[..., rows, :],
+                kv[0][..., cols, :],
+                kv[1][..., cols, :],
+                dout[..., rows, :],
+                lse[..., rows],
+                delta[..., rows],
+                block,
+                scale,
+            )
+            dq[..., rows, :] += dq_part
+            dkv[0][..., cols, :] += dk
+            dkv[1][..., cols, :] += dv
             # Pass the K/V gradient on; after `size` hops it is back at its owner, complete.
             next_dkv, dkv_requests = _exchange(dkv, group)
             _wait(kv_requests + dkv_requests)
             dkv = next_dkv
             if step + 1 < size:
                 kv = next_kv
-        return dq, dkv[0], dkv[1], None, None
+        return dq, dkv[0], dkv[1], None, None, None
 
 
 def _to_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,16 +310,18 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     )
 
 
-def _allgather_attention(q, k, v, group: dist.ProcessGroup, scale: float) -> torch.Tensor:
-    """All-gather K and V (autograd-aware), then one attention masked by the global positions."""
+def _allgather_attention(q, k, v, group: dist.ProcessGroup, scale: float, mask: object) -> torch.Tensor:
+    """All-gather K and V (autograd-aware), then one attention masked by the global positions (and `mask`)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     seqlen = q.size(2)
     keys, values = _gather_sequence(k, group), _gather_sequence(v, group)  # (bs, n_kv_heads, seqlen * cp, head_dim)
     q_pos = cp_positions(seqlen, rank, size, device=q.device)
     k_pos = torch.cat([cp_positions(seqlen, r, size, device=q.device) for r in range(size)])
-    mask = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # (seqlen, seqlen * cp); K/V stay in gathered order
+    visible = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # (seqlen, seqlen * cp); K/V stay in gathered order
+    if mask is not None:
+        visible = visible & _visible(mask, q_pos, k_pos)  # (bs, 1, seqlen, seqlen * cp)
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1)
+        q, keys, values, attn_mask=visible, scale=scale, enable_gqa=q.size(1) != k.size(1)
     )
 
 
@@ -267,6 +332,7 @@ def ring_attention(
     group: dist.ProcessGroup,
     rotate_method: RotateMethod = "rotate",
     scale: float | None = None,
+    mask: object = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's head-tail shard of queries against the whole sequence.
 
@@ -277,23 +343,35 @@ def ring_attention(
         group: the context-parallel process group.
         rotate_method: "allgather" (gather K/V, one masked attention) or "rotate" (ring of send/recv).
         scale: softmax scale; None means `1 / sqrt(head_dim)`.
+        mask: None for causal attention; or the whole sequence's block-causal mask, in sequence order and one
+            for every head: a boolean `(bs, 1, seqlen, seqlen)` tensor, True where a query may see a key, or a
+            FlexAttention `BlockMask` of that shape (`titan_models.document_mask.block_causal_mask`). The
+            attention is causal and within the mask.
 
     Returns:
         `(bs, n_heads, seqlen/cp, head_dim)`, dtype of q.
     """
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    if dist.get_world_size(group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    size = dist.get_world_size(group)
+    gqa = q.size(1) != k.size(1)
+    if mask is not None:
+        _check_mask(mask, q.size(0), q.size(2) * size)
+    if size == 1:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        positions = torch.arange(q.size(2), device=q.device)
+        visible = (positions.unsqueeze(1) >= positions.unsqueeze(0)) & _visible(mask, positions, positions)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     check_rotate_method(rotate_method)
     if rotate_method == "allgather":
-        return _allgather_attention(q, k, v, group, scale)
+        return _allgather_attention(q, k, v, group, scale, mask)
     qg, kg, vg = _to_groups(q, k, v)
-    out = _RingAttention.apply(qg, kg, vg, group, scale)  # (bs, n_kv_heads, n_rep, seqlen/cp, head_dim)
+    out = _RingAttention.apply(qg, kg, vg, group, scale, mask)  # (bs, n_kv_heads, n_rep, seqlen/cp, head_dim)
     return out.reshape(q.shape).to(q.dtype)
 
 
 class RingAttention(nn.Module):
-    """Drop-in for a causal attention core `(q, k, v) -> out` under context parallel (see `ring_attention`).
+    """Drop-in for an attention core `(q, k, v[, mask]) -> out` under context parallel (see `ring_attention`).
 
     Args:
         group: the context-parallel process group.
@@ -313,19 +391,14 @@ class RingAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None) -> torch.Tensor:
         """Args:
             q: `(bs, n_heads, seqlen/cp, head_dim)`; k, v: `(bs, n_kv_heads, seqlen/cp, head_dim)`.
-            mask: must be None: the ring computes causal attention only (each rank sees a chunk of the keys at a
-                time, not a mask of the whole sequence); `UlyssesAttention` takes one.
+            mask: None (causal), or the whole sequence's block-causal mask the model built for its blocks
+                (a boolean `(bs, 1, seqlen, seqlen)` tensor or a FlexAttention `BlockMask`; `ring_attention`).
 
         Returns:
             `(bs, n_heads, seqlen/cp, head_dim)`.
         """
-        if mask is not None:
-            raise ValueError(
-                "ring attention computes causal attention only and takes no attention mask (a block-causal one "
-                "over packed documents, say); use cp_method='ulysses', whose attention sees whole sequences"
-            )
         check_rotate_method(self.rotate_method, k.shape[-1], v.shape[-1])
-        return ring_attention(q, k, v, self.group, self.rotate_method, scale=self.scale)
+        return ring_attention(q, k, v, self.group, self.rotate_method, scale=self.scale, mask=mask)
 
     def extra_repr(self) -> str:
         return f"rotate_method={self.rotate_method!r}, cp={dist.get_world_size(self.group)}"

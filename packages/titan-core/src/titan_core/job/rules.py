@@ -383,18 +383,10 @@ def _data(d: Draft) -> None:
 
 
 def _attention_mask(d: Draft) -> None:
-    """`model.attn_mask_type = 'block_causal'` needs a model whose forward takes `document_ids`, and attention
-    over whole sequences: under context parallel, Ulysses (ring attention sees a chunk of the keys at a time)."""
+    """`model.attn_mask_type = 'block_causal'` needs a model whose forward takes `document_ids`."""
     if d.cfg.model.attn_mask_type != "block_causal":
         return
-    p, setting = d.cfg.parallelism, "model.attn_mask_type = 'block_causal'"
-    if p.context_parallel_degree > 1 and p.context_parallel_method != "ulysses":
-        raise ConfigError(
-            f"{setting} with parallelism.context_parallel_degree={p.context_parallel_degree}: context parallel's "
-            f"ring attention ('{p.context_parallel_method}') takes no document mask; set "
-            "parallelism.context_parallel_method = 'ulysses' (attention over whole sequences, split by heads), "
-            "context_parallel_degree to 1, or attn_mask_type to 'causal'"
-        )
+    setting = "model.attn_mask_type = 'block_causal'"
     forward = type(d.meta_model()).forward
     if "document_ids" not in inspect.signature(forward).parameters:
         raise ConfigError(
