@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from parity_matrix import short_documents
 from titan_run import TINY, losses, run_titan_shared
 
-from titan_core.step import describe_attention
+from titan_core.kernel_lines import describe_attention
 from titan_models import get_model_args, get_model_spec
 from titan_models.document_mask import block_causal_mask, document_ids, masked_attention
 
@@ -47,6 +47,13 @@ def test_the_dense_mask_by_hand():
     assert torch.equal(block_causal_mask(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 2]])), mask)
     assert describe_attention("cuDNN first", "block_causal", torch.device("cuda")).startswith("FlexAttention, compiled")
     assert describe_attention("cuDNN first", "causal", torch.device("cuda")) == "cuDNN first"
+    # Under ring CP the ring's own kernel, the mask read at each block's positions.
+    ring = describe_attention("cuDNN first", "block_causal", torch.device("cuda"), ring="rotate")
+    assert ring == "ring attention, K/V rotated rank to rank: fp32 matmuls merged by log-sum-exp within each document " \
+        "(model.attn_mask_type)"
+    assert describe_attention("order", "causal", torch.device("cpu"), ring="allgather") == (
+        "ring attention, K/V all-gathered: SDPA with an explicit mask, order"
+    )
 
 
 def build(name: str, flavor: str) -> torch.nn.Module:

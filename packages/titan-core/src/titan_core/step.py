@@ -52,11 +52,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_models.document_mask import document_ids, uses_flex
+from titan_models.document_mask import document_ids
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
@@ -78,7 +77,6 @@ __all__ = [
     "StepResult",
     "StepRunner",
     "cross_entropy_loss",
-    "describe_loss",
     "sequence_loss_sums",
 ]
 
@@ -108,21 +106,6 @@ class HeadLoss:
         return self.head(hidden, labels=labels)  # through the module call: FSDP's and TP's hooks run
 
 
-def describe_attention(sdpa_why: str, attn_mask_type: str, device: torch.device) -> str:
-    """The start-up line's attention kernel: SDPA's order (`sdpa_why`), or the block-causal kernel.
-
-    Args:
-        sdpa_why: `titan_parallel.choose_sdpa_backends`'s reason.
-        attn_mask_type: `model.attn_mask_type`.
-        device: the training device.
-    """
-    if attn_mask_type != "block_causal":
-        return sdpa_why
-    if uses_flex(device):
-        return "FlexAttention, compiled, within each document (model.attn_mask_type; not training.attention_backend)"
-    return f"SDPA with a dense mask within each document (model.attn_mask_type), {sdpa_why}"
-
-
 def loss_is_compiled(compile_loss: bool, tp: int, loss_parallel: bool) -> bool:
     """Whether the plain loss runs compiled: `compile.components` has "loss", and no TP loss parallel (a compiled
     cross-entropy does not see `loss_parallel()`'s DTensor rules: on vocab-sharded logits it returned 0, torch 2.15).
@@ -133,32 +116,6 @@ def loss_is_compiled(compile_loss: bool, tp: int, loss_parallel: bool) -> bool:
         loss_parallel: whether TP computes the loss on vocab-sharded logits.
     """
     return compile_loss and not (tp > 1 and loss_parallel)
-
-
-def describe_loss(fused: bool, head: torch.nn.Module | None, pp_group: dist.ProcessGroup | None = None) -> str:
-    """One line for the start-up log: which loss the run computes, and why. Under pipeline parallel the loss is
-    the stage holding the output projection's, which rank 0 may not hold: a collective over `pp_group` (every
-    rank of it calls this) tells rank 0 that stage's line.
-
-    Args:
-        fused: `training.fused_loss`.
-        head: this rank's fused output projection + loss (`ModelParts.head`), or None.
-        pp_group: the pipeline-parallel group, when there is more than one stage.
-    """
-    if head is not None:
-        rows = getattr(head, "chunk_rows", None)
-        size = f"{rows} tokens" if rows else "chunks of at most 1 GiB of fp32 logits"
-        line = f"output projection + cross-entropy fused, in {size} (training.fused_loss)"
-    elif fused:
-        line = "plain cross-entropy on full logits (the output projection is not a plain nn.Linear to fuse)"
-    else:
-        line = "plain cross-entropy on full logits (training.fused_loss = false)"
-    if pp_group is None:
-        return line
-    lines: list[tuple[bool, str] | None] = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(lines, (head is not None, line), group=pp_group)
-    stages = [entry for entry in lines if entry is not None]
-    return next((text for has_head, text in stages if has_head), line) + " on the last pipeline stage"
 
 
 class StepLoss:

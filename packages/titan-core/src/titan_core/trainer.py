@@ -27,6 +27,7 @@ from titan_core.downstream_eval import DownstreamEvaluator, load_task
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
+from titan_core.kernel_lines import log_kernels
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
@@ -46,8 +47,6 @@ from titan_core.step import (
     StepResult,
     StepRunner,
     cross_entropy_loss,
-    describe_attention,
-    describe_loss,
 )
 from titan_core.train_state import TrainState, set_determinism
 from titan_core.validation import Validator, training_overlap
@@ -135,17 +134,10 @@ class Trainer:
         self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
         if self.model.head is not None:  # the output projection computes the loss, in token chunks
             self.loss.fn = HeadLoss(self.model.head)
-        implementation, why = resolve_implementation(cfg.optimizer.implementation, self.device.type)
+        optimizer_kernel = resolve_implementation(cfg.optimizer.implementation, self.device.type)
         attention, sdpa_why = choose_sdpa_backends(t.attention_backend, self.device)
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        loss_line = describe_loss(t.fused_loss, self.model.head, pp_group)  # a collective under PP
-        if self.rank == 0:
-            logger.info("loss: %s", loss_line)
-            if self.model.copies is not None:
-                logger.info("optimizer step kernel: master weights (%s)", job.weights_reason)
-            else:
-                logger.info("optimizer step kernel: %s (%s)", implementation, why)
-            logger.info("attention kernel: %s", describe_attention(sdpa_why, cfg.model.attn_mask_type, self.device))
+        log_kernels(job, self.model, self.device, optimizer_kernel, sdpa_why, pp_group)
         # One optimizer and LR schedule per model part (pipeline stage), so that
         # checkpoints key optimizer state by the full model's parameter names.
         self.optimizers = [
@@ -193,7 +185,7 @@ class Trainer:
             self.model.parts,
             self.spec.plan,
             self.mesh["dp_cp"].get_group(),
-            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+            pp_group=pp_group,
         )
         # One step, for every layout: forward context, loss normalisation, micro-batches, clip, optimizer
         documents = (self.tokenizer.bos_id, self.tokenizer.eos_id)  # where block-causal attention cuts the batch
