@@ -1,6 +1,8 @@
-"""`python tests/fork_run.py N WORKER [ARGS ...]`: `torchrun --standalone --nproc-per-node N WORKER ARGS ...`, with the
-ranks forked from one process that ran the worker's imports once, as `titan train` starts a CPU job
+"""`python tests/fork_run.py [--titan] N WORKER [ARGS ...]`: `torchrun --standalone --nproc-per-node N WORKER ARGS ...`,
+with the ranks forked from one process that ran the worker's imports once, as `titan train` starts a CPU job
 (`titan_core.rank_fork`): a rank's imports (~13 s of CPU on a 2-core AVX2-only AMD EPYC) are paid once per launch, not once per rank.
+With `--titan` the agent is `titan train`'s own (`titan_core.launch._run_torchrun`: a rank's error as one line, its
+exit code as the launcher's, signals handled as `titan train` handles them), and this process exits with its code.
 
 Each rank runs the worker as `__main__` (its imports are already loaded). A worker ends with
 `rank_exit.leave(code)`, which returns here in a forked rank and is `os._exit(code)` in a rank of its own. In
@@ -38,11 +40,17 @@ def _load_worker(script: str) -> None:
 
 
 if __name__ == "__main__":
-    nproc, script, *args = int(sys.argv[1]), os.path.abspath(sys.argv[2]), *sys.argv[3:]
+    titan = sys.argv[1] == "--titan"
+    nproc, script, *args = int(sys.argv[1 + titan]), os.path.abspath(sys.argv[2 + titan]), *sys.argv[3 + titan :]
     os.environ[SCRIPT_ENV] = script
     sys.path.insert(0, os.path.dirname(script))
+    launcher = ["--standalone", f"--nproc-per-node={nproc}"]
+    if titan:
+        from titan_core.launch import _run_torchrun
+
+        sys.exit(_run_torchrun(launcher, rank=(run_worker, (script, args))))
     from titan_core.rank_fork import run_elastic
 
-    run_elastic(["--standalone", f"--nproc-per-node={nproc}"], run_worker, (script, args), preload=["torch._dynamo"])
+    run_elastic(launcher, run_worker, (script, args), preload=["torch._dynamo"])
 elif __name__ == "__mp_main__" and os.environ.get(SCRIPT_ENV):  # the fork server, preloading the agent's __main__
     _load_worker(os.environ[SCRIPT_ENV])

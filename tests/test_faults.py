@@ -133,10 +133,9 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path, reference):
 
 
 def run_nonfinite(folder: Path, bad_step: int, *args: str) -> subprocess.CompletedProcess:
-    """The NaN-injecting worker on 2 ranks under `titan train`'s own launcher (one-line errors)."""
-    launcher = "import sys; from titan_core.launch import _run_torchrun; sys.exit(_run_torchrun(sys.argv[1:]))"
-    cmd = [sys.executable, "-c", launcher, "--standalone", "--nproc-per-node=2", "tests/workers/nonfinite_worker.py",
-           str(bad_step), "1", "--job.dump_folder", str(folder), *TINY, "--training.steps", "8",
+    """The NaN-injecting worker on 2 ranks under `titan train`'s own launcher (one-line errors), forked as `titan
+    train` forks a CPU job's ranks."""
+    cmd = [sys.executable, "tests/fork_run.py", "--titan", "2", "tests/workers/nonfinite_worker.py", str(bad_step), "1", "--job.dump_folder", str(folder), *TINY, "--training.steps", "8",
            "--checkpoint.enable", "true", "--checkpoint.interval", "2", *args]
     return subprocess.run(cmd, cwd=REPO, env=titan_env(), capture_output=True, text=True, timeout=300)
 

@@ -1,7 +1,7 @@
 """Hangs become errors: a rank that stalls or dies ends a real 2-process job, named (issue #11).
 
 Both jobs run at once, each under torchrun's elastic agent in a process of its own the way
-`titan train` runs it (`titan_core.launch._run_torchrun`), with tests/workers/stall_rank.py as
+`titan train` runs it (`titan_core.launch._run_torchrun`, the ranks forked), with tests/workers/stall_rank.py as
 the rank's program.
 """
 
@@ -21,14 +21,14 @@ from titan_parallel.flight_recorder import flight_recorder_env
 from titan_run import REPO, TINY, titan_env
 
 WORKER = REPO / "tests" / "workers" / "stall_rank.py"
-RUN_TORCHRUN = "import sys; from titan_core.launch import _run_torchrun; sys.exit(_run_torchrun(sys.argv[1:]))"
+FORK_RUN = REPO / "tests" / "fork_run.py"  # titan train's launcher, the ranks forked as it forks a CPU job's
 TIMEOUT_S = 5
 
 
 def start_job(run: Path, mode: str) -> subprocess.Popen:
     """Two ranks; rank 1 stalls or dies at the start of step 3 (step 1 set the train timeout)."""
     args = [*TINY, "--training.steps", "5", "--comm.train_timeout_seconds", str(TIMEOUT_S), "--job.dump_folder", f"{run}"]
-    cmd = [sys.executable, "-c", RUN_TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), mode, "1", "3", *args]
+    cmd = [sys.executable, str(FORK_RUN), "--titan", "2", str(WORKER), mode, "1", "3", *args]
     # No TORCH_DISTRIBUTED_DEBUG=DETAIL: its checks run on a helper group that keeps the init timeout.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=titan_env(debug_detail=False), cwd=REPO)

@@ -1,6 +1,6 @@
 """`python -m titan_core.launch` with a NaN loss injected on one rank, for tests/test_faults.py.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/workers/nonfinite_worker.py STEP RANK [titan train args ...]
+    python tests/fork_run.py --titan 2 tests/workers/nonfinite_worker.py STEP RANK [titan train args ...]
 
 The loss of step STEP on rank RANK is multiplied by NaN, once (a rolled-back run
 redoes STEP on the next batch, which stays finite). Every rank records a checksum
@@ -17,15 +17,13 @@ restored the checkpointed state (not merely relabelled the step).
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-from titan_core.launch import collector_paused, main
+import torch
+from torch.distributed.tensor import DTensor
 
-with collector_paused(freeze=True):  # as `titan train`'s ranks import (they leave by os._exit: nothing to unfreeze)
-    import torch
-    from torch.distributed.tensor import DTensor
-    from titan_core import trainer as trainer_module
+from titan_core import trainer as trainer_module
+from titan_core.launch import main
 
 
 def state_checksum(trainer) -> float:
@@ -91,7 +89,6 @@ def install(bad_step: int, bad_rank: int) -> None:
 
 if __name__ == "__main__":
     install(int(sys.argv[1]), int(sys.argv[2]))
-    code = main(sys.argv[3:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from rank_exit import leave
+
+    leave(main(sys.argv[3:]))

@@ -1,6 +1,6 @@
 """`python -m titan_core.launch` with one rank that stalls or dies in a step, for tests/test_hangs.py.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/workers/stall_rank.py MODE RANK STEP [titan train args ...]
+    python tests/fork_run.py --titan 2 tests/workers/stall_rank.py MODE RANK STEP [titan train args ...]
 
 MODE:
 - `stall`: rank RANK sleeps for 10 minutes at the start of step STEP (a hung rank; it stays alive).
@@ -42,7 +42,6 @@ if __name__ == "__main__":
     if mode not in MODES:
         sys.exit(f"unknown mode {mode!r}; one of {MODES}")
     install(mode, rank, step)
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from rank_exit import leave
+
+    leave(main(argv))

@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from titan_ckpt.errors import CheckpointError
@@ -267,7 +267,7 @@ def launch(
     launcher = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else ["--standalone"]
     if device_type == "cpu":  # ranks forked from one process that imported the trainer (titan_core.rank_fork)
-        return _run_torchrun(launcher, forked_argv=argv)
+        return _run_torchrun(launcher, rank=(forked_rank, (argv,)))
     return _run_torchrun([*launcher, "--module", "titan_core.launch", *argv])
 
 
@@ -308,10 +308,10 @@ def _agent_signal_args() -> list[str]:
     return args
 
 
-def _run_torchrun(args: list[str], forked_argv: list[str] | None = None) -> int:
-    """Run torchrun's elastic agent in this process; a rank's user error becomes one line. With `forked_argv`,
-    `args` are the launcher's options only, and each rank is `forked_rank(forked_argv)`, forked from a process
-    that imported the trainer once (`titan_core.rank_fork`)."""
+def _run_torchrun(args: list[str], rank: tuple[Callable[..., None], tuple] | None = None) -> int:
+    """Run torchrun's elastic agent in this process; a rank's user error becomes one line. With `rank`, an
+    (entry, entry_args) pair such as `(forked_rank, (argv,))`, `args` are the launcher's options only, and each
+    rank is `entry(*entry_args)`, forked from a process that imported the trainer once (`titan_core.rank_fork`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -322,12 +322,12 @@ def _run_torchrun(args: list[str], forked_argv: list[str] | None = None) -> int:
         os.environ[ERROR_DIR_ENV] = folder
         stopped_file = Path(folder, STOPPED_FILE)
         try:
-            if forked_argv is None:
+            if rank is None:
                 run(parse_args([*_agent_signal_args(), *args]))
             else:
                 from titan_core.rank_fork import run_elastic
 
-                run_elastic([*_agent_signal_args(), *args], forked_rank, (forked_argv,), preload=RANK_PRELOAD)
+                run_elastic([*_agent_signal_args(), *args], *rank, preload=RANK_PRELOAD)
         except ChildFailedError as failed:
             reports = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"), key=_rank_of)]
             if reports:
