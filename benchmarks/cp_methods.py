@@ -21,7 +21,7 @@ documents per sequence: Ulysses hands it to SDPA over whole sequences, ring atte
 
 Prints, per method, the median and best ms per step and per attention call (best: noise on a shared
 machine only adds time), and the ratios to the first method timed (ring allgather, Titan's default, unless
-`--methods` leaves it out; ring rotate's fp32 matmuls are slow on long CPU sequences: `--methods` can skip it).
+`--methods` leaves it out).
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ def test_the_dense_mask_by_hand():
     assert describe_attention("cuDNN first", "causal", torch.device("cuda")) == "cuDNN first"
     # Under ring CP the ring's own kernel, the mask read at each block's positions.
     ring = describe_attention("cuDNN first", "block_causal", torch.device("cuda"), ring="rotate")
-    assert ring == "ring attention, K/V rotated rank to rank: fp32 matmuls merged by log-sum-exp within each document " \
-        "(model.attn_mask_type)"
+    assert ring == "ring attention, K/V rotated rank to rank: fp32 matmuls per step, merged by log-sum-exp within each " \
+        "document (model.attn_mask_type)"
+    cpu = describe_attention("order", "causal", torch.device("cpu"), ring="rotate")
+    assert cpu == "ring attention, K/V rotated rank to rank: torch's fused CPU attention kernel per step, merged by log-sum-exp"
     assert describe_attention("order", "causal", torch.device("cpu"), ring="allgather") == (
         "ring attention, K/V all-gathered: SDPA with an explicit mask, order"
     )

@@ -45,6 +45,7 @@ from titan_parallel import (
     unshard_sequence,
 )
 from titan_parallel.grad_clip import grad_norm
+import titan_parallel.ring_attention as ring_attention_module
 from titan_parallel.ring_attention import RingAttention, ring_attention
 from titan_parallel.ulysses_attention import UlyssesAttention, ulysses_attention
 
@@ -206,6 +207,18 @@ def shard_diffs(out, expected, local, whole, idx) -> dict[str, float]:
     return diffs
 
 
+@contextlib.contextmanager
+def ring_kernel(method: str):
+    """"rotate_math": ring rotate with its float32 matmul blocks (its path off CPU) instead of CPU's fused kernel."""
+    fused = ring_attention_module.FUSED_DEVICES
+    if method.endswith("_math"):
+        ring_attention_module.FUSED_DEVICES = ()
+    try:
+        yield
+    finally:
+        ring_attention_module.FUSED_DEVICES = fused
+
+
 def run_ring_alone(rec: Recorder) -> None:
     """`ring_attention` and `ulysses_attention` on random q/k/v against causal SDPA on the whole sequence, forward
     and backward."""
@@ -222,7 +235,7 @@ def run_ring_alone(rec: Recorder) -> None:
             dout = torch.randn(bs, n_heads, seq, head_dim, generator=gen)
             expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_heads != n_kv_heads)
             (expected * dout).sum().backward()
-            for method in ("allgather", "rotate", "ulysses"):
+            for method in ("allgather", "rotate", "rotate_math", "ulysses"):
                 ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
                 if method == "ulysses" and n_heads % cp:  # 6 query heads do not split 4 ways: refused
                     try:
@@ -235,7 +248,8 @@ def run_ring_alone(rec: Recorder) -> None:
                 if method == "ulysses":  # KV heads repeated where cp does not divide them (kv 2 at cp 4)
                     out = ulysses_attention(ql, kl, vl, group, CausalSDPA())
                 else:
-                    out = ring_attention(ql, kl, vl, group, method)
+                    with ring_kernel(method):
+                        out = ring_attention(ql, kl, vl, group, method.removesuffix("_math"))
                 (out * dout[:, :, idx]).sum().backward()
                 rec.add(
                     f"ring_cp{cp}_{method}_h{n_heads}_kv{n_kv_heads}",
@@ -303,6 +317,7 @@ def run_masked(rec: Recorder) -> None:
         "ulysses": lambda group: UlyssesAttention(MaskedSDPA(), group),
         "allgather": lambda group: RingAttention(group, "allgather"),
         "rotate": lambda group: RingAttention(group, "rotate"),
+        "rotate_math": lambda group: RingAttention(group, "rotate"),  # under ring_kernel("rotate_math")
     }
     for cp in (2, 4):
         mesh = build_mesh(cp=cp)
@@ -317,14 +332,15 @@ def run_masked(rec: Recorder) -> None:
             expected = MaskedSDPA()(q, k, v, mask)
             (expected * dout).sum().backward()
             for method, core in cores.items():
-                if method == "rotate" and qk_dim != v_dim:
+                if method.startswith("rotate") and qk_dim != v_dim:
                     continue
                 forms = {"dense": mask, "block_mask": block_mask} if method != "ulysses" else {"dense": mask}
                 for form, given in forms.items():
                     ql, kl, vl = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-                    out = core(group)(ql, kl, vl, mask=given)
-                    (out * dout[:, :, idx]).sum().backward()
-                    causal = core(group)(ql.detach(), kl.detach(), vl.detach())
+                    with ring_kernel(method):
+                        out = core(group)(ql, kl, vl, mask=given)
+                        (out * dout[:, :, idx]).sum().backward()
+                        causal = core(group)(ql.detach(), kl.detach(), vl.detach())
                     rec.add(
                         f"masked_cp{cp}_{name}_{method}_{form}",
                         **shard_diffs(out, expected, (ql, kl, vl), (q, k, v), idx),

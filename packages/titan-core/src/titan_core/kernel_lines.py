@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titan_models.document_mask import uses_flex
+from titan_parallel.ring_attention import FUSED_DEVICES
 
 if TYPE_CHECKING:
     from titan_core.job import Job
@@ -31,7 +32,9 @@ def describe_attention(sdpa_why: str, attn_mask_type: str, device: torch.device,
     """
     documents = " within each document (model.attn_mask_type)" if attn_mask_type == "block_causal" else ""
     if ring == "rotate":
-        return f"ring attention, K/V rotated rank to rank: fp32 matmuls merged by log-sum-exp{documents}"
+        cpu = device.type in FUSED_DEVICES
+        kernel = "torch's fused CPU attention kernel" if cpu else "fp32 matmuls"
+        return f"ring attention, K/V rotated rank to rank: {kernel} per step, merged by log-sum-exp{documents}"
     if ring is not None:
         return f"ring attention, K/V all-gathered: SDPA with an explicit mask{documents}, {sdpa_why}"
     if not documents:

@@ -5,10 +5,18 @@ is cut into `2 * cp` chunks and rank r holds chunks r and `2 * cp - 1 - r`, so e
 rank does the same causal work. Two ways to exchange K/V:
 
 - "allgather": all-gather K and V (autograd-aware), one masked attention.
-- "rotate": a ring. K/V travel rank to rank with send/recv; each step's partial
-  attention is merged with the others by its log-sum-exp; the backward is a ring
-  too, passing the K/V gradients along until they reach their owner. With the
-  head-tail layout every step after the first is one unmasked half-size block.
+- "rotate": a ring. K/V travel rank to rank with send/recv, in the compute dtype;
+  each step's partial attention is merged with the others by its log-sum-exp, in
+  float32; the backward is a ring too, passing the K/V gradients (float32) along
+  until they reach their owner. With the head-tail layout every step after the
+  first is one unmasked half-size block. The backward of each block takes the
+  merged output and log-sum-exp, so it is the exact gradient of the whole attention.
+
+  The partial attentions: on CPU, torch's fused kernel that returns the log-sum-exp
+  (`_scaled_dot_product_flash_attention_for_cpu`, and its backward; `FUSED_DEVICES`),
+  fed the compute dtype (bf16 stays bf16); elsewhere plain float32 matmuls, which
+  hold a block's whole score matrix. CUDA's kernels that return it (flash, efficient,
+  cuDNN) are not wired here: they have not run on a GPU in this project.
 
 A mask restricts the causal attention further: block-causal attention over packed documents, as the
 model builds it once per forward for the whole sequence (a dense boolean `(bs, 1, seqlen, seqlen)`, or a
@@ -25,7 +33,6 @@ because that one swaps SDPA kernels behind a context manager, rings only the CUD
 kernels (flash, efficient, cuDNN), and shards buffers itself with its own load
 balancer; titan-parallel needs a plain module in place of `ModelPlan.attention` that runs
 on CPU (gloo) and GPU alike, under TP.
-The partial attentions are plain matmuls in float32 (exact, not a fused kernel).
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ import torch.nn.functional as F
 from titan_parallel.layout import check_cp, check_rotate_method
 
 RotateMethod = Literal["allgather", "rotate"]
+
+FUSED_DEVICES = ("cpu",)
+"""Where "rotate" runs each partial attention with torch's fused kernel that returns its log-sum-exp (on CPU,
+`_scaled_dot_product_flash_attention_for_cpu` and its backward); elsewhere plain float32 matmuls."""
 
 # `all_gather_single_autograd` in newer torch, `all_gather_tensor_autograd` (now deprecated) before.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -73,44 +84,83 @@ def cp_positions(seqlen: int, cp_rank: int, cp_size: int, device: torch.device |
     return torch.cat([head, tail])
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
-    """Partial attention and its log-sum-exp; every query row must see at least one key.
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """`(bs, kv_heads, l, d)` -> `(bs, heads, l, d)`: query head h reads KV head `h // (heads / kv_heads)`, as SDPA."""
+    return t if t.size(1) == heads else t.repeat_interleave(heads // t.size(1), dim=1)
+
+
+def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`(bs, heads, l, d)` gradients of repeated K/V -> `(bs, kv_heads, l, d)`, each KV head's copies summed."""
+    bs, heads, length, dim = grad.shape
+    return grad if heads == kv_heads else grad.view(bs, kv_heads, heads // kv_heads, length, dim).sum(dim=2)
+
+
+def _bias(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the fused kernel takes it: 0 where a query sees a key, -inf elsewhere, in `dtype`."""
+    if visible is None:
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _attend(q, k, v, visible: torch.Tensor | None, scale: float, fused: bool):
+    """Partial attention of queries against one block of keys, and its log-sum-exp.
 
     Args:
-        q: `(bs, n_kv_heads, n_rep, lq, head_dim)` float32.
-        k, v: `(bs, n_kv_heads, 1, lk, head_dim)` float32.
-        mask: `(lq, lk)` or `(bs, 1, 1, lq, lk)` bool, True where a query may see a key; None for all.
+        q: `(bs, heads, lq, head_dim)`, in the compute dtype.
+        k, v: `(bs, kv_heads, lk, head_dim)`; `kv_heads` divides `heads`.
+        visible: `(lq, lk)` or `(bs, 1, lq, lk)` bool, True where a query may see a key; None for all.
         scale: the softmax scale.
+        fused: torch's fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`), which returns the
+            log-sum-exp; else plain matmuls in float32.
 
     Returns:
-        out `(bs, n_kv_heads, n_rep, lq, head_dim)`, lse `(bs, n_kv_heads, n_rep, lq)`; a query that sees
-        no key gets zeros and an lse of -inf.
+        out `(bs, heads, lq, head_dim)` float32 and lse `(bs, heads, lq)` float32; a query that sees no key gets
+        zeros and an lse of -inf.
     """
-    scores = q @ k.transpose(-1, -2) * scale  # (bs, n_kv_heads, n_rep, lq, lk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    heads = q.size(1)
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_bias(visible, q.dtype), scale=scale
+        )
+        out, lse = out.float(), lse.contiguous()
+        if visible is not None:  # the kernel gives a row with no key an lse of 0, which would weigh in the merge
+            lse = lse.masked_fill(~visible.any(dim=-1), float("-inf"))
+        return out, lse
+    scores = q.float() @ k.float().transpose(-1, -2) * scale  # (bs, heads, lq, lk)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = scores.logsumexp(dim=-1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row with no key: exp(-inf - 0) = 0, not nan
-    return torch.exp(scores - finite.unsqueeze(-1)) @ v, lse
+    return torch.exp(scores - finite.unsqueeze(-1)) @ v.float(), lse
 
 
-def _attend_backward(q, k, v, dout, lse, delta, mask, scale):
-    """Gradients of one partial attention, given the final (merged) lse and delta = rowsum(dout * out).
+def _attend_backward(q, k, v, dout, out, lse, visible, scale: float, fused: bool):
+    """Gradients of one partial attention, given the merged output and lse of the whole attention.
 
-    The merged lse is finite (every query sees itself), so masked keys get exact zeros.
-
-    Shapes as in `_attend`; dout `(bs, n_kv_heads, n_rep, lq, head_dim)`, delta like lse.
-    Returns dq like q, dk and dv like k (summed over the query heads sharing them).
+    The merged lse is finite (every query sees itself), so masked keys get exact zeros. Shapes and dtypes as in
+    `_attend`; dout like q, out and lse the merged float32 ones. Returns float32 dq like q, and dk, dv like k
+    (summed over the query heads sharing each KV head).
     """
-    scores = q @ k.transpose(-1, -2) * scale  # (bs, n_kv_heads, n_rep, lq, lk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    heads, kv_heads = q.size(1), k.size(1)
+    kr, vr = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    if fused:
+        lse_layout = lse.transpose(1, 2).contiguous().transpose(1, 2)  # the layout the forward kernel returns
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, kr, vr, out.to(q.dtype), lse_layout, 0.0, False, attn_mask=_bias(visible, q.dtype), scale=scale
+        )
+        return dq.float(), _sum_kv(dk.float(), kv_heads), _sum_kv(dv.float(), kv_heads)
+    qf, kf, vf, doutf = q.float(), kr.float(), vr.float(), dout.float()
+    scores = qf @ kf.transpose(-1, -2) * scale  # (bs, heads, lq, lk)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))  # the global softmax restricted to these keys
-    dv = (probs.transpose(-1, -2) @ dout).sum(dim=2, keepdim=True)
-    dscores = probs * (dout @ v.transpose(-1, -2) - delta.unsqueeze(-1))
-    dq = dscores @ k * scale
-    dk = (dscores.transpose(-1, -2) @ q).sum(dim=2, keepdim=True) * scale
-    return dq, dk, dv
+    delta = (doutf * out).sum(dim=-1, keepdim=True)  # (bs, heads, lq, 1)
+    dscores = probs * (doutf @ vf.transpose(-1, -2) - delta)
+    dq = dscores @ kf * scale
+    dk = dscores.transpose(-1, -2) @ qf * scale
+    dv = probs.transpose(-1, -2) @ doutf
+    return dq, _sum_kv(dk, kv_heads), _sum_kv(dv, kv_heads)
 
 
 def _merge_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -194,26 +244,28 @@ def _ring_step(
     if mask is None:
         return rows, cols, causal
     source_positions = cp_positions(seqlen, source, size, device=positions.device)
-    block = _visible(mask, positions[rows], source_positions[cols]).unsqueeze(1)  # (bs, 1, 1, lq, lk)
+    block = _visible(mask, positions[rows], source_positions[cols])  # (bs, 1, lq, lk)
     return rows, cols, block if causal is None else block & causal
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention over head-tail shards; inputs in the `_attend` layout, float32; `mask` as `_visible`'s."""
+    """Ring attention over head-tail shards: q `(bs, heads, seqlen, d)`, k and v `(bs, kv_heads, seqlen, d)` in the
+    compute dtype, which is also what travels; outputs and log-sum-exps merge in float32, the K/V gradients travel
+    in float32. `mask` as `_visible`'s; `fused` as `_attend`'s."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, mask):
+    def forward(ctx, q, k, v, group, scale, mask, fused):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         positions = cp_positions(q.size(-2), rank, size, device=q.device)
         own_mask = positions.unsqueeze(1) >= positions.unsqueeze(0)  # (seqlen, seqlen)
-        kv = torch.stack([k, v])  # (2, bs, n_kv_heads, 1, seqlen, head_dim)
+        kv = torch.stack([k, v])  # (2, bs, kv_heads, seqlen, head_dim)
         out = lse = None
         for step in range(size):
             requests = []
             if step + 1 < size:
                 next_kv, requests = _exchange(kv, group)  # overlaps with this step's compute
             rows, cols, block = _ring_step(step, rank, size, positions, own_mask, mask)
-            part_out, part_lse = _attend(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block, scale)
+            part_out, part_lse = _attend(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block, scale, fused)
             if out is None:  # step 0: every query sees itself, so the running lse is finite from here on
                 out, lse = part_out, part_lse
             else:
@@ -222,19 +274,20 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < size:
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse, positions, own_mask)
-        ctx.group, ctx.scale, ctx.mask = group, scale, mask
-        return out
+        ctx.group, ctx.scale, ctx.mask, ctx.fused = group, scale, mask, fused
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, positions, own_mask = ctx.saved_tensors
-        group, scale, mask = ctx.group, ctx.scale, ctx.mask
+        group, scale, mask, fused = ctx.group, ctx.scale, ctx.mask, ctx.fused
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         dout = dout.contiguous()
-        delta = (dout * out).sum(dim=-1)  # (bs, n_kv_heads, n_rep, seqlen)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv)  # gradient of the K/V now held, accumulated over the ranks it visited
+        dkv = torch.zeros_like(
+            kv, dtype=torch.float32
+        )  # gradient of the K/V now held, summed over the ranks it visited
         for step in range(size):
             kv_requests = []
             if step + 1 < size:
@@ -245,10 +298,11 @@ class _RingAttention(torch.autograd.Function):
                 kv[0][..., cols, :],
                 kv[1][..., cols, :],
                 dout[..., rows, :],
+                out[..., rows, :],
                 lse[..., rows],
-                delta[..., rows],
                 block,
                 scale,
+                fused,
             )
             dq[..., rows, :] += dq_part
             dkv[0][..., cols, :] += dk
@@ -259,21 +313,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = next_dkv
             if step + 1 < size:
                 kv = next_kv
-        return dq, dkv[0], dkv[1], None, None, None
-
-
-def _to_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(bs, heads, seqlen, head_dim)` q, k, v -> float32 grouped by KV head.
-
-    q becomes `(bs, n_kv_heads, n_rep, seqlen, head_dim)`, k and v `(bs, n_kv_heads, 1, seqlen, head_dim)`.
-    """
-    bs, n_heads, seqlen, head_dim = q.shape
-    n_kv_heads = k.size(1)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"ring attention: n_kv_heads {n_kv_heads} must divide n_heads {n_heads}")
-    # Query head h uses K/V head h // n_rep, as in SDPA's enable_gqa.
-    qg = q.float().reshape(bs, n_kv_heads, n_heads // n_kv_heads, seqlen, head_dim)
-    return qg, k.float().unsqueeze(2).contiguous(), v.float().unsqueeze(2).contiguous()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -365,9 +405,9 @@ def ring_attention(
     check_rotate_method(rotate_method)
     if rotate_method == "allgather":
         return _allgather_attention(q, k, v, group, scale, mask)
-    qg, kg, vg = _to_groups(q, k, v)
-    out = _RingAttention.apply(qg, kg, vg, group, scale, mask)  # (bs, n_kv_heads, n_rep, seqlen/cp, head_dim)
-    return out.reshape(q.shape).to(q.dtype)
+    if q.size(1) % k.size(1):
+        raise ValueError(f"ring attention: n_kv_heads {k.size(1)} must divide n_heads {q.size(1)}")
+    return _RingAttention.apply(q, k, v, group, scale, mask, q.device.type in FUSED_DEVICES)
 
 
 class RingAttention(nn.Module):
