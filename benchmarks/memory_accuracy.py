@@ -97,6 +97,9 @@ ROWS: tuple[Row, ...] = (
          "1", "--training.seq_len", "128", "--optimizer.master_weights", "on", "--model.converters", "float8",
          "--float8.auto_filter_small_kn", "false"),
     _row("single-accum2", 1, "--training.global_batch_size", "8"),
+    # Attention within each packed document: off CUDA the blocks' SDPA keeps a float copy of the dense mask each
+    _row("single-block-causal", 1, "--model.attn_mask_type", "block_causal", "--training.seq_len", "1024",
+         "--training.local_batch_size", "2"),
     _row("fsdp2", 2),
     _row("fsdp2-ac-full", 2, *_AC_FULL),
     _row("fsdp2-no-reshard", 2, "--parallelism.fsdp_reshard_after_forward", "never"),
@@ -119,7 +122,8 @@ ROWS: tuple[Row, ...] = (
     _row("moe-single", 1, "--model.name", "deepseek_v3"),
     _row("moe-ep2", 2, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2"),
 )
-"""The matrix: FSDP, HSDP, DDP, TP, CP, PP schedules, AC modes, fp32 and bf16, gradient accumulation, MoE and EP."""
+"""The matrix: FSDP, HSDP, DDP, TP, CP, PP schedules, AC modes, fp32 and bf16, gradient accumulation, a document
+mask, MoE and EP."""
 
 
 @dataclass

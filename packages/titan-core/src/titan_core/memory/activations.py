@@ -20,6 +20,9 @@ class ActivationLayout:
         seq_len: tokens per (full) sequence.
         device_type: "cuda" or "cpu" (kernels differ in what they save, e.g. RMSNorm).
         loss_parallel: under TP, whether the loss runs on vocab-sharded logits.
+        block_causal: attention within each packed document (`model.attn_mask_type`): the blocks are measured
+            under the model's dense mask where it builds one (off CUDA; FlexAttention's `BlockMask` on CUDA is
+            a few integers per tile, and its kernel keeps what causal attention keeps).
     """
 
     compute_bytes: int = 2
@@ -30,6 +33,7 @@ class ActivationLayout:
     seq_len: int = 2048
     device_type: str = "cuda"
     loss_parallel: bool = True
+    block_causal: bool = False
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         seq_len=t.seq_len,
         device_type=job.device_type,
         loss_parallel=not p.disable_loss_parallel,
+        block_causal=cfg.model.attn_mask_type == "block_causal",
     )
     from titan_core.memory.eager_saved import measure_eager
     from titan_core.memory.fake_run import NoFakeGroup

@@ -20,7 +20,11 @@ machinery of `titan_core.memory.fake_run`:
    (RoPE's table slices; CP ring's attention mask, `seq / cp x seq` elements per block) is the
    per-call part, which the analytic tier spreads over the job's micro-batch
    (`EagerSaved.for_tokens`); what grows with the sequence length (CPU SDPA's math path keeps the
-   attention matrix) is counted at the job's sequence length.
+   attention matrix) is counted at the job's sequence length. Under a block-causal mask
+   (`ActivationLayout.block_causal`, off CUDA) each block is called with the model's dense mask of
+   the whole sequences, as the model passes it: what the attention keeps of it per block (CPU SDPA
+   keeps a float copy, `seq_len` elements per token) is counted; the boolean mask itself, built
+   once per forward and shared by every block, is not (`seq_len` bytes per token, once).
 
 The final norm and output projection (`head`) and the plain loss (`logits_saved`, under
 `loss_parallel()` on vocab-sharded logits where the layout has it) are measured the same way. The
@@ -186,11 +190,14 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                     with fake_target(device, counts):
                         on_fake(holder, dtype, device)
                         rope, positions = _rope(meta, device), _positions(mesh, seq, device)
+                        mask = _document_mask(layout, batch, device)
                         shape = (batch, seq // layout.tp, args.dim)  # sequence parallel splits the block's input
                         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
                         if kind == "backward":
-                            return block_backward_bytes(unit, rope, positions, shape, dtype, device)
-                        return block_saved_bytes(unit, spec.plan.blocks, rope, positions, shape, dtype, device, kind)
+                            return block_backward_bytes(unit, rope, positions, shape, dtype, device, mask)
+                        return block_saved_bytes(
+                            unit, spec.plan.blocks, rope, positions, shape, dtype, device, kind, mask
+                        )
 
                 figures[kind] = _fit(at(1), at(2), seq)
             kinds[sig] = figures
@@ -249,6 +256,20 @@ def _rope(meta: nn.Module, device: str) -> torch.Tensor | None:
     if not isinstance(table, torch.Tensor):
         return None
     return torch.empty(table.shape, dtype=table.dtype, device=device)
+
+
+def _document_mask(layout: ActivationLayout, batch: int, device: str) -> torch.Tensor | None:
+    """The dense block-causal mask the model builds once per forward off CUDA, for `batch` whole sequences (under
+    CP too: the ring reads it at its blocks' positions, Ulysses' core attends over whole sequences); None where
+    the model builds none (causal attention) or FlexAttention's `BlockMask` (CUDA)."""
+    from titan_models.document_mask import block_causal_mask, uses_flex
+
+    if not layout.block_causal or uses_flex(torch.device(device)):
+        return None
+    ids = torch.zeros(batch, layout.seq_len, dtype=torch.long, device=device)  # one document: the bytes are the same
+    mask = block_causal_mask(ids, flex=False)
+    assert isinstance(mask, torch.Tensor)
+    return mask
 
 
 def _positions(mesh: DeviceMesh | None, seq: int, device: str) -> torch.Tensor | None:

@@ -201,6 +201,14 @@ def _sac_cache(wrapper: nn.Module, into: SavedStorages) -> None:
     setattr(wrapper, "checkpoint_fn", recorded)  # noqa: B010  (a plain attribute of CheckpointWrapper, not a module)
 
 
+def _block_kwargs(
+    rope: torch.Tensor | None, positions: torch.Tensor | None, mask: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """A block's keyword inputs besides the hidden states, those the model passes."""
+    given = {"rope_cache": rope, "positions": positions, "mask": mask}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def block_saved_bytes(
     block: nn.Module,
     blocks_path: str,
@@ -210,19 +218,20 @@ def block_saved_bytes(
     dtype: torch.dtype,
     device: str,
     ac: str,
+    mask: torch.Tensor | None = None,
 ) -> int:
     """Bytes `block` (fake) keeps for backward for one call on a `shape` input (`(batch, seq, dim)`, the sequence
-    split under sequence parallel) under AC kind `ac`; `rope` and `positions` as the model passes them."""
+    split under sequence parallel) under AC kind `ac`; `rope`, `positions` and `mask` (the block-causal mask,
+    shared by every block: not counted itself) as the model passes them."""
     from titan_core.memory.compiled_saved import _wrapped
 
-    saved = SavedStorages([*block.parameters(), *block.buffers(), *([rope] if rope is not None else [])])
+    shared = [t for t in (rope, mask) if t is not None]
+    saved = SavedStorages([*block.parameters(), *block.buffers(), *shared])
     unit = _wrapped(block, blocks_path, ac)
     if ac == "op":
         _sac_cache(unit, saved)
     hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
-    kwargs = {"rope_cache": rope} if rope is not None else {}
-    if positions is not None:
-        kwargs["positions"] = positions
+    kwargs = _block_kwargs(rope, positions, mask)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         unit(hidden, **kwargs)
     if ac != "none":
@@ -394,13 +403,12 @@ def block_backward_bytes(
     shape: tuple[int, int, int],
     dtype: torch.dtype,
     device: str,
+    mask: torch.Tensor | None = None,
 ) -> int:
     """Bytes `block`'s backward (nothing recomputed) holds at its peak beyond what the block kept for it: the
     incoming gradient and the gradients of its activations, net of the saved tensors freed by then; for one
     call on a `shape` input, arguments as `block_saved_bytes` takes them."""
-    kwargs: dict[str, Any] = {"rope_cache": rope} if rope is not None else {}
-    if positions is not None:
-        kwargs["positions"] = positions
+    kwargs = _block_kwargs(rope, positions, mask)
     live = LiveBytes([*block.parameters(), *block.buffers(), *[t for t in kwargs.values() if t is not None]])
     with live:
         hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
