@@ -102,13 +102,15 @@ def _bias(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _attend(q, k, v, visible: torch.Tensor | None, scale: float, fused: bool):
+def _attend(q, k, v, visible: torch.Tensor | None, causal: bool, scale: float, fused: bool):
     """Partial attention of queries against one block of keys, and its log-sum-exp.
 
     Args:
         q: `(bs, heads, lq, head_dim)`, in the compute dtype.
         k, v: `(bs, kv_heads, lk, head_dim)`; `kv_heads` divides `heads`.
         visible: `(lq, lk)` or `(bs, 1, lq, lk)` bool, True where a query may see a key; None for all.
+        causal: query i sees key j <= i (a square block of aligned positions; `visible` None), which the
+            fused kernel computes without the masked half.
         scale: the softmax scale.
         fused: torch's fused CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`), which returns the
             log-sum-exp; else plain matmuls in float32.
@@ -121,12 +123,14 @@ def _attend(q, k, v, visible: torch.Tensor | None, scale: float, fused: bool):
     k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_bias(visible, q.dtype), scale=scale
+            q, k, v, 0.0, causal, attn_mask=_bias(visible, q.dtype), scale=scale
         )
         out, lse = out.float(), lse.contiguous()
         if visible is not None:  # the kernel gives a row with no key an lse of 0, which would weigh in the merge
             lse = lse.masked_fill(~visible.any(dim=-1), float("-inf"))
         return out, lse
+    if causal:
+        visible = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     scores = q.float() @ k.float().transpose(-1, -2) * scale  # (bs, heads, lq, lk)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -135,7 +139,7 @@ def _attend(q, k, v, visible: torch.Tensor | None, scale: float, fused: bool):
     return torch.exp(scores - finite.unsqueeze(-1)) @ v.float(), lse
 
 
-def _attend_backward(q, k, v, dout, out, lse, visible, scale: float, fused: bool):
+def _attend_backward(q, k, v, dout, out, lse, visible, causal: bool, scale: float, fused: bool):
     """Gradients of one partial attention, given the merged output and lse of the whole attention.
 
     The merged lse is finite (every query sees itself), so masked keys get exact zeros. Shapes and dtypes as in
@@ -147,9 +151,11 @@ def _attend_backward(q, k, v, dout, out, lse, visible, scale: float, fused: bool
     if fused:
         lse_layout = lse.transpose(1, 2).contiguous().transpose(1, 2)  # the layout the forward kernel returns
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, kr, vr, out.to(q.dtype), lse_layout, 0.0, False, attn_mask=_bias(visible, q.dtype), scale=scale
+            dout, q, kr, vr, out.to(q.dtype), lse_layout, 0.0, causal, attn_mask=_bias(visible, q.dtype), scale=scale
         )
         return dq.float(), _sum_kv(dk.float(), kv_heads), _sum_kv(dv.float(), kv_heads)
+    if causal:
+        visible = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     qf, kf, vf, doutf = q.float(), kr.float(), vr.float(), dout.float()
     scores = qf @ kf.transpose(-1, -2) * scale  # (bs, heads, lq, lk)
     if visible is not None:
@@ -222,30 +228,39 @@ def _check_mask(mask: object, bs: int, seqlen: int) -> None:
         )
 
 
-def _ring_step(
-    step: int, rank: int, size: int, positions: torch.Tensor, own_mask: torch.Tensor, mask: object
-) -> tuple[slice, slice, torch.Tensor | None]:
-    """What ring step `step` computes on `rank`: (its query rows, its columns of the K/V held, their mask).
+Block = tuple[slice, slice, torch.Tensor | None, bool, bool]
+"""One partial attention of a ring step: (query rows, columns of the K/V held, mask or None, causal, fresh)."""
 
-    Head-tail layout: step 0 is my own K/V, causal by position; from a source before me all my queries see
-    its head chunk and none of its tail; from a source after me only my tail chunk sees it, all of it.
-    A `mask` (block-causal) restricts each block further, read at the block's global positions.
+
+def _ring_blocks(
+    step: int, rank: int, size: int, positions: torch.Tensor, own_mask: torch.Tensor, mask: object
+) -> list[Block]:
+    """The partial attentions of ring step `step` on `rank` (the head-tail layout, `cp_positions`).
+
+    Step 0 is my own K/V, causal by position: my head chunk sees its own keys causally, my tail chunk sees all
+    of my head chunk and its own keys causally. From a source before me all my queries see its head chunk and
+    none of its tail; from a source after me only my tail chunk sees it, all of it. Under a `mask` (block-causal)
+    each block is read from it at the block's global positions, step 0 as one block under `own_mask` and the
+    mask; causal attention splits step 0 into its two causal squares and one full block, so a kernel that
+    skips a causal square's masked half does. "fresh" blocks are the first to write their rows.
     """
     seqlen = positions.numel()
     chunk = seqlen // 2
+    head, tail, whole = slice(None, chunk), slice(chunk, None), slice(None)
     source = (rank - step) % size
-    causal: torch.Tensor | None = None
+    if step == 0 and mask is None:
+        return [(head, head, None, True, True), (tail, tail, None, True, True), (tail, head, None, False, False)]
     if step == 0:
-        rows, cols, causal = slice(None), slice(None), own_mask
+        rows, cols, causal = whole, whole, own_mask
     elif source < rank:
-        rows, cols = slice(None), slice(None, chunk)
+        rows, cols, causal = whole, head, None
     else:
-        rows, cols = slice(chunk, None), slice(None)
+        rows, cols, causal = tail, whole, None
     if mask is None:
-        return rows, cols, causal
+        return [(rows, cols, None, False, False)]
     source_positions = cp_positions(seqlen, source, size, device=positions.device)
     block = _visible(mask, positions[rows], source_positions[cols])  # (bs, 1, lq, lk)
-    return rows, cols, block if causal is None else block & causal
+    return [(rows, cols, block if causal is None else block & causal, False, step == 0)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -259,17 +274,20 @@ class _RingAttention(torch.autograd.Function):
         positions = cp_positions(q.size(-2), rank, size, device=q.device)
         own_mask = positions.unsqueeze(1) >= positions.unsqueeze(0)  # (seqlen, seqlen)
         kv = torch.stack([k, v])  # (2, bs, kv_heads, seqlen, head_dim)
-        out = lse = None
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for step in range(size):
             requests = []
             if step + 1 < size:
                 next_kv, requests = _exchange(kv, group)  # overlaps with this step's compute
-            rows, cols, block = _ring_step(step, rank, size, positions, own_mask, mask)
-            part_out, part_lse = _attend(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block, scale, fused)
-            if out is None:  # step 0: every query sees itself, so the running lse is finite from here on
-                out, lse = part_out, part_lse
-            else:
-                _merge_(out[..., rows, :], lse[..., rows], part_out, part_lse)
+            for rows, cols, visible, causal, fresh in _ring_blocks(step, rank, size, positions, own_mask, mask):
+                part_out, part_lse = _attend(
+                    q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], visible, causal, scale, fused
+                )
+                if fresh:  # step 0's first blocks: every query sees itself, so the running lse is finite after
+                    out[..., rows, :], lse[..., rows] = part_out, part_lse
+                else:
+                    _merge_(out[..., rows, :], lse[..., rows], part_out, part_lse)
             _wait(requests)
             if step + 1 < size:
                 kv = next_kv
@@ -285,28 +303,27 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(
-            kv, dtype=torch.float32
-        )  # gradient of the K/V now held, summed over the ranks it visited
+        dkv = torch.zeros_like(kv, dtype=torch.float32)  # the held K/V's gradient, summed over the ranks it visited
         for step in range(size):
             kv_requests = []
             if step + 1 < size:
                 next_kv, kv_requests = _exchange(kv, group)  # overlaps with this step's compute
-            rows, cols, block = _ring_step(step, rank, size, positions, own_mask, mask)
-            dq_part, dk, dv = _attend_backward(
-                q[..., rows, :],
-                kv[0][..., cols, :],
-                kv[1][..., cols, :],
-                dout[..., rows, :],
-                out[..., rows, :],
-                lse[..., rows],
-                block,
-                scale,
-                fused,
-            )
-            dq[..., rows, :] += dq_part
-            dkv[0][..., cols, :] += dk
-            dkv[1][..., cols, :] += dv
+            for rows, cols, visible, causal, _ in _ring_blocks(step, rank, size, positions, own_mask, mask):
+                dq_part, dk, dv = _attend_backward(
+                    q[..., rows, :],
+                    kv[0][..., cols, :],
+                    kv[1][..., cols, :],
+                    dout[..., rows, :],
+                    out[..., rows, :],
+                    lse[..., rows],
+                    visible,
+                    causal,
+                    scale,
+                    fused,
+                )
+                dq[..., rows, :] += dq_part
+                dkv[0][..., cols, :] += dk
+                dkv[1][..., cols, :] += dv
             # Pass the K/V gradient on; after `size` hops it is back at its owner, complete.
             next_dkv, dkv_requests = _exchange(dkv, group)
             _wait(kv_requests + dkv_requests)
