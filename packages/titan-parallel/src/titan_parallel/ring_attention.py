@@ -8,8 +8,9 @@ rank does the same causal work. Two ways to exchange K/V:
 - "rotate": a ring. K/V travel rank to rank with send/recv, in the compute dtype;
   each step's partial attention is merged with the others by its log-sum-exp, in
   float32; the backward is a ring too, passing the K/V gradients (float32) along
-  until they reach their owner. With the head-tail layout every step after the
-  first is one unmasked half-size block. The backward of each block takes the
+  until they reach their owner. With the head-tail layout the first step is two
+  causal squares and one full block, and every step after it one unmasked
+  half-size block. The backward of each block takes the
   merged output and log-sum-exp, so it is the exact gradient of the whole attention.
 
   The partial attentions: on CPU, torch's fused kernel that returns the log-sum-exp
