@@ -386,12 +386,12 @@ def _attention_mask(d: Draft) -> None:
     """`model.attn_mask_type = 'block_causal'` needs a model whose forward takes `document_ids`."""
     if d.cfg.model.attn_mask_type != "block_causal":
         return
-    setting = "model.attn_mask_type = 'block_causal'"
     forward = type(d.meta_model()).forward
     if "document_ids" not in inspect.signature(forward).parameters:
         raise ConfigError(
-            f"{setting}: model.name '{d.cfg.model.name}' ({forward.__qualname__}) takes no document_ids; "
-            "set attn_mask_type to 'causal' or give its forward a document_ids argument (titan_models.document_mask)"
+            f"model.attn_mask_type = 'block_causal': model.name '{d.cfg.model.name}' ({forward.__qualname__}) takes "
+            "no document_ids; set attn_mask_type to 'causal' or give its forward a document_ids argument "
+            "(titan_models.document_mask)"
         )
 
 

@@ -409,7 +409,7 @@ def block_backward_bytes(
     incoming gradient and the gradients of its activations, net of the saved tensors freed by then; for one
     call on a `shape` input, arguments as `block_saved_bytes` takes them."""
     kwargs = _block_kwargs(rope, positions, mask)
-    live = LiveBytes([*block.parameters(), *block.buffers(), *[t for t in kwargs.values() if t is not None]])
+    live = LiveBytes([*block.parameters(), *block.buffers(), *kwargs.values()])
     with live:
         hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
         live.add(hidden)  # the block's input (the previous block's output), kept by its first norm
