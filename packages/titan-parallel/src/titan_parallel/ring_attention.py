@@ -103,6 +103,14 @@ def _bias(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+    """The float32 scores `(bs, heads, lq, lk)` of q against the (repeated) k, -inf where a query may not see a key."""
+    if causal:
+        visible = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    scores = q.float() @ k.float().transpose(-1, -2) * scale
+    return scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+
+
 def _attend(q, k, v, visible: torch.Tensor | None, causal: bool, scale: float, fused: bool):
     """Partial attention of queries against one block of keys, and its log-sum-exp.
 
@@ -130,11 +138,7 @@ def _attend(q, k, v, visible: torch.Tensor | None, causal: bool, scale: float, f
         if visible is not None:  # the kernel gives a row with no key an lse of 0, which would weigh in the merge
             lse = lse.masked_fill(~visible.any(dim=-1), float("-inf"))
         return out, lse
-    if causal:
-        visible = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    scores = q.float() @ k.float().transpose(-1, -2) * scale  # (bs, heads, lq, lk)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+    scores = _scores(q, k, visible, causal, scale)
     lse = scores.logsumexp(dim=-1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row with no key: exp(-inf - 0) = 0, not nan
     return torch.exp(scores - finite.unsqueeze(-1)) @ v.float(), lse
@@ -155,12 +159,8 @@ def _attend_backward(q, k, v, dout, out, lse, visible, causal: bool, scale: floa
             dout, q, kr, vr, out.to(q.dtype), lse_layout, 0.0, causal, attn_mask=_bias(visible, q.dtype), scale=scale
         )
         return dq.float(), _sum_kv(dk.float(), kv_heads), _sum_kv(dv.float(), kv_heads)
-    if causal:
-        visible = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     qf, kf, vf, doutf = q.float(), kr.float(), vr.float(), dout.float()
-    scores = qf @ kf.transpose(-1, -2) * scale  # (bs, heads, lq, lk)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+    scores = _scores(qf, kf, visible, causal, scale)
     probs = torch.exp(scores - lse.unsqueeze(-1))  # the global softmax restricted to these keys
     delta = (doutf * out).sum(dim=-1, keepdim=True)  # (bs, heads, lq, 1)
     dscores = probs * (doutf @ vf.transpose(-1, -2) - delta)
@@ -219,6 +219,13 @@ def _visible(mask: object, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Te
     return mask_mod(batch, head, q_pos.view(1, -1, 1), k_pos.view(1, 1, -1)).unsqueeze(1)
 
 
+def _causal_within(mask: object, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Where the queries at global positions `q_pos` may see the keys at `k_pos`: causally, and within `mask` when
+    one is given. `(lq, lk)` bool, or `(bs, 1, lq, lk)` under a mask."""
+    causal = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)
+    return causal if mask is None else causal & _visible(mask, q_pos, k_pos)
+
+
 def _check_mask(mask: object, bs: int, seqlen: int) -> None:
     """The mask is the whole sequence's, one for every head: `(bs, 1, seqlen, seqlen)`."""
     shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else tuple(getattr(mask, "shape", ()))
@@ -233,16 +240,14 @@ Block = tuple[slice, slice, torch.Tensor | None, bool, bool]
 """One partial attention of a ring step: (query rows, columns of the K/V held, mask or None, causal, fresh)."""
 
 
-def _ring_blocks(
-    step: int, rank: int, size: int, positions: torch.Tensor, own_mask: torch.Tensor, mask: object
-) -> list[Block]:
+def _ring_blocks(step: int, rank: int, size: int, positions: torch.Tensor, mask: object) -> list[Block]:
     """The partial attentions of ring step `step` on `rank` (the head-tail layout, `cp_positions`).
 
     Step 0 is my own K/V, causal by position: my head chunk sees its own keys causally, my tail chunk sees all
     of my head chunk and its own keys causally. From a source before me all my queries see its head chunk and
     none of its tail; from a source after me only my tail chunk sees it, all of it. Under a `mask` (block-causal)
-    each block is read from it at the block's global positions, step 0 as one block under `own_mask` and the
-    mask; causal attention splits step 0 into its two causal squares and one full block, so a kernel that
+    each block is read from it at the block's global positions, step 0 as one block causal by position and
+    within the mask; causal attention splits step 0 into its two causal squares and one full block, so a kernel that
     skips a causal square's masked half does. "fresh" blocks are the first to write their rows.
     """
     seqlen = positions.numel()
@@ -252,16 +257,12 @@ def _ring_blocks(
     if step == 0 and mask is None:
         return [(head, head, None, True, True), (tail, tail, None, True, True), (tail, head, None, False, False)]
     if step == 0:
-        rows, cols, causal = whole, whole, own_mask
-    elif source < rank:
-        rows, cols, causal = whole, head, None
-    else:
-        rows, cols, causal = tail, whole, None
+        return [(whole, whole, _causal_within(mask, positions, positions), False, True)]
+    rows, cols = (whole, head) if source < rank else (tail, whole)
     if mask is None:
         return [(rows, cols, None, False, False)]
     source_positions = cp_positions(seqlen, source, size, device=positions.device)
-    block = _visible(mask, positions[rows], source_positions[cols])  # (bs, 1, lq, lk)
-    return [(rows, cols, block if causal is None else block & causal, False, step == 0)]
+    return [(rows, cols, _visible(mask, positions[rows], source_positions[cols]), False, False)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -273,7 +274,6 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale, mask, fused):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         positions = cp_positions(q.size(-2), rank, size, device=q.device)
-        own_mask = positions.unsqueeze(1) >= positions.unsqueeze(0)  # (seqlen, seqlen)
         kv = torch.stack([k, v])  # (2, bs, kv_heads, seqlen, head_dim)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -281,7 +281,7 @@ class _RingAttention(torch.autograd.Function):
             requests = []
             if step + 1 < size:
                 next_kv, requests = _exchange(kv, group)  # overlaps with this step's compute
-            for rows, cols, visible, causal, fresh in _ring_blocks(step, rank, size, positions, own_mask, mask):
+            for rows, cols, visible, causal, fresh in _ring_blocks(step, rank, size, positions, mask):
                 part_out, part_lse = _attend(
                     q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], visible, causal, scale, fused
                 )
@@ -292,13 +292,13 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             if step + 1 < size:
                 kv = next_kv
-        ctx.save_for_backward(q, k, v, out, lse, positions, own_mask)
+        ctx.save_for_backward(q, k, v, out, lse, positions)
         ctx.group, ctx.scale, ctx.mask, ctx.fused = group, scale, mask, fused
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, positions, own_mask = ctx.saved_tensors
+        q, k, v, out, lse, positions = ctx.saved_tensors
         group, scale, mask, fused = ctx.group, ctx.scale, ctx.mask, ctx.fused
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         dout = dout.contiguous()
@@ -309,7 +309,7 @@ class _RingAttention(torch.autograd.Function):
             kv_requests = []
             if step + 1 < size:
                 next_kv, kv_requests = _exchange(kv, group)  # overlaps with this step's compute
-            for rows, cols, visible, causal, _ in _ring_blocks(step, rank, size, positions, own_mask, mask):
+            for rows, cols, visible, causal, _ in _ring_blocks(step, rank, size, positions, mask):
                 dq_part, dk, dv = _attend_backward(
                     q[..., rows, :],
                     kv[0][..., cols, :],
@@ -375,9 +375,7 @@ def _allgather_attention(q, k, v, group: dist.ProcessGroup, scale: float, mask: 
     keys, values = _gather_sequence(k, group), _gather_sequence(v, group)  # (bs, n_kv_heads, seqlen * cp, head_dim)
     q_pos = cp_positions(seqlen, rank, size, device=q.device)
     k_pos = torch.cat([cp_positions(seqlen, r, size, device=q.device) for r in range(size)])
-    visible = q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # (seqlen, seqlen * cp); K/V stay in gathered order
-    if mask is not None:
-        visible = visible & _visible(mask, q_pos, k_pos)  # (bs, 1, seqlen, seqlen * cp)
+    visible = _causal_within(mask, q_pos, k_pos)  # (.., seqlen, seqlen * cp); K/V stay in gathered order
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=visible, scale=scale, enable_gqa=q.size(1) != k.size(1)
     )
@@ -418,7 +416,7 @@ def ring_attention(
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         positions = torch.arange(q.size(2), device=q.device)
-        visible = (positions.unsqueeze(1) >= positions.unsqueeze(0)) & _visible(mask, positions, positions)
+        visible = _causal_within(mask, positions, positions)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     check_rotate_method(rotate_method)
     if rotate_method == "allgather":
