@@ -176,8 +176,9 @@ LAYOUTS = [
     # Compiled (the experts and their dispatch eager, the rest of each MoE block compiled piece by piece), under full AC.
     Layout("compile_moe_ep2_ac_full", 2, 2, ("--compile.enable", "true", EP, "2", "--activation_checkpoint.mode", "full"),
            model=DEEPSEEK, slow=True),
-    # Qwen3-MoE's auxiliary balance loss is divided over the pipeline microbatches as the loss is.
-    Layout("moe_ep2_pp2", 4, 2, _pp("1F1B", EP, "2"), model=QWEN3_MOE),
+    # Qwen3-MoE's auxiliary balance loss is divided over the pipeline microbatches as the loss is, and counts each
+    # sequence's slots over the cp ranks holding its chunks (FSDP per stage over those ranks; EP 2 over them too).
+    Layout("moe_ep2_pp2_cp2", 4, 1, _pp("1F1B", EP, "2", f"{P}context_parallel_degree", "2"), model=QWEN3_MOE),
     Layout("moe_ep2_tp2", 4, 2, (EP, "2", f"{P}tensor_parallel_degree", "2"), model=DEEPSEEK),
     # Qwen3-MoE under TP: QK-norm on head-sharded activations, the MoE replicated over the TP ranks.
     Layout("qwen3_moe_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), model=QWEN3_MOE),

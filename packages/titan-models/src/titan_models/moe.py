@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, init_trunc_normal_
@@ -200,24 +203,36 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux_loss)
 
 
-def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor, chosen: torch.Tensor, batch: int, top_k: int, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: `sum_e f_e * P_e`, where
     `f_e` is the fraction of the sequence's token slots sent to expert e times `experts / top_k`
     (1 everywhere at perfect balance) and `P_e` the mean normalised score of e.
+
+    With `group` (context parallel: each of its ranks holds an equal part of every sequence), `f_e`
+    counts the slots of the whole sequence, summed over the group, while `P_e` stays the mean over this
+    rank's tokens. The loss is linear in `P_e`, so the mean of the ranks' losses is the loss of the
+    whole sequences, and so are the gradients data parallel averages over those ranks.
 
     Args:
         scores: `(tokens, experts)` router scores, tokens sequence-major (`batch` sequences).
         chosen: `(tokens, top_k)` chosen experts.
         batch: sequences in `scores`.
         top_k: experts per token.
+        group: the ranks holding the other parts of these sequences; None = the sequences are whole here.
     """
     experts = scores.shape[-1]
-    per_seq = scores.view(batch, -1, experts)  # (batch, seqlen, experts)
+    per_seq = scores.view(batch, -1, experts)  # (batch, local seqlen, experts)
     probs = per_seq / per_seq.sum(dim=-1, keepdim=True)
     counts = torch.zeros(batch, experts, device=scores.device).scatter_add_(
         1, chosen.view(batch, -1), torch.ones(chosen.numel() // batch, device=scores.device).expand(batch, -1)
     )  # (batch, experts)
-    load = counts * experts / (top_k * per_seq.shape[1])
+    seqlen = per_seq.shape[1]
+    if group is not None:
+        counts = funcol.all_reduce(counts, "sum", group)  # the whole sequences' slots (carry no gradient)
+        seqlen *= dist.get_world_size(group)
+    load = counts * experts / (top_k * seqlen)
     return (load * probs.mean(dim=1)).sum(dim=-1).mean()
 
 
@@ -228,7 +243,9 @@ class MoE(nn.Module):
     `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
     last read it (not persistent). `aux_loss_scale` multiplies the auxiliary loss's gradient: the
     trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
-    loss by (gradient-accumulation steps x pipeline microbatches). The auxiliary loss enters the backward
+    loss by (gradient-accumulation steps x pipeline microbatches). `sequence_group`, set by context
+    parallel, is the ranks holding the rest of this rank's sequences: the auxiliary loss counts the
+    token slots of whole sequences over them. The auxiliary loss enters the backward
     here, inside the block, rather than being returned: under FSDP the router's weights are gathered
     only while the block's own backward runs.
     """
@@ -245,6 +262,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss_scale: float = 1.0
+        self.sequence_group: ProcessGroup | None = None  # set by context parallel (`sequence_balance_loss`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args:
@@ -265,7 +283,8 @@ class MoE(nn.Module):
         routed = routed[order.argsort()].view(-1, k, dim)  # back to (tokens, k, dim)
         out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (tokens, dim)
         if self.args.aux_loss_coeff > 0 and self.training:
-            aux = self.aux_loss_scale * self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k)
+            balance = sequence_balance_loss(scores, chosen, bs, k, self.sequence_group)
+            aux = self.aux_loss_scale * self.args.aux_loss_coeff * balance
             out = _AddAuxLoss.apply(out, aux)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

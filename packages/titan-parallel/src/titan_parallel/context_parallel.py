@@ -22,7 +22,7 @@ does the same causal-attention work. Three pieces:
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,9 @@ def apply_cp(
     Swaps each block's `plan.attention` module for `RingAttention` (or wraps it in
     `UlyssesAttention`) and registers a forward pre-hook that passes
     `positions=cp_positions(local_seqlen, rank, cp)` when the caller gives none. The
-    model's `forward(x, positions=None)` must accept absolute RoPE positions. Apply
+    model's `forward(x, positions=None)` must accept absolute RoPE positions. A block's
+    `plan.moe` module with a `sequence_group` attribute gets the CP group there (the
+    ranks holding the rest of each sequence), for statistics over whole sequences. Apply
     after tensor parallel: on sequence-parallel hidden states (a pipeline stage's
     input) the local length is the input's times the TP degree.
 
@@ -131,6 +133,9 @@ def apply_cp(
                 "fix the model's plan"
             )
         core = getattr(parent, name)
+        moe = get_submodule_or_none(block, plan.moe) if plan.moe else None
+        if moe is not None and hasattr(moe, "sequence_group"):
+            cast(Any, moe).sequence_group = group  # per-sequence statistics count the other chunks too
         if cp_method == "ulysses":
             if next(core.parameters(), None) is not None or next(core.buffers(), None) is not None:
                 raise ValueError(

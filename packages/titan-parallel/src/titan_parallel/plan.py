@@ -74,7 +74,8 @@ class ModelPlan:
         moe: path, inside a block, of its Mixture-of-Experts module (blocks without it are dense).
             Its `experts` child holds the stacked expert weights `w1`, `w2`, `w3` (dim 0: the expert),
             which expert parallel splits; its `tokens_per_expert` and `expert_bias` buffers are
-            what load balancing reads and updates.
+            what load balancing reads and updates. If it has a `sequence_group` attribute, context
+            parallel sets it to the CP process group (the ranks holding the rest of each sequence).
         shared_input_linears: groups of `nn.Linear` paths inside each block that the block's forward calls
             one after another on the same input, in this order (e.g. `("attention.wq", "attention.wk",
             "attention.wv")`); inference may compute each group as one matmul over the concatenated weights.
