@@ -8,24 +8,27 @@
 Dropless: every token reaches its k experts, whatever the load. The token slots are sorted
 by expert and run through `GroupedExperts` as one grouped matmul per weight
 (`torch._grouped_mm` on GPUs that have it, a loop of exact per-expert matmuls elsewhere).
-Nothing here knows about parallelism: expert parallel (titan-parallel) wraps `GroupedExperts`
+Nothing here splits anything: expert parallel (titan-parallel) wraps `GroupedExperts`
 so that its input is sent to the ranks holding the experts and its output comes back, and
-the trainer updates `expert_bias` from `tokens_per_expert` after each step.
+the trainer updates `expert_bias` from `tokens_per_expert` after each step. The one
+collective is the auxiliary loss's: under context parallel it sums each sequence's slot
+counts over the ranks that context parallel names (`MoE.sequence_group`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, init_trunc_normal_
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -230,6 +233,9 @@ def sequence_balance_loss(
     )  # (batch, experts)
     seqlen = per_seq.shape[1]
     if group is not None:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
         counts = funcol.all_reduce(counts, "sum", group)  # the whole sequences' slots (carry no gradient)
         seqlen *= dist.get_world_size(group)
     load = counts * experts / (top_k * seqlen)
