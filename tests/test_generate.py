@@ -19,6 +19,7 @@ from titan_core.config.errors import ConfigError
 from titan_core.generation import (
     GREEDY,
     CachedAttention,
+    LatentCachedAttention,
     SamplingParams,
     generate,
     kv_cache,
@@ -147,21 +148,29 @@ def test_kv_cache_matches_recompute(loaded, sampling):
     for step, (a, b) in enumerate(zip(cached.step_logits, plain.step_logits)):
         assert a.shape == (len(PROMPTS), loaded.args.vocab_size)
         torch.testing.assert_close(a, b, atol=LOGITS_TOL, rtol=0, msg=lambda m: f"step {step}: {m}")
+    args = loaded.args
     if loaded.spec.name == "llama3":
-        args = loaded.args
         assert cached.kv_bytes_per_token == 2 * args.n_layers * args.kv_heads * args.attention_head_dim * 4  # k and v, fp32
+    if loaded.spec.name == "deepseek_v3":  # MLA's latent and rotated key, not 4 heads x (20 + 10) dims
+        assert cached.kv_bytes_per_token == args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * 4
     assert cached.kv_bytes_per_token > 0
     assert plain.kv_bytes_per_token == 0
 
 
 def test_kv_cache_swaps_attention_and_restores(loaded):
+    """The attention core is swapped, or for MLA (a `latent_forward`) the whole attention module, and put back."""
     model, plan = loaded.model, loaded.spec.plan
     parent, _, name = plan.attention.rpartition(".")
     cores = lambda: [getattr(block.get_submodule(parent), name) for block in iter_blocks(model, plan)]  # noqa: E731
-    before = cores()
+    attentions = lambda: [block.get_submodule(parent) for block in iter_blocks(model, plan)]  # noqa: E731
+    before, before_attentions = cores(), attentions()
+    latent = loaded.spec.name == "deepseek_v3"
     with kv_cache(model, plan, batch_size=1, max_len=8, device="cpu") as cache:
-        assert all(isinstance(c, CachedAttention) and c.cache is cache for c in cores())
-    assert cores() == before
+        swapped = [a.core for a in attentions()] if latent else cores()
+        assert all(isinstance(a, LatentCachedAttention) for a in attentions()) == latent
+        assert all(isinstance(c, CachedAttention) and c.cache is cache for c in swapped)
+        assert cache.layers == swapped
+    assert cores() == before and attentions() == before_attentions
 
 
 def test_bfloat16_load_keeps_rope_in_float32(hf_checkpoint):

@@ -1,7 +1,8 @@
 """Sampling text from a trained model: `titan generate`'s library.
 
 - `kv_cache.py`: `kv_cache(model, plan, ...)` swaps each block's attention core
-  (`ModelPlan.attention`) for a `CachedAttention`; no model code changes.
+  (`ModelPlan.attention`) for a `CachedAttention`, or an MLA attention (one with a `latent_forward`)
+  for a `LatentCachedAttention` that caches its latent; no model code changes.
 - `sampling.py`: `SamplingParams` and `sample_next_token` (greedy, temperature, top-k, top-p).
 - `generate.py`: `generate(model, plan, prompts, max_new_tokens, ...)`, the decode loops.
 - `static_decode.py`: the fixed-shape decode step that `torch.compile` captures in a CUDA graph.
@@ -18,7 +19,7 @@ Example:
 
 from titan_core.generation.decode_speed import DecodeTiming, parameter_bytes, peak_memory_bandwidth, speed_summary
 from titan_core.generation.generate import GREEDY, GenerationResult, generate
-from titan_core.generation.kv_cache import CachedAttention, KVCache, kv_cache
+from titan_core.generation.kv_cache import CachedAttention, KVCache, LatentCachedAttention, kv_cache
 from titan_core.generation.load import LoadedModel, load_model, resolve_compile, resolve_dtype, resolve_tuning
 from titan_core.generation.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
 from titan_core.generation.text import PromptCodec, load_prompt_codec
@@ -29,6 +30,7 @@ __all__ = [
     "DecodeTiming",
     "GenerationResult",
     "KVCache",
+    "LatentCachedAttention",
     "LoadedModel",
     "PromptCodec",
     "SamplingParams",

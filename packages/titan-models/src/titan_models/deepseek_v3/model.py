@@ -21,6 +21,7 @@ meta device, shard, `to_empty`, then call `Transformer.init_weights`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -263,6 +264,31 @@ class Attention(nn.Module):
         self.k_rope_to_heads = nn.Identity()
         self.sdpa = ScaledDotProductAttention(args.softmax_scale)
 
+    def _project(
+        self, x: torch.Tensor, rope_cache: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries' two parts (the second rotated), each `(bs, seqlen, n_heads, nope | rope)`, the normalised
+        latent `(bs, seqlen, kv_lora_rank)` and the rotated key of one shared head `(bs, seqlen, 1, rope_dim)`."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bs, seqlen, -1, self.qk_head_dim)  # (bs, seqlen, n_heads, qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rotary_emb(k_rope.unsqueeze(2), rope_cache, positions)  # (bs, seqlen, 1, rope_dim)
+        return q_nope, apply_rotary_emb(q_rope, rope_cache, positions), self.kv_norm(latent), k_rope
+
+    def _heads(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every head's q, k `(bs, n_heads, seqlen, qk_head_dim)` and v `(bs, n_heads, seqlen, v_head_dim)`."""
+        bs, seqlen, _ = latent.shape
+        kv = self.wkv_b(latent).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (bs, seqlen, n_heads, nope | v)
+        k_rope = self.k_rope_to_heads(k_rope).expand(-1, -1, k_nope.shape[2], -1)  # (bs, seqlen, n_heads, rope_dim)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
+        k = torch.cat([k_nope, k_rope], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -280,24 +306,56 @@ class Attention(nn.Module):
             `(bs, seqlen, dim)`.
         """
         bs, seqlen, _ = x.shape
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(bs, seqlen, -1, self.qk_head_dim)  # (bs, seqlen, n_heads, qk_head_dim)
-        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rotary_emb(q_rope, rope_cache, positions)], dim=-1)
-
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rotary_emb(
-            k_rope.unsqueeze(2), rope_cache, positions
-        )  # (bs, seqlen, 1, rope_dim): one shared head
-        kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (bs, seqlen, n_heads, nope | v)
-        k_rope = self.k_rope_to_heads(k_rope).expand(-1, -1, k_nope.shape[2], -1)  # (bs, seqlen, n_heads, rope_dim)
-        k = torch.cat([k_nope, k_rope], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
-
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k, v = self._heads(*self._project(x, rope_cache, positions))
         # The cores that context parallel and the KV cache put in place take no mask: it goes only when set.
         out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # (bs, n_heads, seqlen, v_head_dim)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # wo: (bs, seqlen, n_heads * v_head_dim) -> dim
+
+    def latent_forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None,
+        attend: Callable[..., torch.Tensor],
+        expand: bool = False,
+    ) -> torch.Tensor:
+        """`forward` for a cache of the latent: what it keeps per token is the normalised latent and the rotated
+        key, one shared key head `kv = [c | k_rope]`, not every head's keys and values.
+
+        Decoding (`expand=False`) absorbs `wkv_b` into the query and the output (DeepSeek's decoding form). Per
+        head h, with `W_k`, `W_v` the head's rows of `wkv_b`: `q_nope . (W_k c) = (W_k^T q_nope) . c`, and the
+        output `sum_t p_t W_v c_t = W_v sum_t p_t c_t`. So every query head attends over the one key head `kv`,
+        whose first `kv_lora_rank` dims are also its value, and `W_v` maps the result back.
+
+        Args:
+            x: `(bs, seqlen, dim)`.
+            rope_cache: `(max_seq_len, qk_rope_head_dim)` RoPE table.
+            positions: as in `forward`.
+            attend: called `attend(q, kv)` when absorbed: causal attention of q `(bs, n_heads, seqlen,
+                kv_lora_rank + rope_dim)` over `kv` `(bs, 1, seqlen, kv_lora_rank + rope_dim)` and the keys
+                cached before them, values `kv[..., :kv_lora_rank]`, scale `sdpa.scale`, returning `(bs, n_heads,
+                seqlen, kv_lora_rank)`; called `attend(q, kv, k, v)` when expanded: store `kv`, attend every
+                head's q over this forward's own k, v (as `forward` does) and return `(bs, n_heads, seqlen,
+                v_head_dim)`.
+            expand: compute every head's keys and values (the prompt: all its keys are in this forward).
+
+        Returns:
+            `(bs, seqlen, dim)`, equal to `forward`'s up to rounding.
+        """
+        bs, seqlen, _ = x.shape
+        q_nope, q_rope, latent, k_rope = self._project(x, rope_cache, positions)
+        kv = torch.cat([latent.unsqueeze(2), k_rope], dim=-1).transpose(1, 2)  # (bs, 1, seqlen, kv_lora_rank + rope)
+        if expand:
+            q, k, v = self._heads(q_nope, q_rope, latent, k_rope)
+            out = attend(q, kv, k, v)  # (bs, n_heads, seqlen, v_head_dim)
+            return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_k, w_v = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (n_heads, nope | v, kv_lora_rank)
+        q_latent = torch.einsum("bshd,hdr->bshr", q_nope, w_k)  # (bs, seqlen, n_heads, kv_lora_rank)
+        q = torch.cat([q_latent, q_rope], dim=-1)  # (bs, seqlen, n_heads, kv_lora_rank + rope_dim)
+        out = attend(q.transpose(1, 2), kv)  # (bs, n_heads, seqlen, kv_lora_rank)
+        out = torch.einsum("bhsr,hvr->bshv", out, w_v)  # (bs, seqlen, n_heads, v_head_dim)
+        return self.wo(out.reshape(bs, seqlen, -1))
 
     def init_weights(self, out_std: float) -> None:
         """Args:
