@@ -12,7 +12,7 @@ function).
 
 `--block-causal` trains with attention within each packed document (`model.attn_mask_type block_causal`,
 the documents of the default corpus: whole files) and times the attention modules under a mask of 8
-documents per sequence: Ulysses hands it to SDPA over whole sequences, ring attention reads it per block.
+documents of seeded random lengths per sequence: Ulysses hands it to SDPA over whole sequences, ring attention reads it per block.
 
     uv run python benchmarks/cp_methods.py                                   # debugmodel, 1 x 2048 tokens, cp 2
     uv run python benchmarks/cp_methods.py --block-causal --seq-len 1024     # under a document mask
@@ -154,7 +154,9 @@ def worker(args: argparse.Namespace, out: str) -> None:
     if args.block_causal:  # 8 documents per sequence, the whole sequence's mask, as the model builds it
         from titan_models.document_mask import block_causal_mask
 
-        ids = torch.arange(args.seq_len) * 8 // args.seq_len
+        # 8 documents of seeded random lengths: their boundaries fall inside the cp chunks, not on them
+        starts = torch.randperm(args.seq_len - 1, generator=torch.Generator().manual_seed(0))[:7] + 1
+        ids = torch.zeros(args.seq_len, dtype=torch.long).index_fill_(0, starts, 1).cumsum(0)
         mask = block_causal_mask(ids.expand(args.batch, -1), flex=False)
     attention_times, sent_bytes = {}, {}
     for m in names:

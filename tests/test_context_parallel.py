@@ -125,6 +125,16 @@ def test_attention_under_the_whole_sequences_mask(cp_results, cp, shape, method,
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+def test_ring_steps_compute_only_where_a_query_sees_a_key(cp_results, cp):
+    """Under the mask the rotation's blocks after step 0 are cut to the rows and columns where some query sees some
+    key, and left out where none does (the outputs and gradients above are those of the cut blocks)."""
+    r = cp_results[f"masked_cp{cp}_ring_blocks"]
+    assert r["kept"] < 0.75, r  # of the blocks' query x key pairs
+    if cp == 4:
+        assert r["left_out"] >= 1, r  # a chunk whose documents no query of the other rank is in
+
+
+@pytest.mark.parametrize("cp", [2, 4])
 def test_shard_sequence_takes_the_head_tail_positions(cp_results, cp):
     assert cp_results[f"shard_sequence_cp{cp}"] == {"labels": 0.0, "tokens": 0.0}
 

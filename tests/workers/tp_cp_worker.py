@@ -305,7 +305,7 @@ def run_masked(rec: Recorder) -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
     bs, seq = 2, 32
-    ids = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 3 + [2] * 9])  # boundaries inside chunks
+    ids = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 9 + [1] * 11 + [2] * 3 + [3] * 9])  # boundaries inside chunks
     mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
     mask = mask[:, None]  # (bs, 1, seq, seq), written here, not by titan_models.document_mask
 
@@ -323,6 +323,15 @@ def run_masked(rec: Recorder) -> None:
         mesh = build_mesh(cp=cp)
         group, rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
         idx = head_tail_index(seq, cp, rank)
+        # The rotation's blocks after step 0, on every rank: each cut to where some query sees some key, or left out.
+        local = seq // cp
+        blocks = [
+            ring_attention_module._ring_blocks(step, r, cp, ring_attention_module.cp_positions(local, r, cp), mask)
+            for r in range(cp)
+            for step in range(1, cp)
+        ]
+        kept = sum(b[0][2].shape[-2] * b[0][2].shape[-1] for b in blocks if b) / (len(blocks) * local * local // 2)
+        rec.add(f"masked_cp{cp}_ring_blocks", left_out=float(sum(not b for b in blocks)), kept=kept)
         for name, (n_heads, n_kv_heads, qk_dim, v_dim) in {"gqa": (4, 2, 8, 8), "mla": (4, 4, 12, 8)}.items():
             gen = torch.Generator().manual_seed(9)
             q = torch.randn(bs, n_heads, seq, qk_dim, generator=gen, requires_grad=True)

@@ -248,7 +248,8 @@ def _ring_blocks(step: int, rank: int, size: int, positions: torch.Tensor, mask:
     none of its tail; from a source after me only my tail chunk sees it, all of it. Under a `mask` (block-causal)
     each block is read from it at the block's global positions, step 0 as one block causal by position and
     within the mask; causal attention splits step 0 into its two causal squares and one full block, so a kernel that
-    skips a causal square's masked half does. "fresh" blocks are the first to write their rows.
+    skips a causal square's masked half does. Under a mask the other steps' blocks are cut to where some query sees
+    some key (`_trimmed`), and left out where none does. "fresh" blocks are the first to write their rows.
     """
     seqlen = positions.numel()
     chunk = seqlen // 2
@@ -262,7 +263,25 @@ def _ring_blocks(step: int, rank: int, size: int, positions: torch.Tensor, mask:
     if mask is None:
         return [(rows, cols, None, False, False)]
     source_positions = cp_positions(seqlen, source, size, device=positions.device)
-    return [(rows, cols, _visible(mask, positions[rows], source_positions[cols]), False, False)]
+    return _trimmed(rows, cols, _visible(mask, positions[rows], source_positions[cols]), seqlen)
+
+
+def _trimmed(rows: slice, cols: slice, visible: torch.Tensor, seqlen: int) -> list[Block]:
+    """The block cut to the rows and columns where some query sees some key (in any sequence of the batch), or no
+    block when none does: under a document mask most keys of another rank's chunk lie in documents a query is not
+    in. One host read of the four bounds."""
+    rows_seen = visible.any(dim=-1).any(dim=0)[0]  # (lq,)
+    cols_seen = visible.any(dim=-2).any(dim=0)[0]  # (lk,)
+    bounds = []
+    for seen in (rows_seen, cols_seen):
+        index = torch.arange(seen.numel(), device=seen.device)
+        bounds += [torch.where(seen, index, seen.numel()).min(), torch.where(seen, index, -1).max() + 1]
+    r0, r1, c0, c1 = torch.stack(bounds).tolist()
+    if r0 >= r1:
+        return []
+    row0, col0 = rows.indices(seqlen)[0], cols.indices(seqlen)[0]
+    cut = (slice(row0 + r0, row0 + r1), slice(col0 + c0, col0 + c1), visible[..., r0:r1, c0:c1], False, False)
+    return [cut]
 
 
 class _RingAttention(torch.autograd.Function):
