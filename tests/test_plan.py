@@ -97,6 +97,58 @@ def test_step_cost_terms_by_hand_fsdp_and_tp():
     assert terms["bubble"] == terms["pp_p2p"] == terms["cp"] == terms["offload"] == 0
 
 
+def test_muon_step_and_states_by_hand():
+    """Under Muon the optimizer term adds the Newton-Schulz matmuls, spread over the GPUs but the HSDP replicas,
+    and each parameter Muon steps holds one fp32 momentum where AdamW holds two moments."""
+    import dataclasses
+
+    from titan_core.memory.plan_bounds import model_states_per_rank
+    from titan_core.memory.plan_model import newton_schulz_flops
+
+    assert newton_schulz_flops((4096, 1024), 5) == 5 * (4 * 1024**2 * 4096 + 2 * 1024**3)  # m = 1024 <= n = 4096
+    assert newton_schulz_flops((8, 64, 128), 5) == 8 * newton_schulz_flops((128, 64), 5)  # 8 experts, transposed
+    muon = dataclasses.replace(WORK, muon_params=8 * 10**8, muon_ns_flops=4e15)  # 8e8 of the 1e9 parameters
+    for t, sharing in ((Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16), 8),
+                       (Layout(dp_replicate=2, dp_shard=2, tp=2, local_batch=16, microbatch=16), 4)):
+        terms = estimate_step_cost(t, muon, CLUSTER).terms
+        shard = 1e9 / (t.dp_shard * t.tp)  # HSDP: each replica shards all of it over its dp_shard x tp
+        elementwise = (0.2 * 28 + 0.8 * 36) * shard / 3.35e12
+        assert terms["optimizer"] == pytest.approx(elementwise + 4e15 / sharing / (1e15 * 0.5)), t
+        # states: 16 B per AdamW parameter and 12 per Muon one, over dp_shard x tp
+        adamw, states = model_states_per_rank(t, WORK), model_states_per_rank(t, muon)
+        assert adamw == pytest.approx(16e9 / (t.dp_shard * t.tp))
+        assert states == pytest.approx((16 * 2e8 + 12 * 8e8) / (t.dp_shard * t.tp))
+
+
+def test_muon_plan_counts_its_matrices_and_bounds_below_its_estimate():
+    """`titan plan` under Muon: the workload's Muon parameters are the blocks' matrices (Llama 3 8B: all but the
+    embedding, the output projection and the norms), and the memory lower bound stays below the estimate of each
+    layout, and below AdamW's bound where the model states count."""
+    import dataclasses
+
+    from titan_core.memory.activations import ActivationLayout
+    from titan_core.memory.eager_saved import measure_eager
+    from titan_models import get_model_args, get_model_spec
+
+    overrides = ("--optimizer.name", "Muon", "--compile.enable", "false")
+    plan = prepare_plan(PlanRequest("llama3_8b", overrides, gpus=8, seq_len=1024, global_batch=8))
+    spec, args = get_model_spec("llama3"), get_model_args("llama3", plan.base.model.flavor)
+    w = plan.workload
+    assert w.muon_params == w.n_params - 2 * args.vocab_size * args.dim - (2 * args.n_layers + 1) * args.dim
+    assert w.muon_expert_params == 0 and w.muon_ns_flops > 0
+    adamw = dataclasses.replace(w, muon_params=0)
+    one, two = (spec.count_params(dataclasses.replace(args, n_layers=n)) for n in (1, 2))
+    layouts = [t for t in candidate_layouts(8, 8, 1024, 8, SCHEDULES) if refuse_by_rule(t, args, plan.base, 1024) is None]
+    for t in layouts[:: len(layouts) // 12]:
+        act = measure_eager(spec, args, ActivationLayout(compute_bytes=2, tp=t.tp, cp=t.cp, seq_len=1024)).act
+        peak = estimate_analytic(layout_config(plan, t), 8, device_type="cuda").peak
+        bound = memory_lower_bound(t, w, act, two - one)
+        assert bound <= peak, t
+        assert bound <= memory_lower_bound(t, adamw, act, two - one), t
+        if not t.offload:
+            assert bound < memory_lower_bound(t, adamw, act, two - one), t
+
+
 def test_step_cost_terms_by_hand_pipeline_and_full_ac():
     # pp 2 x dp_shard 4: 16 sequences per pipeline in 8 micro-batches of 2.
     t = Layout(dp_shard=4, pp=2, schedule="1F1B", local_batch=16, microbatch=2, ac="full")

@@ -24,6 +24,9 @@ moments. Sharded over dp_shard x cp x tp x pp, a lower bound of every layout's p
 RESIDENT_BYTES_PER_PARAM = 12
 """Device bytes per parameter through forward and backward without offload: fp32 parameter and two moments."""
 
+MUON_SAVES_PER_PARAM = 4
+"""What a parameter Muon steps holds less than one AdamW steps: one fp32 momentum, not two moments."""
+
 AC_KEEPS = {"none": 2, "op": 1, "full": 0}
 """Activation checkpointing modes by how much they keep for backward: none keeps the most."""
 
@@ -118,7 +121,7 @@ def memory_lower_bound(
 
     The larger of two moments of `titan_core.memory.analytic`, each counted short:
 
-    - the optimizer step: the model states (`STATE_BYTES_PER_PARAM` per parameter over
+    - the optimizer step: the model states (`STATE_BYTES_PER_PARAM` per parameter, 4 less under Muon, over
       dp_shard x cp x tp x pp, the routed experts' over dp_shard x cp x pp; 0 under offload);
     - the last block backward of each pipeline rank (`pipeline_rank_blocks`): its blocks' states
       (`RESIDENT_BYTES_PER_PARAM`, and the gradients under accumulation or pipeline micro-batches),
@@ -153,6 +156,8 @@ def memory_lower_bound(
     gpipe_first = t.pp > 1 and t.schedule == "GPipe" and t.accum == 1
     accumulates = accumulates and not gpipe_first
     per_param = 0 if t.offload else RESIDENT_BYTES_PER_PARAM + (4 if accumulates else 0)
+    if per_param and work.muon_params:  # the blocks' parameters are Muon's but their norms: count all as Muon's
+        per_param -= MUON_SAVES_PER_PARAM
     fsdp = t.dp_replicate * t.dp_shard * t.cp > 1 or t.offload
     reshard = {"always": True, "never": False, "default": t.pp == 1}[work.fsdp_reshard]
     bound = states
@@ -173,13 +178,16 @@ def memory_lower_bound(
 
 
 def model_states_per_rank(layout: Layout, work: Workload) -> float:
-    """Bytes of fp32 parameters, gradients and AdamW moments a rank holds at least: `STATE_BYTES_PER_PARAM` per
-    parameter over dp_shard x cp x tp x pp, the routed experts' over dp_shard x cp x pp (TP does not split them;
-    expert parallel keeps FSDP's share)."""
+    """Bytes of fp32 parameters, gradients and optimizer states a rank holds at least: `STATE_BYTES_PER_PARAM` per
+    parameter (`MUON_SAVES_PER_PARAM` less for one Muon steps) over dp_shard x cp x tp x pp, the routed experts'
+    over dp_shard x cp x pp (TP does not split them; expert parallel keeps FSDP's share)."""
     t = layout
-    experts = work.moe.expert_params
-    states = STATE_BYTES_PER_PARAM * (work.n_params - experts) / (t.dp_shard * t.cp * t.tp * t.pp)
-    return states + STATE_BYTES_PER_PARAM * experts / (t.dp_shard * t.cp * t.pp)
+    experts, muon_experts = work.moe.expert_params, work.muon_expert_params
+    split, whole = t.dp_shard * t.cp * t.tp * t.pp, t.dp_shard * t.cp * t.pp  # what divides others' and experts'
+    states = (
+        STATE_BYTES_PER_PARAM * (work.n_params - experts) - MUON_SAVES_PER_PARAM * (work.muon_params - muon_experts)
+    ) / split
+    return states + (STATE_BYTES_PER_PARAM * experts - MUON_SAVES_PER_PARAM * muon_experts) / whole
 
 
 def host_lower_bound(layout: Layout, work: Workload, gpus_per_node: int) -> int:

@@ -54,7 +54,46 @@ def workload(cfg: JobConfig) -> Workload:
         cp_method=cfg.parallelism.context_parallel_method,
         moe=moe_work(cfg),
         master_weights=cfg.optimizer.master_weights != "off" and not master_weights_config_blockers(cfg),
+        **muon_work(cfg),
     )
+
+
+def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
+    """FLOPs of torch's Newton-Schulz orthogonalisation of one parameter (`torch.optim._muon`): per step, with
+    X the `m x n` matrix, m <= n, `A = X X^T` (2 m^2 n), `B = b A + c A A` (2 m^3), `X = a X + B X` (2 m^2 n).
+    A 3-D parameter (stacked experts) is that many matrices.
+
+    Args:
+        shape: the parameter's shape, `(out, in)` or `(experts, out, in)`.
+        steps: Newton-Schulz steps (`optimizer.muon_ns_steps`).
+    """
+    *stack, rows, cols = shape
+    m, n = min(rows, cols), max(rows, cols)
+    matrices = stack[0] if stack else 1
+    return float(matrices * steps * (4 * m * m * n + 2 * m**3))
+
+
+def muon_work(cfg: JobConfig) -> dict[str, Any]:
+    """`Workload`'s Muon fields for `cfg`: the parameters Muon steps (`titan_core.muon_groups.takes_muon`), the
+    routed experts' among them, and one orthogonalisation's FLOPs, counted on the meta model; none under AdamW."""
+    if cfg.optimizer.name != "Muon":
+        return {}
+    from titan_core.job.meta_model import build_meta_model
+    from titan_core.muon_groups import takes_muon
+
+    spec, args = model_of(cfg)
+    experts = _experts_name(spec.plan)
+    blocks = spec.plan.blocks + "."
+    muon = muon_experts = 0
+    flops = 0.0
+    for name, param in build_meta_model(spec, args).named_parameters():
+        if not takes_muon(name, param.dim(), spec.plan):
+            continue
+        muon += param.numel()
+        inside = name[len(blocks) :].split(".", 1)[-1]
+        muon_experts += param.numel() if experts and inside.startswith(experts) else 0
+        flops += newton_schulz_flops(tuple(param.shape), cfg.optimizer.muon_ns_steps)
+    return {"muon_params": muon, "muon_expert_params": muon_experts, "muon_ns_flops": flops}
 
 
 def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> float:

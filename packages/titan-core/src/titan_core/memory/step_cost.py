@@ -18,7 +18,8 @@ terms, per rank and per optimizer step:
 - fsdp: parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduce; a MoE's
   experts over the ranks holding the same experts), of which `FSDP_OVERLAP` hides behind
   compute as long as compute is longer;
-- offload, optimizer: CPU offload's host <-> device copies, and the AdamW step.
+- offload, optimizer: CPU offload's host <-> device copies, and the optimizer step (AdamW's element-wise
+  work; under Muon also its Newton-Schulz matmuls, `optimizer_seconds`).
 
 A collective's time is the ring algorithm's `(n - 1) / n x bytes / bandwidth`: at
 NVLink bandwidth when its group lies inside one node, else at the per-GPU network
@@ -67,6 +68,12 @@ HBM_BYTES_PER_S = 3.35e12
 ADAM_BYTES_PER_PARAM = 28
 """Bytes AdamW moves per parameter: it reads the fp32 parameter, gradient and two moments (16) and writes
 the parameter and the moments (12)."""
+
+MUON_BYTES_PER_PARAM = 36
+"""Bytes Muon's element-wise work moves per parameter of its shard (`titan_core.muon`), in fp32: the momentum
+update reads the gradient and the momentum and writes the momentum (12), the Nesterov lerp reads both and
+writes the update (12), and the step reads the parameter and the orthogonalised update and writes the
+parameter (12)."""
 
 ONE_RANK_COPY_BYTES_PER_PARAM = 10
 """Bytes FSDP moves per parameter for each all-gather or reduce-scatter of a one-rank shard group, which are
@@ -153,6 +160,10 @@ class Workload:
         moe: the Mixture-of-Experts layers' numbers (`MoEWork()`, all 0, for a dense model).
         master_weights: `optimizer.master_weights` is not "off" and nothing but the layout keeps it off (Adam /
             AdamW, FSDP mode, no fault tolerance): a layout `master_weights_blockers` passes then makes no copies.
+        muon_params: parameters Muon steps (`optimizer.name = "Muon"`: the blocks' matrices and the stacked
+            experts, `titan_core.muon_groups.RULE`); 0 = AdamW steps every parameter.
+        muon_expert_params: of `muon_params`, the routed experts' (which TP does not split).
+        muon_ns_flops: FLOPs of one Newton-Schulz orthogonalisation of every Muon matrix (each once).
     """
 
     n_params: int
@@ -173,6 +184,9 @@ class Workload:
     kv_heads: int = 0
     moe: MoEWork = MoEWork()
     master_weights: bool = False
+    muon_params: int = 0
+    muon_expert_params: int = 0
+    muon_ns_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -373,6 +387,28 @@ def _master_weights_apply(t: Layout) -> bool:
     return not master_weights_blockers(t.dp_replicate * t.dp_shard, model_parallel, torch.bfloat16, t.offload, t.accum)
 
 
+def optimizer_seconds(t: Layout, w: Workload, c: Cluster, shard_params: float) -> float:
+    """The optimizer step: memory-bound element-wise work on the rank's shard (AdamW's, or Muon's for its
+    share), and under Muon the Newton-Schulz matmuls of the matrices the rank owns. Each matrix is
+    orthogonalised whole on one rank of the group that shards it (`titan_parallel.matrix_owners`), so the
+    FLOPs spread over every GPU but the HSDP replicas, which repeat each other's (docs/optimizers.md);
+    the exchange that brings each owner its matrix is not counted.
+
+    Args:
+        t: the layout.
+        w: the model and batch.
+        c: the GPUs.
+        shard_params: parameters of the rank's shard.
+    """
+    bandwidth = HOST_ADAM_BYTES_PER_S if t.offload else HBM_BYTES_PER_S
+    if not w.muon_params:
+        return ADAM_BYTES_PER_PARAM * shard_params / bandwidth
+    muon_share = min(1.0, w.muon_params / w.n_params)  # the rank's shard holds the model's mix, near enough
+    elementwise = (ADAM_BYTES_PER_PARAM * (1 - muon_share) + MUON_BYTES_PER_PARAM * muon_share) * shard_params
+    newton_schulz = w.muon_ns_flops / (c.gpus / t.dp_replicate) / (c.peak_flops * c.mfu)
+    return elementwise / bandwidth + newton_schulz
+
+
 def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> StepCost:
     """Seconds per optimizer step of `layout`, by term (see the module docstring).
 
@@ -450,7 +486,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     if t.offload:  # fp32 shards copied in before each all-gather, gradients out after each reduce-scatter
         pcie = (gathers + reduces) * 4 * shard_params / PCIE_BYTES_PER_S
         offload = max((1 - FSDP_OVERLAP) * pcie, pcie - window)
-    optimizer = ADAM_BYTES_PER_PARAM * shard_params / (HOST_ADAM_BYTES_PER_S if t.offload else HBM_BYTES_PER_S)
+    optimizer = optimizer_seconds(t, w, c, shard_params)
 
     cost.terms = {
         "compute": compute,
