@@ -118,6 +118,12 @@ def test_muon_step_and_states_by_hand():
         adamw, states = model_states_per_rank(t, WORK), model_states_per_rank(t, muon)
         assert adamw == pytest.approx(16e9 / (t.dp_shard * t.tp))
         assert states == pytest.approx((16 * 2e8 + 12 * 8e8) / (t.dp_shard * t.tp))
+    # a MoE model: Muon steps its 4e8 routed experts' parameters too, which TP does not split
+    from titan_core.memory.expert_cost import MoEWork
+
+    moe = dataclasses.replace(muon, moe=MoEWork(expert_params=4 * 10**8, num_experts=8, top_k=2, layers=10))
+    t = Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16)
+    assert model_states_per_rank(t, moe) == pytest.approx((16 * 2e8 + 12 * 4e8) / 8 + 12 * 4e8 / 4)
 
 
 def test_muon_plan_counts_its_matrices_and_bounds_below_its_estimate():
@@ -135,7 +141,7 @@ def test_muon_plan_counts_its_matrices_and_bounds_below_its_estimate():
     spec, args = get_model_spec("llama3"), get_model_args("llama3", plan.base.model.flavor)
     w = plan.workload
     assert w.muon_params == w.n_params - 2 * args.vocab_size * args.dim - (2 * args.n_layers + 1) * args.dim
-    assert w.muon_expert_params == 0 and w.muon_ns_flops > 0
+    assert w.muon_ns_flops > 0
     adamw = dataclasses.replace(w, muon_params=0)
     one, two = (spec.count_params(dataclasses.replace(args, n_layers=n)) for n in (1, 2))
     layouts = [t for t in candidate_layouts(8, 8, 1024, 8, SCHEDULES) if refuse_by_rule(t, args, plan.base, 1024) is None]

@@ -182,7 +182,8 @@ def model_states_per_rank(layout: Layout, work: Workload) -> float:
     parameter (`MUON_SAVES_PER_PARAM` less for one Muon steps) over dp_shard x cp x tp x pp, the routed experts'
     over dp_shard x cp x pp (TP does not split them; expert parallel keeps FSDP's share)."""
     t = layout
-    experts, muon_experts = work.moe.expert_params, work.muon_expert_params
+    experts = work.moe.expert_params
+    muon_experts = experts if work.muon_params else 0  # Muon steps every stacked expert (muon_groups.RULE)
     split, whole = t.dp_shard * t.cp * t.tp * t.pp, t.dp_shard * t.cp * t.pp  # what divides others' and experts'
     states = (
         STATE_BYTES_PER_PARAM * (work.n_params - experts) - MUON_SAVES_PER_PARAM * (work.muon_params - muon_experts)

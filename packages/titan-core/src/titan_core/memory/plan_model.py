@@ -74,26 +74,19 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
 
 
 def muon_work(cfg: JobConfig) -> dict[str, Any]:
-    """`Workload`'s Muon fields for `cfg`: the parameters Muon steps (`titan_core.muon_groups.takes_muon`), the
-    routed experts' among them, and one orthogonalisation's FLOPs, counted on the meta model; none under AdamW."""
+    """`Workload`'s Muon fields for `cfg`: the parameters Muon steps (`titan_core.muon_groups.takes_muon`) and one
+    orthogonalisation's FLOPs, counted on the meta model; none under AdamW."""
     if cfg.optimizer.name != "Muon":
         return {}
     from titan_core.job.meta_model import build_meta_model
     from titan_core.muon_groups import takes_muon
 
     spec, args = model_of(cfg)
-    experts = _experts_name(spec.plan)
-    blocks = spec.plan.blocks + "."
-    muon = muon_experts = 0
-    flops = 0.0
-    for name, param in build_meta_model(spec, args).named_parameters():
-        if not takes_muon(name, param.dim(), spec.plan):
-            continue
-        muon += param.numel()
-        inside = name[len(blocks) :].split(".", 1)[-1]
-        muon_experts += param.numel() if experts and inside.startswith(experts) else 0
-        flops += newton_schulz_flops(tuple(param.shape), cfg.optimizer.muon_ns_steps)
-    return {"muon_params": muon, "muon_expert_params": muon_experts, "muon_ns_flops": flops}
+    muon = [p for n, p in build_meta_model(spec, args).named_parameters() if takes_muon(n, p.dim(), spec.plan)]
+    return {
+        "muon_params": sum(p.numel() for p in muon),
+        "muon_ns_flops": sum(newton_schulz_flops(tuple(p.shape), cfg.optimizer.muon_ns_steps) for p in muon),
+    }
 
 
 def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: int, ffn_dim: int) -> float:

@@ -161,8 +161,7 @@ class Workload:
         master_weights: `optimizer.master_weights` is not "off" and nothing but the layout keeps it off (Adam /
             AdamW, FSDP mode, no fault tolerance): a layout `master_weights_blockers` passes then makes no copies.
         muon_params: parameters Muon steps (`optimizer.name = "Muon"`: the blocks' matrices and the stacked
-            experts, `titan_core.muon_groups.RULE`); 0 = AdamW steps every parameter.
-        muon_expert_params: of `muon_params`, the routed experts' (which TP does not split).
+            experts, so every routed expert's, `titan_core.muon_groups.RULE`); 0 = AdamW steps every parameter.
         muon_ns_flops: FLOPs of one Newton-Schulz orthogonalisation of every Muon matrix (each once).
     """
 
@@ -185,7 +184,6 @@ class Workload:
     moe: MoEWork = MoEWork()
     master_weights: bool = False
     muon_params: int = 0
-    muon_expert_params: int = 0
     muon_ns_flops: float = 0.0
 
 
@@ -403,7 +401,7 @@ def optimizer_seconds(t: Layout, w: Workload, c: Cluster, shard_params: float) -
     bandwidth = HOST_ADAM_BYTES_PER_S if t.offload else HBM_BYTES_PER_S
     if not w.muon_params:
         return ADAM_BYTES_PER_PARAM * shard_params / bandwidth
-    muon_share = min(1.0, w.muon_params / w.n_params)  # the rank's shard holds the model's mix, near enough
+    muon_share = w.muon_params / w.n_params  # the rank's shard holds the model's mix, near enough
     elementwise = (ADAM_BYTES_PER_PARAM * (1 - muon_share) + MUON_BYTES_PER_PARAM * muon_share) * shard_params
     newton_schulz = w.muon_ns_flops / (c.gpus / t.dp_replicate) / (c.peak_flops * c.mfu)
     return elementwise / bandwidth + newton_schulz
