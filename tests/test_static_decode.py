@@ -157,7 +157,6 @@ def test_deepseek_latent_cache_matches_the_expanded_cache_and_compiles():
     latent = generate(model, spec.plan, PROMPTS, NEW_TOKENS, return_logits=True)  # the prompt expanded, then absorbed
     dynamic = generate(model, spec.plan, PROMPTS, NEW_TOKENS, return_logits=True, static_cache=False)  # slot by slot
     assert latent.tokens == dynamic.tokens == recompute.tokens and len({t for row in latent.tokens for t in row}) > 3
-    expanded = []
     with kv_cache(model, spec.plan, len(PROMPTS), cache_slots(PROMPTS, NEW_TOKENS), "cpu", latent=False) as cache:
         decoder = StaticDecoder(model, cache, PROMPTS, NEW_TOKENS, GREEDY, (), torch.Generator())
         expanded = [decoder.prefill()] + [decoder.step() for _ in range(NEW_TOKENS - 1)]
