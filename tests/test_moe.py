@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from titan_models.errors import ModelConfigError
-from titan_models.moe import MoE, MoEArgs, grouped_mm, sequence_balance_loss
+from titan_models.moe import MoE, MoEArgs, gathered_mm, grouped_mm, sequence_balance_loss
 
 ARGS = MoEArgs(num_experts=6, top_k=2, hidden_dim=12, num_shared_experts=1, score_func="sigmoid", route_norm=True,
                route_scale=2.5, n_groups=3, topk_groups=2, load_balance_coeff=1e-3)
@@ -94,6 +96,30 @@ def test_grouped_mm_fallback_is_exact_per_expert():
         except RuntimeError:
             return
         torch.testing.assert_close(fused, out, atol=1e-5, rtol=1e-5)
+
+
+def test_few_rows_gather_their_experts_without_reading_counts_on_the_host():
+    """Compiled with no more rows than experts (decoding), `grouped_mm` takes `gathered_mm`: each row times
+    its own expert's weight, the gradients too, with no host read of the counts (so Dynamo traces it whole)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(4, 5, 8, requires_grad=True)
+    counts = torch.tensor([1, 0, 0, 2])  # rows 0 | 1, 2 on experts 0 and 3
+    out = grouped_mm(x, w, counts)
+    expected = torch.cat([x[:1] @ w[0].T, x[1:] @ w[3].T])
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    grad = torch.randn(3, 5)
+    got = torch.autograd.grad(out, (x, w), grad)
+    want = torch.autograd.grad(expected, (x, w), grad)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert not got[1][1:3].any()  # experts without rows get no gradient
+    with mock.patch.object(torch.Tensor, "tolist", side_effect=AssertionError("host read")):
+        torch.testing.assert_close(gathered_mm(x, w, counts), expected, atol=1e-6, rtol=0)
+    torch._dynamo.reset()
+    counters.clear()
+    traced = torch.compile(grouped_mm, backend="aot_eager")  # not fullgraph: that would capture the host read
+    torch.testing.assert_close(traced(x, w, counts), expected, atol=1e-6, rtol=0)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
 def test_sequence_balance_loss_is_one_at_perfect_balance_and_more_when_skewed():

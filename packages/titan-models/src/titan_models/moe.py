@@ -7,7 +7,9 @@
 
 Dropless: every token reaches its k experts, whatever the load. The token slots are sorted
 by expert and run through `GroupedExperts` as one grouped matmul per weight
-(`torch._grouped_mm` on GPUs that have it, a loop of exact per-expert matmuls elsewhere).
+(`torch._grouped_mm` on GPUs that have it, a loop of exact per-expert matmuls elsewhere;
+compiled with no more rows than experts, as when decoding, each row meets its expert's
+weight gathered for it, which reads no counts on the host and so stays one graph).
 Nothing here splits anything: expert parallel (titan-parallel) wraps `GroupedExperts`
 so that its input is sent to the ranks holding the experts and its output comes back, and
 the trainer updates `expert_bias` from `tokens_per_expert` after each step. The one
@@ -109,14 +111,39 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
         counts: `(experts,)` int64 rows per expert, summing to `rows`.
 
     Returns:
-        `(rows, out)`. Where `grouped_mm_supported`, one `torch._grouped_mm`; elsewhere one
-        matmul per expert (exact: each row meets only its own expert's weight).
+        `(rows, out)`. Where `grouped_mm_supported`, one `torch._grouped_mm`; elsewhere, under
+        `torch.compile` with no more rows than experts, `gathered_mm`; else one matmul per expert,
+        with the counts read on the host. Each is exact: a row meets only its own expert's weight.
     """
     if grouped_mm_supported(x, weight):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    if x.shape[0] <= weight.shape[0] and torch.compiler.is_compiling():
+        return gathered_mm(x, weight, counts)
     pieces = [rows @ w.T for rows, w in zip(x.split(counts.tolist()), weight, strict=True)]  # each (count_e, out)
     return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+def gathered_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` for few rows (decoding): each row's expert weight gathered for it, one batched matmul.
+
+    Nothing is read on the host and every shape is known from `x` and `weight`, so `torch.compile`
+    captures it in one graph (and CUDA graphs replay it). `grouped_mm` takes it only when compiling:
+    Inductor fuses the gather into the matmul, while eager copies one weight per row first. On the
+    2-core AVX2-only AMD EPYC (torch 2.15, fp32) at Qwen3-30B-A3B's expert shape (8 rows of 128
+    experts, 768 x 2048): Inductor 1.9 ms, the eager per-expert loop 3.3 ms, this eager 39 ms.
+
+    Args:
+        x: `(rows, in)`, grouped by expert as for `grouped_mm`.
+        weight: `(experts, out, in)`.
+        counts: `(experts,)` int64 rows per expert, summing to `rows`.
+
+    Returns:
+        `(rows, out)`.
+    """
+    starts = torch.arange(x.shape[0], device=counts.device)
+    expert = torch.searchsorted(counts.cumsum(0), starts, right=True)  # (rows,) each row's expert
+    return torch.bmm(weight[expert], x.unsqueeze(-1)).squeeze(-1)
 
 
 class GroupedExperts(nn.Module):
