@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from titan_cli.main import app
 from titan_core.config import load_config
-from titan_core.memory.measured import blocks_per_pp_rank, extrapolate, measure_runs
+from titan_core.memory.measured import blocks_per_pp_rank, dtype_note, extrapolate, measure_runs
 from titan_core.memory.target_job import check_target_job
 from titan_models import get_model_args, get_model_spec
 
@@ -135,3 +135,19 @@ def test_bad_input_is_one_line_naming_the_option(args, says):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("titan: error:") and says in lines[0], result.output
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_without_native_bf16_says_it_measured_another_dtype_than_a_gpu_would_use(monkeypatch, native):
+    monkeypatch.setattr("titan_parallel.precision.native_bf16", lambda device: (native, "faked"))
+    auto = load_config(None, [])  # training.device and mixed_precision_param both 'auto'
+    note = dtype_note(auto, "cpu")
+    if native:  # bf16 here as on a GPU: nothing to say
+        assert note is None
+    else:
+        assert note is not None
+        assert "measured in float32" in note and "a GPU computes in bfloat16" in note
+        assert "--training.device cpu" in note and "--training.mixed_precision_param bfloat16" in note
+    assert dtype_note(auto, "cuda") is None  # measured on a GPU: the dtype the other tiers assume
+    assert dtype_note(load_config(None, ["--training.device", "cpu"]), "cpu") is None  # all tiers estimate the CPU
+    assert dtype_note(load_config(None, ["--training.mixed_precision_param", "float32"]), "cpu") is None

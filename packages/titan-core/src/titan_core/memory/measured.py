@@ -48,6 +48,8 @@ from titan_core.memory.target_job import check_target_job
 
 MEASURED_BLOCKS = (2, 3)
 """Blocks per pipeline stage of the two measured runs."""
+AUTO_DTYPES = {2: "bfloat16", 4: "float32"}
+"""What `training.mixed_precision_param = 'auto'` resolves to, by its bytes per element."""
 
 Run = tuple[JobConfig, int, int | None]
 """One measured run: the config, the blocks of its cut model, and blocks per pipeline stage (None: the config's
@@ -307,5 +309,31 @@ def estimate_measured(
         )
     if cfg.activation_checkpoint.mode == "selective" and cfg.activation_checkpoint.selective_ac_option != "op":
         notes.append("selective AC every N blocks: the measured depths hold a different share of checkpointed blocks")
+    dtype = dtype_note(cfg, device_type)
+    if dtype is not None:
+        notes.append(dtype)
     layout = describe_layout(job, compute_dtype_bytes(cfg, device_type))
     return MemoryEstimate("measured", world_size, layout, ranks, notes=notes)
+
+
+def dtype_note(cfg: JobConfig, device_type: str) -> str | None:
+    """A note when this host measures in another compute dtype than the other tiers assume, else None.
+
+    Without `training.device = 'cpu'` the analytic and traced tiers estimate for a GPU, where
+    `training.mixed_precision_param = 'auto'` computes in bf16; a CPU without native bf16 runs fp32.
+
+    Args:
+        cfg: the job config.
+        device_type: the device the job was measured on (`host_device`).
+    """
+    if device_type != "cpu" or cfg.training.device == "cpu":
+        return None
+    here, target = compute_dtype_bytes(cfg, "cpu"), compute_dtype_bytes(cfg, "cuda")
+    if here == target:
+        return None
+    return (
+        f"measured in {AUTO_DTYPES[here]}, which this CPU computes in (training.mixed_precision_param 'auto'); "
+        f"a GPU computes in {AUTO_DTYPES[target]}, as the analytic and traced tiers assume: compare with "
+        "--training.device cpu (their estimate for this host), or measure bf16 here with "
+        "--training.mixed_precision_param bfloat16"
+    )
