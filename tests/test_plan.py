@@ -24,7 +24,7 @@ from titan_core.memory.plan_bounds import memory_lower_bound
 from titan_core.memory.plan_space import candidate_layouts, refuse_by_rule
 from titan_core.memory.step_cost import (
     FSDP_OVERLAP, TP_EXPOSED, ZERO_BUBBLE_RESIDUAL, Cluster, Layout, Workload, bubble_fraction, estimate_step_cost,
-    group_strides, ring_seconds, within_node,
+    group_strides, muon_exchange_seconds, ring_seconds, within_node,
 )
 from titan_run import REPO, read_metrics, titan_env
 
@@ -65,7 +65,8 @@ def test_bubble_fraction_per_schedule():
 def test_group_strides_and_which_groups_stay_in_a_node():
     # 128 ranks on the mesh (pp, dp_replicate, dp_shard, cp, tp) = (2, 2, 4, 2, 4), tp innermost.
     t = Layout(dp_replicate=2, dp_shard=4, cp=2, tp=4, pp=2)
-    assert group_strides(t) == {"tp": (1, 4), "cp": (4, 2), "fsdp": (4, 8), "replicate": (32, 2), "pp": (64, 2)}
+    assert group_strides(t) == {"tp": (1, 4), "cp": (4, 2), "fsdp": (4, 8), "replicate": (32, 2), "pp": (64, 2),
+                                "muon": (1, 32)}  # a block's matrix: split over dp_shard 4 x cp 2 x tp 4
     assert within_node(1, 4, 8)  # ranks 0-3
     assert within_node(4, 2, 8)  # ranks 0 and 4
     assert not within_node(4, 8, 8)  # ranks 0, 4, ..., 28: four nodes
@@ -99,7 +100,8 @@ def test_step_cost_terms_by_hand_fsdp_and_tp():
 
 def test_muon_step_and_states_by_hand():
     """Under Muon the optimizer term adds the Newton-Schulz matmuls, spread over the GPUs but the HSDP replicas,
-    and each parameter Muon steps holds one fp32 momentum where AdamW holds two moments."""
+    and the two all-to-alls that bring each matrix to its owner and back; each parameter Muon steps holds one
+    fp32 momentum where AdamW holds two moments."""
     import dataclasses
 
     from titan_core.memory.plan_bounds import model_states_per_rank
@@ -108,12 +110,15 @@ def test_muon_step_and_states_by_hand():
     assert newton_schulz_flops((4096, 1024), 5) == 5 * (4 * 1024**2 * 4096 + 2 * 1024**3)  # m = 1024 <= n = 4096
     assert newton_schulz_flops((8, 64, 128), 5) == 8 * newton_schulz_flops((128, 64), 5)  # 8 experts, transposed
     muon = dataclasses.replace(WORK, muon_params=8 * 10**8, muon_ns_flops=4e15)  # 8e8 of the 1e9 parameters
-    for t, sharing in ((Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16), 8),
-                       (Layout(dp_replicate=2, dp_shard=2, tp=2, local_batch=16, microbatch=16), 4)):
+    # the exchange, in bf16 over the dp_shard x tp ranks splitting each matrix (NVLink, 100 GB/s), twice:
+    # FSDP 4 x TP 2: each rank sends 7/8 of its 8e8 / 8 elements = 7/8 x 2e8 B -> 1.75 ms, x 2
+    # HSDP 2 x 2, TP 2: each replica's 4 ranks, 3/4 of 8e8 / 4 elements = 3/4 x 4e8 B -> 3 ms, x 2
+    for t, sharing, exchange in ((Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16), 8, 3.5e-3),
+                                 (Layout(dp_replicate=2, dp_shard=2, tp=2, local_batch=16, microbatch=16), 4, 6e-3)):
         terms = estimate_step_cost(t, muon, CLUSTER).terms
         shard = 1e9 / (t.dp_shard * t.tp)  # HSDP: each replica shards all of it over its dp_shard x tp
         elementwise = (0.2 * 28 + 0.8 * 36) * shard / 3.35e12
-        assert terms["optimizer"] == pytest.approx(elementwise + 4e15 / sharing / (1e15 * 0.5)), t
+        assert terms["optimizer"] == pytest.approx(elementwise + 4e15 / sharing / (1e15 * 0.5) + exchange), t
         # states: 16 B per AdamW parameter and 12 per Muon one, over dp_shard x tp
         adamw, states = model_states_per_rank(t, WORK), model_states_per_rank(t, muon)
         assert adamw == pytest.approx(16e9 / (t.dp_shard * t.tp))
@@ -124,6 +129,17 @@ def test_muon_step_and_states_by_hand():
     moe = dataclasses.replace(muon, moe=MoEWork(expert_params=4 * 10**8, num_experts=8, top_k=2, layers=10))
     t = Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16)
     assert model_states_per_rank(t, moe) == pytest.approx((16 * 2e8 + 12 * 4e8) / 8 + 12 * 4e8 / 4)
+    # its exchange: the 4e8 block matrices over 8 ranks (7/8 x 1e8 B -> 0.875 ms), the experts over the 4 ranks
+    # that shard them (3/4 x 2e8 B -> 1.5 ms), each twice; with EP 4 each rank holds its own experts whole
+    assert muon_exchange_seconds(t, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 1.5e-3))
+    own = dataclasses.replace(t, ep=4)
+    assert muon_exchange_seconds(own, moe, lambda group, term: 100e9) == pytest.approx(2 * 0.875e-3)
+    assert muon_exchange_seconds(t, WORK, lambda group, term: 100e9) == 0  # AdamW
+    # 8 one-GPU nodes: the block matrices' group leaves the node
+    fsdp_tp = Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16)
+    near = estimate_step_cost(fsdp_tp, muon, CLUSTER).terms["optimizer"]
+    far = estimate_step_cost(fsdp_tp, muon, dataclasses.replace(CLUSTER, gpus_per_node=1)).terms["optimizer"]
+    assert far - near == pytest.approx(3.5e-3 * 9)  # the same exchange at 10 GB/s rather than 100
 
 
 def test_muon_plan_counts_its_matrices_and_bounds_below_its_estimate():

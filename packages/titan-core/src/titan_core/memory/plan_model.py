@@ -75,7 +75,8 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
 
 def muon_work(cfg: JobConfig) -> dict[str, Any]:
     """`Workload`'s Muon fields for `cfg`: the parameters Muon steps (`titan_core.muon_groups.takes_muon`) and one
-    orthogonalisation's FLOPs, counted on the meta model; none under AdamW."""
+    orthogonalisation's FLOPs, counted on the meta model, and the bytes per element the matrices travel in to
+    their owners (Newton-Schulz's dtype); none under AdamW."""
     if cfg.optimizer.name != "Muon":
         return {}
     from titan_core.job.meta_model import build_meta_model
@@ -86,6 +87,7 @@ def muon_work(cfg: JobConfig) -> dict[str, Any]:
     return {
         "muon_params": sum(p.numel() for p in muon),
         "muon_ns_flops": sum(newton_schulz_flops(tuple(p.shape), cfg.optimizer.muon_ns_steps) for p in muon),
+        "muon_exchange_bytes": 4 if cfg.optimizer.muon_ns_dtype == "float32" else 2,  # "auto": bf16 on a GPU
     }
 
 

@@ -19,7 +19,8 @@ terms, per rank and per optimizer step:
   experts over the ranks holding the same experts), of which `FSDP_OVERLAP` hides behind
   compute as long as compute is longer;
 - offload, optimizer: CPU offload's host <-> device copies, and the optimizer step (AdamW's element-wise
-  work; under Muon also its Newton-Schulz matmuls, `optimizer_seconds`).
+  work; under Muon also its Newton-Schulz matmuls, `optimizer_seconds`, and the all-to-alls that bring each
+  matrix to its owner and back, `muon_exchange_seconds`).
 
 A collective's time is the ring algorithm's `(n - 1) / n x bytes / bandwidth`: at
 NVLink bandwidth when its group lies inside one node, else at the per-GPU network
@@ -29,6 +30,7 @@ dimension's group holds ranks `stride` apart (`group_strides`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titan_core.memory.expert_cost import (
@@ -163,6 +165,8 @@ class Workload:
         muon_params: parameters Muon steps (`optimizer.name = "Muon"`: the blocks' matrices and the stacked
             experts, so every routed expert's, `titan_core.muon_groups.RULE`); 0 = AdamW steps every parameter.
         muon_ns_flops: FLOPs of one Newton-Schulz orthogonalisation of every Muon matrix (each once).
+        muon_exchange_bytes: bytes per element Muon's matrices travel in to and from their owners (its
+            Newton-Schulz dtype: 2 for bf16).
     """
 
     n_params: int
@@ -185,6 +189,7 @@ class Workload:
     master_weights: bool = False
     muon_params: int = 0
     muon_ns_flops: float = 0.0
+    muon_exchange_bytes: int = 2
 
 
 @dataclass(frozen=True)
@@ -277,7 +282,8 @@ def ring_seconds(n: int, nbytes: float, bandwidth: float) -> float:
 def group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
     """(stride, size) of each communication group on the mesh `(pp, dp_replicate, dp_shard, cp, tp)`.
 
-    "fsdp" is the flattened (dp_shard, cp) group FSDP shards over; "replicate" is HSDP's.
+    "fsdp" is the flattened (dp_shard, cp) group FSDP shards over; "replicate" is HSDP's; "muon" is the
+    (dp_shard, cp, tp) group a block's matrix is split over, which Muon's exchange spans.
     """
     t = layout
     return {
@@ -286,6 +292,7 @@ def group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
         "fsdp": (t.tp, t.dp_shard * t.cp),
         "replicate": (t.dp_shard * t.cp * t.tp, t.dp_replicate),
         "pp": (t.dp_replicate * t.dp_shard * t.cp * t.tp, t.pp),
+        "muon": (1, t.dp_shard * t.cp * t.tp),
     }
 
 
@@ -389,8 +396,8 @@ def optimizer_seconds(t: Layout, w: Workload, c: Cluster, shard_params: float) -
     """The optimizer step: memory-bound element-wise work on the rank's shard (AdamW's, or Muon's for its
     share), and under Muon the Newton-Schulz matmuls of the matrices the rank owns. Each matrix is
     orthogonalised whole on one rank of the group that shards it (`titan_parallel.matrix_owners`), so the
-    FLOPs spread over every GPU but the HSDP replicas, which repeat each other's (docs/optimizers.md);
-    the exchange that brings each owner its matrix is not counted.
+    FLOPs spread over every GPU but the HSDP replicas, which repeat each other's (docs/optimizers.md).
+    The exchange that brings each owner its matrix is `muon_exchange_seconds`.
 
     Args:
         t: the layout.
@@ -405,6 +412,30 @@ def optimizer_seconds(t: Layout, w: Workload, c: Cluster, shard_params: float) -
     elementwise = (ADAM_BYTES_PER_PARAM * (1 - muon_share) + MUON_BYTES_PER_PARAM * muon_share) * shard_params
     newton_schulz = w.muon_ns_flops / (c.gpus / t.dp_replicate) / (c.peak_flops * c.mfu)
     return elementwise / bandwidth + newton_schulz
+
+
+def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str], float]) -> float:
+    """Muon's two all-to-alls per group and step (`titan_parallel.matrix_owners`), not overlapped with anything.
+
+    In each, a rank sends `(W - 1) / W` of its pieces of the matrices of a `W`-rank group to their owners (and
+    gets back as much): the blocks' matrices over dp_shard x cp x tp ("muon"), the stacked experts over the
+    ranks holding the same experts ("experts"; none when each rank holds its own).
+
+    Args:
+        t: the layout.
+        w: the model and batch (`muon_params` 0: AdamW, no exchange).
+        bandwidth: `(group, term) -> bytes/s` of a group of `group_strides` or `ep_group_strides`.
+    """
+    if not w.muon_params:
+        return 0.0
+    b = w.muon_exchange_bytes
+    dense = (w.muon_params - w.moe.expert_params) / t.pp  # every expert is Muon's (`muon_groups.RULE`)
+    group = t.dp_shard * t.cp * t.tp
+    seconds = 2 * ring_seconds(group, b * dense / group, bandwidth("muon", "optimizer")) if group > 1 else 0.0
+    experts, holders = w.moe.expert_params / (t.ep * t.pp), t.dp_shard * t.cp // t.ep
+    if experts and holders > 1:
+        seconds += 2 * ring_seconds(holders, b * experts / holders, bandwidth("experts", "optimizer"))
+    return seconds
 
 
 def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> StepCost:
@@ -484,7 +515,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     if t.offload:  # fp32 shards copied in before each all-gather, gradients out after each reduce-scatter
         pcie = (gathers + reduces) * 4 * shard_params / PCIE_BYTES_PER_S
         offload = max((1 - FSDP_OVERLAP) * pcie, pcie - window)
-    optimizer = optimizer_seconds(t, w, c, shard_params)
+    optimizer = optimizer_seconds(t, w, c, shard_params) + muon_exchange_seconds(t, w, bandwidth)
 
     cost.terms = {
         "compute": compute,
