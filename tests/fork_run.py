@@ -46,9 +46,11 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(script))
     launcher = ["--standalone", f"--nproc-per-node={nproc}"]
     if titan:
-        from titan_core.launch import _run_torchrun
+        from titan_core.launch import _error_folder, _run_torchrun
 
-        sys.exit(_run_torchrun(launcher, rank=(run_worker, (script, args))))
+        with _error_folder() as folder:
+            code = _run_torchrun(launcher, folder, rank=(run_worker, (script, args)))
+        sys.exit(code)
     from titan_core.rank_fork import run_elastic
 
     run_elastic(launcher, run_worker, (script, args), preload=["torch._dynamo"])

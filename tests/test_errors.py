@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from titan_ckpt import CheckpointError, CheckpointNotFoundError, detect_format
@@ -134,3 +135,42 @@ def test_forked_cpu_ranks_report_a_bug_with_its_traceback(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" in proc.stderr and "ValueError: boom" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(tmp_path):
+    """`titan train` starts its CPU ranks' fork server before the job check (`rank_fork.server_started_early`), so
+    that it imports the trainer meanwhile: the ranks are then forked from that server, and a launch that ends
+    before forking (a failed check) kills it rather than waiting for its imports, leaving no process behind."""
+    (tmp_path / "entry_mod.py").write_text(textwrap.dedent("""
+        import os, sys
+
+        def rank(out):
+            with open(out, "w") as f:
+                f.write(str(os.getppid()))
+    """))
+    (tmp_path / "slow_mod.py").write_text("import time\ntime.sleep(120)\n")
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        from multiprocessing import forkserver
+        sys.path.insert(0, {str(tmp_path)!r})
+        import entry_mod
+        from titan_core.rank_fork import run_elastic, server_started_early
+
+        if __name__ == "__main__":
+            with server_started_early(["entry_mod"]):
+                server = forkserver._forkserver._forkserver_pid
+                run_elastic(["--standalone", "--nproc-per-node=1"], entry_mod.rank, ({str(tmp_path / "ppid")!r},),
+                            preload=["entry_mod"])
+            started = time.perf_counter()
+            with server_started_early(["slow_mod"]):
+                slow = forkserver._forkserver._forkserver_pid
+            print(server, slow, time.perf_counter() - started)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=titan_env(debug_detail=False))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    server, slow, seconds = proc.stdout.split()
+    assert (tmp_path / "ppid").read_text() == server  # the rank was forked from the server started early
+    assert float(seconds) < 10  # not the 120 s its import takes
+    assert not Path(f"/proc/{slow}").exists()
