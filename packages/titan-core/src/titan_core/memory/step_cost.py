@@ -418,8 +418,9 @@ def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str]
     """Muon's two all-to-alls per group and step (`titan_parallel.matrix_owners`), not overlapped with anything.
 
     In each, a rank sends `(W - 1) / W` of its pieces of the matrices of a `W`-rank group to their owners (and
-    gets back as much): the blocks' matrices over dp_shard x cp x tp ("muon"), the stacked experts over the
-    ranks holding the same experts ("experts"; none when each rank holds its own).
+    gets back as much): the blocks' matrices over dp_shard x cp x tp ("muon"); under expert parallel the stacked
+    experts, split by rows (FSDP's `Shard(1)`) over the ranks holding the same experts ("experts"). Without it
+    FSDP splits the stacks by expert (`Shard(0)`), so each rank holds whole experts and exchanges none of them.
 
     Args:
         t: the layout.
@@ -433,7 +434,7 @@ def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str]
     group = t.dp_shard * t.cp * t.tp
     seconds = 2 * ring_seconds(group, b * dense / group, bandwidth("muon", "optimizer")) if group > 1 else 0.0
     experts, holders = w.moe.expert_params / (t.ep * t.pp), t.dp_shard * t.cp // t.ep
-    if experts and holders > 1:
+    if experts and t.ep > 1 and holders > 1:
         seconds += 2 * ring_seconds(holders, b * experts / holders, bandwidth("experts", "optimizer"))
     return seconds
 
