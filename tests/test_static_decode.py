@@ -139,7 +139,8 @@ def test_compiled_step_matches_eager_with_eos(tiny):
 def test_deepseek_latent_cache_matches_the_expanded_cache_and_compiles():
     """MLA's latent cache (`wkv_b` absorbed): the static step's logits equal recomputing from scratch and caching
     every head's keys and values, in 1/5 of the cache bytes at this shape (71x at DeepSeek-V3's), and the step
-    compiles to one graph, its MoE layers included (`gathered_mm`: 3 sequences x top 2 <= 8 experts). In float64: in fp32 each of the three differs from the others by up to 2.1e-5 on
+    compiles to one graph, its MoE layers included (`gathered_mm`: 3 sequences x top 2 <= 8 experts). In
+    float64: in fp32 (measured with every block dense) each of the three differs from the others by up to 2.1e-5 on
     logits of up to 9 (the expanded cache from recomputing as much as the latent), which would hide a small bug;
     in float64 they agree to the fp32 rounding the returned logits take (up to 4.8e-7)."""
     spec = get_model_spec("deepseek_v3")
