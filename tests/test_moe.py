@@ -90,6 +90,10 @@ def test_grouped_mm_fallback_is_exact_per_expert():
     out = grouped_mm(x, w, counts)
     torch.testing.assert_close(out[:4], x[:4] @ w[0].T, atol=0, rtol=0)
     torch.testing.assert_close(out[4:], x[4:] @ w[2].T, atol=0, rtol=0)
+    # a rank that receives no rows (expert parallel) still has a gradient, zeros, for FSDP to reduce
+    weight = w.clone().requires_grad_()
+    grouped_mm(x[:0], weight, torch.zeros(3, dtype=torch.long)).sum().backward()
+    assert weight.grad is not None and not weight.grad.any()
     if hasattr(torch, "_grouped_mm"):  # torch's kernel (CPU in recent torch) agrees with the fallback
         try:
             fused = torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
