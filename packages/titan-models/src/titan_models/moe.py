@@ -133,7 +133,9 @@ def gathered_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> 
 
     Nothing is read on the host and every shape is known from `x` and `weight`, so `torch.compile`
     captures it in one graph (and CUDA graphs replay it). `grouped_mm` takes it only when compiling:
-    Inductor fuses the gather into the matmul, while eager copies one weight per row first. On the
+    Inductor fuses the gather into the matmul (on CPU always; on CUDA when coordinate-descent tuning
+    turns the one-column `bmm` into a reduction, as `titan generate` does there by default, else
+    cuBLAS reads a gathered copy), while eager copies one weight per row first. On the
     2-core AVX2-only AMD EPYC (torch 2.15, fp32) at Qwen3-30B-A3B's expert shape (8 rows of 128
     experts, 768 x 2048): Inductor 1.9 ms, the eager per-expert loop 3.3 ms, this eager 39 ms.
 
