@@ -142,7 +142,7 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     that it imports the trainer meanwhile: the ranks are then forked from that server, and a launch that ends
     before forking (a failed check) kills it rather than waiting for its imports, leaving no process behind."""
     (tmp_path / "entry_mod.py").write_text(textwrap.dedent("""
-        import os, sys
+        import os
 
         def rank(out):
             with open(out, "w") as f:
@@ -151,7 +151,7 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     (tmp_path / "slow_mod.py").write_text("import time\ntime.sleep(120)\n")
     script = tmp_path / "early.py"
     script.write_text(textwrap.dedent(f"""
-        import os, sys, time
+        import sys, time
         from multiprocessing import forkserver
         sys.path.insert(0, {str(tmp_path)!r})
         import entry_mod

@@ -139,9 +139,8 @@ def test_muon_step_and_states_by_hand():
     assert muon_exchange_seconds(own, moe, lambda group, term: 100e9) == pytest.approx(2 * 0.875e-3)
     assert muon_exchange_seconds(t, WORK, lambda group, term: 100e9) == 0  # AdamW
     # 8 one-GPU nodes: the block matrices' group leaves the node
-    fsdp_tp = Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16)
-    near = estimate_step_cost(fsdp_tp, muon, CLUSTER).terms["optimizer"]
-    far = estimate_step_cost(fsdp_tp, muon, dataclasses.replace(CLUSTER, gpus_per_node=1)).terms["optimizer"]
+    near = estimate_step_cost(t, muon, CLUSTER).terms["optimizer"]  # t: FSDP 4 x TP 2, as above
+    far = estimate_step_cost(t, muon, dataclasses.replace(CLUSTER, gpus_per_node=1)).terms["optimizer"]
     assert far - near == pytest.approx(3.5e-3 * 9)  # the same exchange at 10 GB/s rather than 100
 
 
