@@ -123,20 +123,21 @@ def test_muon_step_and_states_by_hand():
         adamw, states = model_states_per_rank(t, WORK), model_states_per_rank(t, muon)
         assert adamw == pytest.approx(16e9 / (t.dp_shard * t.tp))
         assert states == pytest.approx((16 * 2e8 + 12 * 8e8) / (t.dp_shard * t.tp))
-    # a MoE model: Muon steps its 4e8 routed experts' parameters too, which TP does not split
+    # a MoE model: Muon steps its 4e8 routed experts' parameters too, which TP splits by hidden dim as the rest
     from titan_core.memory.expert_cost import MoEWork
 
     moe = dataclasses.replace(muon, moe=MoEWork(expert_params=4 * 10**8, num_experts=8, top_k=2, layers=10))
     t = Layout(dp_shard=4, tp=2, local_batch=16, microbatch=16)
-    assert model_states_per_rank(t, moe) == pytest.approx((16 * 2e8 + 12 * 4e8) / 8 + 12 * 4e8 / 4)
+    assert model_states_per_rank(t, moe) == pytest.approx((16 * 2e8 + 12 * 8e8) / 8)
     # its exchange: the 4e8 block matrices over 8 ranks (7/8 x 1e8 B -> 0.875 ms), twice. FSDP alone splits the
-    # stacked experts by expert: each rank holds 2 of the 8 whole, nothing to exchange. EP 2: each ep rank's 2e8
-    # split by rows over the 2 ranks holding them (1/2 x 2e8 B -> 1 ms), twice; EP 4: each rank its own experts.
-    assert muon_exchange_seconds(t, moe, lambda group, term: 100e9) == pytest.approx(2 * 0.875e-3)
+    # stacked experts by expert, TP by hidden dim: each rank's 4e8 / 8 expert elements go half to its TP peer
+    # (1/2 x 1e8 B -> 0.5 ms). EP 2: the 2 ranks holding the same experts split them by rows too, groups of
+    # 2 x 2 (3/4 x 1e8 B -> 0.75 ms); EP 4: each rank its own experts, only TP's halves move.
+    assert muon_exchange_seconds(t, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 0.5e-3))
     ep2 = dataclasses.replace(t, ep=2)
-    assert muon_exchange_seconds(ep2, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 1e-3))
+    assert muon_exchange_seconds(ep2, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 0.75e-3))
     own = dataclasses.replace(t, ep=4)
-    assert muon_exchange_seconds(own, moe, lambda group, term: 100e9) == pytest.approx(2 * 0.875e-3)
+    assert muon_exchange_seconds(own, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 0.5e-3))
     assert muon_exchange_seconds(t, WORK, lambda group, term: 100e9) == 0  # AdamW
     # 8 one-GPU nodes: the block matrices' group leaves the node
     near = estimate_step_cost(t, muon, CLUSTER).terms["optimizer"]  # t: FSDP 4 x TP 2, as above

@@ -1,6 +1,7 @@
 """`titan plan` with expert parallel: the all-to-all cost by hand, the EP degrees the rules allow, the lower
 bound against the estimate on EP layouts, the search against brute force on a small MoE, DeepSeek-V3 671B on
-256 x 80 GB (no layout without EP, one with), dense plans unchanged, and the ep column of the table."""
+256 x 80 GB (an EP layout fits; without EP only where TP splits the experts), dense plans unchanged, and the ep
+column of the table."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from titan_core.memory.plan_bounds import memory_lower_bound
 from titan_core.memory.plan_model import block_sizes
 from titan_core.memory.plan_report import render_plan
 from titan_core.memory.plan_space import candidate_layouts, expert_degrees, refuse_by_rule, refuse_expert_parallel
-from titan_core.memory.step_cost import Cluster, Layout, Workload, estimate_step_cost
+from titan_core.memory.step_cost import Cluster, Layout, Workload, estimate_step_cost, muon_exchange_seconds
 from titan_core.memory.activations import ActivationLayout
 from titan_core.memory.eager_saved import measure_eager
 from titan_models import get_model_args, get_model_spec
@@ -33,15 +34,15 @@ DSV3 = ("--model.name", "deepseek_v3", "--model.flavor", "671B")
 DEBUG_MOE = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")  # 8 experts, top 2, 4 blocks
 
 
-def _671b(expert_parallel: bool):
+def _671b(expert_parallel: bool, top: int = 3):
     # DeepSeek-V3's pretraining sequence (4096) and 4M tokens per step; the default config (eager, bf16).
     return search(prepare_plan(PlanRequest(None, DSV3, gpus=256, gpus_per_node=8, gpu_memory="80GiB", seq_len=4096,
-                                           global_batch=1024, top=3, expert_parallel=expert_parallel)))
+                                           global_batch=1024, top=top, expert_parallel=expert_parallel)))
 
 
 @pytest.fixture(scope="module")
 def plan_671b():
-    return _671b(expert_parallel=True)
+    return _671b(expert_parallel=True, top=8)
 
 
 # The cost model, by hand.
@@ -49,7 +50,7 @@ def plan_671b():
 # 10 MoE blocks of width 1000, top 4 of 64 experts; one 1000-token sequence per data-parallel rank on 64 GPUs.
 MOE_WORK = Workload(n_params=10**10, n_layers=10, dim=1000, kv_dim=250, flops_per_token=6e9,
                     op_recompute_flops_per_token=1e9, seq_len=1000, global_batch=64,
-                    moe=MoEWork(expert_params=9 * 10**9, num_experts=64, top_k=4, layers=10, flops_per_token=1e9))
+                    moe=MoEWork(expert_params=9 * 10**9, num_experts=64, top_k=4, layers=10))
 CLUSTER = Cluster(gpus=64, gpus_per_node=8, peak_flops=1e15, intra_node_bw=100e9, inter_node_bw=10e9, mfu=0.5)
 
 
@@ -88,14 +89,38 @@ def test_ep_term_by_hand_and_it_grows_when_the_group_spans_nodes():
     assert ep_seconds(1)[0] == 0.0
 
 
-def test_tp_repeats_the_moe_compute_and_ep_shrinks_fsdps_expert_traffic():
-    # tp = 2 runs each MoE layer whole on both TP ranks: one more MoE forward + backward per token, 1e9 FLOPs.
-    t = Layout(dp_shard=32, tp=2, local_batch=2, microbatch=2)
-    assert estimate_step_cost(t, MOE_WORK, CLUSTER).terms["moe_tp"] == pytest.approx(1e9 * 64_000 / 64 / 0.5e15)
-    assert estimate_step_cost(Layout(dp_shard=64), MOE_WORK, CLUSTER).terms["moe_tp"] == 0.0
+def test_tp_splits_the_experts_and_ep_shrinks_fsdps_expert_traffic():
+    # tp = 2 splits each expert's hidden dim (TPStyle.MOE_INPUT): the MoE's FLOPs divide like the rest, no term of
+    # their own, and each rank gathers half the experts' weights.
+    tp2 = estimate_step_cost(Layout(dp_shard=32, tp=2, local_batch=2, microbatch=2), MOE_WORK, CLUSTER)
+    assert "moe_tp" not in tp2.terms
+    assert tp2.terms["compute"] == pytest.approx(estimate_step_cost(Layout(dp_shard=64), MOE_WORK, CLUSTER).terms["compute"])
     # FSDP gathers E / ep experts per rank: the raw traffic (beyond the compute, which it exceeds here) shrinks.
     fsdp = [estimate_step_cost(Layout(dp_shard=64, ep=ep), MOE_WORK, CLUSTER).terms["fsdp"] for ep in (1, 8, 64)]
     assert fsdp[0] > fsdp[1] > fsdp[2]
+
+
+def test_muon_exchanges_the_experts_over_the_ranks_holding_their_pieces():
+    work = dataclasses.replace(MOE_WORK, muon_params=10**10, muon_exchange_bytes=2)
+    dense, experts = 10**9, 9 * 10**9
+    seconds = {}
+
+    def bandwidth(group: str, term: str) -> float:
+        seconds.setdefault(term, set()).add(group)
+        return 100e9
+
+    def ring(n: int, pieces: float) -> float:  # two all-to-alls of a rank's pieces, (n - 1) / n of them moving
+        return 2 * (n - 1) / n * 2 * pieces / 100e9
+
+    # One process per expert without TP or EP: FSDP keeps whole experts on each rank, only the dense matrices move.
+    assert muon_exchange_seconds(Layout(dp_shard=64), work, bandwidth) == pytest.approx(ring(64, dense / 64))
+    # TP 2: each expert's hidden dim is split over the 2 TP ranks, which exchange their halves.
+    got = muon_exchange_seconds(Layout(dp_shard=32, tp=2), work, bandwidth)
+    assert got == pytest.approx(ring(64, dense / 64) + ring(2, experts / 64))
+    # EP 8 x TP 2: the 32 / 8 = 4 ranks holding the same experts split them by rows, TP by hidden: groups of 8.
+    got = muon_exchange_seconds(Layout(dp_shard=32, tp=2, ep=8), work, bandwidth)
+    assert got == pytest.approx(ring(64, dense / 64) + ring(8, experts / 64))
+    assert seconds["optimizer"] == {"muon", "tp", "experts"}
 
 
 # The degrees and the rules.
@@ -162,8 +187,9 @@ def test_search_finds_what_brute_force_finds_on_a_moe_model():
 
 def test_671b_finds_an_expert_parallel_layout_that_fits(plan_671b):
     assert plan_671b.fits, render_plan(plan_671b)
-    best = plan_671b.fits[0].layout
-    assert best.ep > 1
+    # Tensor parallel splits the experts too, so TP x PP layouts rank first (2026-11-29: dp_shard 2, tp 4, pp 32,
+    # 17.7 s); the first with EP (dp_shard 8, cp 2, pp 16, ep 8) within 5% of it.
+    best = next(r.layout for r in plan_671b.fits if r.layout.ep > 1)
     assert best.dp_replicate * best.dp_shard * best.cp * best.tp * best.pp == 256
     assert 256 % best.ep == 0 and best.ep % best.cp == 0 and best.dp_shard % (best.ep // best.cp) == 0
     # The layout's config passes every rule of the job check and its estimate fits 80 GiB less the CUDA context
@@ -173,10 +199,15 @@ def test_671b_finds_an_expert_parallel_layout_that_fits(plan_671b):
     assert estimate_analytic(cfg, 256, device_type="cuda").peak <= usable_bytes(80 * GiB)
 
 
-def test_671b_fits_nothing_without_expert_parallel():
-    plan = _671b(expert_parallel=False)
-    assert not plan.fits
-    assert plan.closest is not None and plan.closest.layout.ep == 1 and plan.closest.peak > plan.usable
+def test_671b_without_expert_parallel_fits_only_where_tp_splits_the_experts(plan_671b):
+    # Without EP each MoE block FSDP gathers holds all 256 experts: 11.3e9 parameters, 22.5 GB in bf16, at tp 1;
+    # tensor parallel splits their hidden dim, so the best layout fits at tp 4 and its tp 1 twin does not.
+    best = plan_671b.fits[0].layout
+    assert best.ep == 1 and best.tp > 1
+    twin = dataclasses.replace(best, dp_shard=best.dp_shard * best.tp, tp=1, local_batch=best.local_batch // best.tp)
+    for t, fits in ((best, True), (twin, False)):
+        peak = estimate_analytic(layout_config(plan_671b, t), 256, device_type="cuda").peak
+        assert (peak <= plan_671b.usable) is fits, (t, peak / GiB)
 
 
 def test_dense_plan_is_unchanged():

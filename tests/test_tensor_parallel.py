@@ -89,6 +89,49 @@ def test_check_tp_refuses_a_model_without_a_plan():
     check_tp(meta_model(), ModelPlan(blocks="layers"), 1)  # degree 1 needs no plan
 
 
+def test_tp_splits_each_experts_hidden_dim_and_replicates_the_router():
+    # DeepSeek-V3 debugmodel: 8 routed experts of hidden 256 and one shared, split over a fake 2-rank TP mesh.
+    from torch.distributed.tensor import Replicate, Shard
+
+    from titan_core.job.meta_model import build_meta_model
+    from titan_core.memory.fake_run import fake_mesh
+    from titan_models import get_model_args, get_model_spec
+
+    spec, args = get_model_spec("deepseek_v3"), get_model_args("deepseek_v3", "debugmodel")
+    with torch.device("meta"):  # a model of its own: build_meta_model's are shared (cached) and must stay plain
+        model = spec.build(args)
+    with fake_mesh(2, 1, "cpu") as mesh:
+        apply_tp(model, spec.plan, mesh["tp"])
+    moe = model.layers["1"].moe
+    expected = {  # name: (placement, local shape)
+        "experts.w1": (Shard(1), (8, 128, 256)),
+        "experts.w3": (Shard(1), (8, 128, 256)),
+        "experts.w2": (Shard(2), (8, 256, 128)),
+        "shared_experts.w1.weight": (Shard(0), (128, 256)),
+        "shared_experts.w2.weight": (Shard(1), (256, 128)),
+        "router.gate.weight": (Replicate(), (8, 256)),
+    }
+    for name, (placement, shape) in expected.items():
+        param = moe.get_parameter(name)
+        assert (param.placements, tuple(param.to_local().shape)) == ((placement,), shape), name
+    assert moe.grad_share == 0.5  # the auxiliary loss's share of each TP rank's backward
+    # Under expert parallel too (a fake 2 x 2 mesh as (ep, tp)): experts split by expert, then by hidden dim.
+    from titan_parallel.expert_parallel import apply_ep
+
+    with torch.device("meta"):
+        model = spec.build(args)
+    with fake_mesh(2, 2, "cpu") as mesh:
+        apply_ep(model, spec.plan, mesh)
+        apply_tp(model, spec.plan, mesh["tp"])
+    w1 = model.layers["1"].moe.experts.w1
+    assert (w1.placements, tuple(w1.to_local().shape)) == ((Shard(0), Shard(1)), (4, 128, 256))
+    assert model.layers["1"].moe.shared_experts.w1.weight.placements == (Shard(0),)
+    # A hidden dim tp does not divide is named before anything is split.
+    odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=258))
+    with pytest.raises(ParallelConfigError, match=r"^tp=4 does not divide layers\.1\.moe\.experts\.w1\.shape\[1\]=258;"):
+        check_tp(build_meta_model(spec, odd), spec.plan, 4)
+
+
 def test_apply_tp_validates_before_touching_the_model():
     model = meta_model()
     before = {n: type(p) for n, p in model.named_parameters()}

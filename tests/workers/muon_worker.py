@@ -66,8 +66,9 @@ def check_owners(out: Path) -> None:
             "rows x rows": ((8, 6), [Shard(0), Shard(0)]),
             "replicas x rows (HSDP)": ((8, 6), [Replicate(), Shard(0)]),
             "experts by rank x rows (EP x FSDP)": ((4, 6, 5), [Shard(1), Shard(0)]),
+            "experts by rank x hidden (EP x TP)": ((4, 6, 5), [Shard(0), Shard(2)]),
         }
-        meshes |= {name: square for name in list(cases)[-4:]}
+        meshes |= {name: square for name in list(cases)[-5:]}
     generator = torch.Generator().manual_seed(0)
     fulls = [torch.randn(shape, generator=generator) for shape, _ in cases.values()]
     params = [distribute_tensor(f, meshes[n], p) for f, (n, (_, p)) in zip(fulls, cases.items(), strict=True)]

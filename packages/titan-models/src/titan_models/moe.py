@@ -284,7 +284,9 @@ class MoE(nn.Module):
     trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
     loss by (gradient-accumulation steps x pipeline microbatches). `sequence_group`, set by context
     parallel, is the ranks holding the rest of this rank's sequences: the auxiliary loss counts the
-    token slots of whole sequences over them. The auxiliary loss enters the backward
+    token slots of whole sequences over them. `grad_share`, set by tensor parallel (`TPStyle.MOE_INPUT`,
+    which sums the TP ranks' partial gradients of the layer's input and router), is the share of the
+    auxiliary loss's gradient each rank adds: 1 / tp. The auxiliary loss enters the backward
     here, inside the block, rather than being returned: under FSDP the router's weights are gathered
     only while the block's own backward runs.
     """
@@ -301,6 +303,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss_scale: float = 1.0
+        self.grad_share: float = 1.0  # set by tensor parallel: its ranks' gradients are summed
         self.sequence_group: ProcessGroup | None = None  # set by context parallel (`sequence_balance_loss`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -323,7 +326,7 @@ class MoE(nn.Module):
         out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (tokens, dim)
         if self.args.aux_loss_coeff > 0 and self.training:
             balance = sequence_balance_loss(scores, chosen, bs, k, self.sequence_group)
-            aux = self.aux_loss_scale * self.args.aux_loss_coeff * balance
+            aux = self.grad_share * self.aux_loss_scale * self.args.aux_loss_coeff * balance
             out = _AddAuxLoss.apply(out, aux)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -13,9 +13,12 @@ call is wrapped (`distribute_module`'s input and output functions):
     combine:  the inverse regrouping and the reverse all-to-all, back in the caller's order
 
 Routing stays on the rank that owns the tokens, so each layer's `tokens_per_expert` counts
-that rank's tokens, the same as without expert parallel. With tensor parallel too, a MoE
-layer runs whole on every TP rank (`TPStyle.MOE_INPUT`): each `ep` group is the ranks of
-one TP coordinate, which exchange the same replicated tokens as their TP peers do.
+that rank's tokens, the same as without expert parallel. With tensor parallel too
+(`TPStyle.MOE_INPUT`), every TP rank routes the same all-gathered tokens and runs them through
+its slice of each expert's hidden dim: the experts are 2-D DTensors on the `(ep, tp)` mesh,
+`(Shard(0), Shard(hidden))`, and each `ep` group is the ranks of one TP coordinate, which
+exchange the same tokens as their TP peers do (each rank's results are its slice's partial sums,
+which the MoE's TP style reduce-scatters).
 
 Written here because torch has no expert-parallel style (torchtitan's is its own too).
 """
@@ -30,7 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_parallel.layout import ParallelConfigError
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
-from titan_parallel.plan import ModelPlan
+from titan_parallel.plan import ModelPlan, TPStyle
+from titan_parallel.tensor_parallel_layout import MOE_TP_SPLITS
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -77,12 +81,13 @@ class ExpertDispatch:
     ranks holding their experts and bring the results back (see the module docstring).
 
     Args:
-        ep_mesh: the 1-D expert-parallel mesh; rank r of it holds the r-th block of experts.
+        ep_mesh: the expert-parallel mesh (1-D, or `(ep, tp)`: the exchange runs over dim 0); rank r
+            of it holds the r-th block of experts.
     """
 
     def __init__(self, ep_mesh: DeviceMesh):
-        self.group = ep_mesh.get_group()
-        self.ep = ep_mesh.size()
+        self.group = ep_mesh.get_group(0)
+        self.ep = ep_mesh.size(0)
         self._pending: list[tuple[list[int], list[int], torch.Tensor]] = []
 
     def dispatch(self, module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh):
@@ -119,23 +124,51 @@ def _source_major_to_expert_major(recv: torch.Tensor, total: int) -> torch.Tenso
     return shift + torch.arange(total, device=recv.device)
 
 
+def experts_split_by_tp(plan: ModelPlan) -> bool:
+    """Whether tensor parallel splits the experts' hidden dim (the plan marks the MoE `TPStyle.MOE_INPUT`).
+
+    Args:
+        plan: the model's plan.
+    """
+    return plan.moe is not None and (plan.moe, TPStyle.MOE_INPUT) in plan.block_tp
+
+
+def ep_tp_mesh(ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D `(ep, tp)` mesh of experts split by expert and, over `tp_mesh`, by hidden dim.
+
+    Args:
+        ep_mesh: the 1-D expert-parallel mesh (`mesh["ep"]`).
+        tp_mesh: the 1-D tensor-parallel mesh (`mesh["tp"]`), of the same root mesh.
+    """
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate([ep_mesh, tp_mesh])
+    root = ep_mesh._get_root_mesh()  # torch without `_concatenate`: slice the root by the dims' names
+    return root[(ep_mesh.mesh_dim_names or ("ep",))[0], (tp_mesh.mesh_dim_names or ("tp",))[0]]
+
+
 def apply_ep(model: nn.Module, plan: ModelPlan, ep_mesh: DeviceMesh) -> nn.Module:
     """Split every MoE layer's experts over `ep_mesh` in place (`Shard(0)`) and route their calls
-    through all-to-alls. Call before FSDP. Works on the meta device.
+    through all-to-alls. Call before FSDP and tensor parallel. Works on the meta device.
 
     Args:
         model: the model or pipeline stage.
         plan: its plan (`plan.moe` names the MoE modules).
-        ep_mesh: the 1-D expert-parallel mesh, `mesh["ep"]`.
+        ep_mesh: the 1-D expert-parallel mesh, `mesh["ep"]`; or, when tensor parallel splits the experts'
+            hidden dim too (`experts_split_by_tp`), the 2-D `(ep, tp)` mesh of `ep_tp_mesh`: the weights
+            become `(Shard(0), Shard(hidden))` and the tokens are exchanged over dim 0.
     """
-    check_ep(model, plan, ep_mesh.size())
+    check_ep(model, plan, ep_mesh.size(0))
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor  # here: `check_ep` stays light
 
     def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for weight_name in EXPERT_WEIGHTS:
             weight = getattr(module, weight_name, None)
             if weight is not None:
-                module.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, device_mesh, [Shard(0)])))
+                placements = [Shard(0)]
+                if device_mesh.ndim == 2:
+                    placements.append(Shard(MOE_TP_SPLITS[f"experts.{weight_name}"]))
+                module.register_parameter(weight_name, nn.Parameter(distribute_tensor(weight, device_mesh, placements)))
 
     for moe in moe_modules(model, plan):
         exchange = ExpertDispatch(ep_mesh)

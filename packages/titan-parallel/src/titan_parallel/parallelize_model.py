@@ -3,8 +3,9 @@
     expert parallel -> tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP/DDP
 
 EP first: it splits the experts of Mixture-of-Experts layers over the `ep` mesh (each
-layer's experts then become an FSDP unit of their own), and TP, which replicates the
-rest of a MoE layer over the `tp` mesh, leaves them alone. TP changes parameters into
+layer's experts then become an FSDP unit of their own), under TP over the `(ep, tp)` mesh
+(their hidden dim split too), and TP, which splits the shared experts and replicates the
+router over the `tp` mesh, leaves them alone. TP changes parameters into
 DTensors on the `tp` mesh that FSDP then shards further; CP swaps the attention core; AC and compile wrap the
 blocks TP and CP produced; FSDP last, so its units are the finished blocks.
 Pipeline parallel is outermost: the caller cuts the model into stages with
@@ -145,9 +146,10 @@ def parallelize(
     from titan_parallel.fsdp import apply_ddp, apply_fsdp
 
     if mesh.dims.ep > 1:
-        from titan_parallel.expert_parallel import apply_ep
+        from titan_parallel.expert_parallel import apply_ep, ep_tp_mesh, experts_split_by_tp
 
-        apply_ep(model, plan, mesh["ep"])
+        split_by_tp = mesh["tp"].size() > 1 and experts_split_by_tp(plan)
+        apply_ep(model, plan, ep_tp_mesh(mesh["ep"], mesh["tp"]) if split_by_tp else mesh["ep"])
     if mesh["tp"].size() > 1:
         from titan_parallel.tensor_parallel import apply_tp
 

@@ -46,9 +46,9 @@ class TPStyle(enum.StrEnum):
     """An identity on a replicated tensor that each TP rank uses for its own heads only (MLA's rotated key,
     shared by all heads): forward unchanged, gradient summed over the TP ranks."""
     MOE_INPUT = "moe_input"
-    """A Mixture-of-Experts module run whole on every TP rank: its input all-gathered from `Shard(1)` to a
-    plain replicated tensor, its output cut back to this rank's `Shard(1)` slice (no communication). Its
-    weights stay unsplit by TP (identical gradients on every TP rank); expert parallel splits the experts."""
+    """A Mixture-of-Experts module whose routed and shared experts are split on their hidden dim
+    (`tensor_parallel_layout.MOE_TP_SPLITS`), its router run whole on every TP rank: its input all-gathered
+    from `Shard(1)`, its partial output reduce-scattered back (`tensor_parallel.MoETensorParallel`)."""
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ Works on the meta device (parameters become meta DTensors; materialise after).
 from __future__ import annotations
 
 import warnings
+from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -26,7 +28,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -35,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 from titan_parallel.layout import check_async_tp
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
-from titan_parallel.tensor_parallel_layout import check_tp
+from titan_parallel.tensor_parallel_layout import MOE_TP_SPLITS, check_tp
 
 
 class EmbeddingParallel(RowwiseParallel):
@@ -95,7 +96,7 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
         # The heads dim plays the sequence dim's part: the norm runs per head on this rank's heads.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style is TPStyle.MOE_INPUT:
-        return MoEReplicatedParallel()
+        return MoETensorParallel()
     if style is TPStyle.OUTPUT:
         return OutputParallel(
             input_layouts=Shard(1),
@@ -161,43 +162,80 @@ class SumGradParallel(ParallelStyle):
         )
 
 
-class MoEReplicatedParallel(ParallelStyle):
-    """`TPStyle.MOE_INPUT`: a Mixture-of-Experts module run whole on every TP rank.
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (a replicated weight whose uses give each
+    rank a partial gradient)."""
 
-    Its input is all-gathered from `Shard(1)` into a plain tensor and its output cut back to this rank's
-    `Shard(1)` slice. Its weights become `Replicate()` DTensors on the TP mesh (so that optimizers and
-    FSDP see one kind of parameter), and its forward runs on their local tensors: routing's index
-    arithmetic has no DTensor rules, and every TP rank computes the same thing, so the gradients,
-    identical on every rank, are `Replicate()` as they stand. Experts already split by expert
-    parallel keep their own mesh.
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class MoETensorParallel(ParallelStyle):
+    """`TPStyle.MOE_INPUT`: a Mixture-of-Experts module whose experts' hidden dim is split over the TP ranks.
+
+    The parameters `MOE_TP_SPLITS` names (routed experts `w1`/`w3` on their hidden dim, `w2` on its input,
+    the shared experts' SwiGLU colwise and rowwise) become `Shard` DTensors on the TP mesh; the rest (the
+    router) `Replicate()`. The forward runs on the local tensors: routing's index arithmetic has no DTensor
+    rules. Each TP rank routes the same all-gathered tokens (the router is small) and runs every token slot
+    through its slice of each expert, so its output is a partial sum, reduce-scattered back to `Shard(1)`:
+
+        x (Shard(1)) --all-gather--> tokens --router, expert slices--> partial out --reduce-scatter--> Shard(1)
+
+    The output's gradient comes back whole on every rank, and everything it reaches inside the module gets
+    a partial gradient: the tokens' (through the expert slices and, via the routing weights, the router),
+    and the router weight's. So the all-gather's backward is a reduce-scatter (a sum, not a slice), and
+    the router weight's gradient is summed over the TP ranks (`_SumGradOverGroup`, a tensor of
+    experts x dim). A gradient the module adds itself (an auxiliary loss) must be scaled by its
+    `grad_share` attribute, which this style sets to `1 / tp` when the module has one.
+
+    Experts that expert parallel split already (DTensors on the `(ep, tp)` mesh, `apply_ep`) keep their
+    placement, and the module reads their local tensors itself.
+
+    Per TP rank this costs the experts' FLOPs and weights divided by tp, and one all-gather and one
+    reduce-scatter of the layer's activation each way, as a dense feed-forward does under TP.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.nn.utils.stateless import _reparametrize_module
 
-        PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,
-        )._apply(module, device_mesh)
+        group = device_mesh.get_group()
+        split: list[str] = []
         replicated: list[str] = []
         for name, param in list(module.named_parameters()):
-            if not isinstance(param, DTensor):
-                owner, _, leaf = name.rpartition(".")
-                sub = module.get_submodule(owner) if owner else module
-                sub.register_parameter(
-                    leaf, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None))
-                )
-                replicated.append(name)
+            if isinstance(param, DTensor):
+                continue
+            dim = MOE_TP_SPLITS.get(name)
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            placement = Shard(dim) if dim is not None else Replicate()
+            sub.register_parameter(
+                leaf, nn.Parameter(distribute_tensor(param, device_mesh, [placement], src_data_rank=None))
+            )
+            (split if dim is not None else replicated).append(name)
+        if hasattr(module, "grad_share"):
+            module.grad_share = 1.0 / device_mesh.size()  # type: ignore[assignment]  # an attribute, not a submodule
         inner = module.forward
 
-        def forward(*args, **kwargs):
-            local = {name: module.get_parameter(name).to_local() for name in replicated}
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if not isinstance(x, DTensor):  # a sequence-parallel norm hands on a DTensor already
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            tokens = x.redistribute(device_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+            weights = {name: cast(DTensor, module.get_parameter(name)) for name in (*split, *replicated)}
+            local = {name: weights[name].to_local() for name in split}
+            for name in replicated:
+                local[name] = _SumGradOverGroup.apply(weights[name].to_local(), group)
             with _reparametrize_module(module, local):
-                return inner(*args, **kwargs)
+                out = inner(tokens, *args, **kwargs)
+            partial = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
+            return partial.redistribute(device_mesh, (Shard(1),)).to_local()
 
         module.forward = forward
         return module

@@ -14,7 +14,19 @@ from titan_parallel.layout import ParallelConfigError, at_least
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
 
-__all__ = ["check_tp"]
+__all__ = ["MOE_TP_SPLITS", "check_tp"]
+
+MOE_TP_SPLITS: dict[str, int] = {
+    "experts.w1": 1,  # (experts, hidden, dim): the hidden dim
+    "experts.w3": 1,
+    "experts.w2": 2,  # (experts, dim, hidden)
+    "shared_experts.w1.weight": 0,  # nn.Linear (hidden, dim)
+    "shared_experts.w3.weight": 0,
+    "shared_experts.w2.weight": 1,  # nn.Linear (dim, hidden)
+}
+"""The parameters of a `TPStyle.MOE_INPUT` module that tensor parallel splits, by path inside it, and the
+dim it splits: the routed experts' and the shared experts' SwiGLU hidden dim. Every other parameter (the
+router) is replicated, its gradient summed over the TP ranks."""
 
 
 def _model_args(model: nn.Module) -> Any:
@@ -57,6 +69,8 @@ def _split_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
     for root, prefix, table in tables:
         for path, style in table:
             module = get_submodule_or_none(root, path)
+            if style is TPStyle.MOE_INPUT:
+                sizes += _moe_split_sizes(model, plan, path)
             if isinstance(module, nn.Linear) and style in (TPStyle.COLWISE, TPStyle.OUTPUT):
                 sizes.append((f"{prefix}{path}.out_features", module.out_features))
             elif isinstance(module, nn.Linear) and style is TPStyle.ROWWISE:
@@ -66,14 +80,31 @@ def _split_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
     return sizes
 
 
+def _moe_split_sizes(model: nn.Module, plan: ModelPlan, path: str) -> list[tuple[str, int]]:
+    """(name, size) of the hidden dims `MOE_TP_SPLITS` splits, in the first block that has the MoE at `path`
+    (a model's first blocks may be dense)."""
+    container = get_submodule_or_none(model, plan.blocks)
+    for index, block in container.named_children() if container is not None else ():
+        moe = get_submodule_or_none(block, path)
+        if moe is None:
+            continue
+        params = dict(moe.named_parameters())
+        return [
+            (f"{plan.blocks}.{index}.{path}.{name}.shape[{dim}]", params[name].shape[dim])
+            for name, dim in MOE_TP_SPLITS.items()
+            if name in params
+        ]
+    return []
+
+
 def check_tp(model: nn.Module, plan: ModelPlan, tp: int) -> None:
     """Raise `ParallelConfigError` (arguments `("tp",)`) if `model` cannot be split `tp` ways.
 
     Checks that the plan has tensor-parallel entries and that `tp` divides the head
     counts, the FFN hidden dim and the vocab size (read from the model's `args`,
     `model_args` or `config`, and the plan's `head_counts`), and every dimension a
-    planned linear or embedding shards. Cheap and communication-free; works on the
-    meta device, so a launcher can call it before any process starts.
+    planned linear, embedding or Mixture-of-Experts module (`MOE_TP_SPLITS`) shards. Cheap and
+    communication-free; works on the meta device, so a launcher can call it before any process starts.
 
     Args:
         model: the model or pipeline stage to split.

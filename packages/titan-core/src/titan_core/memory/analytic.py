@@ -191,6 +191,15 @@ def _tp_styles(job: Job) -> tuple[dict[str, str], dict[str, str]]:
     return {m: s.value for m, s in plan.tp}, {m: s.value for m, s in plan.block_tp}
 
 
+def _moe_tp_dim(pname: str, moe: str | None, block_styles: dict[str, str]) -> int | None:
+    """The dim tensor parallel splits of the block parameter `pname` inside a `TPStyle.MOE_INPUT` module, or None."""
+    from titan_parallel.tensor_parallel_layout import MOE_TP_SPLITS
+
+    if moe is None or block_styles.get(moe) != "moe_input" or not pname.startswith(moe + "."):
+        return None
+    return MOE_TP_SPLITS.get(pname[len(moe) + 1 :])
+
+
 def _count_params(job: Job, module_names: list[str], shards: int) -> _StageParams:
     """Parameters of the modules `module_names` (top-level names or `blocks.i`) on one rank."""
     model = job.meta_model()
@@ -214,6 +223,9 @@ def _count_params(job: Job, module_names: list[str], shards: int) -> _StageParam
             if tp > 1 and style in _SHARDED_STYLES:
                 dim = 0 if style in ("colwise", "embedding", "output") else len(shape) - 1
                 shape[dim] = math.ceil(shape[dim] / tp)
+            moe_split = _moe_tp_dim(pname, plan.moe, block_styles) if in_block and tp > 1 else None
+            if moe_split is not None:  # an expert's (or shared expert's) hidden dim (`TPStyle.MOE_INPUT`)
+                shape[moe_split] = math.ceil(shape[moe_split] / tp)
             expert_shards = shards
             if in_block and ep > 1 and plan.moe is not None and owner.startswith(f"{plan.moe}.experts"):
                 # Expert parallel keeps E / ep experts per rank (gathered by FSDP whole); FSDP shards

@@ -1,6 +1,9 @@
 """Expert parallel's share of the step-time model (`titan_core.memory.step_cost`): the all-to-all that sends
-each token's expert slots to the ranks holding those experts and brings the results back, and the
-Mixture-of-Experts compute that tensor parallel repeats on every TP rank.
+each token's expert slots to the ranks holding those experts and brings the results back.
+
+Tensor parallel splits the experts' hidden dim (`TPStyle.MOE_INPUT`), so a MoE layer's compute divides over
+the TP ranks as a dense feed-forward's does (each TP rank routes the same tokens: the router, `experts x dim`
+per token, is the only part it repeats, left out), and so do the experts' weights.
 
 Pure arithmetic, no torch; `step_cost` imports this module, so this one reads its `Layout`,
 `Workload` and `Cluster` by attribute only. Under expert parallel the mesh is
@@ -27,14 +30,12 @@ class MoEWork:
         num_experts: routed experts per MoE layer.
         top_k: experts each token is routed to.
         layers: MoE blocks.
-        flops_per_token: training FLOPs per token of the MoE layers (router, shared and `top_k` routed experts).
     """
 
     expert_params: int = 0
     num_experts: int = 0
     top_k: int = 0
     layers: int = 0
-    flops_per_token: float = 0.0
 
 
 EP_EXPOSED = 1.0
@@ -112,20 +113,3 @@ def ep_all_to_all_seconds(layout: Layout, work: Workload, cluster: Cluster) -> t
     one = all_to_all_seconds(t.ep, local, nbytes, c.intra_node_bw, c.inter_node_bw)
     seconds = EP_EXPOSED * ALL_TO_ALLS_PER_LAYER[t.ac] * w.moe.layers / t.pp * one
     return seconds, "NVLink" if local == t.ep else "network"
-
-
-def moe_tp_seconds(layout: Layout, work: Workload, cluster: Cluster) -> float:
-    """Seconds per step of the MoE compute tensor parallel repeats: each TP rank runs the whole MoE layer on the
-    gathered sequence (`TPStyle.MOE_INPUT`), `tp - 1` times more than its share (again in full AC's recompute).
-
-    Args:
-        layout: the degrees and checkpointing.
-        work: the model (`moe.flops_per_token`) and batch.
-        cluster: the GPUs.
-    """
-    t, w, c = layout, work, cluster
-    if t.tp <= 1 or not w.moe.flops_per_token:
-        return 0.0
-    passes = 4 / 3 if t.ac == "full" else 1.0  # full AC runs the forward (1/3 of the FLOPs) again
-    tokens = w.global_batch * w.seq_len
-    return (t.tp - 1) * w.moe.flops_per_token * passes * tokens / c.gpus / (c.peak_flops * c.mfu)

@@ -50,10 +50,10 @@ class RankBlocks:
     Args:
         pp_rank: the rank's place in the pipeline (0 without PP).
         count: blocks on the rank.
-        held: their parameters per TP rank before FSDP shards them: tensor parallel splits at most the
-            non-expert ones; the experts run whole on each TP rank (`TPStyle.MOE_INPUT`), and expert parallel
-            keeps the states FSDP's share (E / ep experts over dp_shard x cp / ep ranks).
-        gathered: their parameters FSDP gathers on the rank: each block's TP share and `E / ep` experts.
+        held: their parameters per TP rank before FSDP shards them: tensor parallel splits them all at most
+            (the experts' hidden dim too, `TPStyle.MOE_INPUT`), and expert parallel keeps the states FSDP's
+            share (E / ep experts over dp_shard x cp / ep ranks).
+        gathered: their parameters FSDP gathers on the rank: each block's TP share, of `E / ep` experts.
         biggest: the largest block's share of `gathered`.
     """
 
@@ -93,10 +93,7 @@ def pipeline_rank_blocks(
         placed = [[int(n[2:]) for i in stage_indices(r, pp, n_stages, schedule) for n in names[i]] for r in range(pp)]
     ranks: list[RankBlocks] = []
     for r, indices in enumerate(placed):
-        shares = [
-            (sizes.blocks[i][0] / tp + sizes.blocks[i][1], sizes.blocks[i][0] / tp + sizes.blocks[i][1] / ep)
-            for i in indices
-        ]
+        shares = [(sum(sizes.blocks[i]) / tp, (sizes.blocks[i][0] + sizes.blocks[i][1] / ep) / tp) for i in indices]
         gathered = [g for _, g in shares]
         rank = RankBlocks(r, len(indices), sum(h for h, _ in shares), sum(gathered), max(gathered, default=0.0))
         if not any(_outweighs(other, rank) for other in ranks):
@@ -122,7 +119,7 @@ def memory_lower_bound(
     The larger of two moments of `titan_core.memory.analytic`, each counted short:
 
     - the optimizer step: the model states (`STATE_BYTES_PER_PARAM` per parameter, 4 less under Muon, over
-      dp_shard x cp x tp x pp, the routed experts' over dp_shard x cp x pp; 0 under offload);
+      dp_shard x cp x tp x pp, the routed experts' too; 0 under offload);
     - the last block backward of each pipeline rank (`pipeline_rank_blocks`): its blocks' states
       (`RESIDENT_BYTES_PER_PARAM`, and the gradients under accumulation or pipeline micro-batches),
       the activations they keep (`act`, the measured `ActivationBytes` at this tp and cp: its
@@ -179,16 +176,13 @@ def memory_lower_bound(
 
 def model_states_per_rank(layout: Layout, work: Workload) -> float:
     """Bytes of fp32 parameters, gradients and optimizer states a rank holds at least: `STATE_BYTES_PER_PARAM` per
-    parameter (`MUON_SAVES_PER_PARAM` less for one Muon steps) over dp_shard x cp x tp x pp, the routed experts'
-    over dp_shard x cp x pp (TP does not split them; expert parallel keeps FSDP's share)."""
+    parameter (`MUON_SAVES_PER_PARAM` less for one Muon steps) over dp_shard x cp x tp x pp: the routed experts
+    too (TP splits their hidden dim, `TPStyle.MOE_INPUT`; expert parallel keeps FSDP's share). The router, which
+    TP replicates, is counted split: short, as a bound may be."""
     t = layout
-    experts = work.moe.expert_params
-    muon_experts = experts if work.muon_params else 0  # Muon steps every stacked expert (muon_groups.RULE)
-    split, whole = t.dp_shard * t.cp * t.tp * t.pp, t.dp_shard * t.cp * t.pp  # what divides others' and experts'
-    states = (
-        STATE_BYTES_PER_PARAM * (work.n_params - experts) - MUON_SAVES_PER_PARAM * (work.muon_params - muon_experts)
-    ) / split
-    return states + (STATE_BYTES_PER_PARAM * experts - MUON_SAVES_PER_PARAM * muon_experts) / whole
+    return (STATE_BYTES_PER_PARAM * work.n_params - MUON_SAVES_PER_PARAM * work.muon_params) / (
+        t.dp_shard * t.cp * t.tp * t.pp
+    )
 
 
 def host_lower_bound(layout: Layout, work: Workload, gpus_per_node: int) -> int:

@@ -3,7 +3,7 @@ what divides them (`BlockSizes`), for the memory lower bound.
 
 Parameters of Mixture-of-Experts layers are counted on the meta model (`build_meta_model`, shared with
 the job check): the routed experts of each MoE module (`ModelPlan.moe`) are what expert parallel
-splits, and tensor parallel does not (`TPStyle.MOE_INPUT` runs the MoE whole on each TP rank).
+splits by expert, and tensor parallel by hidden dim (`TPStyle.MOE_INPUT`).
 """
 
 from __future__ import annotations
@@ -142,15 +142,5 @@ def moe_work(cfg: JobConfig) -> MoEWork:
     if not isinstance(top_k, int):
         raise ConfigError(f"model.name={cfg.model.name!r} has MoE layers but its args have no moe.top_k")
     num_experts = layers[0].get_submodule("experts").get_parameter("w1").shape[0]
-    routed = active = 0.0
-    for moe in layers:
-        expert = sum(p.numel() for p in moe.get_submodule("experts").parameters())
-        routed += expert
-        active += sum(p.numel() for p in moe.parameters()) - expert + expert * top_k / num_experts
-    return MoEWork(
-        expert_params=int(routed),
-        num_experts=num_experts,
-        top_k=top_k,
-        layers=len(layers),
-        flops_per_token=6 * active,  # forward and backward: 2 + 4 FLOPs per weight each token meets
-    )
+    routed = sum(p.numel() for moe in layers for p in moe.get_submodule("experts").parameters())
+    return MoEWork(expert_params=routed, num_experts=num_experts, top_k=top_k, layers=len(layers))

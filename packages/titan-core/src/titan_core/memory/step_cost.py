@@ -12,8 +12,7 @@ terms, per rank and per optimizer step:
   context parallel's exchanges (ring: K/V gathered or passed round; Ulysses: q, k, v
   and the output by all-to-all) and the pipeline's activation sends, times the share
   of each on the critical path (`TP_EXPOSED`, `CP_EXPOSED`, `PP_P2P_EXPOSED`);
-- ep, moe_tp: expert parallel's all-to-alls, and the MoE compute TP repeats on each TP
-  rank (`titan_core.memory.expert_cost`);
+- ep: expert parallel's all-to-alls (`titan_core.memory.expert_cost`);
 - bubble: the pipeline's idle share of a step (`bubble_fraction`);
 - fsdp: parameter all-gathers and gradient reduce-scatters (and HSDP's all-reduce; a MoE's
   experts over the ranks holding the same experts), of which `FSDP_OVERLAP` hides behind
@@ -39,7 +38,6 @@ from titan_core.memory.expert_cost import (
     ep_all_to_all_seconds,
     ep_group_strides,
     members_per_node,
-    moe_tp_seconds,
 )
 from titan_parallel.layout import ulysses_kv_repeats
 
@@ -247,7 +245,7 @@ class StepCost:
     """Seconds one optimizer step takes, by term.
 
     Args:
-        terms: seconds per term (compute, recompute, tp, cp, pp_p2p, ep, moe_tp, bubble, fsdp, offload, optimizer).
+        terms: seconds per term (compute, recompute, tp, cp, pp_p2p, ep, bubble, fsdp, offload, optimizer).
         notes: the link each communication term ran over ("NVLink" or "network"), e.g. {"tp": "NVLink"}.
     """
 
@@ -418,9 +416,11 @@ def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str]
     """Muon's two all-to-alls per group and step (`titan_parallel.matrix_owners`), not overlapped with anything.
 
     In each, a rank sends `(W - 1) / W` of its pieces of the matrices of a `W`-rank group to their owners (and
-    gets back as much): the blocks' matrices over dp_shard x cp x tp ("muon"); under expert parallel the stacked
-    experts, split by rows (FSDP's `Shard(1)`) over the ranks holding the same experts ("experts"). Without it
-    FSDP splits the stacks by expert (`Shard(0)`), so each rank holds whole experts and exchanges none of them.
+    gets back as much): the blocks' matrices over dp_shard x cp x tp ("muon"); the stacked experts over the
+    ranks holding pieces of the same experts: their hidden dim split over tp (`TPStyle.MOE_INPUT`), and under
+    expert parallel their rows (FSDP's `Shard(1)`) over the ranks holding the same experts ("experts").
+    Without expert parallel FSDP splits the stacks by expert (`Shard(0)`), so only TP's pieces move. Either
+    way a rank holds `1 / (dp_shard x cp x tp)` of the experts of its stage.
 
     Args:
         t: the layout.
@@ -433,9 +433,11 @@ def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str]
     dense = (w.muon_params - w.moe.expert_params) / t.pp  # every expert is Muon's (`muon_groups.RULE`)
     group = t.dp_shard * t.cp * t.tp
     seconds = 2 * ring_seconds(group, b * dense / group, bandwidth("muon", "optimizer")) if group > 1 else 0.0
-    experts, holders = w.moe.expert_params / (t.ep * t.pp), t.dp_shard * t.cp // t.ep
-    if experts and t.ep > 1 and holders > 1:
-        seconds += 2 * ring_seconds(holders, b * experts / holders, bandwidth("experts", "optimizer"))
+    holders = t.dp_shard * t.cp // t.ep if t.ep > 1 else 1
+    pieces = w.moe.expert_params / (t.pp * t.dp_shard * t.cp * t.tp)
+    if pieces and holders * t.tp > 1:
+        link = bandwidth("experts", "optimizer") if holders > 1 else bandwidth("tp", "optimizer")
+        seconds += 2 * ring_seconds(holders * t.tp, b * pieces, link)
     return seconds
 
 
@@ -477,14 +479,13 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     ep, ep_link = ep_all_to_all_seconds(t, w, c)
     if t.ep > 1:
         cost.notes["ep"] = ep_link
-    moe_tp = moe_tp_seconds(t, w, c)
-    busy = compute + recompute + moe_tp + tp + cp + pp_p2p + ep
+    busy = compute + recompute + tp + cp + pp_p2p + ep
     f = bubble_fraction(t.schedule, t.pp, t.microbatches, t.stages_per_rank)
     bubble = busy * f / (1 - f)  # idle = f of (busy + idle)
 
     shard = t.dp_shard * t.cp
     rank_params = (w.n_params - w.moe.expert_params) / (t.tp * t.pp)  # what its FSDP group shards, experts aside
-    rank_experts = w.moe.expert_params / (t.ep * t.pp)  # its E / ep experts: not split by TP; sharded over shard / ep
+    rank_experts = w.moe.expert_params / (t.ep * t.tp * t.pp)  # its E / ep experts' TP slices; over shard / ep
     # "default": no reshard under PP, nor on a one-rank shard group (titan_parallel.fsdp)
     reshard = {"always": True, "never": False, "default": t.pp == 1 and shard > 1}[w.fsdp_reshard]
     gathers = t.accum * (2 * t.microbatches if reshard else 1)  # unresharded weights stay gathered over a run
@@ -508,7 +509,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
         bw = bandwidth("replicate", "fsdp")
         grads = w.reduce_bytes * rank_params / shard + w.reduce_bytes * expert_shard
         fsdp += reduces * 2 * ring_seconds(t.dp_replicate, grads, bw)
-    window = compute + recompute + moe_tp
+    window = compute + recompute
     fsdp_exposed = max((1 - FSDP_OVERLAP) * fsdp, fsdp - window) + one_rank_copies
 
     shard_params = rank_params / shard + expert_shard
@@ -521,7 +522,6 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     cost.terms = {
         "compute": compute,
         "recompute": recompute,
-        "moe_tp": moe_tp,
         "tp": tp,
         "cp": cp,
         "pp_p2p": pp_p2p,

@@ -6,9 +6,9 @@ latent norms `q_norm`, `kv_norm` are small and run whole on every TP rank (`REPL
 weights replicated, plain tensors in and out; the colwise projection after them sums their
 gradient over the TP ranks). The rotated key is one head shared by all heads, so each rank's
 gradient of it covers only that rank's heads: `attention.k_rope_to_heads` (an identity) sums
-it over the TP ranks (`SUM_GRAD`). A Mixture-of-Experts block runs whole on every TP rank
-(`MOE_INPUT`); expert parallel splits its experts. Only the entries a block has apply (a
-model has `wq` or `wq_a`/`wq_b`; a block `feed_forward` or `moe`).
+it over the TP ranks (`SUM_GRAD`). A Mixture-of-Experts block's routed and shared experts are
+split on their hidden dim (`MOE_INPUT`); expert parallel splits the routed ones by expert. Only
+the entries a block has apply (a model has `wq` or `wq_a`/`wq_b`; a block `feed_forward` or `moe`).
 """
 
 from titan_parallel.plan import ModelPlan, TPStyle

@@ -48,5 +48,5 @@ qwen3_plan = ModelPlan(
 """Dense Qwen3."""
 
 qwen3_moe_plan = dataclasses.replace(qwen3_plan, block_tp=(*_ATTENTION_TP, ("moe", TPStyle.MOE_INPUT)), moe="moe")
-"""Qwen3-MoE: attention as in `qwen3_plan`; the `moe` module runs whole on every TP rank
-(`MOE_INPUT`) and expert parallel splits its experts (`ModelPlan.moe`)."""
+"""Qwen3-MoE: attention as in `qwen3_plan`; tensor parallel splits the `moe` module's experts on their
+hidden dim (`MOE_INPUT`) and expert parallel splits them by expert (`ModelPlan.moe`)."""
