@@ -5,8 +5,8 @@ Three launches of tests/workers/muon_worker.py, each running its jobs one after 
 
     1 process:  ref (Llama 3 debugmodel, checkpoints at steps 3 and 6), ref_moe (Qwen3-MoE),
                 resume (ref's step 3, resumed: steps 4-6 bit for bit)
-    2 ranks:    fsdp2, tp2, ep2 (Qwen3-MoE), pp2_from_1 (ref's step 3 on 2 pipeline stages, 1F1B),
-                the exchange check
+    2 ranks:    fsdp2, tp2, ep2 and moe_tp2 (Qwen3-MoE), pp2_from_1 (ref's step 3 on 2 pipeline stages,
+                1F1B), the exchange check
     4 ranks:    fsdp2_tp2, hsdp2x2_from_fsdp2 (fsdp2's step 3, saved by 2 ranks, on HSDP 2 x 2),
                 the exchange check on a 2 x 2 mesh
 
@@ -71,6 +71,7 @@ LAUNCHES: dict[int, dict[str, tuple[tuple[str, ...], tuple[str, int] | None]]] =
         "fsdp2": ((*batch(2), *CKPT), None),
         "tp2": ((*batch(1), *TP2), None),
         "ep2": ((*batch(2), *QWEN3_MOE, f"{P}expert_parallel_degree", "2"), None),
+        "moe_tp2": ((*batch(1), *QWEN3_MOE, *TP2), None),
         "pp2_from_1": ((*batch(1), *PP2, *CKPT), ("ref", 3)),
     },
     4: {
@@ -114,6 +115,7 @@ ROWS = {  # row -> (its reference, the steps it trains)
     "fsdp2": ("ref", range(1, 7)),
     "tp2": ("ref", range(1, 7)),
     "ep2": ("ref_moe", range(1, 7)),
+    "moe_tp2": ("ref_moe", range(1, 7)),  # each expert's hidden dim split over TP: exchanged to its owner
     "fsdp2_tp2": ("ref", range(1, 7)),
     "pp2_from_1": ("ref", range(4, 7)),  # resharded: 1 process -> 2 pipeline stages
     "hsdp2x2_from_fsdp2": ("ref", range(4, 7)),  # resharded: 2 FSDP ranks -> 2 x 2 HSDP
