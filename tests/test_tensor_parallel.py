@@ -130,6 +130,14 @@ def test_tp_splits_each_experts_hidden_dim_and_replicates_the_router():
     odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=258))
     with pytest.raises(ParallelConfigError, match=r"^tp=4 does not divide layers\.1\.moe\.experts\.w1\.shape\[1\]=258;"):
         check_tp(build_meta_model(spec, odd), spec.plan, 4)
+    # An expert weight by another name would run whole on each rank and be summed tp times: refused.
+    with torch.device("meta"):
+        renamed = spec.build(args)
+    for block in list(renamed.layers.values())[1:]:
+        block.moe.experts.register_parameter("gate_up", block.moe.experts.w1)
+        del block.moe.experts.w1
+    with pytest.raises(ParallelConfigError, match=r"^tensor parallel cannot split layers\.1\.moe\.experts\.gate_up: "):
+        check_tp(renamed, spec.plan, 2)
 
 
 def test_apply_tp_validates_before_touching_the_model():

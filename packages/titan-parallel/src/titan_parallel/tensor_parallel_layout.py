@@ -26,7 +26,8 @@ MOE_TP_SPLITS: dict[str, int] = {
 }
 """The parameters of a `TPStyle.MOE_INPUT` module that tensor parallel splits, by path inside it, and the
 dim it splits: the routed experts' and the shared experts' SwiGLU hidden dim. Every other parameter (the
-router) is replicated, its gradient summed over the TP ranks."""
+router) is replicated, its gradient summed over the TP ranks; `check_tp` refuses any other parameter under
+`experts` or `shared_experts` (a bias, another name), whose output each rank would add whole."""
 
 
 def _model_args(model: nn.Module) -> Any:
@@ -89,6 +90,13 @@ def _moe_split_sizes(model: nn.Module, plan: ModelPlan, path: str) -> list[tuple
         if moe is None:
             continue
         params = dict(moe.named_parameters())
+        unknown = [n for n in params if n.split(".")[0] in ("experts", "shared_experts") and n not in MOE_TP_SPLITS]
+        if unknown:  # run whole on each rank, it would add tp copies of its output into the reduce-scatter
+            raise ParallelConfigError(
+                f"tensor parallel cannot split {plan.blocks}.{index}.{path}.{unknown[0]}: a TPStyle.MOE_INPUT "
+                f"module's experts are split by the names {', '.join(MOE_TP_SPLITS)}; name them so, or set tp=1",
+                arguments=("tp",),
+            )
         return [
             (f"{plan.blocks}.{index}.{path}.{name}.shape[{dim}]", params[name].shape[dim])
             for name, dim in MOE_TP_SPLITS.items()
