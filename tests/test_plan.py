@@ -133,11 +133,12 @@ def test_muon_step_and_states_by_hand():
     # stacked experts by expert, TP by hidden dim: each rank's 4e8 / 8 expert elements go half to its TP peer
     # (1/2 x 1e8 B -> 0.5 ms). EP 2: the 2 ranks holding the same experts split them by rows too, groups of
     # 2 x 2 (3/4 x 1e8 B -> 0.75 ms); EP 4: each rank its own experts, only TP's halves move.
-    assert muon_exchange_seconds(t, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 0.5e-3))
-    ep2 = dataclasses.replace(t, ep=2)
-    assert muon_exchange_seconds(ep2, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 0.75e-3))
-    own = dataclasses.replace(t, ep=4)
-    assert muon_exchange_seconds(own, moe, lambda group, term: 100e9) == pytest.approx(2 * (0.875e-3 + 0.5e-3))
+    # The experts' pieces travel over the TP group alone, or over the "experts" group under EP 2.
+    for layout, experts, groups in ((t, 0.5e-3, {"muon", "tp"}), (dataclasses.replace(t, ep=2), 0.75e-3,
+                                     {"muon", "experts"}), (dataclasses.replace(t, ep=4), 0.5e-3, {"muon", "tp"})):
+        used = set()
+        seconds = muon_exchange_seconds(layout, moe, lambda group, term: used.add(group) or 100e9)
+        assert seconds == pytest.approx(2 * (0.875e-3 + experts)) and used == groups, layout
     assert muon_exchange_seconds(t, WORK, lambda group, term: 100e9) == 0  # AdamW
     # 8 one-GPU nodes: the block matrices' group leaves the node
     near = estimate_step_cost(t, muon, CLUSTER).terms["optimizer"]  # t: FSDP 4 x TP 2, as above

@@ -22,7 +22,7 @@ from titan_core.memory.plan_bounds import memory_lower_bound
 from titan_core.memory.plan_model import block_sizes
 from titan_core.memory.plan_report import render_plan
 from titan_core.memory.plan_space import candidate_layouts, expert_degrees, refuse_by_rule, refuse_expert_parallel
-from titan_core.memory.step_cost import Cluster, Layout, Workload, estimate_step_cost, muon_exchange_seconds
+from titan_core.memory.step_cost import Cluster, Layout, Workload, estimate_step_cost
 from titan_core.memory.activations import ActivationLayout
 from titan_core.memory.eager_saved import measure_eager
 from titan_models import get_model_args, get_model_spec
@@ -98,29 +98,6 @@ def test_tp_splits_the_experts_and_ep_shrinks_fsdps_expert_traffic():
     # FSDP gathers E / ep experts per rank: the raw traffic (beyond the compute, which it exceeds here) shrinks.
     fsdp = [estimate_step_cost(Layout(dp_shard=64, ep=ep), MOE_WORK, CLUSTER).terms["fsdp"] for ep in (1, 8, 64)]
     assert fsdp[0] > fsdp[1] > fsdp[2]
-
-
-def test_muon_exchanges_the_experts_over_the_ranks_holding_their_pieces():
-    work = dataclasses.replace(MOE_WORK, muon_params=10**10, muon_exchange_bytes=2)
-    dense, experts = 10**9, 9 * 10**9
-    seconds = {}
-
-    def bandwidth(group: str, term: str) -> float:
-        seconds.setdefault(term, set()).add(group)
-        return 100e9
-
-    def ring(n: int, pieces: float) -> float:  # two all-to-alls of a rank's pieces, (n - 1) / n of them moving
-        return 2 * (n - 1) / n * 2 * pieces / 100e9
-
-    # One process per expert without TP or EP: FSDP keeps whole experts on each rank, only the dense matrices move.
-    assert muon_exchange_seconds(Layout(dp_shard=64), work, bandwidth) == pytest.approx(ring(64, dense / 64))
-    # TP 2: each expert's hidden dim is split over the 2 TP ranks, which exchange their halves.
-    got = muon_exchange_seconds(Layout(dp_shard=32, tp=2), work, bandwidth)
-    assert got == pytest.approx(ring(64, dense / 64) + ring(2, experts / 64))
-    # EP 8 x TP 2: the 32 / 8 = 4 ranks holding the same experts split them by rows, TP by hidden: groups of 8.
-    got = muon_exchange_seconds(Layout(dp_shard=32, tp=2, ep=8), work, bandwidth)
-    assert got == pytest.approx(ring(64, dense / 64) + ring(8, experts / 64))
-    assert seconds["optimizer"] == {"muon", "tp", "experts"}
 
 
 # The degrees and the rules.

@@ -20,7 +20,6 @@ import warnings
 from typing import cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -162,22 +161,6 @@ class SumGradParallel(ParallelStyle):
         )
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (a replicated weight whose uses give each
-    rank a partial gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class MoETensorParallel(ParallelStyle):
     """`TPStyle.MOE_INPUT`: a Mixture-of-Experts module whose experts' hidden dim is split over the TP ranks.
 
@@ -192,9 +175,10 @@ class MoETensorParallel(ParallelStyle):
     The output's gradient comes back whole on every rank, and everything it reaches inside the module gets
     a partial gradient: the tokens' (through the expert slices and, via the routing weights, the router),
     and the router weight's. So the all-gather's backward is a reduce-scatter (a sum, not a slice), and
-    the router weight's gradient is summed over the TP ranks (`_SumGradOverGroup`, a tensor of
-    experts x dim). A gradient the module adds itself (an auxiliary loss) must be scaled by its
-    `grad_share` attribute, which this style sets to `1 / tp` when the module has one.
+    the router weight's gradient (experts x dim) is summed over the TP ranks, as `SumGradParallel` sums
+    its output's: its local tensor enters as a `Replicate()` DTensor and leaves with a `Partial()`
+    gradient. A gradient the module adds itself (an auxiliary loss) must be scaled by its `grad_share`
+    attribute, which this style sets to `1 / tp` when the module has one.
 
     Experts that expert parallel split already (DTensors on the `(ep, tp)` mesh, `apply_ep`) keep their
     placement, and the module reads their local tensors itself.
@@ -206,7 +190,6 @@ class MoETensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.nn.utils.stateless import _reparametrize_module
 
-        group = device_mesh.get_group()
         split: list[str] = []
         replicated: list[str] = []
         for name, param in list(module.named_parameters()):
@@ -230,8 +213,9 @@ class MoETensorParallel(ParallelStyle):
             tokens = x.redistribute(device_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
             weights = {name: cast(DTensor, module.get_parameter(name)) for name in (*split, *replicated)}
             local = {name: weights[name].to_local() for name in split}
-            for name in replicated:
-                local[name] = _SumGradOverGroup.apply(weights[name].to_local(), group)
+            for name in replicated:  # gradient summed over the TP ranks (Partial -> Replicate in backward)
+                whole = DTensor.from_local(weights[name].to_local(), device_mesh, (Replicate(),), run_check=False)
+                local[name] = whole.to_local(grad_placements=(Partial(),))
             with _reparametrize_module(module, local):
                 out = inner(tokens, *args, **kwargs)
             partial = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
