@@ -121,6 +121,11 @@ ROWS: tuple[Row, ...] = (
     # Mixture-of-Experts: DeepSeek-V3 debugmodel (BASE's flavor; 1 dense + 3 MoE blocks of 8 experts, top 2)
     _row("moe-single", 1, "--model.name", "deepseek_v3"),
     _row("moe-ep2", 2, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2"),
+    # Under TP: each expert's hidden dim split over the TP ranks (etp = tp), or the TP ranks in the ep group (etp=1)
+    _row("moe-ep2-tp2", 4, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2",
+         "--parallelism.tensor_parallel_degree", "2"),
+    _row("moe-ep2-tp2-etp1", 4, "--model.name", "deepseek_v3", "--parallelism.expert_parallel_degree", "2",
+         "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "1"),
 )
 """The matrix: FSDP, HSDP, DDP, TP, CP, PP schedules, AC modes, fp32 and bf16, gradient accumulation, a document
 mask, MoE and EP."""
@@ -133,7 +138,7 @@ class Result:
     Args:
         row: the layout.
         measured: the reference per rank: the peak of live tensor bytes (`MemTracker` on the real run), or under
-            pipeline parallel, where that tracker cannot run, the allocator's peak.
+            pipeline parallel and for a MoE under TP, where that tracker cannot run, the allocator's peak.
         allocator: the CPU allocator's peak per rank (the profiler's running total).
         stages: pipeline degree.
         analytic: the analytic tier's total per stage.
@@ -233,8 +238,10 @@ def worker(spec: str, out: str) -> None:
             trainer = Trainer(cfg)
             t = cfg.training
             batches = [(torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long),) * 2] * trainer.accum_steps
-            # MemTracker's module hooks fail inside torch's pipeline backward (autograd.grad): not under PP.
-            tracker = peak_tracker() if trainer.dims.pp == 1 else None
+            # MemTracker's module hooks fail inside torch's pipeline backward (autograd.grad): not under PP. Nor for
+            # a MoE under TP: it cannot follow the local tensors the MoE's TP style reparametrizes the layer with.
+            moe_tp = trainer.dims.tp > 1 and trainer.spec.plan.moe is not None
+            tracker = peak_tracker() if trainer.dims.pp == 1 and not moe_tp else None
             if tracker is not None:
                 allow_repeated_forwards(tracker, trainer.model.parts)
                 tracker.track_external(*trainer.model.parts, *trainer.optimizers)
@@ -316,7 +323,7 @@ def table(results: list[Result]) -> str:
         traced_err = f"{r.error(r.traced):+.1%}" if r.traced else r.traced_note
         overrides = " ".join(r.row.tokens).replace("--parallelism.", "").replace("--activation_checkpoint.", "ac.")
         overrides = overrides.replace("--training.", "") or "(base)"
-        live = mib(r.per_stage(r.measured)) if r.measured_by == "live" else "n/a (PP)"
+        live = mib(r.per_stage(r.measured)) if r.measured_by == "live" else "n/a (PP, MoE x TP)"
         lines.append(f"| {r.row.name} | {r.row.world} | `{overrides}` | {live} | "
                      f"{mib(r.per_stage(r.allocator))} | {mib(r.analytic)} | {r.error(r.analytic):+.1%} | {traced} | {traced_err} |")
     return "\n".join(lines)

@@ -105,6 +105,7 @@ class Layout:
 DEEPSEEK = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe")
 EP = f"{P}expert_parallel_degree"
+ETP1 = (f"{P}expert_tensor_parallel_degree", "1")
 CP2_ULYSSES = (f"{P}context_parallel_degree", "2", f"{P}context_parallel_method", "ulysses")
 
 
@@ -180,6 +181,12 @@ LAYOUTS = [
     # sequence's slots over the cp ranks holding its chunks (FSDP per stage over those ranks; EP 2 over them too).
     Layout("moe_ep2_pp2_cp2", 4, 1, _pp("1F1B", EP, "2", f"{P}context_parallel_degree", "2"), model=QWEN3_MOE),
     Layout("moe_ep2_tp2", 4, 2, (EP, "2", f"{P}tensor_parallel_degree", "2"), model=DEEPSEEK),
+    # The TP ranks join expert parallel (ETP=1): each routes its own sequence shard to whole experts. DeepSeek-V3's
+    # shared experts split over the flattened tokens, its load counted over dp x tp; Qwen3-MoE's aux loss over the
+    # cp x tp ranks holding each sequence's parts.
+    Layout("moe_ep2_tp2_etp1", 2, 1, (EP, "2", f"{P}tensor_parallel_degree", "2", *ETP1), model=DEEPSEEK),
+    Layout("qwen3_moe_ep4_tp2_cp2_etp1", 4, 1, (EP, "4", f"{P}tensor_parallel_degree", "2", *ETP1,
+                                                 f"{P}context_parallel_degree", "2"), model=QWEN3_MOE),
     # Qwen3-MoE under TP: QK-norm on head-sharded activations, the MoE replicated over the TP ranks.
     Layout("qwen3_moe_tp2", 2, 1, (f"{P}tensor_parallel_degree", "2"), model=QWEN3_MOE),
     # Attention within each document (model.attn_mask_type), on short documents, the mask with TP's head shards.

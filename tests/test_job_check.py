@@ -146,6 +146,13 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
         (FT_ON + ["--model.name", "deepseek_v3"], ["MoE expert biases", "fault_tolerance.enable"]),
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
+        # The TP ranks joining expert parallel (etp=1) need an ep that spans them.
+        (["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+          "--parallelism.expert_tensor_parallel_degree", "1"],
+         ["etp=1 makes the tp=2 ranks join expert parallel, but ep=1",
+          "(etp set by parallelism.expert_tensor_parallel_degree, ep set by parallelism.expert_parallel_degree"]),
+        (["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+          "--parallelism.expert_tensor_parallel_degree", "3"], ["etp=3 must be tp=2"]),
     ],
 )
 def test_more_broken_jobs(overrides, expected):

@@ -67,6 +67,11 @@ def raised(call) -> ParallelConfigError:
         (lambda: check_data_parallel(ParallelDims(dp_shard=2, tp=2, world_size=4), "ddp"), ("dp_mode", "dp_shard", "tp", "dp_replicate"),
          "dp_mode='ddp' replicates whole models and does not combine with dp_shard=2, tp=2"),
         (lambda: check_data_parallel(ParallelDims(), "zero3"), ("dp_mode",), "dp_mode='zero3' is unknown"),
+        (lambda: ParallelDims(tp=2, ep=2, etp=4, world_size=2), ("etp", "tp"), "etp=4 must be tp=2 (TP splits each expert) or 1"),
+        (lambda: ParallelDims(tp=2, etp=1, world_size=2), ("etp", "ep", "tp"),
+         "etp=1 makes the tp=2 ranks join expert parallel, but ep=1; set ep to a multiple of cp x tp = 2, or etp=2"),
+        (lambda: ParallelDims(cp=2, tp=2, ep=2, etp=1, world_size=8), ("ep", "cp", "tp", "dp_shard", "etp"),
+         "ep=2 must be cp=2 x tp=2 times a divisor of dp_shard=2"),
         (lambda: check_cp(36, 4), ("seq_len", "cp"), "seq_len=36 is not divisible by 2 x cp=4 = 8"),
         (lambda: check_cp(30, 1, tp=4), ("seq_len", "tp"), "seq_len=30 is not divisible by tp=4:"),
         (lambda: check_cp(0, 1), ("seq_len",), "seq_len=0 must be >= 1"),
@@ -88,6 +93,14 @@ def test_rules_name_their_arguments(call, arguments, text):
 def test_valid_layouts_pass():
     assert ParallelDims(dp_replicate=2, cp=2, tp=2, world_size=16).dp_shard == 2
     assert ParallelDims(world_size=8).dp == 8
+    # Expert parallel carved from dp_shard x cp (etp = tp, the default), or from dp_shard x cp x tp (etp = 1).
+    split = ParallelDims(tp=2, ep=2, world_size=8)
+    assert (split.etp, split.ep_spans_tp, split.dp_shard_in_ep, split.dp_shard_mod_ep) == (2, False, 2, 2)
+    joined = ParallelDims(tp=2, ep=2, etp=1, world_size=8)
+    assert (joined.ep_spans_tp, joined.dp_shard_in_ep, joined.dp_shard_mod_ep) == (True, 1, 4)
+    wide = ParallelDims(cp=2, tp=2, ep=8, etp=1, world_size=16)
+    assert (wide.dp_shard, wide.dp_shard_in_ep, wide.dp_shard_mod_ep) == (4, 2, 2)
+    assert not ParallelDims(ep=2, etp=1, world_size=2).ep_spans_tp  # tp = 1: etp = 1 is the default
     check_data_parallel(ParallelDims(dp_replicate=2, dp_shard=1, world_size=2), "ddp")
     check_data_parallel(ParallelDims(dp_shard=2, tp=2, world_size=4), "fsdp")
     check_cp(32, 2, tp=2)

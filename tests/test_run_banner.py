@@ -102,6 +102,14 @@ def test_the_layout_names_ulysses_context_parallel():
     assert banner(ulysses, world_size=4).endswith("| 4 processes: dp_shard=2 x cp=2 Ulysses")
 
 
+def test_the_layout_says_when_the_tp_ranks_join_expert_parallel():
+    moe = ["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
+           "--parallelism.expert_parallel_degree", "2"]
+    assert banner(moe, world_size=4).endswith("| 4 processes: dp_shard=2 x tp=2, ep=2")
+    joined = banner([*moe, "--parallelism.expert_tensor_parallel_degree", "1"], world_size=4)
+    assert joined.endswith("| 4 processes: dp_shard=2 x tp=2, ep=2 (etp=1: over the tp ranks too)")
+
+
 def test_no_shipped_default_claims_a_description():
     assert load_config(None, []).job.description == ""
     assert load_config("llama3_debugmodel", []).job.description == ""

@@ -126,10 +126,30 @@ def test_tp_splits_each_experts_hidden_dim_and_replicates_the_router():
     w1 = model.layers["1"].moe.experts.w1
     assert (w1.placements, tuple(w1.to_local().shape)) == ((Shard(0), Shard(1)), (4, 128, 256))
     assert model.layers["1"].moe.shared_experts.w1.weight.placements == (Shard(0),)
-    # A hidden dim tp does not divide is named before anything is split.
-    odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=258))
+    # The TP ranks joining expert parallel (etp=1): whole experts split by expert over the 4 ranks of (cp, tp),
+    # the shared experts colwise / rowwise, the router replicated.
+    with torch.device("meta"):
+        model = spec.build(args)
+    with fake_mesh(2, 2, "cpu") as mesh:
+        apply_ep(model, spec.plan, mesh["cp", "tp"]._flatten("ep"))
+        apply_tp(model, spec.plan, mesh["tp"], ep_spans_tp=True)
+    moe = model.layers["1"].moe
+    expected = {
+        "experts.w1": ((Shard(0),), (2, 256, 256)),
+        "experts.w2": ((Shard(0),), (2, 256, 256)),
+        "shared_experts.w1.weight": ((Shard(0),), (128, 256)),
+        "shared_experts.w2.weight": ((Shard(1),), (256, 128)),
+        "router.gate.weight": ((Replicate(),), (8, 256)),
+    }
+    for name, (placements, shape) in expected.items():
+        param = moe.get_parameter(name)
+        assert (param.placements, tuple(param.to_local().shape)) == (placements, shape), name
+    assert moe.grad_share == 0.5
+    # A hidden dim tp does not divide is named before anything is split; with etp=1 the routed experts stay whole.
+    odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=258, num_shared_experts=0))
     with pytest.raises(ParallelConfigError, match=r"^tp=4 does not divide layers\.1\.moe\.experts\.w1\.shape\[1\]=258;"):
         check_tp(build_meta_model(spec, odd), spec.plan, 4)
+    check_tp(build_meta_model(spec, odd), spec.plan, 4, etp=1)
     # An expert weight by another name would run whole on each rank and be summed tp times: refused.
     with torch.device("meta"):
         renamed = spec.build(args)

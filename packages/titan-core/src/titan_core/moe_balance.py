@@ -33,8 +33,9 @@ class ExpertLoadBalancer:
     Args:
         parts: this rank's model parts (pipeline stages).
         plan: the model's plan (`plan.blocks`, `plan.moe`).
-        group: the data-parallel x context-parallel process group the counts are summed over
-            (tensor-parallel peers see the same tokens and are left out).
+        group: the ranks that route different tokens, which the counts are summed over
+            (`titan_parallel.expert_parallel.routing_mesh`: data x context parallel; tensor-parallel peers
+            route the same tokens and are left out, unless they join expert parallel, `etp=1`).
         pp_group: under pipeline parallel, the pipeline's process group: `metrics` gathers every
             stage's layers (call it on every rank).
     """

@@ -95,7 +95,8 @@ def _describe_compute(job: Job) -> str:
 
 
 def _describe_layout(job: Job) -> str:
-    """'1 process', or '8 processes: dp_shard=2 x tp=4' ('cp=2 Ulysses' under Ulysses context parallel)."""
+    """'1 process', or '8 processes: dp_shard=2 x tp=4' ('cp=2 Ulysses' under Ulysses context parallel; 'ep=4 (etp=1:
+    over the tp ranks too)' when the TP ranks join expert parallel)."""
     if job.dims is None:
         return "world size not known yet"
     d = job.dims
@@ -106,7 +107,7 @@ def _describe_layout(job: Job) -> str:
         if value > 1
     )
     if d.ep > 1:
-        split += f", ep={d.ep}"
+        split += f", ep={d.ep}" + (" (etp=1: over the tp ranks too)" if d.ep_spans_tp else "")
     if d.world_size == 1:
         return "1 process"
     return f"{d.world_size} processes: {split}"

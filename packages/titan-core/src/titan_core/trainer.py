@@ -53,6 +53,7 @@ from titan_core.validation import Validator, training_overlap
 from titan_parallel.attention_backend import choose_sdpa_backends
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
+from titan_parallel.expert_parallel import routing_mesh
 
 logger = logging.getLogger("titan")
 
@@ -184,7 +185,7 @@ class Trainer:
         self.balancer = ExpertLoadBalancer(
             self.model.parts,
             self.spec.plan,
-            self.mesh["dp_cp"].get_group(),
+            routing_mesh(self.mesh).get_group(),
             pp_group=pp_group,
         )
         # One step, for every layout: forward context, loss normalisation, micro-batches, clip, optimizer

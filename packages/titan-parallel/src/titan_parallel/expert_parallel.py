@@ -20,10 +20,16 @@ its slice of each expert's hidden dim: the experts are 2-D DTensors on the `(ep,
 exchange the same tokens as their TP peers do (each rank's results are its slice's partial sums,
 which the MoE's TP style reduce-scatters).
 
+When the TP ranks join expert parallel instead (`ParallelDims.etp=1`, torchtitan's ETP=1), the `ep` mesh
+spans them and the experts stay whole: each TP rank routes its own sequence shard's tokens and exchanges
+them over that larger group (`tensor_parallel.MoETokenParallel`).
+
 Written here because torch has no expert-parallel style (torchtitan's is its own too).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,9 @@ from titan_parallel.layout import ParallelConfigError
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
 from titan_parallel.tensor_parallel_layout import MOE_TP_SPLITS
+
+if TYPE_CHECKING:
+    from titan_parallel.mesh import ParallelMesh
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -181,6 +190,30 @@ def apply_ep(model: nn.Module, plan: ModelPlan, ep_mesh: DeviceMesh) -> nn.Modul
             output_fn=exchange.combine,  # type: ignore[arg-type]
         )
     return model
+
+
+def set_sequence_group(model: nn.Module, plan: ModelPlan, group: dist.ProcessGroup) -> None:
+    """Give every MoE layer with a `sequence_group` attribute `group`: the ranks holding the other parts of the
+    sequences it routes (per-sequence statistics such as the auxiliary balance loss count them all).
+
+    Args:
+        model: the model or pipeline stage.
+        plan: its plan (`plan.moe` names the MoE modules).
+        group: the process group, e.g. the `cp x tp` ranks when the TP ranks route their own tokens.
+    """
+    for moe in moe_modules(model, plan):
+        if hasattr(moe, "sequence_group"):
+            cast(Any, moe).sequence_group = group
+
+
+def routing_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """The ranks that route different tokens, whose MoE token counts sum to the global batch's: `dp_cp`, and
+    the TP ranks too when they join expert parallel (`dp_cp_tp`; else every TP rank routes the same tokens).
+
+    Args:
+        mesh: the job's mesh (`ParallelDims.build_mesh`).
+    """
+    return mesh["dp_cp_tp"] if mesh.dims.ep_spans_tp else mesh["dp_cp"]
 
 
 def is_expert_parallel(module: nn.Module) -> bool:

@@ -71,8 +71,13 @@ class ParallelDims:
         pp: pipeline parallel degree (ranks in one pipeline).
         world_size: number of processes.
         ep: expert parallel degree: Mixture-of-Experts experts split over this many ranks, carved
-            from the FSDP x context-parallel ranks (`ep = dp_shard_in_ep x cp`); it adds no
-            processes. 1 = every rank holds every expert.
+            from the FSDP x context-parallel ranks (`ep = dp_shard_in_ep x cp`), and from the
+            tensor-parallel ranks too when `etp=1`; it adds no processes. 1 = every rank holds every
+            expert.
+        etp: expert tensor parallel degree, `tp` or 1 (-1 = `tp`). With `tp`, tensor parallel splits each
+            expert's hidden dim and every TP rank runs all of its group's token slots through its slice.
+            With 1 (torchtitan's ETP=1), the TP ranks join expert parallel instead (`ep = dp_shard_in_ep
+            x cp x tp`): each routes and sends only its own sequence shard's tokens, to whole experts.
     """
 
     dp_replicate: int = 1
@@ -82,6 +87,7 @@ class ParallelDims:
     pp: int = 1
     world_size: int = 1
     ep: int = 1
+    etp: int = -1
 
     def __post_init__(self) -> None:
         at_least(1, dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, pp=self.pp, world_size=self.world_size)
@@ -108,7 +114,30 @@ class ParallelDims:
                 arguments=tuple(n for n, _ in named),
             )
         at_least(1, ep=self.ep)
-        if self.ep > 1 and (self.ep % self.cp or self.dp_shard % (self.ep // self.cp)):
+        if self.etp == -1:
+            object.__setattr__(self, "etp", self.tp)
+        if self.etp not in (1, self.tp):
+            raise ParallelConfigError(
+                f"etp={self.etp} must be tp={self.tp} (TP splits each expert) or 1 (the TP ranks join expert "
+                "parallel); set one of them",
+                arguments=("etp", "tp"),
+            )
+        if self.etp == 1 and self.tp > 1 and self.ep == 1:
+            raise ParallelConfigError(
+                f"etp=1 makes the tp={self.tp} ranks join expert parallel, but ep=1; set ep to a multiple of "
+                f"cp x tp = {self.cp * self.tp}, or etp={self.tp}",
+                arguments=("etp", "ep", "tp"),
+            )
+        if self.ep_spans_tp:
+            inner = self.cp * self.tp
+            if self.ep % inner or self.dp_shard % (self.ep // inner):
+                raise ParallelConfigError(
+                    f"ep={self.ep} must be cp={self.cp} x tp={self.tp} times a divisor of dp_shard={self.dp_shard}: "
+                    "under etp=1 expert parallel is carved from the FSDP x context-parallel x tensor-parallel "
+                    f"ranks; change ep (or dp_shard, cp), or set etp={self.tp}",
+                    arguments=("ep", "cp", "tp", "dp_shard", "etp"),
+                )
+        elif self.ep > 1 and (self.ep % self.cp or self.dp_shard % (self.ep // self.cp)):
             raise ParallelConfigError(
                 f"ep={self.ep} must be cp={self.cp} times a divisor of dp_shard={self.dp_shard}: expert parallel "
                 "is carved from the FSDP x context-parallel ranks; change ep (or dp_shard, cp)",
@@ -116,9 +145,17 @@ class ParallelDims:
             )
 
     @property
+    def ep_spans_tp(self) -> bool:
+        """Whether the tensor-parallel ranks are part of each expert-parallel group (`etp=1`, `tp > 1`)."""
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
+
+    @property
     def dp_shard_in_ep(self) -> int:
-        """FSDP ranks inside one expert-parallel group (`ep / cp`; 1 without expert parallel)."""
-        return self.ep // self.cp if self.ep > 1 else 1
+        """FSDP ranks inside one expert-parallel group (`ep / cp`, `ep / (cp x tp)` under `etp=1`; 1 without
+        expert parallel)."""
+        if self.ep == 1:
+            return 1
+        return self.ep // (self.cp * self.tp) if self.ep_spans_tp else self.ep // self.cp
 
     @property
     def dp_shard_mod_ep(self) -> int:

@@ -15,6 +15,12 @@ Under expert parallel (`ParallelDims.ep > 1`) `dp_shard` is split into
 - `ep`       = dp_shard_in_ep x cp: ranks that split the experts (all-to-all of tokens);
 - `dp_shard_mod_ep` (a root dim): ranks holding the same experts, which FSDP shards the
   experts over (with `dp_replicate` for HSDP).
+
+When the tensor-parallel ranks join expert parallel (`ParallelDims.ep_spans_tp`, `etp=1`):
+
+- `ep`       = dp_shard_in_ep x cp x tp;
+- `cp_tp`    = cp x tp: the ranks holding the parts of one sequence that a MoE layer routes;
+- `dp_cp_tp` = dp_replicate x dp_shard x cp x tp: every rank that routes different tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ EP_FLATTENED = {
     "dp_shard_cp": (*_SHARD, "cp"),
     "dp_cp": ("dp_replicate", *_SHARD, "cp"),
     "ep": ("dp_shard_in_ep", "cp"),
+}
+EP_TP_FLATTENED = {
+    **EP_FLATTENED,
+    "ep": ("dp_shard_in_ep", "cp", "tp"),
+    "cp_tp": ("cp", "tp"),
+    "dp_cp_tp": ("dp_replicate", *_SHARD, "cp", "tp"),
 }
 
 
@@ -88,5 +100,6 @@ def init_parallel_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
         return ParallelMesh(root, flat, dims)
     shape = (dims.pp, dims.dp_replicate, dims.dp_shard_mod_ep, dims.dp_shard_in_ep, dims.cp, dims.tp)
     root = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
-    flat = {name: root[names]._flatten(name) for name, names in EP_FLATTENED.items()}
+    views = EP_TP_FLATTENED if dims.ep_spans_tp else EP_FLATTENED
+    flat = {name: root[names]._flatten(name) for name, names in views.items()}
     return ParallelMesh(root, flat, dims)

@@ -148,7 +148,7 @@ def parallelize(
     if mesh.dims.ep > 1:
         from titan_parallel.expert_parallel import apply_ep, ep_tp_mesh, experts_split_by_tp
 
-        split_by_tp = mesh["tp"].size() > 1 and experts_split_by_tp(plan)
+        split_by_tp = mesh["tp"].size() > 1 and experts_split_by_tp(plan) and not mesh.dims.ep_spans_tp
         apply_ep(model, plan, ep_tp_mesh(mesh["ep"], mesh["tp"]) if split_by_tp else mesh["ep"])
     if mesh["tp"].size() > 1:
         from titan_parallel.tensor_parallel import apply_tp
@@ -160,11 +160,17 @@ def parallelize(
             loss_parallel=options.loss_parallel,
             async_tp=options.async_tp,
             compile=options.compile,
+            ep_spans_tp=mesh.dims.ep_spans_tp,
         )
     if mesh["cp"].size() > 1:
         from titan_parallel.context_parallel import apply_cp
 
         apply_cp(model, plan, mesh["cp"], cp_rotate_method=options.cp_rotate_method, cp_method=options.cp_method)
+    if mesh.dims.ep_spans_tp:
+        from titan_parallel.expert_parallel import set_sequence_group
+
+        # Each MoE layer routes its rank's part of a sequence that CP x TP split (after `apply_cp`, which sets CP's).
+        set_sequence_group(model, plan, (mesh["cp_tp"] if mesh["cp"].size() > 1 else mesh["tp"]).get_group())
     apply_ac(model, plan, options.ac_mode, options.ac_selective_option)
     if options.compile:
         # Ring attention runs eager (its collectives are not traceable): under ring CP each block

@@ -60,7 +60,9 @@ class EmbeddingParallel(RowwiseParallel):
         return module
 
 
-def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False) -> ParallelStyle:
+def build_tp_style(
+    style: TPStyle, *, loss_parallel: bool, float8: bool = False, ep_spans_tp: bool = False
+) -> ParallelStyle:
     """The torch `ParallelStyle` for one `TPStyle` (see `TPStyle` for the layouts).
 
     Args:
@@ -69,6 +71,8 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
         float8: for COLWISE, ROWWISE and BLOCK_INPUT, torchao's float8 styles (same
             layouts; activations cast to float8 before the all-gather), for tensorwise
             `Float8Linear`s (see `titan_parallel.float8`).
+        ep_spans_tp: for `TPStyle.MOE_INPUT`, the TP ranks are part of the expert-parallel group
+            (`ParallelDims.ep_spans_tp`): `MoETokenParallel` rather than `MoETensorParallel`.
     """
     colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     if float8 and style in (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.BLOCK_INPUT):
@@ -95,7 +99,7 @@ def build_tp_style(style: TPStyle, *, loss_parallel: bool, float8: bool = False)
         # The heads dim plays the sequence dim's part: the norm runs per head on this rank's heads.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style is TPStyle.MOE_INPUT:
-        return MoETensorParallel()
+        return MoETokenParallel() if ep_spans_tp else MoETensorParallel()
     if style is TPStyle.OUTPUT:
         return OutputParallel(
             input_layouts=Shard(1),
@@ -225,6 +229,88 @@ class MoETensorParallel(ParallelStyle):
         return module
 
 
+class MoETokenParallel(ParallelStyle):
+    """`TPStyle.MOE_INPUT` when the TP ranks are part of the expert-parallel group (`ParallelDims.etp=1`,
+    torchtitan's ETP=1): each TP rank routes only its own sequence shard's tokens, to whole experts.
+
+    The routed experts must be split by expert parallel already (`apply_ep` over an `ep` mesh that spans the
+    TP ranks), so the layer's all-to-alls carry each rank's own token slots, 1 / tp of what every TP rank
+    sends when TP splits the experts (`MoETensorParallel`), and the routed part needs no TP collective:
+
+        x (Shard(1), local) --router, all-to-all to whole experts, back--> routed out (local)
+        tokens --all-gather--> shared experts (colwise / rowwise) --reduce-scatter--> shared out (local)
+
+    The router is `Replicate()` and runs on this rank's tokens only, so its weight's gradient is a partial sum,
+    summed over the TP ranks as `MoETensorParallel` sums it. The shared experts, when there are any, are split
+    colwise / rowwise on the layer's flattened tokens (`Shard(0)`: a SwiGLU treats each token alone, so the
+    all-gather's token order does not matter); torchao's float8 styles when all three are tensorwise
+    `Float8Linear`s. The auxiliary loss counts each sequence's slots over the ranks holding its parts (the
+    caller sets the MoE's `sequence_group` to the `cp x tp` ranks) and each rank adds `grad_share = 1 / tp`
+    of its gradient, as under `MoETensorParallel`.
+
+    Per TP rank: the router's FLOPs and the all-to-all's volume divided by tp; whole experts, `E / ep` of them.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        experts = module.get_submodule("experts")
+        if not any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
+            raise ValueError(
+                f"MoETokenParallel needs {type(module).__name__}'s experts split by expert parallel first "
+                "(apply_ep over an ep mesh that spans the TP ranks)"
+            )
+        shared = getattr(module, "shared_experts", None)
+        if isinstance(shared, nn.Module):
+            _split_shared_experts(shared, device_mesh)
+        replicated: list[str] = []
+        for name, param in list(module.named_parameters()):
+            if isinstance(param, DTensor):
+                continue
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            whole = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
+            sub.register_parameter(leaf, nn.Parameter(whole))
+            replicated.append(name)
+        if hasattr(module, "grad_share"):
+            module.grad_share = 1.0 / device_mesh.size()  # type: ignore[assignment]  # an attribute, not a submodule
+        inner = module.forward
+
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if isinstance(x, DTensor):  # a sequence-parallel norm hands on its Shard(1) output
+                x = x.to_local()
+            local = {}
+            for name in replicated:  # gradient summed over the TP ranks (Partial -> Replicate in backward)
+                weight = cast(DTensor, module.get_parameter(name)).to_local()
+                whole = DTensor.from_local(weight, device_mesh, (Replicate(),), run_check=False)
+                local[name] = whole.to_local(grad_placements=(Partial(),))
+            with _reparametrize_module(module, local):
+                return inner(x, *args, **kwargs)
+
+        module.forward = forward
+        return module
+
+
+def _split_shared_experts(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split a shared-experts SwiGLU (`w1`, `w3` colwise, `w2` rowwise) over `tp_mesh` for flattened tokens:
+    its input all-gathered from `Shard(0)`, its output reduce-scattered back to `Shard(0)`."""
+    from titan_parallel.float8 import is_tensorwise_float8
+
+    linears = [shared.get_submodule(name) for name in ("w1", "w2", "w3")]
+    colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if all(is_tensorwise_float8(linear) for linear in linears):
+        from titan_parallel.float8 import float8_tp_style_classes
+
+        colwise, rowwise, prepare_input = float8_tp_style_classes()
+    styles: dict[str, ParallelStyle] = {
+        "": prepare_input(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+        "w1": colwise(),
+        "w3": colwise(),
+        "w2": rowwise(output_layouts=Shard(0)),
+    }
+    parallelize_module(shared, tp_mesh, styles)
+
+
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Let Inductor overlap TP collectives with matmuls (micro-pipeline TP on symmetric memory).
 
@@ -248,6 +334,7 @@ def apply_tp(
     loss_parallel: bool = True,
     async_tp: bool = False,
     compile: bool = False,
+    ep_spans_tp: bool = False,
 ) -> nn.Module:
     """Split `model` in place over `tp_mesh` as `plan.tp` / `plan.block_tp` say (with sequence parallel).
 
@@ -263,17 +350,20 @@ def apply_tp(
             plain-tensor logits.
         async_tp: overlap TP communication with compute (needs CUDA and torch.compile).
         compile: whether the blocks will be compiled (required by `async_tp`).
+        ep_spans_tp: the TP ranks are part of the expert-parallel group (`ParallelDims.ep_spans_tp`, `etp=1`):
+            Mixture-of-Experts layers keep their experts whole and route each rank's own tokens
+            (`MoETokenParallel`); `apply_ep` must have split the experts over that group first.
 
     Returns:
         `model`, changed in place.
     """
-    check_tp(model, plan, tp_mesh.size())
+    check_tp(model, plan, tp_mesh.size(), etp=1 if ep_spans_tp else -1)
     if async_tp:
         check_async_tp(tp_mesh.size(), tp_mesh.device_type, compile)
     tied = _tied_output_embedding(model, plan)
     parallelize_module(model, tp_mesh, planned_styles(model, plan.tp, loss_parallel))
     for block in iter_blocks(model, plan):
-        parallelize_module(block, tp_mesh, planned_styles(block, plan.block_tp, loss_parallel))
+        parallelize_module(block, tp_mesh, planned_styles(block, plan.block_tp, loss_parallel, ep_spans_tp))
     if tied is not None:
         # Both styles shard the shared weight on dim 0 (the vocab); restore one shared parameter.
         embedding, output = tied
@@ -284,7 +374,7 @@ def apply_tp(
 
 
 def planned_styles(
-    root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool
+    root: nn.Module, table: tuple[tuple[str, TPStyle], ...], loss_parallel: bool, ep_spans_tp: bool = False
 ) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan for the entries of `table` that exist under `root`.
 
@@ -297,6 +387,7 @@ def planned_styles(
         root: the module the table's paths are relative to (the model, or one block).
         table: (module path, style) entries, e.g. `plan.block_tp`.
         loss_parallel: see `build_tp_style`.
+        ep_spans_tp: see `build_tp_style`.
     """
     from titan_parallel.float8 import is_tensorwise_float8
 
@@ -309,7 +400,7 @@ def planned_styles(
         return style in (TPStyle.COLWISE, TPStyle.ROWWISE) and is_tensorwise_float8(root.get_submodule(path))
 
     return {
-        path: build_tp_style(style, loss_parallel=loss_parallel, float8=float8(path, style))
+        path: build_tp_style(style, loss_parallel=loss_parallel, float8=float8(path, style), ep_spans_tp=ep_spans_tp)
         for path, style in present.items()
     }
 

@@ -59,8 +59,9 @@ def _named_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
     return sizes
 
 
-def _split_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
-    """(name, size) of the weight dimension each planned module shards, found on the modules themselves."""
+def _split_sizes(model: nn.Module, plan: ModelPlan, routed_split: bool = True) -> list[tuple[str, int]]:
+    """(name, size) of the weight dimension each planned module shards, found on the modules themselves
+    (`routed_split=False`: a MoE's routed experts stay whole, `etp=1`)."""
     sizes: list[tuple[str, int]] = []
     container = get_submodule_or_none(model, plan.blocks)
     first_block = next(iter(container.named_children()), None) if container is not None else None
@@ -71,7 +72,8 @@ def _split_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
         for path, style in table:
             module = get_submodule_or_none(root, path)
             if style is TPStyle.MOE_INPUT:
-                sizes += _moe_split_sizes(model, plan, path)
+                moe_sizes = _moe_split_sizes(model, plan, path)
+                sizes += [(n, v) for n, v in moe_sizes if routed_split or f".{path}.experts." not in n]
             if isinstance(module, nn.Linear) and style in (TPStyle.COLWISE, TPStyle.OUTPUT):
                 sizes.append((f"{prefix}{path}.out_features", module.out_features))
             elif isinstance(module, nn.Linear) and style is TPStyle.ROWWISE:
@@ -105,7 +107,7 @@ def _moe_split_sizes(model: nn.Module, plan: ModelPlan, path: str) -> list[tuple
     return []
 
 
-def check_tp(model: nn.Module, plan: ModelPlan, tp: int) -> None:
+def check_tp(model: nn.Module, plan: ModelPlan, tp: int, etp: int = -1) -> None:
     """Raise `ParallelConfigError` (arguments `("tp",)`) if `model` cannot be split `tp` ways.
 
     Checks that the plan has tensor-parallel entries and that `tp` divides the head
@@ -118,6 +120,8 @@ def check_tp(model: nn.Module, plan: ModelPlan, tp: int) -> None:
         model: the model or pipeline stage to split.
         plan: its plan.
         tp: the tensor-parallel degree.
+        etp: the expert tensor-parallel degree (`ParallelDims.etp`): 1 keeps the routed experts whole (the TP
+            ranks join expert parallel), so `tp` need not divide their hidden dim; -1 = `tp`.
     """
     at_least(1, tp=tp)
     if tp == 1:
@@ -127,7 +131,7 @@ def check_tp(model: nn.Module, plan: ModelPlan, tp: int) -> None:
             f"model {type(model).__name__} has no tensor-parallel plan (ModelPlan.tp, ModelPlan.block_tp); set tp=1",
             arguments=("tp",),
         )
-    for name, size in _named_sizes(model, plan) + _split_sizes(model, plan):
+    for name, size in _named_sizes(model, plan) + _split_sizes(model, plan, routed_split=etp != 1):
         if size % tp:
             raise ParallelConfigError(
                 f"tp={tp} does not divide {name}={size}; choose a tp that divides it", arguments=("tp",)

@@ -258,6 +258,8 @@ class Parallelism(Section):
     """How ring attention exchanges key/value shards: 'allgather' or 'rotate' (read under method 'ring' only)."""
     expert_parallel_degree: Degree = 1
     """MoE: split the experts over this many ranks, carved from the FSDP x CP ranks (adds no processes)."""
+    expert_tensor_parallel_degree: int = -1
+    """MoE under TP: -1 or the TP degree = TP splits each expert; 1 = the TP ranks join expert parallel (ETP=1)."""
 
     @field_validator("data_parallel_shard_degree")
     @classmethod

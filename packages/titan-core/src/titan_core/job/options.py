@@ -32,6 +32,7 @@ DIMS_KEYS: dict[str, str] = {
     "tp": "parallelism.tensor_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
+    "etp": "parallelism.expert_tensor_parallel_degree",
     "world_size": "--nproc-per-node x --nnodes",  # the launch, not a config key
 }
 """`ParallelDims` field -> config key."""
@@ -50,6 +51,7 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
         pp=p.pipeline_parallel_degree,
         world_size=world_size,
         ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
     )
 
 

@@ -202,8 +202,9 @@ def _tensor_parallel(d: Draft) -> None:
     """The TP degree divides the heads, the feed-forward width and the vocab; async TP needs compile on CUDA."""
     from titan_parallel import check_async_tp, check_tp
 
-    tp = d.cfg.parallelism.tensor_parallel_degree
-    check_tp(d.meta_model(), d.spec.plan, tp)
+    p = d.cfg.parallelism
+    check_tp(d.meta_model(), d.spec.plan, p.tensor_parallel_degree, p.expert_tensor_parallel_degree)
+    tp = p.tensor_parallel_degree
     if d.parallel.async_tp:
         check_async_tp(tp, d.device_type, d.parallel.compile)
 

@@ -23,6 +23,8 @@ class ActivationLayout:
         block_causal: attention within each packed document (`model.attn_mask_type`): the blocks are measured
             under the model's dense mask where it builds one (off CUDA; FlexAttention's `BlockMask` on CUDA is
             a few integers per tile, and its kernel keeps what causal attention keeps).
+        ep_spans_tp: under TP, the TP ranks join expert parallel (`etp=1`): each MoE layer routes the rank's own
+            sequence shard to whole experts, rather than the all-gathered tokens to its slices of them.
     """
 
     compute_bytes: int = 2
@@ -34,6 +36,7 @@ class ActivationLayout:
     device_type: str = "cuda"
     loss_parallel: bool = True
     block_causal: bool = False
+    ep_spans_tp: bool = False
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         device_type=job.device_type,
         loss_parallel=not p.disable_loss_parallel,
         block_causal=cfg.model.attn_mask_type == "block_causal",
+        ep_spans_tp=dims.ep_spans_tp,
     )
     from titan_core.memory.eager_saved import measure_eager
     from titan_core.memory.fake_run import NoFakeGroup
@@ -191,13 +192,15 @@ def _tp_styles(job: Job) -> tuple[dict[str, str], dict[str, str]]:
     return {m: s.value for m, s in plan.tp}, {m: s.value for m, s in plan.block_tp}
 
 
-def _moe_tp_dim(pname: str, moe: str | None, block_styles: dict[str, str]) -> int | None:
-    """The dim tensor parallel splits of the block parameter `pname` inside a `TPStyle.MOE_INPUT` module, or None."""
+def _moe_tp_dim(pname: str, moe: str | None, block_styles: dict[str, str], routed: bool) -> int | None:
+    """The dim tensor parallel splits of the block parameter `pname` inside a `TPStyle.MOE_INPUT` module, or None
+    (`routed=False`: the routed experts stay whole, as when the TP ranks join expert parallel)."""
     from titan_parallel.tensor_parallel_layout import MOE_TP_SPLITS
 
     if moe is None or block_styles.get(moe) != "moe_input" or not pname.startswith(moe + "."):
         return None
-    return MOE_TP_SPLITS.get(pname[len(moe) + 1 :])
+    inner = pname[len(moe) + 1 :]
+    return MOE_TP_SPLITS.get(inner) if routed or not inner.startswith("experts.") else None
 
 
 def _count_params(job: Job, module_names: list[str], shards: int) -> _StageParams:
@@ -223,15 +226,18 @@ def _count_params(job: Job, module_names: list[str], shards: int) -> _StageParam
             if tp > 1 and style in _SHARDED_STYLES:
                 dim = 0 if style in ("colwise", "embedding", "output") else len(shape) - 1
                 shape[dim] = math.ceil(shape[dim] / tp)
-            moe_split = _moe_tp_dim(pname, plan.moe, block_styles) if in_block and tp > 1 else None
+            moe_split = (
+                _moe_tp_dim(pname, plan.moe, block_styles, not dims.ep_spans_tp) if in_block and tp > 1 else None
+            )
             if moe_split is not None:  # an expert's (or shared expert's) hidden dim (`TPStyle.MOE_INPUT`)
                 shape[moe_split] = math.ceil(shape[moe_split] / tp)
             expert_shards = shards
             if in_block and ep > 1 and plan.moe is not None and owner.startswith(f"{plan.moe}.experts"):
                 # Expert parallel keeps E / ep experts per rank (gathered by FSDP whole); FSDP shards
-                # them on dim 1 over the ranks holding the same experts.
+                # them on dim 1 over the ranks holding the same experts (dp_shard x cp / ep of them, x tp when
+                # the TP ranks are part of the ep group).
                 shape[0] //= ep
-                expert_shards = shards // ep
+                expert_shards = shards * (tp if dims.ep_spans_tp else 1) // ep
                 rows_dim = 1
             else:
                 rows_dim = 0

@@ -186,7 +186,8 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
 
                 def at(batch: int, kind: str = kind, block: nn.Module = block) -> int:
                     holder = _parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": block})}, mesh, layout)
-                    counts = _even_counts(moe.num_experts, batch * seq * moe.top_k) if moe else (lambda: 0)
+                    routed = batch * seq // (layout.tp if layout.ep_spans_tp else 1)  # tokens a MoE layer routes
+                    counts = _even_counts(moe.num_experts, routed * moe.top_k) if moe else (lambda: 0)
                     with fake_target(device, counts):
                         on_fake(holder, dtype, device)
                         rope, positions = _rope(meta, device), _positions(mesh, seq, device)
@@ -241,12 +242,31 @@ def _parallel_copy(
     from titan_parallel.context_parallel import apply_cp
     from titan_parallel.tensor_parallel import apply_tp
 
+    if layout.tp > 1 and layout.ep_spans_tp:
+        _stand_in_for_ep(holder, spec, mesh["tp"])
     if layout.tp > 1:
-        apply_tp(holder, spec.plan, mesh["tp"], loss_parallel=layout.loss_parallel)
+        apply_tp(holder, spec.plan, mesh["tp"], loss_parallel=layout.loss_parallel, ep_spans_tp=layout.ep_spans_tp)
     if layout.cp > 1 and spec.plan.blocks in children:
         method, rotate = layout.cp_method, layout.cp_rotate_method
         apply_cp(holder, spec.plan, mesh["cp"], cp_rotate_method=rotate, cp_method=method)  # type: ignore[arg-type]
     return holder
+
+
+def _stand_in_for_ep(holder: nn.Module, spec: ModelSpec[Any], tp_mesh: DeviceMesh) -> None:
+    """Mark the MoE layers' experts as split (whole `Replicate()` DTensors on `tp_mesh`), as `MoETokenParallel`
+    requires, without expert parallel's exchange: each rank then runs its own tokens' slots through whole experts,
+    which at even load is what arrives from the exchange (the same stand-in as for expert parallel without TP,
+    whose all-to-all this measurement leaves out too)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from titan_parallel.expert_parallel import EXPERT_WEIGHTS, moe_modules
+
+    for moe in moe_modules(holder, spec.plan):
+        experts = moe.get_submodule("experts")
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(experts, name)
+            whole = DTensor.from_local(weight.detach(), tp_mesh, (Replicate(),), run_check=False)
+            experts.register_parameter(name, nn.Parameter(whole, requires_grad=weight.requires_grad))
 
 
 def _rope(meta: nn.Module, device: str) -> torch.Tensor | None:
