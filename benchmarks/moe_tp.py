@@ -1,20 +1,26 @@
-"""A Mixture-of-Experts layer under tensor parallel: each rank's slice of the experts against the whole layer.
+"""A Mixture-of-Experts layer under tensor parallel: the two ways to split it against the whole layer.
 
-`TPStyle.MOE_INPUT` splits every routed and shared expert's hidden dim over the TP ranks, so each rank
-computes `1 / tp` of the layer's expert FLOPs on the same all-gathered tokens, and holds `1 / tp` of its
-expert weights. Before 2026-11-29 each TP rank ran the layer whole on those tokens; that compute (the
-unsplit layer on the whole sequence, without its all-gather) is the baseline timed here.
+- **split** (`etp = tp`, `MoETensorParallel`): every routed and shared expert's hidden dim is split over the
+  TP ranks, so each rank computes `1 / tp` of the layer's expert FLOPs on the same all-gathered tokens, and
+  holds `1 / tp` of its expert weights.
+- **join** (`etp = 1`, `MoETokenParallel`, torchtitan's ETP=1): the TP ranks are the expert-parallel group;
+  each routes only its own sequence shard and sends those slots by all-to-all to the rank holding their
+  (whole) expert, holding `1 / tp` of the experts. The shared experts are split as under **split**.
+- **whole**: before 2026-11-29 each TP rank ran the layer whole on the all-gathered tokens; that compute (the
+  unsplit layer on the whole sequence, without its all-gather) is the baseline.
 
 One torchrun launch of `--tp` gloo processes (one CPU thread each). Each rank builds the same seeded
-`titan_models.moe.MoE` twice, splits one with titan-parallel's style (`parallelize_module`), and first
-checks it: the split layer's output on the rank's sequence slice and the router's summed gradient against
-the whole layer's (fp32, within 1e-5 relative). Then it times forward + backward of both, interleaved
-(split, whole, whole, split, ...) so that drifts in machine speed hit both alike.
+`titan_models.moe.MoE` three times, splits two with titan-parallel's styles, and first checks them: each split
+layer's output on the rank's sequence slice and the router's summed gradient against the whole layer's (fp32,
+within 1e-5 relative). Then it times forward + backward of each, interleaved in rotating order so that drifts
+in machine speed hit all alike.
 
     uv run python benchmarks/moe_tp.py                       # dim 1024, 64 experts of 384, top 8, 1 x 512 tokens
     uv run python benchmarks/moe_tp.py --seq-len 128 --rounds 2   # smoke
 
-Prints per-rank median and best ms of each, their ratio, and the expert weights each rank holds.
+Prints per-rank median and best ms of each, their ratios, the expert weights each rank holds and the
+activation bytes each rank sends per forward (all-gather + reduce-scatter, or the all-to-alls' rows that
+leave the rank at even load).
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from titan_models.moe import MoE, MoEArgs
-    from titan_parallel.tensor_parallel import MoETensorParallel
+    from titan_parallel.expert_parallel import apply_ep
+    from titan_parallel.plan import ModelPlan
+    from titan_parallel.tensor_parallel import MoETensorParallel, MoETokenParallel
 
     dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -62,15 +70,22 @@ def worker(args: argparse.Namespace) -> None:
     )
     whole = MoE(args.dim, moe_args)
     whole.init_weights(0.02)
+    mesh = init_device_mesh("cpu", (tp,))
     split = copy.deepcopy(whole)
-    parallelize_module(split, init_device_mesh("cpu", (tp,)), MoETensorParallel())
+    parallelize_module(split, mesh, MoETensorParallel())
+    joined = copy.deepcopy(whole)  # the TP ranks as the expert-parallel group: apply_ep first, on a one-block model
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    holder.layers["0"].moe = joined
+    apply_ep(holder, ModelPlan(blocks="layers", moe="moe"), mesh)
+    parallelize_module(joined, mesh, MoETokenParallel())
     x = torch.randn(args.batch, args.seq_len, args.dim)
     grad = torch.randn_like(x)
     rows = slice(rank * args.seq_len // tp, (rank + 1) * args.seq_len // tp)
 
-    def run_split() -> torch.Tensor:
+    def run_part(layer: torch.nn.Module) -> torch.Tensor:
         mine = x[:, rows].clone().requires_grad_()
-        out = split(mine)
+        out = layer(mine)
         out.backward(grad[:, rows])
         return out
 
@@ -79,21 +94,25 @@ def worker(args: argparse.Namespace) -> None:
         out.backward(grad)
         return out
 
-    got, want = run_split(), run_whole()
-    router = split.router.gate.weight.grad
-    router = router.full_tensor() if isinstance(router, DTensor) else router
-    for name, a, b in (("output", got, want[:, rows]), ("router gradient", router, whole.router.gate.weight.grad)):
-        error = ((a - b).abs().max() / b.abs().max()).item()
-        if error > 1e-5:
-            raise SystemExit(f"rank {rank}: the split layer's {name} is {error:.2e} off the whole layer's")
-    times: dict[str, list[float]] = {"split": [], "whole": []}
+    want = run_whole()
+    for label, layer in (("split", split), ("join", joined)):
+        got = run_part(layer)
+        router = layer.router.gate.weight.grad
+        router = router.full_tensor() if isinstance(router, DTensor) else router
+        for name, a, b in (("output", got, want[:, rows]), ("router gradient", router, whole.router.gate.weight.grad)):
+            error = ((a - b).abs().max() / b.abs().max()).item()
+            if error > 1e-5:
+                raise SystemExit(f"rank {rank}: the {label} layer's {name} is {error:.2e} off the whole layer's")
+    layers = {"split": split, "join": joined, "whole": whole}
+    times: dict[str, list[float]] = {label: [] for label in layers}
     for r in range(args.rounds):
-        for label in ("split", "whole") if r % 2 == 0 else ("whole", "split"):
-            split.zero_grad(set_to_none=True)
-            whole.zero_grad(set_to_none=True)
+        order = list(layers)[r % 3 :] + list(layers)[: r % 3]
+        for label in order:
+            for layer in layers.values():
+                layer.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            run_split() if label == "split" else run_whole()
+            run_whole() if label == "whole" else run_part(layers[label])
             times[label].append(time.perf_counter() - start)
 
     def expert_bytes(module: torch.nn.Module) -> int:
@@ -103,15 +122,25 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         best = {k: min(v) * 1e3 for k, v in times.items()}
+        tokens, row = args.batch * args.seq_len, args.dim * 4  # fp32 rows
+        sent = {  # activation bytes leaving a rank per forward (the backward sends as many)
+            "split": 2 * (tp - 1) * tokens // tp * row,  # all-gather + reduce-scatter of the layer's tokens
+            "join": 2 * tokens // tp * args.top_k * (tp - 1) // tp * row  # dispatch + combine, even load
+            + (2 * (tp - 1) * tokens // tp * row if args.shared else 0),  # the shared experts' gather / scatter
+            "whole": (tp - 1) * tokens // tp * row,  # the all-gather
+        }
         print(f"MoE dim {args.dim}, {args.experts} experts of hidden {args.hidden}, top {args.top_k}, "
               f"{args.shared} shared; {args.batch} x {args.seq_len} tokens; tp {tp}; fp32; "
-              f"torch {torch.__version__}; outputs and router gradient match within 1e-5")
-        print(f"{'':34} {'median ms':>10} {'best ms':>9}  expert weights per rank")
-        print(f"{'split over TP (MOE_INPUT)':34} {med['split']:10.1f} {best['split']:9.1f}  "
-              f"{expert_bytes(split) / 2**20:.1f} MiB")
-        print(f"{'whole on each rank (before)':34} {med['whole']:10.1f} {best['whole']:9.1f}  "
-              f"{expert_bytes(whole) / 2**20:.1f} MiB")
-        print(f"whole / split: {med['whole'] / med['split']:.2f}x (median), {best['whole'] / best['split']:.2f}x (best)")
+              f"torch {torch.__version__}; outputs and router gradients match within 1e-5")
+        print(f"{'':36} {'median ms':>10} {'best ms':>9}  {'expert weights':>14}  {'sent / forward':>14}")
+        names = {"split": "split over TP (etp = tp)", "join": "TP ranks join EP (etp = 1)",
+                 "whole": "whole on each rank (before)"}
+        for label, layer in layers.items():
+            print(f"{names[label]:36} {med[label]:10.1f} {best[label]:9.1f}  "
+                  f"{expert_bytes(layer) / 2**20:10.1f} MiB  {sent[label] / 2**20:10.2f} MiB")
+        for label in ("split", "join"):
+            print(f"whole / {label}: {med['whole'] / med[label]:.2f}x (median), "
+                  f"{best['whole'] / best[label]:.2f}x (best)")
     dist.destroy_process_group()
 
 

@@ -5,7 +5,7 @@ Three launches of tests/workers/muon_worker.py, each running its jobs one after 
 
     1 process:  ref (Llama 3 debugmodel, checkpoints at steps 3 and 6), ref_moe (Qwen3-MoE),
                 resume (ref's step 3, resumed: steps 4-6 bit for bit)
-    2 ranks:    fsdp2, tp2, ep2 and moe_tp2 (Qwen3-MoE), pp2_from_1 (ref's step 3 on 2 pipeline stages,
+    2 ranks:    fsdp2, tp2, ep2, moe_tp2 and moe_etp1 (Qwen3-MoE), pp2_from_1 (ref's step 3 on 2 pipeline stages,
                 1F1B), the exchange check
     4 ranks:    fsdp2_tp2, hsdp2x2_from_fsdp2 (fsdp2's step 3, saved by 2 ranks, on HSDP 2 x 2),
                 the exchange check on a 2 x 2 mesh
@@ -72,6 +72,8 @@ LAUNCHES: dict[int, dict[str, tuple[tuple[str, ...], tuple[str, int] | None]]] =
         "tp2": ((*batch(1), *TP2), None),
         "ep2": ((*batch(2), *QWEN3_MOE, f"{P}expert_parallel_degree", "2"), None),
         "moe_tp2": ((*batch(1), *QWEN3_MOE, *TP2), None),
+        "moe_etp1": ((*batch(1), *QWEN3_MOE, *TP2, f"{P}expert_parallel_degree", "2",
+                      f"{P}expert_tensor_parallel_degree", "1"), None),
         "pp2_from_1": ((*batch(1), *PP2, *CKPT), ("ref", 3)),
     },
     4: {
@@ -116,6 +118,7 @@ ROWS = {  # row -> (its reference, the steps it trains)
     "tp2": ("ref", range(1, 7)),
     "ep2": ("ref_moe", range(1, 7)),
     "moe_tp2": ("ref_moe", range(1, 7)),  # each expert's hidden dim split over TP: exchanged to its owner
+    "moe_etp1": ("ref_moe", range(1, 7)),  # the TP ranks as the ep group: whole experts, each on its one rank
     "fsdp2_tp2": ("ref", range(1, 7)),
     "pp2_from_1": ("ref", range(4, 7)),  # resharded: 1 process -> 2 pipeline stages
     "hsdp2x2_from_fsdp2": ("ref", range(4, 7)),  # resharded: 2 FSDP ranks -> 2 x 2 HSDP
