@@ -1,7 +1,7 @@
 """`titan plan` with expert parallel: the all-to-all cost by hand, the EP degrees the rules allow, the lower
 bound against the estimate on EP layouts, the search against brute force on a small MoE, DeepSeek-V3 671B on
 256 x 80 GB (an EP layout fits; without EP only where TP splits the experts), dense plans unchanged, and the ep
-column of the table."""
+column of the table; the TP ranks joining expert parallel (etp = 1) by hand and in the search."""
 
 from __future__ import annotations
 
@@ -16,12 +16,25 @@ from titan_cli.main import app
 from titan_core.config import ConfigError, load_config
 from titan_core.memory.analytic import estimate_analytic
 from titan_core.memory.budget import usable_bytes
-from titan_core.memory.expert_cost import ALL_TO_ALLS_PER_LAYER, MoEWork, all_to_all_seconds, members_per_node
+from titan_core.memory.expert_cost import (
+    ALL_TO_ALLS_PER_LAYER,
+    MoEWork,
+    all_to_all_seconds,
+    ep_group_strides,
+    members_per_node,
+)
 from titan_core.memory.plan import SIMPLICITY_MARGIN, PlanRequest, layout_config, prepare_plan, rank_key, search
 from titan_core.memory.plan_bounds import memory_lower_bound
 from titan_core.memory.plan_model import block_sizes
 from titan_core.memory.plan_report import render_plan
-from titan_core.memory.plan_space import candidate_layouts, expert_degrees, refuse_by_rule, refuse_expert_parallel
+from titan_core.memory.plan_space import (
+    candidate_layouts,
+    expert_degrees,
+    joined_expert_degrees,
+    layout_overrides,
+    refuse_by_rule,
+    refuse_expert_parallel,
+)
 from titan_core.memory.step_cost import Cluster, Layout, Workload, estimate_step_cost
 from titan_core.memory.activations import ActivationLayout
 from titan_core.memory.eager_saved import measure_eager
@@ -100,22 +113,58 @@ def test_tp_splits_the_experts_and_ep_shrinks_fsdps_expert_traffic():
     assert fsdp[0] > fsdp[1] > fsdp[2]
 
 
+def test_tp_ranks_joining_ep_by_hand():
+    # At the same expert memory per rank on 64 GPUs at tp 2: EP 8 splitting each expert over TP, against EP 16 over
+    # the TP ranks too (etp = 1): E / 16 experts per rank either way, FSDP-sharded over the same 4 ranks.
+    def cost(ep: int, spans: bool, work: Workload = MOE_WORK):
+        t = Layout(dp_shard=32, tp=2, ep=ep, ep_spans_tp=spans, local_batch=2, microbatch=2)
+        return t, estimate_step_cost(t, work, CLUSTER)
+
+    (split, s), (joined, j) = cost(8, False), cost(16, True)
+    assert (split.expert_split, split.expert_holders) == (16, 4) and (joined.expert_split, joined.expert_holders) == (16, 4)
+    assert ep_group_strides(split) == {"ep": (2, 8), "experts": (16, 4)}
+    assert ep_group_strides(joined) == {"ep": (1, 16), "experts": (16, 4)}  # 16 consecutive ranks: two nodes
+    # The all-to-all: split, each TP rank sends every slot of the TP group's 2 sequences (2000 tokens x 4 slots x
+    # 1000 bf16 values = 16 MB) over 8 ranks 2 apart (4 per node); joined, its own 1000 tokens' (8 MB) over 16.
+    assert s.terms["ep"] == pytest.approx(4 * 10 * max(3 / 8 * 16e6 / 100e9, 4 / 8 * 16e6 / 10e9))
+    assert j.terms["ep"] == pytest.approx(4 * 10 * max(7 / 16 * 8e6 / 100e9, 8 / 16 * 8e6 / 10e9))
+    # FSDP gathers as many expert weights per rank; without shared experts a joined MoE layer takes no TP collective
+    # (half its block's), with them it keeps them all.
+    assert j.terms["fsdp"] == pytest.approx(s.terms["fsdp"]) and j.terms["compute"] == s.terms["compute"]
+    assert j.terms["tp"] == pytest.approx(s.terms["tp"] / 2)
+    shared = dataclasses.replace(MOE_WORK, moe=dataclasses.replace(MOE_WORK.moe, shared=True))
+    assert cost(16, True, shared)[1].terms["tp"] == pytest.approx(s.terms["tp"])
+    # What it writes for `titan train`, and how it reads.
+    assert joined.describe() == "dp_shard=32 tp=2 ep=16 etp=1"
+    overrides = layout_overrides(joined, 64)
+    assert overrides[overrides.index("--parallelism.expert_tensor_parallel_degree") + 1] == "1"
+
+
 # The degrees and the rules.
 
 def test_ep_degrees_are_those_the_job_rules_accept():
     assert expert_degrees(8, 1, 0) == [1]  # a dense model
     assert expert_degrees(8, 2, 256) == [1, 2, 4, 8, 16]  # cp x a divisor of dp_shard
     assert expert_degrees(16, 1, 8) == [1, 2, 4, 8]  # ... that divides the experts
+    # With the TP ranks joining: cp x tp x a divisor of dp_shard that divides the experts; none without TP.
+    assert joined_expert_degrees(8, 2, 2, 256) == [4, 8, 16, 32] and joined_expert_degrees(8, 1, 4, 8) == [4, 8]
+    assert joined_expert_degrees(8, 1, 1, 256) == [] and joined_expert_degrees(8, 1, 2, 0) == []
     cfg = load_config(None, list(DEBUG_MOE))
     for t in candidate_layouts(8, 8, 8192, 8, SCHEDULES, num_experts=8):
-        assert t.ep == 1 or (t.ep % t.cp == 0 and t.dp_shard % (t.ep // t.cp) == 0 and 8 % t.ep == 0)
-        ParallelDims(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, world_size=8, ep=t.ep)  # the job's own rule
+        inner = t.cp * (t.tp if t.ep_spans_tp else 1)
+        assert t.ep == 1 or (t.ep % inner == 0 and t.dp_shard % (t.ep // inner) == 0 and 8 % t.ep == 0)
+        etp = 1 if t.ep_spans_tp else -1
+        ParallelDims(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, world_size=8, ep=t.ep, etp=etp)  # the job's rule
         assert refuse_expert_parallel(t, cfg) is None
-    assert {t.ep for t in candidate_layouts(8, 8, 8192, 8, SCHEDULES, num_experts=8)} == {1, 2, 4, 8}
+    layouts = list(candidate_layouts(8, 8, 8192, 8, SCHEDULES, num_experts=8))
+    assert {t.ep for t in layouts} == {1, 2, 4, 8}
+    assert {(t.tp, t.ep) for t in layouts if t.ep_spans_tp} >= {(2, 2), (2, 8), (4, 4), (8, 8)}
     # What the rules refuse is one line naming the key: 3 does not divide 8 experts; ep 2 is not a multiple of cp 4.
     for bad in (Layout(dp_shard=6, ep=3), Layout(dp_shard=2, cp=4, ep=2)):
         message = refuse_expert_parallel(bad, cfg)
         assert message is not None and "\n" not in message and "parallelism.expert_parallel_degree" in message
+    message = refuse_expert_parallel(Layout(dp_shard=2, cp=2, tp=2, ep=2, ep_spans_tp=True), cfg)  # not cp x tp x d
+    assert message is not None and "parallelism.expert_tensor_parallel_degree" in message
 
 
 def test_lower_bound_never_exceeds_the_estimate_on_671b_layouts():
@@ -129,12 +178,14 @@ def test_lower_bound_never_exceeds_the_estimate_on_671b_layouts():
             continue
         act = measure_eager(spec, args, ActivationLayout(  # as the search asks
             compute_bytes=2, tp=t.tp, cp=t.cp, cp_rotate_method=plan.workload.cp_rotate_method, seq_len=4096,
-            device_type="cuda", loss_parallel=not plan.base.parallelism.disable_loss_parallel)).act
+            device_type="cuda", loss_parallel=not plan.base.parallelism.disable_loss_parallel,
+            ep_spans_tp=t.ep_spans_tp)).act
         peak = estimate_analytic(layout_config(plan, t), 256, device_type="cuda").peak
         assert memory_lower_bound(t, plan.workload, act, sizes) <= peak, t
         checked.append(t)
     assert len(checked) >= 25
     assert {t.ep > 1 for t in checked} == {True, False} and {t.pp > 1 for t in checked} == {True, False}
+    assert {t.ep_spans_tp for t in checked} == {True, False}
 
 
 def test_search_finds_what_brute_force_finds_on_a_moe_model():
@@ -151,7 +202,7 @@ def test_search_finds_what_brute_force_finds_on_a_moe_model():
             continue
         estimated += 1
         if peak <= plan.usable:
-            row = (t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.schedule, t.ac, t.offload)
+            row = (t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp, t.schedule, t.ac, t.offload)
             dims = (t.tp > 1) + (t.cp > 1) + (t.pp > 1) + (t.ep > 1)
             seconds = estimate_step_cost(t, plan.workload, plan.cluster).seconds * (1 + SIMPLICITY_MARGIN * dims)
             best[row] = min(best.get(row, math.inf), seconds)
@@ -212,10 +263,11 @@ def test_table_and_json_show_ep():
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     header = next(line.split() for line in lines if line.startswith("#  dp_rep"))
-    assert header[:7] == ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "ep"]
+    assert header[:8] == ["#", "dp_rep", "dp_shard", "cp", "tp", "pp", "ep", "etp"]
     rows = [line.split() for line in lines if line[:1].isdigit()]
     assert rows and all(math.prod(int(x) for x in row[1:6]) == 4 for row in rows)
     data = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
     assert [r["ep"] for r in data["layouts"]] == [int(row[6]) for row in rows]
+    assert [r["etp"] for r in data["layouts"]] == [int(row[7]) for row in rows]
     off = json.loads(CliRunner().invoke(app, [*args, "--json", "--no-expert-parallel"]).stdout)
     assert off["layouts"] and all(r["ep"] == 1 for r in off["layouts"])

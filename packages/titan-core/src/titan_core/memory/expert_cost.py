@@ -5,6 +5,11 @@ Tensor parallel splits the experts' hidden dim (`TPStyle.MOE_INPUT`), so a MoE l
 the TP ranks as a dense feed-forward's does (each TP rank routes the same tokens: the router, `experts x dim`
 per token, is the only part it repeats, left out), and so do the experts' weights.
 
+With `Layout.ep_spans_tp` (`expert_tensor_parallel_degree = 1`) the TP ranks join expert parallel instead:
+each routes its own `1 / tp` of the sequence shard to whole experts, so its all-to-alls carry `1 / tp` of the
+slots, and the `ep` group is `dp_shard_in_ep x cp x tp`, consecutive ranks; the ranks holding the same experts
+are `ep` apart.
+
 Pure arithmetic, no torch; `step_cost` imports this module, so this one reads its `Layout`,
 `Workload` and `Cluster` by attribute only. Under expert parallel the mesh is
 `(pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp)` (`titan_parallel.mesh`): an `ep`
@@ -30,12 +35,15 @@ class MoEWork:
         num_experts: routed experts per MoE layer.
         top_k: experts each token is routed to.
         layers: MoE blocks.
+        shared: whether the layers have shared experts (under `Layout.ep_spans_tp` those still take TP's
+            all-gather and reduce-scatter).
     """
 
     expert_params: int = 0
     num_experts: int = 0
     top_k: int = 0
     layers: int = 0
+    shared: bool = False
 
 
 EP_EXPOSED = 1.0
@@ -55,6 +63,8 @@ def ep_group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
     shards the experts over (`dp_shard x cp / ep`; the whole FSDP group without expert parallel).
     """
     t = layout
+    if t.ep_spans_tp:
+        return {"ep": (1, t.ep), "experts": (t.ep, t.expert_holders)}
     return {"ep": (t.tp, t.ep), "experts": (t.tp * t.ep, t.dp_shard * t.cp // t.ep)}
 
 
@@ -95,8 +105,9 @@ def ep_all_to_all_seconds(layout: Layout, work: Workload, cluster: Cluster) -> t
     """Seconds per step of expert parallel's all-to-alls on one rank, and the link: 'NVLink' or 'network'.
 
     Each MoE layer of the rank's stages, for each of its token slots (`seqs x seq_len / cp` tokens per step,
-    `top_k` slots each: the MoE input is the whole sequence shard, replicated over TP), sends a `dim`-wide
-    row in the activation dtype on each all-to-all (`ALL_TO_ALLS_PER_LAYER`), at `EP_EXPOSED`.
+    `top_k` slots each: the MoE input is the whole sequence shard, replicated over TP; `1 / tp` of it when the TP
+    ranks join expert parallel), sends a `dim`-wide row in the activation dtype on each all-to-all
+    (`ALL_TO_ALLS_PER_LAYER`), at `EP_EXPOSED`.
 
     Args:
         layout: the degrees (`ep`, `tp`, `cp`, `dp`, `pp`), batch split and checkpointing.
@@ -109,7 +120,8 @@ def ep_all_to_all_seconds(layout: Layout, work: Workload, cluster: Cluster) -> t
     stride, size = ep_group_strides(t)["ep"]
     local = members_per_node(stride, size, c.gpus_per_node)
     seqs = w.global_batch / t.dp  # sequences each data-parallel rank runs per step
-    nbytes = seqs * w.seq_len / t.cp * w.moe.top_k * w.dim * w.act_bytes  # (slots, dim) rows per all-to-all
+    routed = seqs * w.seq_len / t.cp / (t.tp if t.ep_spans_tp else 1)  # tokens a MoE layer routes on the rank
+    nbytes = routed * w.moe.top_k * w.dim * w.act_bytes  # (slots, dim) rows per all-to-all
     one = all_to_all_seconds(t.ep, local, nbytes, c.intra_node_bw, c.inter_node_bw)
     seconds = EP_EXPOSED * ALL_TO_ALLS_PER_LAYER[t.ac] * w.moe.layers / t.pp * one
     return seconds, "NVLink" if local == t.ep else "network"

@@ -257,12 +257,12 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         return refuse_by_rule(probe, args, cfg, w.seq_len)
 
     @functools.cache
-    def refuse_ep(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int) -> str | None:
-        probe = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
+    def refuse_ep(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int, spans: bool) -> str | None:
+        probe = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep, ep_spans_tp=spans)
         return refuse_expert_parallel(probe, cfg)
 
     @functools.cache
-    def activations(tp: int, cp: int) -> Any:  # measured on fake tensors once per (tp, cp) (`eager_saved`)
+    def activations(tp: int, cp: int, ep_spans_tp: bool) -> Any:  # measured on fake tensors once each (`eager_saved`)
         from titan_core.memory.eager_saved import measure_eager
 
         return measure_eager(
@@ -277,6 +277,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
                 seq_len=w.seq_len,
                 device_type="cuda",
                 loss_parallel=not cfg.parallelism.disable_loss_parallel,
+                ep_spans_tp=ep_spans_tp,
             ),
         ).act
 
@@ -286,12 +287,12 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
     for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts):
         plan.counts["layouts"] += 1
         refusal = refuse(t.tp, t.cp, t.pp, t.schedule, t.local_batch, t.microbatch)
-        refusal = refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep)
+        refusal = refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp)
         if refusal is not None:
             plan.counts["rule"] += 1
             plan.rule_errors[refusal] += 1
             continue
-        act = None if cfg.compile.enable else activations(t.tp, t.cp)  # compiled: saves less than eager
+        act = None if cfg.compile.enable else activations(t.tp, t.cp, t.ep_spans_tp)  # compiled: saves less
         bound = memory_lower_bound(t, w, act, sizes, compute_bytes, ends)
         over_host = t.offload and host_lower_bound(t, w, c.gpus_per_node) > plan.host_memory
         if bound > plan.usable or over_host:

@@ -66,7 +66,7 @@ class RankBlocks:
 
 @functools.cache
 def pipeline_rank_blocks(
-    sizes: BlockSizes, pp: int, schedule: str, end_weights: tuple[int, int], tp: int, ep: int
+    sizes: BlockSizes, pp: int, schedule: str, end_weights: tuple[int, int], tp: int, ep: int, expert_tp: int = 0
 ) -> tuple[RankBlocks, ...]:
     """The pipeline ranks' blocks, as titan-parallel cuts the stages (`stage_module_names`) and places them
     (`stage_indices`), less the ranks that an earlier rank outweighs in every field: a later rank has no more
@@ -79,6 +79,8 @@ def pipeline_rank_blocks(
         end_weights: blocks' worth of the first and the last stage's other modules.
         tp: tensor parallel degree.
         ep: expert parallel degree.
+        expert_tp: how many ways TP splits each routed expert: `tp` (0, the default) or 1 when the TP ranks join
+            expert parallel.
     """
     from titan_parallel.pipeline_layout import count_stages, stage_indices, stage_module_names
     from titan_parallel.plan import ModelPlan
@@ -93,7 +95,10 @@ def pipeline_rank_blocks(
         placed = [[int(n[2:]) for i in stage_indices(r, pp, n_stages, schedule) for n in names[i]] for r in range(pp)]
     ranks: list[RankBlocks] = []
     for r, indices in enumerate(placed):
-        shares = [(sum(sizes.blocks[i]) / tp, (sizes.blocks[i][0] + sizes.blocks[i][1] / ep) / tp) for i in indices]
+        per_expert = ep * (expert_tp or tp)
+        shares = [
+            (sum(sizes.blocks[i]) / tp, sizes.blocks[i][0] / tp + sizes.blocks[i][1] / per_expert) for i in indices
+        ]
         gathered = [g for _, g in shares]
         rank = RankBlocks(r, len(indices), sum(h for h, _ in shares), sum(gathered), max(gathered, default=0.0))
         if not any(_outweighs(other, rank) for other in ranks):
@@ -158,7 +163,8 @@ def memory_lower_bound(
     fsdp = t.dp_replicate * t.dp_shard * t.cp > 1 or t.offload
     reshard = {"always": True, "never": False, "default": t.pp == 1}[work.fsdp_reshard]
     bound = states
-    for r in pipeline_rank_blocks(block_params, t.pp, t.schedule, end_weights, t.tp, t.ep):
+    expert_tp = 1 if t.ep_spans_tp else t.tp
+    for r in pipeline_rank_blocks(block_params, t.pp, t.schedule, end_weights, t.tp, t.ep, expert_tp):
         if r.count == 0:
             continue
         in_flight = inflight_microbatches(t.schedule, t.pp, r.pp_rank, t.stages_per_rank, t.microbatches)
@@ -192,9 +198,10 @@ def host_lower_bound(layout: Layout, work: Workload, gpus_per_node: int) -> int:
 
 
 def degrees_and_schedule(layout: Layout) -> tuple:
-    """What `needs_at_least` compares only within: dp_replicate, dp_shard, cp, tp, pp, ep and the schedule."""
+    """What `needs_at_least` compares only within: dp_replicate, dp_shard, cp, tp, pp, ep (and whether it spans tp)
+    and the schedule."""
     t = layout
-    return (t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.schedule)
+    return (t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp, t.schedule)
 
 
 def needs_at_least(layout: Layout, other: Layout) -> bool:

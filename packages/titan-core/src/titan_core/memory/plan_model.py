@@ -143,4 +143,5 @@ def moe_work(cfg: JobConfig) -> MoEWork:
         raise ConfigError(f"model.name={cfg.model.name!r} has MoE layers but its args have no moe.top_k")
     num_experts = layers[0].get_submodule("experts").get_parameter("w1").shape[0]
     routed = sum(p.numel() for moe in layers for p in moe.get_submodule("experts").parameters())
-    return MoEWork(expert_params=routed, num_experts=num_experts, top_k=top_k, layers=len(layers))
+    shared = any(getattr(moe, "shared_experts", None) is not None for moe in layers)
+    return MoEWork(expert_params=routed, num_experts=num_experts, top_k=top_k, layers=len(layers), shared=shared)

@@ -26,6 +26,7 @@ COLUMNS = (
     "tp",
     "pp",
     "ep",
+    "etp",
     "schedule",
     "mbs",
     "local x accum",
@@ -36,13 +37,14 @@ COLUMNS = (
     "tok/s/GPU",
     "why",
 )
-"""The table's columns: the degrees, the pipeline, the batch split, checkpointing, offload, the estimates. "ep" is
-shown for Mixture-of-Experts models only (`columns`)."""
+"""The table's columns: the degrees, the pipeline, the batch split, checkpointing, offload, the estimates. "ep" and
+"etp" (`parallelism.expert_tensor_parallel_degree`: tp, or 1 where the TP ranks join expert parallel) are shown for
+Mixture-of-Experts models only (`columns`)."""
 
 
 def columns(plan: Plan) -> tuple[str, ...]:
-    """The table's columns for `plan`: `COLUMNS`, without "ep" for a dense model (whose ep is always 1)."""
-    return COLUMNS if plan.workload.moe.num_experts else tuple(c for c in COLUMNS if c != "ep")
+    """The table's columns for `plan`: `COLUMNS`, without "ep" and "etp" for a dense model (whose ep is always 1)."""
+    return COLUMNS if plan.workload.moe.num_experts else tuple(c for c in COLUMNS if c not in ("ep", "etp"))
 
 
 def format_seconds(seconds: float) -> str:
@@ -61,6 +63,7 @@ def _row(i: int, ranked: Ranked, names: tuple[str, ...]) -> list[str]:
         str(t.tp),
         str(t.pp),
         str(t.ep),
+        "1" if t.ep_spans_tp else str(t.tp),
         t.schedule if piped else "-",
         str(t.microbatch) if piped else "-",
         f"{t.local_batch} x {t.accum}",
@@ -133,6 +136,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "tp": t.tp,
                 "pp": t.pp,
                 "ep": t.ep,
+                "etp": 1 if t.ep_spans_tp else t.tp,
                 "schedule": t.schedule if t.pp > 1 else None,
                 "microbatch": t.microbatch if t.pp > 1 else None,
                 "local_batch": t.local_batch,

@@ -4,7 +4,8 @@ A layout (`titan_core.memory.step_cost.Layout`) is the parallel degrees, the pip
 schedule and micro-batch, the batch split, activation checkpointing and CPU offload.
 `candidate_layouts` lists those whose degrees multiply to the GPU count and whose batch
 split gives the global batch exactly, and for a Mixture-of-Experts model each expert
-parallel degree the rules allow (`expert_degrees`); `refuse_by_rule` runs on each the
+parallel degree the rules allow (`expert_degrees`; under TP also those the TP ranks join,
+`joined_expert_degrees`); `refuse_by_rule` runs on each the
 rules of titan-parallel that need no model (the same rules `titan_core.job` runs), and
 `refuse_expert_parallel` the expert-parallel ones.
 """
@@ -57,6 +58,21 @@ def expert_degrees(dp_shard: int, cp: int, num_experts: int) -> list[int]:
     return [1] + [cp * d for d in divisors(dp_shard) if cp * d > 1 and num_experts % (cp * d) == 0]
 
 
+def joined_expert_degrees(dp_shard: int, cp: int, tp: int, num_experts: int) -> list[int]:
+    """The expert-parallel degrees with the TP ranks joining expert parallel (`expert_tensor_parallel_degree = 1`):
+    each `cp x tp x d` (d a divisor of `dp_shard`) that divides `num_experts`; none without TP.
+
+    Args:
+        dp_shard: FSDP shards.
+        cp: context parallel degree.
+        tp: tensor parallel degree.
+        num_experts: routed experts per MoE layer; 0 (a dense model) gives [].
+    """
+    if num_experts < 1 or tp == 1:
+        return []
+    return [cp * tp * d for d in divisors(dp_shard) if num_experts % (cp * tp * d) == 0]
+
+
 def candidate_layouts(
     gpus: int,
     gpus_per_node: int,
@@ -90,12 +106,14 @@ def candidate_layouts(
                     shard = dp // rep
                     if rep > 1 and (shard * cp * tp) % gpus_per_node:
                         continue
-                    for ep in expert_degrees(shard, cp, num_experts):
+                    experts = [(ep, False) for ep in expert_degrees(shard, cp, num_experts)]
+                    experts += [(ep, True) for ep in joined_expert_degrees(shard, cp, tp, num_experts)]
+                    for ep, spans in experts:
                         degrees = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
-                        yield from _batch_layouts(degrees, global_batch // dp, schedules)
+                        yield from _batch_layouts({**degrees, "ep_spans_tp": spans}, global_batch // dp, schedules)
 
 
-def _batch_layouts(degrees: dict[str, int], seqs_per_rank: int, schedules: tuple[str, ...]) -> Iterator[Layout]:
+def _batch_layouts(degrees: dict[str, Any], seqs_per_rank: int, schedules: tuple[str, ...]) -> Iterator[Layout]:
     """The batch splits, pipelines, checkpointing modes and offload choices of one set of degrees."""
     pp = degrees["pp"]
     pipelines = (
@@ -140,6 +158,8 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
         str(t.pp),
         "--parallelism.expert_parallel_degree",
         str(t.ep),
+        "--parallelism.expert_tensor_parallel_degree",
+        "1" if t.ep_spans_tp else "-1",
         "--parallelism.pipeline_parallel_schedule",
         t.schedule,
         "--parallelism.pipeline_parallel_schedule_csv",
@@ -219,7 +239,8 @@ def refuse_expert_parallel(layout: Layout, cfg: JobConfig) -> str | None:
     spec = get_model_spec(cfg.model.name)
     try:
         world = t.dp_replicate * t.dp_shard * t.cp * t.tp * t.pp
-        ParallelDims(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, world_size=world, ep=t.ep)
+        etp = 1 if t.ep_spans_tp else -1
+        ParallelDims(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, world_size=world, ep=t.ep, etp=etp)
         check_ep(build_meta_model(spec, get_model_args(cfg.model.name, cfg.model.flavor)), spec.plan, t.ep)
     except ParallelConfigError as e:
         return str(config_error(e, DIMS_KEYS))

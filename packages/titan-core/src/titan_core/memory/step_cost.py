@@ -208,6 +208,8 @@ class Layout:
         ac: activation checkpointing: "none", "op" (selective op) or "full".
         offload: CPU offload of parameters, gradients and optimizer states.
         ep: expert parallel degree: experts split over `ep` ranks carved from dp_shard x cp (no more GPUs).
+        ep_spans_tp: the TP ranks join expert parallel (`parallelism.expert_tensor_parallel_degree = 1`): `ep` is
+            carved from dp_shard x cp x tp, and each routed expert stays whole rather than split over TP.
     """
 
     dp_replicate: int = 1
@@ -223,6 +225,7 @@ class Layout:
     ac: str = "none"
     offload: bool = False
     ep: int = 1
+    ep_spans_tp: bool = False
 
     @property
     def dp(self) -> int:
@@ -234,10 +237,23 @@ class Layout:
         """Pipeline micro-batches per micro-step (1 without pipeline parallel)."""
         return self.local_batch // self.microbatch if self.pp > 1 else 1
 
+    @property
+    def expert_split(self) -> int:
+        """How many ways a MoE layer's routed experts are split before FSDP: `ep x tp` (TP splits each expert's hidden
+        dim), or `ep` when the TP ranks join expert parallel."""
+        return self.ep if self.ep_spans_tp else self.ep * self.tp
+
+    @property
+    def expert_holders(self) -> int:
+        """Ranks holding the same experts, which FSDP shards them over: `dp_shard x cp / ep`, x tp when the TP ranks
+        join expert parallel (`dp_shard_mod_ep`); the whole FSDP group without expert parallel."""
+        return self.dp_shard * self.cp * (self.tp if self.ep_spans_tp else 1) // self.ep
+
     def describe(self) -> str:
-        """The degrees above 1, e.g. 'dp_shard=8 tp=8 pp=8 ep=8'."""
+        """The degrees above 1, e.g. 'dp_shard=8 tp=8 pp=8 ep=8' ('ep=16 etp=1' when the TP ranks join EP)."""
         names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-        return " ".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) > 1) or "1 GPU"
+        text = " ".join(f"{n}={getattr(self, n)}" for n in names if getattr(self, n) > 1) or "1 GPU"
+        return text + (" etp=1" if self.ep_spans_tp else "")
 
 
 @dataclass
@@ -433,11 +449,12 @@ def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str]
     dense = (w.muon_params - w.moe.expert_params) / t.pp  # every expert is Muon's (`muon_groups.RULE`)
     group = t.dp_shard * t.cp * t.tp
     seconds = 2 * ring_seconds(group, b * dense / group, bandwidth("muon", "optimizer")) if group > 1 else 0.0
-    holders = t.dp_shard * t.cp // t.ep if t.ep > 1 else 1
+    holders = t.expert_holders if t.ep > 1 else 1
+    split_by_tp = 1 if t.ep_spans_tp else t.tp  # whole experts: only the holders' FSDP rows move
     pieces = w.moe.expert_params / (t.pp * t.dp_shard * t.cp * t.tp)
-    if pieces and holders * t.tp > 1:
+    if pieces and holders * split_by_tp > 1:
         link = bandwidth("experts", "optimizer") if holders > 1 else bandwidth("tp", "optimizer")
-        seconds += 2 * ring_seconds(holders * t.tp, b * pieces, link)
+        seconds += 2 * ring_seconds(holders * split_by_tp, b * pieces, link)
     return seconds
 
 
@@ -469,7 +486,9 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     tp = cp = pp_p2p = 0.0
     if t.tp > 1:  # each collective moves the step's whole (seqs, seq_len / cp, dim) activation
         act = w.act_bytes * seqs * w.seq_len / t.cp * w.dim
-        tp = TP_EXPOSED * tp_collectives_per_block(t.ac) * layers * ring_seconds(t.tp, act, bandwidth("tp", "tp"))
+        # With the TP ranks in the ep group a MoE layer without shared experts has no TP collective: half its block's
+        tp_blocks = layers - (w.moe.layers / t.pp / 2 if t.ep_spans_tp and not w.moe.shared else 0)
+        tp = TP_EXPOSED * tp_collectives_per_block(t.ac) * tp_blocks * ring_seconds(t.tp, act, bandwidth("tp", "tp"))
     if t.cp > 1:
         cp = cp_seconds(t, w, c, cost.notes) * layers
     if t.pp > 1:  # each micro-batch crosses each of a rank's stage boundaries, forward and backward
@@ -485,7 +504,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
 
     shard = t.dp_shard * t.cp
     rank_params = (w.n_params - w.moe.expert_params) / (t.tp * t.pp)  # what its FSDP group shards, experts aside
-    rank_experts = w.moe.expert_params / (t.ep * t.tp * t.pp)  # its E / ep experts' TP slices; over shard / ep
+    rank_experts = w.moe.expert_params / (t.expert_split * t.pp)  # its E / ep experts (or their TP slices)
     # "default": no reshard under PP, nor on a one-rank shard group (titan_parallel.fsdp)
     reshard = {"always": True, "never": False, "default": t.pp == 1 and shard > 1}[w.fsdp_reshard]
     gathers = t.accum * (2 * t.microbatches if reshard else 1)  # unresharded weights stay gathered over a run
@@ -500,11 +519,12 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     one_rank_copies = 0.0
     if shard == 1 and w.gather_bytes < 4 and not (w.master_weights and _master_weights_apply(t)):
         one_rank_copies = (gathers + reduces) * ONE_RANK_COPY_BYTES_PER_PARAM * rank_params / HBM_BYTES_PER_S
-    if rank_experts and shard // t.ep > 1:  # the experts over the ranks holding the same ones
+    holders = t.expert_holders  # the ranks FSDP shards the rank's experts over
+    if rank_experts and holders > 1:
         bw = bandwidth("experts", "fsdp")
-        fsdp += gathers * ring_seconds(shard // t.ep, w.gather_bytes * rank_experts, bw)
-        fsdp += reduces * ring_seconds(shard // t.ep, w.reduce_bytes * rank_experts, bw)
-    expert_shard = rank_experts * t.ep / shard  # the experts' share of a rank's shard
+        fsdp += gathers * ring_seconds(holders, w.gather_bytes * rank_experts, bw)
+        fsdp += reduces * ring_seconds(holders, w.reduce_bytes * rank_experts, bw)
+    expert_shard = rank_experts / holders  # the experts' share of a rank's shard
     if t.dp_replicate > 1:  # HSDP: all-reduce (= reduce-scatter + all-gather) of each gradient shard
         bw = bandwidth("replicate", "fsdp")
         grads = w.reduce_bytes * rank_params / shard + w.reduce_bytes * expert_shard
