@@ -148,9 +148,9 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
         # The TP ranks joining expert parallel (etp=1) need an ep that spans them.
         (["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
-          "--parallelism.expert_tensor_parallel_degree", "1"],
-         ["etp=1 makes the tp=2 ranks join expert parallel, but ep=1",
-          "(etp set by parallelism.expert_tensor_parallel_degree, ep set by parallelism.expert_parallel_degree"]),
+          "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"],
+         ["ep=4 must be cp=1 x tp=2 times a divisor of dp_shard=1",
+          "etp set by parallelism.expert_tensor_parallel_degree"]),
         (["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.expert_tensor_parallel_degree", "3"], ["etp=3 must be tp=2"]),
     ],

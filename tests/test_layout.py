@@ -68,8 +68,6 @@ def raised(call) -> ParallelConfigError:
          "dp_mode='ddp' replicates whole models and does not combine with dp_shard=2, tp=2"),
         (lambda: check_data_parallel(ParallelDims(), "zero3"), ("dp_mode",), "dp_mode='zero3' is unknown"),
         (lambda: ParallelDims(tp=2, ep=2, etp=4, world_size=2), ("etp", "tp"), "etp=4 must be tp=2 (TP splits each expert) or 1"),
-        (lambda: ParallelDims(tp=2, etp=1, world_size=2), ("etp", "ep", "tp"),
-         "etp=1 makes the tp=2 ranks join expert parallel, but ep=1; set ep to a multiple of cp x tp = 2, or etp=2"),
         (lambda: ParallelDims(cp=2, tp=2, ep=2, etp=1, world_size=8), ("ep", "cp", "tp", "dp_shard", "etp"),
          "ep=2 must be cp=2 x tp=2 times a divisor of dp_shard=2"),
         (lambda: check_cp(36, 4), ("seq_len", "cp"), "seq_len=36 is not divisible by 2 x cp=4 = 8"),
@@ -101,6 +99,8 @@ def test_valid_layouts_pass():
     wide = ParallelDims(cp=2, tp=2, ep=8, etp=1, world_size=16)
     assert (wide.dp_shard, wide.dp_shard_in_ep, wide.dp_shard_mod_ep) == (4, 2, 2)
     assert not ParallelDims(ep=2, etp=1, world_size=2).ep_spans_tp  # tp = 1: etp = 1 is the default
+    # Without expert parallel etp is not read (torchtitan's configs set etp = 1 beside ep = 1 and tp = 8).
+    assert not ParallelDims(tp=2, etp=1, world_size=2).ep_spans_tp
     check_data_parallel(ParallelDims(dp_replicate=2, dp_shard=1, world_size=2), "ddp")
     check_data_parallel(ParallelDims(dp_shard=2, tp=2, world_size=4), "fsdp")
     check_cp(32, 2, tp=2)

@@ -77,7 +77,8 @@ class ParallelDims:
         etp: expert tensor parallel degree, `tp` or 1 (-1 = `tp`). With `tp`, tensor parallel splits each
             expert's hidden dim and every TP rank runs all of its group's token slots through its slice.
             With 1 (torchtitan's ETP=1), the TP ranks join expert parallel instead (`ep = dp_shard_in_ep
-            x cp x tp`): each routes and sends only its own sequence shard's tokens, to whole experts.
+            x cp x tp`): each routes and sends only its own sequence shard's tokens, to whole experts. Read
+            only when `ep > 1` (as torchtitan reads it): with `ep = 1` TP splits the experts either way.
     """
 
     dp_replicate: int = 1
@@ -121,12 +122,6 @@ class ParallelDims:
                 f"etp={self.etp} must be tp={self.tp} (TP splits each expert) or 1 (the TP ranks join expert "
                 "parallel); set one of them",
                 arguments=("etp", "tp"),
-            )
-        if self.etp == 1 and self.tp > 1 and self.ep == 1:
-            raise ParallelConfigError(
-                f"etp=1 makes the tp={self.tp} ranks join expert parallel, but ep=1; set ep to a multiple of "
-                f"cp x tp = {self.cp * self.tp}, or etp={self.tp}",
-                arguments=("etp", "ep", "tp"),
             )
         if self.ep_spans_tp:
             inner = self.cp * self.tp

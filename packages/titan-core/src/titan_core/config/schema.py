@@ -259,7 +259,7 @@ class Parallelism(Section):
     expert_parallel_degree: Degree = 1
     """MoE: split the experts over this many ranks, carved from the FSDP x CP ranks (adds no processes)."""
     expert_tensor_parallel_degree: int = -1
-    """MoE under TP: -1 or the TP degree = TP splits each expert; 1 = the TP ranks join expert parallel (ETP=1)."""
+    """MoE under TP and EP: -1 or the TP degree = TP splits each expert; 1 = the TP ranks join expert parallel."""
 
     @field_validator("data_parallel_shard_degree")
     @classmethod
