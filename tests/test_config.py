@@ -122,6 +122,7 @@ SPEC_DEFAULTS = {
     "parallelism.context_parallel_method": "ring",
     "parallelism.context_parallel_rotate_method": "allgather",
     "parallelism.expert_parallel_degree": 1,
+    "parallelism.expert_tensor_parallel_degree": -1,
     "checkpoint.enable": False,
     "checkpoint.folder": "checkpoint",
     "checkpoint.interval": 500,

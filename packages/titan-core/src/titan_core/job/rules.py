@@ -203,7 +203,8 @@ def _tensor_parallel(d: Draft) -> None:
     from titan_parallel import check_async_tp, check_tp
 
     p = d.cfg.parallelism
-    check_tp(d.meta_model(), d.spec.plan, p.tensor_parallel_degree, p.expert_tensor_parallel_degree)
+    joined = p.expert_parallel_degree > 1 and p.expert_tensor_parallel_degree == 1  # `ParallelDims.ep_spans_tp`
+    check_tp(d.meta_model(), d.spec.plan, p.tensor_parallel_degree, etp=1 if joined else -1)
     tp = p.tensor_parallel_degree
     if d.parallel.async_tp:
         check_async_tp(tp, d.device_type, d.parallel.compile)
