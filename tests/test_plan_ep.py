@@ -171,7 +171,7 @@ def test_lower_bound_never_exceeds_the_estimate_on_671b_layouts():
     plan = prepare_plan(PlanRequest(None, DSV3, gpus=256, seq_len=4096, global_batch=1024))
     spec, args = get_model_spec("deepseek_v3"), get_model_args("deepseek_v3", "671B")
     sizes = block_sizes(plan.base)
-    layouts = list(candidate_layouts(256, 8, 4096, 1024, SCHEDULES, num_experts=256))[::2999]
+    layouts = list(candidate_layouts(256, 8, 4096, 1024, SCHEDULES, num_experts=256))[::4999]  # ~41 layouts, as [::2999] gave before the joined ones
     checked = []
     for t in layouts:
         if refuse_by_rule(t, args, plan.base, 4096) or refuse_expert_parallel(t, plan.base):
