@@ -149,7 +149,7 @@ def test_tp_splits_each_experts_hidden_dim_and_replicates_the_router():
     odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=258, num_shared_experts=0))
     with pytest.raises(ParallelConfigError, match=r"^tp=4 does not divide layers\.1\.moe\.experts\.w1\.shape\[1\]=258;"):
         check_tp(build_meta_model(spec, odd), spec.plan, 4)
-    check_tp(build_meta_model(spec, odd), spec.plan, 4, etp=1)
+    check_tp(build_meta_model(spec, odd), spec.plan, 4, ep_spans_tp=True)
     # An expert weight by another name would run whole on each rank and be summed tp times: refused.
     with torch.device("meta"):
         renamed = spec.build(args)

@@ -170,7 +170,7 @@ def parallelize(
         from titan_parallel.expert_parallel import set_sequence_group
 
         # Each MoE layer routes its rank's part of a sequence that CP x TP split (after `apply_cp`, which sets CP's).
-        set_sequence_group(model, plan, (mesh["cp_tp"] if mesh["cp"].size() > 1 else mesh["tp"]).get_group())
+        set_sequence_group(model, plan, mesh["cp_tp"].get_group())
     apply_ac(model, plan, options.ac_mode, options.ac_selective_option)
     if options.compile:
         # Ring attention runs eager (its collectives are not traceable): under ring CP each block

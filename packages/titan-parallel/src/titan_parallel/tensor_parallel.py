@@ -194,32 +194,15 @@ class MoETensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.nn.utils.stateless import _reparametrize_module
 
-        split: list[str] = []
-        replicated: list[str] = []
-        for name, param in list(module.named_parameters()):
-            if isinstance(param, DTensor):
-                continue
-            dim = MOE_TP_SPLITS.get(name)
-            owner, _, leaf = name.rpartition(".")
-            sub = module.get_submodule(owner) if owner else module
-            placement = Shard(dim) if dim is not None else Replicate()
-            sub.register_parameter(
-                leaf, nn.Parameter(distribute_tensor(param, device_mesh, [placement], src_data_rank=None))
-            )
-            (split if dim is not None else replicated).append(name)
-        if hasattr(module, "grad_share"):
-            module.grad_share = 1.0 / device_mesh.size()  # type: ignore[assignment]  # an attribute, not a submodule
+        split, replicated = _distribute_moe_params(module, device_mesh, MOE_TP_SPLITS)
         inner = module.forward
 
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if not isinstance(x, DTensor):  # a sequence-parallel norm hands on a DTensor already
                 x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
             tokens = x.redistribute(device_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
-            weights = {name: cast(DTensor, module.get_parameter(name)) for name in (*split, *replicated)}
-            local = {name: weights[name].to_local() for name in split}
-            for name in replicated:  # gradient summed over the TP ranks (Partial -> Replicate in backward)
-                whole = DTensor.from_local(weights[name].to_local(), device_mesh, (Replicate(),), run_check=False)
-                local[name] = whole.to_local(grad_placements=(Partial(),))
+            local = {name: cast(DTensor, module.get_parameter(name)).to_local() for name in split}
+            local.update(_grad_summed_locals(module, replicated, device_mesh))
             with _reparametrize_module(module, local):
                 out = inner(tokens, *args, **kwargs)
             partial = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
@@ -263,32 +246,55 @@ class MoETokenParallel(ParallelStyle):
         shared = getattr(module, "shared_experts", None)
         if isinstance(shared, nn.Module):
             _split_shared_experts(shared, device_mesh)
-        replicated: list[str] = []
-        for name, param in list(module.named_parameters()):
-            if isinstance(param, DTensor):
-                continue
-            owner, _, leaf = name.rpartition(".")
-            sub = module.get_submodule(owner) if owner else module
-            whole = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=None)
-            sub.register_parameter(leaf, nn.Parameter(whole))
-            replicated.append(name)
-        if hasattr(module, "grad_share"):
-            module.grad_share = 1.0 / device_mesh.size()  # type: ignore[assignment]  # an attribute, not a submodule
+        _, replicated = _distribute_moe_params(module, device_mesh, {})  # the experts are split already
         inner = module.forward
 
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if isinstance(x, DTensor):  # a sequence-parallel norm hands on its Shard(1) output
                 x = x.to_local()
-            local = {}
-            for name in replicated:  # gradient summed over the TP ranks (Partial -> Replicate in backward)
-                weight = cast(DTensor, module.get_parameter(name)).to_local()
-                whole = DTensor.from_local(weight, device_mesh, (Replicate(),), run_check=False)
-                local[name] = whole.to_local(grad_placements=(Partial(),))
-            with _reparametrize_module(module, local):
+            with _reparametrize_module(module, _grad_summed_locals(module, replicated, device_mesh)):
                 return inner(x, *args, **kwargs)
 
         module.forward = forward
         return module
+
+
+def _distribute_moe_params(
+    module: nn.Module, tp_mesh: DeviceMesh, splits: dict[str, int]
+) -> tuple[list[str], list[str]]:
+    """Make each plain parameter of the MoE `module` a DTensor on `tp_mesh` in place: `Shard(dim)` where `splits`
+    names it, else `Replicate()`; DTensors already (expert parallel's, a TP style's) are left alone. Sets the
+    module's `grad_share` (its auxiliary loss's share of each rank's backward) to `1 / tp` where it has one.
+
+    Returns:
+        The names of the parameters made `Shard`, and of those made `Replicate()`.
+    """
+    split: list[str] = []
+    replicated: list[str] = []
+    for name, param in list(module.named_parameters()):
+        if isinstance(param, DTensor):
+            continue
+        dim = splits.get(name)
+        owner, _, leaf = name.rpartition(".")
+        placement = Shard(dim) if dim is not None else Replicate()
+        whole = distribute_tensor(param, tp_mesh, [placement], src_data_rank=None)
+        (module.get_submodule(owner) if owner else module).register_parameter(leaf, nn.Parameter(whole))
+        (split if dim is not None else replicated).append(name)
+    if hasattr(module, "grad_share"):
+        module.grad_share = 1.0 / tp_mesh.size()  # type: ignore[assignment]  # an attribute, not a submodule
+    return split, replicated
+
+
+def _grad_summed_locals(module: nn.Module, names: list[str], tp_mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """The local tensors of `module`'s `Replicate()` parameters `names`, each entering autograd as a `Replicate()`
+    DTensor and leaving with a `Partial()` gradient: the TP ranks' partial gradients are summed (as
+    `SumGradParallel` sums its output's)."""
+    local = {}
+    for name in names:
+        weight = cast(DTensor, module.get_parameter(name)).to_local()
+        whole = DTensor.from_local(weight, tp_mesh, (Replicate(),), run_check=False)
+        local[name] = whole.to_local(grad_placements=(Partial(),))
+    return local
 
 
 def _split_shared_experts(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -357,7 +363,7 @@ def apply_tp(
     Returns:
         `model`, changed in place.
     """
-    check_tp(model, plan, tp_mesh.size(), etp=1 if ep_spans_tp else -1)
+    check_tp(model, plan, tp_mesh.size(), ep_spans_tp)
     if async_tp:
         check_async_tp(tp_mesh.size(), tp_mesh.device_type, compile)
     tied = _tied_output_embedding(model, plan)

@@ -59,9 +59,9 @@ def _named_sizes(model: nn.Module, plan: ModelPlan) -> list[tuple[str, int]]:
     return sizes
 
 
-def _split_sizes(model: nn.Module, plan: ModelPlan, routed_split: bool = True) -> list[tuple[str, int]]:
+def _split_sizes(model: nn.Module, plan: ModelPlan, ep_spans_tp: bool) -> list[tuple[str, int]]:
     """(name, size) of the weight dimension each planned module shards, found on the modules themselves
-    (`routed_split=False`: a MoE's routed experts stay whole, `etp=1`)."""
+    (`ep_spans_tp`: a MoE's routed experts stay whole)."""
     sizes: list[tuple[str, int]] = []
     container = get_submodule_or_none(model, plan.blocks)
     first_block = next(iter(container.named_children()), None) if container is not None else None
@@ -72,8 +72,7 @@ def _split_sizes(model: nn.Module, plan: ModelPlan, routed_split: bool = True) -
         for path, style in table:
             module = get_submodule_or_none(root, path)
             if style is TPStyle.MOE_INPUT:
-                moe_sizes = _moe_split_sizes(model, plan, path)
-                sizes += [(n, v) for n, v in moe_sizes if routed_split or f".{path}.experts." not in n]
+                sizes += _moe_split_sizes(model, plan, path, ep_spans_tp)
             if isinstance(module, nn.Linear) and style in (TPStyle.COLWISE, TPStyle.OUTPUT):
                 sizes.append((f"{prefix}{path}.out_features", module.out_features))
             elif isinstance(module, nn.Linear) and style is TPStyle.ROWWISE:
@@ -83,9 +82,9 @@ def _split_sizes(model: nn.Module, plan: ModelPlan, routed_split: bool = True) -
     return sizes
 
 
-def _moe_split_sizes(model: nn.Module, plan: ModelPlan, path: str) -> list[tuple[str, int]]:
+def _moe_split_sizes(model: nn.Module, plan: ModelPlan, path: str, ep_spans_tp: bool) -> list[tuple[str, int]]:
     """(name, size) of the hidden dims `MOE_TP_SPLITS` splits, in the first block that has the MoE at `path`
-    (a model's first blocks may be dense)."""
+    (a model's first blocks may be dense); the routed experts' left out when they stay whole (`ep_spans_tp`)."""
     container = get_submodule_or_none(model, plan.blocks)
     for index, block in container.named_children() if container is not None else ():
         moe = get_submodule_or_none(block, path)
@@ -102,12 +101,12 @@ def _moe_split_sizes(model: nn.Module, plan: ModelPlan, path: str) -> list[tuple
         return [
             (f"{plan.blocks}.{index}.{path}.{name}.shape[{dim}]", params[name].shape[dim])
             for name, dim in MOE_TP_SPLITS.items()
-            if name in params
+            if name in params and not (ep_spans_tp and name.startswith("experts."))
         ]
     return []
 
 
-def check_tp(model: nn.Module, plan: ModelPlan, tp: int, etp: int = -1) -> None:
+def check_tp(model: nn.Module, plan: ModelPlan, tp: int, ep_spans_tp: bool = False) -> None:
     """Raise `ParallelConfigError` (arguments `("tp",)`) if `model` cannot be split `tp` ways.
 
     Checks that the plan has tensor-parallel entries and that `tp` divides the head
@@ -120,8 +119,8 @@ def check_tp(model: nn.Module, plan: ModelPlan, tp: int, etp: int = -1) -> None:
         model: the model or pipeline stage to split.
         plan: its plan.
         tp: the tensor-parallel degree.
-        etp: the expert tensor-parallel degree (`ParallelDims.etp`): 1 keeps the routed experts whole (the TP
-            ranks join expert parallel), so `tp` need not divide their hidden dim; -1 = `tp`.
+        ep_spans_tp: the TP ranks join expert parallel (`ParallelDims.ep_spans_tp`, as `apply_tp` takes it): the
+            routed experts stay whole, so `tp` need not divide their hidden dim.
     """
     at_least(1, tp=tp)
     if tp == 1:
@@ -131,7 +130,7 @@ def check_tp(model: nn.Module, plan: ModelPlan, tp: int, etp: int = -1) -> None:
             f"model {type(model).__name__} has no tensor-parallel plan (ModelPlan.tp, ModelPlan.block_tp); set tp=1",
             arguments=("tp",),
         )
-    for name, size in _named_sizes(model, plan) + _split_sizes(model, plan, routed_split=etp != 1):
+    for name, size in _named_sizes(model, plan) + _split_sizes(model, plan, ep_spans_tp):
         if size % tp:
             raise ParallelConfigError(
                 f"tp={tp} does not divide {name}={size}; choose a tp that divides it", arguments=("tp",)

@@ -202,10 +202,8 @@ def _tensor_parallel(d: Draft) -> None:
     """The TP degree divides the heads, the feed-forward width and the vocab; async TP needs compile on CUDA."""
     from titan_parallel import check_async_tp, check_tp
 
-    p = d.cfg.parallelism
-    joined = p.expert_parallel_degree > 1 and p.expert_tensor_parallel_degree == 1  # `ParallelDims.ep_spans_tp`
-    check_tp(d.meta_model(), d.spec.plan, p.tensor_parallel_degree, etp=1 if joined else -1)
-    tp = p.tensor_parallel_degree
+    tp = d.cfg.parallelism.tensor_parallel_degree
+    check_tp(d.meta_model(), d.spec.plan, tp, ep_spans_tp=d.dims is not None and d.dims.ep_spans_tp)
     if d.parallel.async_tp:
         check_async_tp(tp, d.device_type, d.parallel.compile)
 

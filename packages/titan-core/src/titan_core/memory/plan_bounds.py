@@ -66,7 +66,7 @@ class RankBlocks:
 
 @functools.cache
 def pipeline_rank_blocks(
-    sizes: BlockSizes, pp: int, schedule: str, end_weights: tuple[int, int], tp: int, ep: int, expert_tp: int = 0
+    sizes: BlockSizes, pp: int, schedule: str, end_weights: tuple[int, int], tp: int, ep: int, etp: int
 ) -> tuple[RankBlocks, ...]:
     """The pipeline ranks' blocks, as titan-parallel cuts the stages (`stage_module_names`) and places them
     (`stage_indices`), less the ranks that an earlier rank outweighs in every field: a later rank has no more
@@ -79,8 +79,7 @@ def pipeline_rank_blocks(
         end_weights: blocks' worth of the first and the last stage's other modules.
         tp: tensor parallel degree.
         ep: expert parallel degree.
-        expert_tp: how many ways TP splits each routed expert: `tp` (0, the default) or 1 when the TP ranks join
-            expert parallel.
+        etp: how many ways TP splits each routed expert: `tp`, or 1 when the TP ranks join expert parallel.
     """
     from titan_parallel.pipeline_layout import count_stages, stage_indices, stage_module_names
     from titan_parallel.plan import ModelPlan
@@ -95,9 +94,8 @@ def pipeline_rank_blocks(
         placed = [[int(n[2:]) for i in stage_indices(r, pp, n_stages, schedule) for n in names[i]] for r in range(pp)]
     ranks: list[RankBlocks] = []
     for r, indices in enumerate(placed):
-        per_expert = ep * (expert_tp or tp)
         shares = [
-            (sum(sizes.blocks[i]) / tp, sizes.blocks[i][0] / tp + sizes.blocks[i][1] / per_expert) for i in indices
+            (sum(sizes.blocks[i]) / tp, sizes.blocks[i][0] / tp + sizes.blocks[i][1] / (ep * etp)) for i in indices
         ]
         gathered = [g for _, g in shares]
         rank = RankBlocks(r, len(indices), sum(h for h, _ in shares), sum(gathered), max(gathered, default=0.0))
@@ -163,8 +161,7 @@ def memory_lower_bound(
     fsdp = t.dp_replicate * t.dp_shard * t.cp > 1 or t.offload
     reshard = {"always": True, "never": False, "default": t.pp == 1}[work.fsdp_reshard]
     bound = states
-    expert_tp = 1 if t.ep_spans_tp else t.tp
-    for r in pipeline_rank_blocks(block_params, t.pp, t.schedule, end_weights, t.tp, t.ep, expert_tp):
+    for r in pipeline_rank_blocks(block_params, t.pp, t.schedule, end_weights, t.tp, t.ep, t.etp):
         if r.count == 0:
             continue
         in_flight = inflight_microbatches(t.schedule, t.pp, r.pp_rank, t.stages_per_rank, t.microbatches)

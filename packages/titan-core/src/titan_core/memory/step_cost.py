@@ -238,16 +238,21 @@ class Layout:
         return self.local_batch // self.microbatch if self.pp > 1 else 1
 
     @property
+    def etp(self) -> int:
+        """How many ways TP splits each routed expert (`parallelism.expert_tensor_parallel_degree`): `tp`, or 1 when
+        the TP ranks join expert parallel."""
+        return 1 if self.ep_spans_tp else self.tp
+
+    @property
     def expert_split(self) -> int:
-        """How many ways a MoE layer's routed experts are split before FSDP: `ep x tp` (TP splits each expert's hidden
-        dim), or `ep` when the TP ranks join expert parallel."""
-        return self.ep if self.ep_spans_tp else self.ep * self.tp
+        """How many ways a MoE layer's routed experts are split before FSDP: `ep x etp`."""
+        return self.ep * self.etp
 
     @property
     def expert_holders(self) -> int:
-        """Ranks holding the same experts, which FSDP shards them over: `dp_shard x cp / ep`, x tp when the TP ranks
-        join expert parallel (`dp_shard_mod_ep`); the whole FSDP group without expert parallel."""
-        return self.dp_shard * self.cp * (self.tp if self.ep_spans_tp else 1) // self.ep
+        """Ranks holding the same experts, which FSDP shards them over (`dp_shard_mod_ep`): `dp_shard x cp x tp`
+        over `ep x etp`, i.e. `dp_shard x cp / ep`, x tp when the TP ranks join; the FSDP group without EP."""
+        return self.dp_shard * self.cp * self.tp // self.expert_split
 
     def describe(self) -> str:
         """The degrees above 1, e.g. 'dp_shard=8 tp=8 pp=8 ep=8' ('ep=16 etp=1' when the TP ranks join EP)."""
@@ -450,11 +455,10 @@ def muon_exchange_seconds(t: Layout, w: Workload, bandwidth: Callable[[str, str]
     group = t.dp_shard * t.cp * t.tp
     seconds = 2 * ring_seconds(group, b * dense / group, bandwidth("muon", "optimizer")) if group > 1 else 0.0
     holders = t.expert_holders if t.ep > 1 else 1
-    split_by_tp = 1 if t.ep_spans_tp else t.tp  # whole experts: only the holders' FSDP rows move
     pieces = w.moe.expert_params / (t.pp * t.dp_shard * t.cp * t.tp)
-    if pieces and holders * split_by_tp > 1:
+    if pieces and holders * t.etp > 1:  # whole experts (etp = 1): only the holders' FSDP rows move
         link = bandwidth("experts", "optimizer") if holders > 1 else bandwidth("tp", "optimizer")
-        seconds += 2 * ring_seconds(holders * split_by_tp, b * pieces, link)
+        seconds += 2 * ring_seconds(holders * t.etp, b * pieces, link)
     return seconds
 
 
