@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,20 +31,42 @@ def last_loss_per_step(folder: Path) -> dict[int, float]:
 
 
 def start_titan(folder: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
+    """`titan train` in the background, its stdout and stderr into files beside `folder` (`finish` reads them): a pipe
+    no one reads while the test waits for steps could fill and stall the run."""
     cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc), "--job.dump_folder", str(folder), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=titan_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    logs = [Path(tempfile.mkstemp(prefix=f"{folder.name}-", suffix=f".{kind}", dir=folder.parent)[1]) for kind in ("out", "err")]
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=titan_env(), stdout=stdout, stderr=stderr, text=True)
+    proc.logs = logs  # type: ignore[attr-defined]
+    return proc
 
 
-def wait_for_steps(folder: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until metrics.jsonl holds `n` records (or the run ended, which fails the test)."""
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Wait for a `start_titan` run to end (killed after `timeout` s: its return code is then -9); its stdout and
+    stderr."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out, err = proc.logs  # type: ignore[attr-defined]
+    return out.read_text(), err.read_text()
+
+
+def wait_for_steps(folder: Path, n: int, proc: subprocess.Popen, timeout: float = 400) -> None:
+    """Until metrics.jsonl holds `n` records (or the run ended, which fails the test). The timeout is for a hang, not
+    for speed: on CI's 2 cores, beside the other worker's 4-process launches, a run's first 8 steps once took over
+    120 s (its start-up alone is ~18 s on an idle 2-core AVX2-only AMD EPYC)."""
     deadline = time.monotonic() + timeout
     metrics = folder / "metrics.jsonl"
     while time.monotonic() < deadline:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
             return
-        assert proc.poll() is None, f"the run ended before step {n}:\n{proc.communicate()[1][-3000:]}"
+        assert proc.poll() is None, f"the run ended before step {n}:\n{finish(proc, 0)[1][-3000:]}"
         time.sleep(0.02)
-    raise AssertionError(f"no step {n} within {timeout} s")
+    logged = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    raise AssertionError(f"no step {n} within {timeout} s ({logged} logged); its output:\n{finish(proc, 0)[1][-3000:]}")
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:
@@ -85,7 +108,7 @@ def test_preemption_signals_save_exit_0_and_resume_exactly(tmp_path, reference):
     wait_for_steps(folder, 3, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=90)
+    _, stderr = finish(proc, 90)
     took = time.monotonic() - sent
     assert proc.returncode == 0, stderr[-3000:]
     first_stop = max(last_loss_per_step(folder))
@@ -96,14 +119,14 @@ def test_preemption_signals_save_exit_0_and_resume_exactly(tmp_path, reference):
     proc = start_titan(folder, *args)
     wait_for_steps(folder, first_stop + 3, proc)
     os.kill(rank_pids(proc.pid)[1], signal.SIGUSR1)  # one rank only: the ranks agree in their next step
-    _, stderr = proc.communicate(timeout=90)
+    _, stderr = finish(proc, 90)
     assert proc.returncode == 0, stderr[-3000:]
     second_stop = max(last_loss_per_step(folder))
     assert f"titan: stopped by a stop signal sent to another rank after step {second_stop}" in stderr
     assert first_stop < second_stop < STEPS and steps_saved(folder)[-1] == second_stop
 
     proc = start_titan(folder, *args)
-    _, stderr = proc.communicate(timeout=300)
+    _, stderr = finish(proc, 300)
     assert proc.returncode == 0, stderr[-3000:]
     stitched = last_loss_per_step(folder)
     assert sorted(stitched) == list(range(1, STEPS + 1))
@@ -118,7 +141,7 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path, reference):
     wait_for_steps(folder, 8, proc)
     os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
     killed_after = max(last_loss_per_step(folder))
-    stdout, stderr = proc.communicate(timeout=300)
+    stdout, stderr = finish(proc, 300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "restart 1 of 1 (titan train --max-restarts): resumed from step" in stdout + stderr
     resumed_from = int(re.search(r"resumed from step (\d+)", stdout + stderr).group(1))
