@@ -61,7 +61,7 @@ import torch.nn as nn
 from titan_core.memory.fake_run import (
     LiveBytes,
     SavedStorages,
-    block_backward_bytes,
+    block_saved_and_backward_bytes,
     block_saved_bytes,
     fake_mesh,
     fake_target,
@@ -126,6 +126,10 @@ def _plus(act: ActivationBytes, per_call: ActivationBytes, tokens: int) -> Activ
 
 
 _CACHE: dict[tuple[Any, ...], EagerSaved] = {}
+_PARTS: dict[tuple[Any, ...], dict[str, Fit]] = {}
+"""A block kind's figures, or the head's and loss's (`None` for the kind), by (family, args, kind, layout), the
+layout without `ep_spans_tp` where it changes nothing (no MoE in the part): the planner's layouts with and
+without etp=1 share them."""
 
 
 def measure_eager(
@@ -165,6 +169,7 @@ def _fit(one: int, two: int, seq: int) -> Fit:
 
 def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn.Module | None) -> EagerSaved:
     from titan_core.memory.compiled_saved import block_signature
+    from titan_parallel.modules import get_submodule_or_none
 
     dtype, device = _dtype(layout), layout.device_type
     fused = _fused_loss(dtype, device, args.dim, args.vocab_size, layout)
@@ -177,14 +182,20 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
     moe = getattr(args, "moe", None)
     kinds: dict[Any, dict[str, Fit]] = {}
     signatures = [block_signature(b) for b in blocks]
+    model_key = (spec.name, repr(args))
+    plain = replace(layout, ep_spans_tp=False)  # the layout of a part without a MoE
     with fake_mesh(layout.tp, layout.cp, device) as mesh:
         for block, sig in zip(blocks, signatures, strict=True):
+            has_moe = spec.plan.moe is not None and get_submodule_or_none(block, spec.plan.moe) is not None
+            key = (*model_key, sig, layout if has_moe else plain)
+            if key in _PARTS:
+                kinds[sig] = _PARTS[key]
             if sig in kinds:
                 continue
             figures = {}
-            for kind in (*AC_KINDS, "backward"):
+            for kind in AC_KINDS:
 
-                def at(batch: int, kind: str = kind, block: nn.Module = block) -> int:
+                def at(batch: int, kind: str = kind, block: nn.Module = block) -> tuple[int, ...]:
                     holder = _parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": block})}, mesh, layout)
                     routed = batch * seq // (layout.tp if layout.ep_spans_tp else 1)  # tokens a MoE layer routes
                     counts = _even_counts(moe.num_experts, routed * moe.top_k) if moe else (lambda: 0)
@@ -194,15 +205,23 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                         mask = _document_mask(layout, batch, device)
                         shape = (batch, seq // layout.tp, args.dim)  # sequence parallel splits the block's input
                         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
-                        if kind == "backward":
-                            return block_backward_bytes(unit, rope, positions, shape, dtype, device, mask)
-                        return block_saved_bytes(
-                            unit, spec.plan.blocks, rope, positions, shape, dtype, device, kind, mask
+                        if kind == "none":  # and the backward's transients, from the same forward
+                            return block_saved_and_backward_bytes(unit, rope, positions, shape, dtype, device, mask)
+                        return (
+                            block_saved_bytes(
+                                unit, spec.plan.blocks, rope, positions, shape, dtype, device, kind, mask
+                            ),
                         )
 
-                figures[kind] = _fit(at(1), at(2), seq)
-            kinds[sig] = figures
-        rest = _head_and_loss(meta, spec, mesh, layout, args.dim, seq)
+                one, two = at(1), at(2)
+                figures[kind] = _fit(one[0], two[0], seq)
+                if kind == "none":
+                    figures["backward"] = _fit(one[1], two[1], seq)
+            kinds[sig] = _PARTS[key] = figures
+        head_key = (*model_key, None, plain)
+        if head_key not in _PARTS:
+            _PARTS[head_key] = _head_and_loss(meta, spec, mesh, layout, args.dim, seq)
+        rest = _PARTS[head_key]
     per_kind = [kinds[s] for s in signatures]
     return EagerSaved(_assemble(per_kind, rest, 0), fused, per_call=_assemble(per_kind, rest, 1))
 

@@ -396,7 +396,7 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
     return leaf_grads
 
 
-def block_backward_bytes(
+def block_saved_and_backward_bytes(
     block: nn.Module,
     rope: torch.Tensor | None,
     positions: torch.Tensor | None,
@@ -404,20 +404,24 @@ def block_backward_bytes(
     dtype: torch.dtype,
     device: str,
     mask: torch.Tensor | None = None,
-) -> int:
-    """Bytes `block`'s backward (nothing recomputed) holds at its peak beyond what the block kept for it: the
-    incoming gradient and the gradients of its activations, net of the saved tensors freed by then; for one
-    call on a `shape` input, arguments as `block_saved_bytes` takes them."""
+) -> tuple[int, int]:
+    """What `block` (no activation checkpointing) keeps for backward, as `block_saved_bytes(..., ac="none")`, and
+    the bytes its backward holds at its peak beyond that: the incoming gradient and the gradients of its
+    activations, net of the saved tensors freed by then; for one call on a `shape` input, arguments as
+    `block_saved_bytes` takes them. Both from one forward (the planner measures each kind of block at every
+    layout it considers)."""
     kwargs = _block_kwargs(rope, positions, mask)
+    saved = SavedStorages([*block.parameters(), *block.buffers(), *(t for t in (rope, mask) if t is not None)])
     live = LiveBytes([*block.parameters(), *block.buffers(), *kwargs.values()])
     with live:
         hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
         live.add(hidden)  # the block's input (the previous block's output), kept by its first norm
-        outputs = [block(hidden, **kwargs)]
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            outputs = [block(hidden, **kwargs)]
         del hidden
         live.drop(outputs[0])  # the next block's input: its saved bytes count there
         kept = live.now()
         incoming = [torch.empty_like(outputs[0])]
         live.watch()
         walk_backward(outputs, incoming)
-    return live.peak - kept
+    return saved.total, live.peak - kept
