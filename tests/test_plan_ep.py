@@ -271,3 +271,24 @@ def test_table_and_json_show_ep():
     assert [r["etp"] for r in data["layouts"]] == [int(row[7]) for row in rows]
     off = json.loads(CliRunner().invoke(app, [*args, "--json", "--no-expert-parallel"]).stdout)
     assert off["layouts"] and all(r["ep"] == 1 for r in off["layouts"])
+
+
+def test_a_search_spread_over_processes_measures_what_one_process_measures(monkeypatch):
+    """`workers=2`: the layouts' measurements run in spawned processes (the searching process measures none
+    itself), each equal to the same layout measured here, and the plan is the same."""
+    from titan_core.memory import eager_saved
+
+    request = PlanRequest(None, DEBUG_MOE, gpus=4, gpus_per_node=2, gpu_memory="2.6GiB", seq_len=512,
+                          global_batch=16, top=4, workers=2)
+    before = set(eager_saved._CACHE)
+    measure_here = eager_saved._measure
+    monkeypatch.setattr(eager_saved, "_measure", lambda *_: pytest.fail("measured in the searching process"))
+    spread = search(prepare_plan(request))
+    measured = {key: eager_saved._CACHE.pop(key) for key in set(eager_saved._CACHE) - before}
+    assert len(measured) >= 4 and {layout.ep_spans_tp for _, _, layout in measured} == {True, False}
+    monkeypatch.setattr(eager_saved, "_measure", measure_here)
+    spec, args = get_model_spec("deepseek_v3"), get_model_args("deepseek_v3", "debugmodel")
+    for (_, _, layout), result in measured.items():
+        assert eager_saved.measure_eager(spec, args, layout) == result, layout
+    here = search(prepare_plan(dataclasses.replace(request, workers=1)))
+    assert spread.fits and [(r.layout, r.peak) for r in here.fits] == [(r.layout, r.peak) for r in spread.fits]

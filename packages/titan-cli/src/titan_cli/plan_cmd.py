@@ -44,6 +44,12 @@ def plan(
         None, "--emit-config", help="Write the best layout's config to this TOML file."
     ),
     force: bool = typer.Option(False, "--force", help="Let --emit-config overwrite an existing file."),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=1,
+        help="Processes measuring what the blocks keep at each layout; default: this machine's CPUs (1 under 4).",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object (layouts, step-time terms, counts) for scripts."
     ),
@@ -81,6 +87,7 @@ def plan(
             top=top,
             host_memory=host_memory,
             expert_parallel=expert_parallel,
+            workers=workers,
         )
         result = search(prepare_plan(request))
         command = None

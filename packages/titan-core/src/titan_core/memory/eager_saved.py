@@ -153,6 +153,47 @@ def measure_eager(
     return _CACHE[key]
 
 
+def measure_eager_many(spec: ModelSpec[Any], args: Any, layouts: list[ActivationLayout], workers: int) -> None:
+    """Measure the `layouts` not measured yet in up to `workers` processes of their own, into the cache
+    `measure_eager` reads (`titan plan` on a machine with many cores: each layout is seconds of single-threaded
+    Python). Layouts that differ only in `ep_spans_tp` go to one process, which measures their shared parts once.
+    With fewer than two processes' worth of work nothing runs here: `measure_eager` measures each when asked.
+
+    The processes are spawned, not forked (this process may have torch's thread pools running): each imports torch
+    and Titan first, a few seconds, which the spread pays back from a handful of layouts on.
+
+    Args:
+        spec: the model family.
+        args: its shape (picklable, as `get_model_args` returns it).
+        layouts: the layouts to measure.
+        workers: the most processes to start.
+    """
+    groups: dict[ActivationLayout, list[ActivationLayout]] = {}
+    for layout in dict.fromkeys(layouts):
+        if (spec.name, repr(args), layout) not in _CACHE:
+            groups.setdefault(replace(layout, ep_spans_tp=False), []).append(layout)
+    workers = min(workers, len(groups))
+    if workers < 2:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = [(spec.name, args, group) for group in groups.values()]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for (_, _, group), measured in zip(tasks, pool.map(_measure_group, tasks), strict=True):
+            for layout, result in zip(group, measured, strict=True):
+                _CACHE[spec.name, repr(args), layout] = result
+
+
+def _measure_group(task: tuple[str, Any, list[ActivationLayout]]) -> list[EagerSaved]:
+    """`measure_eager_many`'s work in one process: a group of layouts of the family named, measured in order."""
+    from titan_models import get_model_spec
+
+    name, args, layouts = task
+    spec = get_model_spec(name)
+    return [measure_eager(spec, args, layout) for layout in layouts]
+
+
 def _dtype(layout: ActivationLayout) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32}[layout.compute_bytes]
 

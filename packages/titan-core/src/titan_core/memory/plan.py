@@ -30,6 +30,7 @@ The search, in order:
 from __future__ import annotations
 
 import functools
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +83,10 @@ class PlanRequest:
         top: how many layouts to rank.
         host_memory: host memory per node, e.g. "2TiB": what CPU offload may fill; None = `HOST_MEMORY`.
         expert_parallel: search expert-parallel degrees for a Mixture-of-Experts model (False: ep = 1 only).
+        workers: processes measuring, on fake tensors, what the blocks keep at the (tp, cp, etp) the search meets
+            (`eager_saved.measure_eager_many`); None = the CPUs this process may run on where there are at least
+            `SPREAD_FROM_CPUS` (on fewer, the processes' own imports of torch cost about what they save); 1 = all in
+            this process.
     """
 
     config: str | None
@@ -95,6 +100,7 @@ class PlanRequest:
     top: int = 5
     host_memory: str | None = None
     expert_parallel: bool = True
+    workers: int | None = None
 
 
 @dataclass
@@ -261,33 +267,46 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         probe = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep, ep_spans_tp=spans)
         return refuse_expert_parallel(probe, cfg)
 
+    def activation_layout(tp: int, cp: int, ep_spans_tp: bool) -> ActivationLayout:
+        return ActivationLayout(
+            compute_bytes=compute_bytes,
+            tp=tp,
+            cp=cp,
+            cp_rotate_method=w.cp_rotate_method,
+            cp_method=w.cp_method,
+            seq_len=w.seq_len,
+            device_type="cuda",
+            loss_parallel=not cfg.parallelism.disable_loss_parallel,
+            ep_spans_tp=ep_spans_tp,
+        )
+
     @functools.cache
     def activations(tp: int, cp: int, ep_spans_tp: bool) -> Any:  # measured on fake tensors once each (`eager_saved`)
         from titan_core.memory.eager_saved import measure_eager
 
-        return measure_eager(
-            spec,
-            args,
-            ActivationLayout(
-                compute_bytes=compute_bytes,
-                tp=tp,
-                cp=cp,
-                cp_rotate_method=w.cp_rotate_method,
-                cp_method=w.cp_method,
-                seq_len=w.seq_len,
-                device_type="cuda",
-                loss_parallel=not cfg.parallelism.disable_loss_parallel,
-                ep_spans_tp=ep_spans_tp,
-            ),
-        ).act
+        return measure_eager(spec, args, activation_layout(tp, cp, ep_spans_tp)).act
+
+    def refused(t: Layout) -> str | None:
+        refusal = refuse(t.tp, t.cp, t.pp, t.schedule, t.local_batch, t.microbatch)
+        return refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp)
+
+    experts = w.moe.num_experts if plan.request.expert_parallel else 0
+    workers = plan.request.workers or (cpus if (cpus := _cpus()) >= SPREAD_FROM_CPUS else 1)
+    if workers > 1 and not cfg.compile.enable:  # the layouts' measurements spread over processes, up front
+        from titan_core.memory.eager_saved import measure_eager_many
+
+        keys = {
+            (t.tp, t.cp, t.ep_spans_tp)
+            for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts)
+            if refused(t) is None
+        }
+        measure_eager_many(spec, args, [activation_layout(*key) for key in sorted(keys)], workers)
 
     scored: list[Ranked] = []
     closest_bound = None
-    experts = w.moe.num_experts if plan.request.expert_parallel else 0
     for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts):
         plan.counts["layouts"] += 1
-        refusal = refuse(t.tp, t.cp, t.pp, t.schedule, t.local_batch, t.microbatch)
-        refusal = refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp)
+        refusal = refused(t)
         if refusal is not None:
             plan.counts["rule"] += 1
             plan.rule_errors[refusal] += 1
@@ -305,6 +324,16 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
     scored.sort(key=rank_key)
     _estimate_fastest(plan, scored, estimate)
     return plan
+
+
+SPREAD_FROM_CPUS = 4
+"""`PlanRequest.workers` unset: the CPUs from which the search spreads its measurements over processes."""
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the OS tells it)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 SIMPLICITY_MARGIN = 0.02
