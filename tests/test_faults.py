@@ -126,7 +126,7 @@ def test_preemption_signals_save_exit_0_and_resume_exactly(tmp_path, reference):
     assert first_stop < second_stop < STEPS and steps_saved(folder)[-1] == second_stop
 
     proc = start_titan(folder, *args)
-    _, stderr = finish(proc, 300)
+    _, stderr = finish(proc, 600)
     assert proc.returncode == 0, stderr[-3000:]
     stitched = last_loss_per_step(folder)
     assert sorted(stitched) == list(range(1, STEPS + 1))
@@ -141,7 +141,7 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(tmp_path, reference):
     wait_for_steps(folder, 8, proc)
     os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
     killed_after = max(last_loss_per_step(folder))
-    stdout, stderr = finish(proc, 300)
+    stdout, stderr = finish(proc, 600)
     assert proc.returncode == 0, stderr[-3000:]
     assert "restart 1 of 1 (titan train --max-restarts): resumed from step" in stdout + stderr
     resumed_from = int(re.search(r"resumed from step (\d+)", stdout + stderr).group(1))
