@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import resource
+import time
 
 import pytest
 import torch.distributed as dist
@@ -39,6 +42,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     gc.unfreeze()  # before the interpreter's teardown: else triton's bindings report the frozen objects as leaked
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the processes it waited for (their own children included)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """`TITAN_TEST_CPU_REPORT=FILE`: append each test's CPU seconds (setup and teardown included) and wall seconds
+    to FILE, a JSON line per test (`{"file", "test", "cpu", "wall"}`), to sum by file: on the 2-core machines the
+    suite is bound by CPU, and a test's wall time says little there (beside another worker's 8-process launch, a
+    2-process run gets a fifth of the cores)."""
+    report = os.environ.get("TITAN_TEST_CPU_REPORT")
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    if report:
+        line = {"file": item.location[0], "test": item.name, "cpu": round(_cpu_seconds() - cpu, 2),
+                "wall": round(time.monotonic() - wall, 2)}  # fmt: skip
+        with open(report, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 @pytest.fixture(autouse=True)
