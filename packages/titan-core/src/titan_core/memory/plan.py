@@ -84,9 +84,10 @@ class PlanRequest:
         host_memory: host memory per node, e.g. "2TiB": what CPU offload may fill; None = `HOST_MEMORY`.
         expert_parallel: search expert-parallel degrees for a Mixture-of-Experts model (False: ep = 1 only).
         workers: processes measuring, on fake tensors, what the blocks keep at the (tp, cp, etp) the search meets
-            (`eager_saved.measure_eager_many`); None = the CPUs this process may run on where there are at least
-            `SPREAD_FROM_CPUS` (on fewer, the processes' own imports of torch cost about what they save); 1 = all in
-            this process.
+            (`eager_saved.measure_eager_many`); 1 = all in this process; None (what `titan plan` passes unless
+            told) = the CPUs this process may run on where there are at least `SPREAD_FROM_CPUS` (on fewer, the
+            processes' own imports of torch cost about what they save). The processes are spawned: they import
+            the calling script, whose start must then be under `if __name__ == "__main__":`.
     """
 
     config: str | None
@@ -100,7 +101,7 @@ class PlanRequest:
     top: int = 5
     host_memory: str | None = None
     expert_parallel: bool = True
-    workers: int | None = None
+    workers: int | None = 1
 
 
 @dataclass
