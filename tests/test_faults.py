@@ -35,10 +35,11 @@ def start_titan(folder: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
     no one reads while the test waits for steps could fill and stall the run."""
     cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc), "--job.dump_folder", str(folder), *args]
     folder.parent.mkdir(parents=True, exist_ok=True)
-    logs = [Path(tempfile.mkstemp(prefix=f"{folder.name}-", suffix=f".{kind}", dir=folder.parent)[1]) for kind in ("out", "err")]
-    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+    files = [tempfile.NamedTemporaryFile("w", prefix=f"{folder.name}-", suffix=f".{kind}", dir=folder.parent, delete=False)
+             for kind in ("out", "err")]  # fmt: skip
+    with files[0] as stdout, files[1] as stderr:
         proc = subprocess.Popen(cmd, cwd=REPO, env=titan_env(), stdout=stdout, stderr=stderr, text=True)
-    proc.logs = logs  # type: ignore[attr-defined]
+    proc.logs = [Path(f.name) for f in files]  # type: ignore[attr-defined]
     return proc
 
 
