@@ -227,3 +227,24 @@ def test_torchft_replica_groups_add_the_flat_gradient_copy():
     assert replica.total == plain.parameters + plain.optimizer + 2 * replica.gradients
     traced = estimate_memory(load_config(None, ft), 1, device_type="cpu", traced=True)
     assert traced.tier == "analytic" and "fault_tolerance.enable" in traced.notes[0]
+
+
+def test_the_table_says_which_moment_of_the_step_holds_the_peak():
+    """A long sequence on FSDP 8 peaks in the backward, before FSDP's gradient shards exist (the table's 0 gradients
+    is that moment's, not a missing term); 16 tokens on one rank peak at the optimizer step, every gradient alive;
+    a pipeline's stages peak at their own moments, named per stage. The 8B config compiles its blocks under selective
+    AC, which the estimate measures compiled: torch's warning to the authors of such regions stays out of its output
+    (a process of its own: the warning is printed once per process)."""
+    long = subprocess.run([sys.executable, "-m", "titan_cli", "estimate-memory", "--config", "llama3_8b",
+                           "--nproc-per-node", "8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert long.returncode == 0, long.stderr[-3000:]
+    assert "context_fn" not in long.stdout + long.stderr, long.stderr[-3000:]
+    assert any(line.startswith("at the peak: the") and "backward" in line for line in long.stdout.splitlines())
+    assert next(line for line in long.stdout.splitlines() if line.startswith("gradients")).split()[1:] == ["0.0", "MiB"]
+    short = _cli("--training.seq_len", "16", "--training.local_batch_size", "1")
+    assert short.exit_code == 0, short.output
+    assert "at the peak: the optimizer step" in short.output.splitlines()
+    assert next(line for line in short.output.splitlines() if line.startswith("gradients")).split()[1:] != ["0.0", "MiB"]
+    staged = _cli("--parallelism.pipeline_parallel_degree", "2", "--nproc-per-node", "2")
+    line = next(line for line in staged.output.splitlines() if line.startswith("at the peak:"))
+    assert line.endswith("(stage 1)") and "(stage 0)" in line, line

@@ -103,6 +103,21 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+PEAK_MOMENTS = {
+    "loss_backward": "the loss's backward",
+    "output_backward": "the output projection's backward",
+    "block_backward": "the last block's backward",
+    "optimizer_step": "the optimizer step",
+    "replica_all-reduce": "the replica groups' gradient all-reduce",
+}
+"""The moments of a step the analytic tier compares (`detail["peak_moment_<key>"]` names the largest), as printed."""
+
+
+def _peak_moment(rank: RankMemory) -> str | None:
+    key = next((k.removeprefix("peak_moment_") for k in rank.detail if k.startswith("peak_moment_")), None)
+    return None if key is None else PEAK_MOMENTS.get(key, key.replace("_", " "))
+
+
 def render_text(estimate: MemoryEstimate, title: str) -> str:
     """The estimate as a table: one column per pipeline stage, one row per component, then the verdict."""
     e = estimate
@@ -120,6 +135,16 @@ def render_text(estimate: MemoryEstimate, title: str) -> str:
             lines.append(" " * width + "".join(f"{'-' * 12:>14}" for _ in heads))
         lines.append(f"{name:<{width}}" + "".join(f"{format_bytes(v):>14}" for v in values))
     lines.append("")
+    moments = [_peak_moment(r) for r in e.ranks]
+    if any(moments):  # the analytic tier's: where the components above are taken (gradients are 0 before backward)
+        at = dict.fromkeys(m for m in moments if m)
+        if len(e.ranks) > 1 and len(at) > 1:
+            lines.append(
+                "at the peak: "
+                + ", ".join(f"{m} (stage {r.stage})" for r, m in zip(e.ranks, moments, strict=True) if m)
+            )
+        else:
+            lines.append(f"at the peak: {next(iter(at))}")
     if e.budget is not None:
         verdict = "fits" if e.fits else "does NOT fit"
         lines.append(
