@@ -5,7 +5,7 @@
     uv run python benchmarks/memory_accuracy.py --rows fsdp2,tp2     # some rows only
 
 Every row is a real job on the CPU: `titan_core.trainer.Trainer` built and run for
-`STEPS` train steps under torchrun (gloo), one launch per world size. What is
+`STEPS` train steps under torchrun's agent (gloo; the ranks forked, `launch`), one launch per world size. What is
 measured on each rank is the peak of the bytes the CPU allocator holds, as the
 allocator reports them itself: with `torch.profiler.profile(profile_memory=True)`,
 c10's CPU allocator reports every allocation and free to the profiler along with
@@ -183,8 +183,7 @@ def measuring(rows: list[Row]):
         spec, out = Path(folder) / "rows.json", Path(folder) / "out.json"
         spec.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               __file__, "--worker", str(spec), str(out)]
+        cmd = [sys.executable, __file__, "--launch", str(world), str(spec), str(out)]
         logs = Path(folder) / "stdout", Path(folder) / "stderr"
         with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
             proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
@@ -269,6 +268,25 @@ def worker(spec: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def launch(world: int, spec: str, out: str) -> None:
+    """A measurement launch: `worker` as each of `world` ranks under torchrun's elastic agent, forked from one
+    process that imported the trainer, as `titan train` starts a CPU job (`titan_core.rank_fork`): the imports
+    (~13 s of CPU a rank on a 2-core AVX2-only AMD EPYC) are paid once, not once per rank. The ranks' figures are
+    unchanged by it: the profile and the live-tensor tracker count from the start of each row, after the fork."""
+    from titan_core.launch import RANK_PRELOAD
+    from titan_core.rank_fork import run_elastic
+
+    run_elastic(["--standalone", f"--nproc-per-node={world}"], _forked_worker, (spec, out), preload=RANK_PRELOAD)
+
+
+def _forked_worker(spec: str, out: str) -> None:
+    from titan_core.rank_fork import rank_finished, rank_started
+
+    rank_started()
+    worker(spec, out)
+    rank_finished()
+
+
 def estimate_row(row: Row) -> Result:
     """The analytic and traced estimates of `row` for the CPU (its measured figures left empty)."""
     from titan_core.config import load_config
@@ -339,12 +357,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", help="comma-separated row names (default: all)")
     parser.add_argument("--json", help="write every figure to this file")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--launch", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(*args.worker)
-        sys.stdout.flush()
-        os._exit(0)  # gloo's threads can abort interpreter teardown on multi-rank runs
+    if args.launch:
+        launch(int(args.launch[0]), *args.launch[1:])
+        return
     results = run(args.rows.split(",") if args.rows else None)
     print(table(results))
     if args.json:

@@ -1,7 +1,8 @@
 """The memory estimate against real runs: every row of `benchmarks/memory_accuracy.py` (the table in
 docs/memory.md) measured for real on the CPU and held to the published targets.
 
-One run of the benchmark: three torchrun launches (1, 2 and 4 ranks), each row's trainer built and
+One run of the benchmark: three launches (1, 2 and 4 ranks, forked as `titan train`'s CPU ranks are: 424 CPU-s
+for the test against 486 as ranks of their own, 2-core AVX2-only AMD EPYC), each row's trainer built and
 stepped for real, then both tiers estimated for the same config. Rows measured by live tensor bytes
 must be within 5% (traced) and 10% (analytic); pipeline rows, which only the allocator measures
 (torch's tracker cannot run inside the pipeline backward), hold the analytic tier to the allocator's
