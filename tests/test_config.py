@@ -508,3 +508,11 @@ def test_shipped_name_resolution(tmp_path, monkeypatch):
     Path("llama3_8b.toml").write_text('[model]\nflavor = "10M"\n')
     assert load_config("llama3_8b.toml", []).model.flavor == "10M"
     assert load_config("llama3_8b", []).model.flavor == "8B"
+
+
+def test_a_job_size_given_as_a_config_key_names_the_launcher_options():
+    """`--gpus` is `titan plan`'s; `titan train` and `titan estimate-memory` take the launcher's options."""
+    for flag in ("--gpus", "--gpus-per-node", "--world_size"):
+        message = config_error(None, [flag, "8"])
+        assert message.endswith("the job's size is set by --nproc-per-node N (processes per node) and --nnodes M"), message
+    assert "did you mean 'training.steps'?" in config_error(None, ["--steps", "8"])  # other names keep their hint

@@ -72,6 +72,11 @@ def suggest_key(dotted: str) -> str | None:
     return close[0] if close else None
 
 
+LAUNCHER_WORDS = frozenset(("gpus", "gpus_per_node", "ngpus", "num_gpus", "nodes", "num_nodes", "world_size", "nproc"))
+"""Names users give the job's size (`titan plan --gpus`, other launchers' flags): in `titan train` and `titan
+estimate-memory` that is not a config key but the launcher's `--nproc-per-node` and `--nnodes`."""
+
+
 def describe_unknown_key(dotted: str, origin: str, what: str = "key") -> str:
     """The one-line message for an unknown key.
 
@@ -80,6 +85,9 @@ def describe_unknown_key(dotted: str, origin: str, what: str = "key") -> str:
         origin: where it came from, e.g. '(from --training.step)' or 'in job.toml'.
         what: 'key', or 'section' for a TOML table name.
     """
+    if dotted.lower() in LAUNCHER_WORDS:
+        fix = "the job's size is set by --nproc-per-node N (processes per node) and --nnodes M"
+        return f"unknown config {what} '{dotted}' {origin}; {fix}"
     suggestion = suggest_key(dotted)
     fix = f"did you mean '{suggestion}'?" if suggestion else HELP_HINT
     return f"unknown config {what} '{dotted}' {origin}; {fix}"
