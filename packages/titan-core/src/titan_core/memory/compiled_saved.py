@@ -60,17 +60,17 @@ Nothing of torch is patched.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import logging
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
+
+from titan_core.memory.torch_patches import quiet_torch_logs
 
 if TYPE_CHECKING:
     from titan_core.job import Job
@@ -235,23 +235,6 @@ def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
     return _CACHE[key].per_token
 
 
-_AC_CONTEXT_LOGGER = "torch._higher_order_ops.wrap"
-"""Warns, when a selective-AC block is compiled, that the checkpointed region must not hold in-place ops: addressed
-to the author of the region, it would only be noise in an estimate's output (Titan's blocks hold none)."""
-
-
-@contextlib.contextmanager
-def _quiet(name: str) -> Iterator[None]:
-    """Logger `name`'s warnings dropped inside the block."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _partitioned(fn: Callable[..., Any], args: tuple[Any, ...], tokens: int) -> BlockSaved:
     """What `fn(*args)`, compiled with Inductor's partitioner, saves for backward (see the module docstring)."""
     from torch._functorch.aot_autograd import make_boxed_func
@@ -279,7 +262,7 @@ def _partitioned(fn: Callable[..., Any], args: tuple[Any, ...], tokens: int) -> 
     # mark sizes dynamic once it has seen this function at two shapes)
     # and no automatic dynamic shapes from an earlier trace of the same function (torch 2.11 keys that state by
     # file and line, not by code object: a planner's second batch size came back as a SymInt there)
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), _quiet(_AC_CONTEXT_LOGGER):
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), quiet_torch_logs():
         torch.compile(fresh, backend=backend, fullgraph=True, dynamic=False)(*args)
     return _saved(recorded["forward"], recorded["counted"], recorded["outputs"], tokens)
 

@@ -35,6 +35,10 @@ torch's own error and `titan estimate-memory` says so.
   tracker counts the tensors of ops run under another fake mode than its own (below). The
   measured tier (`titan_core.memory.measure_run`) uses these trackers on CPU too.
 
+Both estimating tiers also run torch under `quiet_torch_logs`: torch's logged warnings there (DTensor's
+advice on redistributions in the trace; when the analytic tier compiles a selective-AC block, the warning
+that the checkpointed region must not hold in-place ops) speak of the run, which the user sees when it runs.
+
 Torch 2.11's `MemTracker` counts every op's outputs, those of an op run under a fake mode that
 was not active when the tracker was entered included: the fake tensors Dynamo makes while it
 compiles (the master-weight optimizer step, the loss) and those of DTensor's sharding
@@ -49,6 +53,20 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
+
+
+@contextlib.contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """torch's loggers below ERROR dropped inside the block (see the module docstring), restored on exit."""
+    import logging
+
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -18,9 +18,7 @@ the GPUs; this runs on any host, in seconds for an 8B model.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 
 import torch
 
@@ -28,7 +26,13 @@ from titan_core.config.schema import JobConfig
 from titan_core.memory.analytic import compute_dtype_bytes, describe_layout
 from titan_core.memory.report import MemoryEstimate, RankMemory
 from titan_core.memory.target_job import check_target_job, target_device
-from titan_core.memory.torch_patches import allow_repeated_forwards, building, own_propagation_mode, peak_tracker
+from titan_core.memory.torch_patches import (
+    allow_repeated_forwards,
+    building,
+    own_propagation_mode,
+    peak_tracker,
+    quiet_torch_logs,
+)
 
 
 class TraceUnsupported(Exception):
@@ -203,7 +207,7 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
     rng = torch.random.get_rng_state()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with warnings.catch_warnings(), _quiet_torch_logs():
+        with warnings.catch_warnings(), quiet_torch_logs():
             warnings.simplefilter("ignore")
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             with building(mode):  # the whole trainer on fake tensors, but its device meshes
@@ -258,21 +262,6 @@ def rank_memory(peaks: dict[str, int], sharded_params: int) -> RankMemory:
     if memory.total != peaks["Total"]:
         raise RuntimeError(f"the traced components sum to {memory.total}, not the tracker's peak {peaks['Total']}")
     return memory
-
-
-@contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """Keep torch's logged warnings about the traced step (e.g. DTensor's advice on redistributions) out of
-    the estimate's output: they are about the run, which the user sees when it runs."""
-    import logging
-
-    torch_logger = logging.getLogger("torch")
-    level = torch_logger.level
-    torch_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        torch_logger.setLevel(level)
 
 
 def _storage_bytes(tensors) -> int:
