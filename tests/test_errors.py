@@ -140,7 +140,8 @@ def test_forked_cpu_ranks_report_a_bug_with_its_traceback(tmp_path):
 def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(tmp_path):
     """`titan train` starts its CPU ranks' fork server before the job check (`rank_fork.server_started_early`), so
     that it imports the trainer meanwhile: the ranks are then forked from that server, and a launch that ends
-    before forking (a failed check) kills it rather than waiting for its imports, leaving no process behind."""
+    before forking (a failed check) kills it rather than waiting for its imports, leaving no process behind. The
+    server is forked from the launching process, which named it."""
     (tmp_path / "entry_mod.py").write_text(textwrap.dedent("""
         import os
 
@@ -162,6 +163,8 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
                 server = forkserver._forkserver._forkserver_pid
                 run_elastic(["--standalone", "--nproc-per-node=1"], entry_mod.rank, ({str(tmp_path / "ppid")!r},),
                             preload=["entry_mod"])
+                with open(f"/proc/{{server}}/comm") as f:
+                    print(f.read().strip())
             started = time.perf_counter()
             with server_started_early(["slow_mod"]):
                 slow = forkserver._forkserver._forkserver_pid
@@ -170,7 +173,8 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env=titan_env(debug_detail=False))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    server, slow, seconds = proc.stdout.split()
+    name, server, slow, seconds = proc.stdout.split()
     assert (tmp_path / "ppid").read_text() == server  # the rank was forked from the server started early
+    assert name == "titan-forksrv"  # itself forked from this process (rank_fork.start_server), not a new interpreter
     assert float(seconds) < 10  # not the 120 s its import takes
     assert not Path(f"/proc/{slow}").exists()

@@ -287,10 +287,13 @@ def _error_folder() -> Iterator[Path]:
 
 def _fork_server_during_check() -> contextlib.AbstractContextManager[None]:
     """The CPU ranks' fork server, started before the job check so that it imports the trainer meanwhile
-    (`titan_core.rank_fork.server_started_early`: a 2-rank launch ~6 s sooner on 2 cores); nothing on a host
-    with an NVIDIA driver, whose jobs start their ranks as processes of their own."""
+    (`titan_core.rank_fork.server_started_early`), and after this process imported torch, which the server then
+    inherits rather than imports again (`rank_fork.start_server`); nothing on a host with an NVIDIA driver, whose
+    jobs start their ranks as processes of their own."""
     if os.path.exists("/dev/nvidiactl"):
         return contextlib.nullcontext()
+    with collector_paused():  # the check and the agent need torch here too: the server, forked now, inherits it
+        import torch  # noqa: F401
     from titan_core.rank_fork import server_started_early
 
     return server_started_early(RANK_PRELOAD)
