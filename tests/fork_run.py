@@ -5,9 +5,10 @@ With `--titan` the agent is `titan train`'s own (`titan_core.launch._run_torchru
 exit code as the launcher's, signals handled as `titan train` handles them), and this process exits with its code.
 
 Each rank runs the worker as `__main__` (its imports are already loaded). A worker ends with
-`rank_exit.leave(code)`, which returns here in a forked rank and is `os._exit(code)` in a rank of its own. In
-the fork server, this module (preloaded as the agent's `__main__`) runs the worker's top level under another name:
-its imports and definitions, not its `__main__` block.
+`rank_exit.leave(code)`, which returns here in a forked rank and is `os._exit(code)` in a rank of its own. This
+process runs the worker's top level under another name first (its imports and definitions, not its `__main__`
+block), and the fork server, forked from it, inherits them; a server that is a new interpreter instead (where
+this process could not fork it) runs it when it preloads this module as the agent's `__main__`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ if __name__ == "__main__":
     titan = sys.argv[1] == "--titan"
     nproc, script, *args = int(sys.argv[1 + titan]), os.path.abspath(sys.argv[2 + titan]), *sys.argv[3 + titan :]
     os.environ[SCRIPT_ENV] = script
-    sys.path.insert(0, os.path.dirname(script))
+    _load_worker(script)  # here: the fork server, forked from this process (rank_fork.start_server), inherits it
     launcher = ["--standalone", f"--nproc-per-node={nproc}"]
     if titan:
         from titan_core.launch import _error_folder, _run_torchrun
