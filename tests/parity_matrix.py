@@ -1,7 +1,7 @@
 """Every parallel layout against one process: the parity matrix.
 
-Each layout trains the debug model for 6 steps in fp32 (bf16 rows: below), validating at steps 3
-and 6 (except compiled rows), from
+Each layout trains the debug model for 4 steps in fp32 (bf16 rows: below), validating at steps 2
+and 4 (except compiled rows), from
 the same seeded init (on CPU every rank builds the full model from the seed and
 keeps its shards, so all layouts start from bit-identical weights) on the same
 global batch of 8 sequences, and its per-step global loss is compared with one process.
@@ -16,8 +16,10 @@ fp32 results at ~1e-7 relative per step; AdamW's normalised updates carry such
 perturbations forward without damping, and over 10 steps we measured up to a few
 times 1e-6. A real bug (a wrong shard, a missed gradient, a mis-scaled loss, a
 wrong RoPE position) moves the loss by 1e-3 or more within two steps. The matrix ran 10 steps
-until 2026-11-27 (the drift figures here and below are over those 10); it runs 6 since, as a bug
-shows within two and 4 fewer steps per layout kept the whole suite further under its time budget.
+until 2026-11-27 (the drift figures here and below are over those 10), 6 until 2026-11-30, and 4
+since: a bug shows within two (step 1 is the forward of the same weights, step 2 the first update's
+result, and the validation at step 2 the eval forward after it), and every step a row leaves out is
+one a 4-process row pays four times on the suite's 2 cores.
 
 bf16 rows (`dtype="bfloat16"`): FSDP 2, TP 2, PP 2 (1F1B) and Qwen3-MoE with EP 2, each
 against a one-process bf16 run of the same model. FSDP's `MixedPrecisionPolicy` casts for one
@@ -77,7 +79,7 @@ from titan_core.job.rules import NO_EVAL_SCHEDULES  # noqa: E402
 from titan_run import TINY, losses, run_titan, validation_losses  # noqa: E402
 
 GLOBAL_BATCH = 8
-STEPS = 6  # training steps of every layout and reference (validation at STEPS // 2 and STEPS)
+STEPS = 4  # training steps of every layout and reference (validation at STEPS // 2 and STEPS)
 TOLERANCE = 2e-5
 BF16_TOLERANCE = 2.0**-8  # bf16's unit roundoff; see the module docstring
 BF16_MOE_TOLERANCE = 4 * 2.0**-8
@@ -213,7 +215,7 @@ LAYOUTS = [
 ]
 
 
-# Validation at steps 3 and 6 through the step runner's forward (pipeline schedules' eval included): its loss is
+# Validation at steps 2 and 4 through the step runner's forward (pipeline schedules' eval included): its loss is
 # compared like the training losses. Compiled rows leave it out (an eval-mode forward recompiles every block), and
 # so do the V schedules, whose forward-only pass fails in torch, and the bf16 rows (their tolerance is derived for
 # training losses; bf16 TP's validation loss measured 4.65e-3 off one process's, above it).
