@@ -141,7 +141,8 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     """`titan train` starts its CPU ranks' fork server before the job check (`rank_fork.server_started_early`), so
     that it imports the trainer meanwhile: the ranks are then forked from that server, and a launch that ends
     before forking (a failed check) kills it rather than waiting for its imports, leaving no process behind. The
-    server is forked from the launching process, which named it."""
+    server is forked from the launching process, which named it; a launcher with another thread running starts it
+    as a new interpreter instead (a lock that thread holds would stay held in the fork)."""
     (tmp_path / "entry_mod.py").write_text(textwrap.dedent("""
         import os
 
@@ -152,7 +153,7 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     (tmp_path / "slow_mod.py").write_text("import time\ntime.sleep(120)\n")
     script = tmp_path / "early.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, time
+        import sys, threading, time
         from multiprocessing import forkserver
         sys.path.insert(0, {str(tmp_path)!r})
         import entry_mod
@@ -165,6 +166,14 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
                             preload=["entry_mod"])
                 with open(f"/proc/{{server}}/comm") as f:
                     print(f.read().strip())
+            # Another thread running: the server is a new interpreter (rank_fork._forkable), and serves all the same.
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+            with server_started_early(["entry_mod"]):
+                spawned = forkserver._forkserver._forkserver_pid
+                run_elastic(["--standalone", "--nproc-per-node=1"], entry_mod.rank, ({str(tmp_path / "ppid2")!r},),
+                            preload=["entry_mod"])
+                with open(f"/proc/{{spawned}}/cmdline", "rb") as f:
+                    print(spawned, b"multiprocessing.forkserver" in f.read())
             started = time.perf_counter()
             with server_started_early(["slow_mod"]):
                 slow = forkserver._forkserver._forkserver_pid
@@ -173,8 +182,10 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env=titan_env(debug_detail=False))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    name, server, slow, seconds = proc.stdout.split()
+    name, spawned, is_new_interpreter, server, slow, seconds = proc.stdout.split()
     assert (tmp_path / "ppid").read_text() == server  # the rank was forked from the server started early
     assert name == "titan-forksrv"  # itself forked from this process (rank_fork.start_server), not a new interpreter
+    assert (tmp_path / "ppid2").read_text() == spawned and is_new_interpreter == "True"
     assert float(seconds) < 10  # not the 120 s its import takes
     assert not Path(f"/proc/{slow}").exists()
+

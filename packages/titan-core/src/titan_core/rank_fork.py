@@ -178,9 +178,10 @@ def start_server() -> None:
 
 def _forkable() -> bool:
     """Whether this process can fork the server: Linux, on its main thread, with no other thread (a lock another
-    thread holds at the fork stays held in the child, and GNU OpenMP's workers do not survive it) and CUDA not
-    initialised."""
-    if threading.current_thread() is not threading.main_thread():
+    thread holds at the fork stays held in the child, and GNU OpenMP's workers do not survive it), on a host
+    without an NVIDIA driver (where a device query may have initialised the driver in this process; not run on a
+    GPU host yet) and CUDA not initialised."""
+    if threading.current_thread() is not threading.main_thread() or os.path.exists("/dev/nvidiactl"):
         return False
     try:
         if len(os.listdir("/proc/self/task")) != 1:
