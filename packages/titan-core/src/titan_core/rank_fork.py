@@ -194,7 +194,8 @@ def _forkable() -> bool:
 
 def rank_started() -> None:
     """Called first thing in a forked rank: names the process `titan-rank<RANK>` (`ps -o comm`, `top`,
-    /proc/PID/comm, `pkill -x`; its command line is the fork server's) where Linux allows."""
+    /proc/PID/comm, `pkill -x`; its command line is the fork server's, which is the launcher's where the server
+    was forked from it) where Linux allows."""
     _name_process(f"titan-rank{os.environ.get('RANK', 0)}")
 
 
