@@ -70,9 +70,10 @@ def wait_for_steps(folder: Path, n: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError(f"no step {n} within {timeout} s ({logged} logged); its output:\n{finish(proc, 0)[1][-3000:]}")
 
 
-def rank_pids(agent_pid: int) -> dict[int, int]:
+def rank_pids(agent_pid: int, prefix: str = "titan-rank") -> dict[int, int]:
     """RANK -> pid of the training processes under the `titan train` process: on CPU they are forked from a
-    server it started (titan_core.rank_fork) and named `titan-rank<RANK>`."""
+    server it started (titan_core.rank_fork) and named `titan-rank<RANK>`. With `prefix="titan-forksrv"`: that
+    server, as {0: pid}."""
     found, todo = {}, [agent_pid]
     while todo:
         pid = todo.pop()
@@ -81,8 +82,8 @@ def rank_pids(agent_pid: int) -> dict[int, int]:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except FileNotFoundError:
             continue
-        if name.startswith("titan-rank"):
-            found[int(name.removeprefix("titan-rank"))] = pid
+        if name.startswith(prefix):
+            found[int(name.removeprefix(prefix) or 0)] = pid
     return found
 
 
@@ -99,8 +100,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 
 def test_preemption_signals_save_exit_0_and_resume_exactly(tmp_path, reference):
-    """SIGTERM to `titan train` (forwarded by the agent), then SIGUSR1 to one rank only (Slurm's
-    pre-kill signal): each time the ranks finish the step, save it, exit 0 within seconds; the
+    """SIGTERM to `titan train` (forwarded by the agent) and to its ranks' fork server, then SIGUSR1 to one rank
+    only (Slurm's pre-kill signal): each time the ranks finish the step, save it, exit 0 within seconds; the
     next start resumes, and the stitched run equals the uninterrupted one."""
     folder = tmp_path / "run"
     args = [*RUN, "--checkpoint.interval", "1000"]  # no periodic save: only the signal saves
@@ -108,6 +109,9 @@ def test_preemption_signals_save_exit_0_and_resume_exactly(tmp_path, reference):
     proc = start_titan(folder, *args)
     wait_for_steps(folder, 3, proc)
     sent = time.monotonic()
+    # The fork server too, as `pkill -f "titan train"` or a scheduler signalling every process of the job would:
+    # it must outlive the ranks, which report their exit codes through it (rank_fork.JOB_SIGNALS).
+    os.kill(rank_pids(proc.pid, "titan-forksrv")[0], signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
     _, stderr = finish(proc, 90)
     took = time.monotonic() - sent

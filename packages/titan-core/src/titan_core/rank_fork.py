@@ -159,6 +159,9 @@ def start_server() -> None:
                 os.closerange(low + 1, high)
             # This copy's lock: the launcher's `ensure_running` holds the original.
             forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
+            for sig in JOB_SIGNALS:  # the ranks take the launcher's handling back (`rank_started`)
+                previous = signal.signal(sig, signal.SIG_IGN)
+                _launcher_signals[sig] = signal.SIG_DFL if previous is None else previous  # None: set outside Python
             _name_process("titan-forksrv")  # else `ps` shows a second `titan train`, the launcher's command line
             exec(args[-1], {"__name__": "__mp_forkserver__"})  # noqa: S102  multiprocessing's command, as `-c` runs it
             code = 0
@@ -174,6 +177,14 @@ def start_server() -> None:
         forkserver.ensure_running()
     finally:
         util.spawnv_passfds = spawn
+
+
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
+"""Signals a forked server ignores. Its command line is the launcher's, so `pkill -f "titan train"` signals it
+too (as a scheduler signals every process of a job step): a server killed by one leaves the agent unable to learn
+its ranks' exit codes, and it takes them for dead (code 255) and ends the job before they saved."""
+_launcher_signals: dict[int, Any] = {}
+"""In a forked server and its ranks: the launcher's handling of `JOB_SIGNALS` when it forked the server."""
 
 
 def _forkable() -> bool:
@@ -193,10 +204,13 @@ def _forkable() -> bool:
 
 
 def rank_started() -> None:
-    """Called first thing in a forked rank: names the process `titan-rank<RANK>` (`ps -o comm`, `top`,
+    """Called first thing in a forked rank: restores the launcher's handling of the signals the server ignores
+    (`JOB_SIGNALS`) and names the process `titan-rank<RANK>` (`ps -o comm`, `top`,
     /proc/PID/comm, `pkill -x`; its command line is the fork server's, which is the launcher's where the server
     was forked from it) where Linux allows."""
     _name_process(f"titan-rank{os.environ.get('RANK', 0)}")
+    for sig, handler in _launcher_signals.items():  # what a server forked from the launcher ignores (JOB_SIGNALS)
+        signal.signal(sig, handler)
 
 
 def _name_process(name: str) -> None:
