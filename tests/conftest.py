@@ -16,8 +16,8 @@ import torch.distributed as dist
 # file a worker takes is a short one and the other worker is not left waiting on it. Longest first by their CPU
 # time in the suite's last full run (`TITAN_TEST_CPU_REPORT`, below; docs/benchmarks.md), except test_faults, second:
 # it waits on its runs' signals more than it computes (772 s of wall for 287 CPU-s, 2-core AVX2-only AMD EPYC),
-# which the other worker's CPU work fills best early on. A file not named keeps its place after these. (xdist's own reordering, by the number
-# of tests in a file, is off: `--no-loadscope-reorder`.)
+# which the other worker's CPU work fills best early on. A file not named keeps its place after these. (xdist's
+# own reordering, by the number of tests in a file, is off: `--no-loadscope-reorder`.)
 LONGEST_FIRST = (
     "test_parity_matrix.py", "test_faults.py", "test_memory_accuracy.py", "test_resume.py", "test_float8.py",
     "test_muon_parity.py", "test_plan.py", "test_errors.py", "test_moe_training.py", "test_train.py",

@@ -188,4 +188,3 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     assert (tmp_path / "ppid2").read_text() == spawned and is_new_interpreter == "True"
     assert float(seconds) < 10  # not the 120 s its import takes
     assert not Path(f"/proc/{slow}").exists()
-

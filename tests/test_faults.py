@@ -70,21 +70,24 @@ def wait_for_steps(folder: Path, n: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError(f"no step {n} within {timeout} s ({logged} logged); its output:\n{finish(proc, 0)[1][-3000:]}")
 
 
-def rank_pids(agent_pid: int, prefix: str = "titan-rank") -> dict[int, int]:
-    """RANK -> pid of the training processes under the `titan train` process: on CPU they are forked from a
-    server it started (titan_core.rank_fork) and named `titan-rank<RANK>`. With `prefix="titan-forksrv"`: that
-    server, as {0: pid}."""
+def processes_under(agent_pid: int) -> dict[str, int]:
+    """Name (`/proc/PID/comm`) -> pid of the processes under the `titan train` process: on CPU its ranks'
+    fork server (titan_core.rank_fork), `titan-forksrv`, and the ranks forked from it, `titan-rank<RANK>`."""
     found, todo = {}, [agent_pid]
     while todo:
         pid = todo.pop()
         try:
             todo += [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            found[Path(f"/proc/{pid}/comm").read_text().strip()] = pid
         except FileNotFoundError:
             continue
-        if name.startswith(prefix):
-            found[int(name.removeprefix(prefix) or 0)] = pid
     return found
+
+
+def rank_pids(agent_pid: int) -> dict[int, int]:
+    """RANK -> pid of the training processes under the `titan train` process (`processes_under`)."""
+    return {int(name.removeprefix("titan-rank")): pid for name, pid in processes_under(agent_pid).items()
+            if name.startswith("titan-rank")}  # fmt: skip
 
 
 def steps_saved(folder: Path) -> list[int]:
@@ -111,7 +114,7 @@ def test_preemption_signals_save_exit_0_and_resume_exactly(tmp_path, reference):
     sent = time.monotonic()
     # The fork server too, as `pkill -f "titan train"` or a scheduler signalling every process of the job would:
     # it must outlive the ranks, which report their exit codes through it (rank_fork.JOB_SIGNALS).
-    os.kill(rank_pids(proc.pid, "titan-forksrv")[0], signal.SIGTERM)
+    os.kill(processes_under(proc.pid)["titan-forksrv"], signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
     _, stderr = finish(proc, 90)
     took = time.monotonic() - sent
