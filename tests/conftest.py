@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+import warm_python
 
 # The suite runs on 2 workers, a file to a worker (pytest-xdist: `-n 2 --dist loadfile` in pyproject.toml), each
 # worker taking the next file in collection order when it is free. The longest files go first, so that the last
@@ -48,9 +49,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def _cpu_seconds() -> float:
-    """CPU time of this process and of the processes it waited for (their own children included)."""
+    """CPU time of this process and of the processes it waited for (their own children included), and of the runs
+    it had forked from a warm interpreter (`warm_python`; that interpreter's own start-up is not counted)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + warm_python.children_cpu()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,16 +4,14 @@ speed is measured by running them, see docs/performance.md)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
-from titan_run import REPO
+from titan_run import REPO, titan_env
+import warm_python
 
 
 def run(*cmd: str, **env: str) -> str:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    proc = warm_python.run(cmd, cwd=REPO, timeout=600, env={**titan_env(debug_detail=False), **env})
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

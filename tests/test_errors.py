@@ -21,6 +21,7 @@ from titan_models import ModelConfigError, get_model_args
 from titan_parallel import ParallelConfigError
 
 from titan_run import REPO, TINY, run_titan, titan_env
+import warm_python
 
 
 def run_main(dump_folder, setup: str, *args: str) -> subprocess.CompletedProcess:
@@ -29,7 +30,7 @@ def run_main(dump_folder, setup: str, *args: str) -> subprocess.CompletedProcess
     code = textwrap.dedent(setup) + f"\nimport sys, titan_core.launch\nsys.exit(titan_core.launch.main({argv!r}))\n"
     env = titan_env(debug_detail=False)
     env.pop("TITAN_TRACEBACK", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    return warm_python.run([sys.executable, "-c", code], env=env, timeout=300, cwd=REPO)
 
 
 def test_the_input_error_types_are_also_the_builtin_ones():
@@ -131,8 +132,8 @@ def test_forked_cpu_ranks_report_a_bug_with_its_traceback(tmp_path):
     """))
     env = titan_env(debug_detail=False)
     env.pop("TITAN_TRACEBACK", None)
-    proc = subprocess.run([sys.executable, str(script), *TINY, "--job.dump_folder", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    proc = warm_python.run([sys.executable, str(script), *TINY, "--job.dump_folder", str(tmp_path / "run")],
+                           env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" in proc.stderr and "ValueError: boom" in proc.stderr, proc.stderr[-3000:]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from titan_run import REPO, TINY, read_metrics, run_titan, titan_env
+import warm_python
 
 STEPS = 20
 RUN = [*TINY, "--training.steps", str(STEPS), "--training.local_batch_size", "2", "--checkpoint.enable", "true"]
@@ -30,15 +31,16 @@ def last_loss_per_step(folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss/global_avg"] for r in read_metrics(folder)}
 
 
-def start_titan(folder: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
-    """`titan train` in the background, its stdout and stderr into files beside `folder` (`finish` reads them): a pipe
-    no one reads while the test waits for steps could fill and stall the run."""
+def start_titan(folder: Path, *args: str, nproc: int = 2) -> warm_python.WarmProcess | subprocess.Popen:
+    """`titan train` in the background (forked from a warm interpreter: tests/warm_python.py), its stdout and stderr
+    into files beside `folder` (`finish` reads them): a pipe no one reads while the test waits for steps could fill
+    and stall the run."""
     cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc), "--job.dump_folder", str(folder), *args]
     folder.parent.mkdir(parents=True, exist_ok=True)
     files = [tempfile.NamedTemporaryFile("w", prefix=f"{folder.name}-", suffix=f".{kind}", dir=folder.parent, delete=False)
              for kind in ("out", "err")]  # fmt: skip
     with files[0] as stdout, files[1] as stderr:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=titan_env(), stdout=stdout, stderr=stderr, text=True)
+        proc = warm_python.start(cmd, stdout=stdout, stderr=stderr, env=titan_env(), cwd=REPO)
     proc.logs = [Path(f.name) for f in files]  # type: ignore[attr-defined]
     return proc
 
@@ -168,7 +170,7 @@ def run_nonfinite(folder: Path, bad_step: int, *args: str) -> subprocess.Complet
     train` forks a CPU job's ranks."""
     cmd = [sys.executable, "tests/fork_run.py", "--titan", "2", "tests/workers/nonfinite_worker.py", str(bad_step), "1", "--job.dump_folder", str(folder), *TINY, "--training.steps", "8",
            "--checkpoint.enable", "true", "--checkpoint.interval", "2", *args]
-    return subprocess.run(cmd, cwd=REPO, env=titan_env(), capture_output=True, text=True, timeout=300)
+    return warm_python.run(cmd, cwd=REPO, env=titan_env(), timeout=300)
 
 
 def state_checks(stdout: str) -> list[dict]:

@@ -29,16 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from titan_run import DEBUG_DETAIL, FORK_RUN, SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_all
+from titan_run import FORK_RUN, SHARED_DATA, TINY, losses, read_metrics, run_titan, run_titan_all, titan_env
+import warm_python
 
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import Float8Options, MXOptions, ParallelConfigError, apply_float8, apply_mx, check_float8, check_mx
@@ -345,9 +344,8 @@ def test_tp2_all_gathers_in_float8(tmp_path):
     to 7.2e-4. So the gradients are held to a share of float8's own error against fp32, not to fp32
     rounding; the logits of rowwise (power-of-two scales, high-precision all-gathers) stay within 1e-5."""
     out = tmp_path / "tp.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **DEBUG_DETAIL}
     cmd = [sys.executable, str(FORK_RUN), "2", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = warm_python.run(cmd, env=titan_env(), timeout=300)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = json.loads(out.read_text())
     for recipe, r in results.items():

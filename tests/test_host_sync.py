@@ -11,13 +11,13 @@ and the guard's next poll reports step 3.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from titan_run import FORK_RUN, REPO, titan_env
+import warm_python
 
 ARGS = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard",
         "false", "--debug.seed", "7"]
@@ -25,7 +25,7 @@ ARGS = ["--training.seq_len", "32", "--training.mixed_precision_param", "float32
 
 def host_reads(tmp_path, *args: str) -> dict:
     cmd = [sys.executable, str(FORK_RUN), "2", "tests/workers/host_sync_worker.py", *ARGS, "--job.dump_folder", str(tmp_path), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=titan_env(), capture_output=True, text=True, timeout=300)
+    proc = warm_python.run(cmd, cwd=REPO, env=titan_env(), timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("HOST-SYNC ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(lines[0].removeprefix("HOST-SYNC "))

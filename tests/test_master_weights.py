@@ -26,6 +26,7 @@ from titan_parallel import ComputeCopies, MasterAdam, MasterAdamW, ParallelOptio
 from titan_parallel.master_weights import master_weights_blockers
 
 from titan_run import TINY, run_titan, run_titan_shared
+import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -283,7 +284,7 @@ def test_titan_train_matches_one_rank_fsdp_and_resumes_bit_exactly(tmp_path):
 
 def test_the_standalone_example_runs():
     """examples/master_weights_any_model.py: titan-parallel's API on a model it has never seen."""
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "master_weights_any_model.py")],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    proc = warm_python.run([sys.executable, str(REPO / "examples" / "master_weights_any_model.py")],
+                           timeout=300, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "losses equal to the hand-written bf16 loop" in proc.stdout

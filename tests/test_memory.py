@@ -4,10 +4,10 @@ shipped config, the verdict and its fix, and an impossible layout as one line.""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+import warm_python
 from typer.testing import CliRunner
 
 from titan_cli.main import app
@@ -161,7 +161,7 @@ def test_does_not_fit_names_a_fix_that_fits():
 
 
 def test_impossible_layout_is_one_line_naming_the_key():
-    proc = subprocess.run(
+    proc = warm_python.run(
         [
             sys.executable,
             "-m",
@@ -174,8 +174,6 @@ def test_impossible_layout_is_one_line_naming_the_key():
             "--parallelism.tensor_parallel_degree",
             "3",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 2
@@ -235,8 +233,8 @@ def test_the_table_says_which_moment_of_the_step_holds_the_peak():
     a pipeline's stages peak at their own moments, named per stage. The 8B config compiles its blocks under selective
     AC, which the estimate measures compiled: torch's warning to the authors of such regions stays out of its output
     (a process of its own: the warning is printed once per process)."""
-    long = subprocess.run([sys.executable, "-m", "titan_cli", "estimate-memory", "--config", "llama3_8b",
-                           "--nproc-per-node", "8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    long = warm_python.run([sys.executable, "-m", "titan_cli", "estimate-memory", "--config", "llama3_8b",
+                           "--nproc-per-node", "8"], timeout=300)  # fmt: skip
     assert long.returncode == 0, long.stderr[-3000:]
     assert "context_fn" not in long.stdout + long.stderr, long.stderr[-3000:]
     assert any(line.startswith("at the peak: the") and "backward" in line for line in long.stdout.splitlines())

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
 from titan_run import REPO
+import warm_python
 
 TRACED_TARGET = 0.05
 ANALYTIC_TARGET = 0.10
@@ -34,8 +34,8 @@ ANALYTIC_TARGET_FSDP_IN_PP = 0.20
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("memacc") / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_accuracy.py"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=1200, cwd=REPO)
+    proc = warm_python.run([sys.executable, str(REPO / "benchmarks" / "memory_accuracy.py"), "--json", str(out)],
+                           timeout=1200, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {r["row"]["name"]: r for r in json.loads(out.read_text())}
 

@@ -9,7 +9,6 @@ C++ build). It runs in a subprocess while this process traces the estimate's blo
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ from titan_core.memory.activations import ActivationLayout
 from titan_core.memory.eager_saved import measure_eager
 from titan_models import get_model_args, get_model_spec
 from titan_run import REPO, titan_env
+import warm_python
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from memory_accuracy import BASE  # noqa: E402  # the accuracy matrix's job: debugmodel, fp32, 4 x 256 tokens
@@ -53,18 +53,13 @@ def _measure(family: str, flavor: str, ac: str, batch: int, seq_len: int, dtype:
 def test_a_compiled_run_peaks_within_10_percent_of_the_compiled_estimate(tmp_path):
     out = tmp_path / "peak.json"
     worker = REPO / "tests" / "workers" / "compiled_peak_worker.py"
-    proc = subprocess.Popen(
-        [sys.executable, str(worker), str(out), *COMPILED],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=titan_env(),
-        cwd=REPO,
-    )
+    log = (tmp_path / "worker.log").open("w")
+    proc = warm_python.start([sys.executable, worker, out, *COMPILED], stdout=log, env=titan_env(), cwd=REPO)
     compiled = estimate_analytic(load_config(None, COMPILED), 1, device_type="cpu")  # traced while the run runs
     eager_estimate = estimate_analytic(load_config(None, BASE), 1, device_type="cpu")  # the same job, not compiled
-    _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-6000:]
+    proc.wait(timeout=600)
+    log.close()
+    assert proc.returncode == 0, (tmp_path / "worker.log").read_text()[-6000:]
     measured = json.loads(out.read_text())["peak"]
     error = (compiled.ranks[0].total - measured) / measured
     assert abs(error) < TARGET, (compiled.ranks[0].total / 2**20, measured / 2**20)

@@ -5,8 +5,8 @@ keeps, measured, is held to what autograd really saves in tests/test_memory_eage
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+import warm_python
 
 import torch
 from typer.testing import CliRunner
@@ -86,7 +86,7 @@ def test_expert_parallel_estimate_prints_a_table_and_gathers_fewer_experts():
         "--parallelism.expert_parallel_degree",
         "2",
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    proc = warm_python.run(command, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "analytic estimate, 2 ranks: dp_shard=2, ep=2 (" in proc.stdout  # the layout names the EP degree

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from titan_run import FORK_RUN, REPO, losses, read_metrics, run_titan, titan_env
+import warm_python
 
 WORKER = REPO / "tests" / "workers" / "ckpt_train.py"
 GLOBAL_BATCH = 4
@@ -31,12 +32,12 @@ def train_until(run: Path, stop_after: int, nproc: int, *args: str) -> None:
     """Train with `nproc` ranks from the newest checkpoint; every rank exits after step `stop_after`."""
     batch = ["--training.local_batch_size", str(GLOBAL_BATCH // nproc)]
     cmd = [sys.executable, str(FORK_RUN), str(nproc), str(WORKER), "stop-after-step", str(stop_after), *RUN, *batch, "--job.dump_folder", str(run), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=titan_env(), cwd=REPO, timeout=600)
+    proc = warm_python.run(cmd, env=titan_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def titan(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "titan_cli", *args], capture_output=True, text=True, env=titan_env(False), cwd=REPO, timeout=600)
+    proc = warm_python.run([sys.executable, "-m", "titan_cli", *args], env=titan_env(False), cwd=REPO, timeout=600)
     assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from titan_run import REPO, TINY, losses, read_metrics, run_titan, titan_env
+import warm_python
 
 SBATCH = REPO / "examples" / "slurm" / "train_multinode.sbatch"
 
@@ -42,7 +43,7 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     agents = []
     for node in range(2):
         log = open(tmp_path / f"node{node}.log", "w")
-        agents.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=titan_env(), cwd=REPO), log))
+        agents.append((warm_python.start(cmd, stdout=log, env=titan_env(), cwd=REPO), log))
     try:
         codes = [agent.wait(timeout=300) for agent, _ in agents]
     finally:

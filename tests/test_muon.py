@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 from titan_core.config import ConfigError, load_config
 from titan_core.job.options import optimizer_options
@@ -242,8 +242,8 @@ def test_convergence_benchmark_runs(tmp_path):
     out = tmp_path / "curves.json"
     args = ["--steps", "2", "--seq-len", "32", "--batch", "2", "--val-every", "2", "--val-batches", "1",
             "--lrs", "3e-3", "--more-seeds", "", "--no-warm-up"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "benchmarks/optimizer_convergence.py", *args, "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = warm_python.run([sys.executable, "benchmarks/optimizer_convergence.py", *args, "--json", str(out)], cwd=REPO,
+                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     runs = json.loads(out.read_text())
     assert sorted(r["optimizer"] for r in runs.values()) == ["AdamW", "Muon"]

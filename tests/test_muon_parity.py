@@ -38,13 +38,13 @@ above), fp32 on AVX2-only ones, where the bf16 iteration would cost minutes and 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from parity_matrix import GLOBAL_BATCH, QWEN3_MOE
 from titan_run import REPO, TINY, titan_env
+import warm_python
 
 WORKER = REPO / "tests" / "workers" / "muon_worker.py"
 MUON_TOLERANCE = 2e-4  # see the module docstring
@@ -93,8 +93,7 @@ def launch(nproc: int, runs: dict, root: Path) -> None:
         jobs.append({"owners": str(root / f"owners-{nproc}.json")})
     jobs_file = root / f"jobs-{nproc}.json"
     jobs_file.write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(WORKER), str(nproc), str(jobs_file)], cwd=REPO, env=titan_env(),
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = warm_python.run([sys.executable, WORKER, nproc, jobs_file], cwd=REPO, env=titan_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 

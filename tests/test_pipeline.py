@@ -9,8 +9,6 @@ pipeline replicas of 2 ranks each), pp=4 for three schedules, pp=2 x FSDP 2 for 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -28,7 +26,8 @@ from titan_parallel.pipeline_layout import (
     stage_module_names,
 )
 
-from titan_run import FORK_RUN, REPO
+from titan_run import FORK_RUN, REPO, titan_env
+import warm_python
 
 WORKER = REPO / "tests" / "workers" / "pp_worker.py"
 TOL = 1e-5
@@ -282,8 +281,7 @@ def runs(tmp_path_factory) -> dict:
     """Launch the worker once on 4 processes; its per-case, per-rank results."""
     out = tmp_path_factory.mktemp("pp") / "result.json"
     cmd = [sys.executable, str(FORK_RUN), "4", str(WORKER), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = warm_python.run(cmd, cwd=REPO, env=titan_env(debug_detail=False), timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -27,6 +26,7 @@ from titan_core.memory.step_cost import (
     group_strides, muon_exchange_seconds, ring_seconds, within_node,
 )
 from titan_run import REPO, read_metrics, titan_env
+import warm_python
 
 runner = CliRunner()
 GiB = 2**30
@@ -391,8 +391,8 @@ def test_emitted_config_loads_back_and_titan_train_runs_it_unchanged(tmp_path):
     degrees = [p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
                p.tensor_parallel_degree, p.pipeline_parallel_degree]
     assert degrees == [int(x) for x in first[1:6]] and math.prod(degrees) == 2
-    proc = subprocess.run([sys.executable, "-m", "titan_cli", *shlex.split(command)[1:]], capture_output=True,
-                          text=True, env=titan_env(debug_detail=False), timeout=300, cwd=REPO, check=False)
+    proc = warm_python.run([sys.executable, "-m", "titan_cli", *shlex.split(command)[1:]], env=titan_env(debug_detail=False),
+                           timeout=300, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2]

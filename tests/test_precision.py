@@ -4,7 +4,6 @@ refused before any process starts."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import warnings
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from titan_parallel import ParallelOptions, mixed_precision_context, resolve_param_dtype, uses_fsdp
 from titan_run import FORK_RUN, REPO, TINY, run_titan, titan_env
+import warm_python
 
 CPU = torch.device("cpu")
 
@@ -98,7 +98,7 @@ def dtype_paths(nproc: int, *layouts: str) -> dict:
     cmd = [sys.executable, str(FORK_RUN), str(nproc), "tests/workers/precision_worker.py", *layouts]
     # No TORCH_DISTRIBUTED_DEBUG=DETAIL: DDP's reducer crashes under its wrapper process group (torch 2.15, gloo).
     env = titan_env(debug_detail=False)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = warm_python.run(cmd, cwd=REPO, env=env, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PRECISION ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(lines[0].removeprefix("PRECISION "))

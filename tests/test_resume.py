@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from titan_run import FORK_RUN, REPO
+import warm_python
 
 WORKER = REPO / "tests" / "workers" / "ckpt_train.py"
 STEPS = 6
@@ -60,12 +61,13 @@ def command(run: Path, args: tuple[str, ...], nproc: int, hook: tuple[str, int] 
     return [*launcher, *target, *TINY, *batch, "--job.dump_folder", str(run), *args]
 
 
-def start(run: Path, *args: str, nproc: int = 1, hook: tuple[str, int] | None = None) -> subprocess.Popen:
-    """Start a training job in its own process group, its output in `run`/train-N.log."""
+def start(run: Path, *args: str, nproc: int = 1, hook: tuple[str, int] | None = None) -> warm_python.WarmProcess | subprocess.Popen:
+    """Start a training job in its own session and process group, its output in `run`/train-N.log (forked from a warm
+    interpreter: tests/warm_python.py)."""
     run.mkdir(parents=True, exist_ok=True)
     log = run / f"train-{len(list(run.glob('train-*.log')))}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(command(run, args, nproc, hook), stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO, start_new_session=True)
+        proc = warm_python.start(command(run, args, nproc, hook), stdout=out, env=env(), cwd=REPO)
     proc.log = log
     return proc
 

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from titan_run import DEBUG_DETAIL, FORK_RUN
+from titan_run import FORK_RUN, titan_env
+import warm_python
 
 from titan_models.llama3 import ModelArgs, Transformer, llama3_flavors, llama3_plan
 from titan_parallel import ModelPlan, ParallelConfigError, apply_tp, check_async_tp, check_tp
@@ -29,9 +28,8 @@ TOL = 1e-5
 def launch_worker(suite: str, tmp_path: Path) -> dict:
     """Run the worker on 4 processes and return rank 0's JSON of measured differences."""
     out = tmp_path / f"{suite}.json"
-    env = {**os.environ, **DEBUG_DETAIL, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(FORK_RUN), "4", str(WORKER), suite, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = warm_python.run(cmd, env=titan_env(), timeout=300)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out.read_text())
 

@@ -28,6 +28,7 @@ from typer.testing import CliRunner  # noqa: E402
 from titan_cli.main import app  # noqa: E402
 from titan_core.lm_eval_model import TitanLM  # noqa: E402
 from titan_run import REPO, TINY, run_titan, titan_env  # noqa: E402
+import warm_python
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 EXAMPLES = [
@@ -104,7 +105,7 @@ def _titan_eval(*args: str, python_prefix: str = "", env: dict[str, str] | None 
     code = f"{python_prefix}from titan_cli.main import app; app()"
     command = [sys.executable, "-c", code, "eval", *args]
     env = {**titan_env(), **OFFLINE, **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    return warm_python.run(command, env=env, cwd=REPO, timeout=600)
 
 
 def test_titan_eval_scores_local_tasks_from_a_run_folder(run, tmp_path, titan_lm, greedy):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from titan_run import REPO, TINY, ListSource, losses, run_titan, run_titan_shared, titan_env
+import warm_python
 from typer.testing import CliRunner
 
 from titan_cli.main import app
@@ -85,9 +85,9 @@ def write_corpus(folder: Path) -> Path:
 def test_titan_tokenize_writes_a_manifest_and_memmap_shards(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
-    proc = subprocess.run(
+    proc = warm_python.run(
         [sys.executable, "-m", "titan_cli", "tokenize", str(corpus / "**" / "*.*"), "--output", str(out), "--shard-tokens", "500"],
-        capture_output=True, text=True, env=titan_env(), cwd=REPO, timeout=300,
+        env=titan_env(), cwd=REPO, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "--training.dataset_path" in proc.stdout

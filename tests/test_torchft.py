@@ -21,17 +21,18 @@ import pytest
 import torch
 from test_loss_spike import dcp_tensors
 from titan_run import REPO, TINY, titan_env
+import warm_python
 
 pytest.importorskip("torchft")
 
 INTERVAL = 5  # checkpoint every 5 steps in each group: the groups' step-N are compared
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """A process in its own session (so that a SIGKILL takes its whole group), output to `log`."""
+def start(cmd: list[str], log: Path) -> warm_python.WarmProcess | subprocess.Popen:
+    """A process in its own session (so that a SIGKILL takes its whole group), output to `log` (forked from a warm
+    interpreter: tests/warm_python.py)."""
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=titan_env(debug_detail=False), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return warm_python.start(cmd, stdout=out, env=titan_env(debug_detail=False), cwd=REPO)
 
 
 def wait_for(condition, what: str, timeout: float = 90, poll: float = 0.02):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from titan_core.config import ConfigError
 from titan_core.metrics import MetricsLogger
 from titan_core.metrics.wandb_sink import MISSING_WANDB, WandbOptions
 from titan_run import REPO, TINY, losses, run_titan, titan_env
+import warm_python
 
 STEPS = ["--training.steps", "4"]
 
@@ -92,7 +92,7 @@ def test_missing_wandb_is_one_line_before_training(tmp_path):
     # `import wandb` fails in this process as if the package were not installed.
     script = "import sys; sys.modules['wandb'] = None; from titan_cli.main import app; app()"
     cmd = [sys.executable, "-c", script, "train", "--job.dump_folder", str(tmp_path), *TINY, "--metrics.enable_wandb", "true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=titan_env(), timeout=120, cwd=REPO)
+    proc = warm_python.run(cmd, env=titan_env(), timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"titan: error: {MISSING_WANDB}"], proc.stderr

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+
+import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -61,7 +62,7 @@ def run_titan(
     cmd = [sys.executable, "-m", "titan_cli", "train", "--nproc-per-node", str(nproc),
            "--job.dump_folder", str(dump_folder), *args]
     env = {k: v for k, v in {**titan_env(debug_detail), **(env or {})}.items() if v is not None}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    proc = warm_python.run(cmd, env=env, timeout=timeout, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -78,15 +79,13 @@ def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: 
     first = next(iter(runs))
     jobs_file = first.parent / f"jobs-{first.name}.json"
     jobs_file.write_text(json.dumps([{"folder": str(folder), "args": list(args)} for folder, args in runs.items()]))
-    with open(jobs_file.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, str(TRAIN_RUNS), str(nproc), str(jobs_file)], cwd=REPO,
-                                env=titan_env(debug_detail), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-        try:
-            proc.wait(timeout=180 * len(runs))
-        except subprocess.TimeoutExpired:  # a hang: end every process of the launch (its own session)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    try:  # a hang: the launch is killed with every process it started
+        proc = warm_python.run([sys.executable, TRAIN_RUNS, nproc, jobs_file], env=titan_env(debug_detail), cwd=REPO,
+                               timeout=180 * len(runs))  # fmt: skip
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = f"{e.output}{e.stderr}\n(killed after {e.timeout:.0f} s)\n"
+    jobs_file.with_suffix(".log").write_text(output)
     done = {folder for folder in runs if (folder / "DONE").is_file()}
     for folder in runs.keys() - done:
         shutil.rmtree(folder, ignore_errors=True)
