@@ -14,19 +14,19 @@ import warm_python
 
 # The suite runs on 2 workers, a file to a worker (pytest-xdist: `-n 2 --dist loadfile` in pyproject.toml), each
 # worker taking the next file in collection order when it is free. The longest files go first, so that the last
-# file a worker takes is a short one and the other worker is not left waiting on it. Longest first by their CPU
-# time in the suite's last full run (`TITAN_TEST_CPU_REPORT`, below; docs/benchmarks.md), except test_faults, second:
-# it waits on its runs' signals more than it computes (772 s of wall for 287 CPU-s, 2-core AVX2-only AMD EPYC),
-# which the other worker's CPU work fills best early on. A file not named keeps its place after these. (xdist's
-# own reordering, by the number of tests in a file, is off: `--no-loadscope-reorder`.)
+# file a worker takes is a short one and the other worker is not left waiting on it. Longest first by their time
+# in the suite's last full run (`TITAN_TEST_CPU_REPORT`, below; docs/benchmarks.md): the parity matrix and the
+# memory matrix first (657 and 658 s of wall, 1,003 and 423 CPU-s: the memory matrix's launches are mostly one
+# process at a time), then test_faults, which waits on its runs' signals more than it computes (283 s of wall for
+# 155 CPU-s), then by CPU (2-core AVX2-only AMD EPYC, 2026-11-30). A file not named keeps its place after these.
+# (xdist's own reordering, by the number of tests in a file, is off: `--no-loadscope-reorder`.)
 LONGEST_FIRST = (
-    "test_parity_matrix.py", "test_faults.py", "test_memory_accuracy.py", "test_resume.py", "test_float8.py",
-    "test_muon_parity.py", "test_plan.py", "test_errors.py", "test_moe_training.py", "test_train.py",
-    "test_memory_measure.py", "test_plan_ep.py", "test_downstream_eval.py", "test_isolated_install.py",
-    "test_benchmarks.py", "test_multinode.py", "test_master_weights.py", "test_torchft.py", "test_precision.py",
-    "test_titan_eval.py", "test_pipeline.py", "test_memory_compiled.py", "test_hangs.py", "test_data_mix_training.py",
-    "test_float8_precast.py", "test_fused_loss.py", "test_loss_spike.py", "test_host_sync.py", "test_generate.py",
-    "test_token_shards.py", "test_context_parallel.py", "test_job_check.py",
+    "test_parity_matrix.py", "test_memory_accuracy.py", "test_faults.py", "test_float8.py", "test_plan_ep.py",
+    "test_muon_parity.py", "test_plan.py", "test_memory_measure.py", "test_isolated_install.py", "test_benchmarks.py",
+    "test_resume.py", "test_titan_eval.py", "test_generate.py", "test_fused_loss.py", "test_memory_compiled.py",
+    "test_pipeline.py", "test_master_weights.py", "test_train.py", "test_moe_training.py", "test_downstream_eval.py",
+    "test_multinode.py", "test_memory_eager.py", "test_hangs.py", "test_errors.py", "test_float8_precast.py",
+    "test_document_mask.py", "test_context_parallel.py", "test_memory.py", "test_static_decode.py",
 )  # fmt: skip
 
 

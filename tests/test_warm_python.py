@@ -21,7 +21,7 @@ REPORT = textwrap.dedent("""
 
     out = Path(sys.argv[1])
     report = {"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
-              "env": os.environ.get("WARM_TEST"), "stdin": sys.stdin.read(), "warm": "torch" in sys.modules,
+              "env": os.environ.get("TITAN_WARM_TEST"), "stdin": sys.stdin.read(), "warm": "torch" in sys.modules,
               "session": os.getsid(0) == os.getpid()}
     print("to stdout")
     print("to stderr", file=sys.stderr)
@@ -51,7 +51,7 @@ def report(tmp_path, name: str, cmd: list[str], env: dict[str, str]) -> tuple[su
 def test_a_forked_run_sees_and_ends_as_a_new_interpreter(tmp_path):
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    env = {**titan_env(debug_detail=False), "WARM_TEST": "a value"}
+    env = {**titan_env(debug_detail=False), "TITAN_WARM_TEST": "a value"}  # a TITAN_ variable: no server of its own
     cold = {**env, "TITAN_TEST_COLD": "1"}
     for form, cmd in {"script": [sys.executable, str(script), "report.json", "x"],
                       "-c": [sys.executable, "-c", REPORT, "report.json", "x"]}.items():  # fmt: skip
