@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from importlib.metadata import version
@@ -79,13 +80,14 @@ def run_titan_shared(runs: dict[Path, list[str]], nproc: int = 1, debug_detail: 
     first = next(iter(runs))
     jobs_file = first.parent / f"jobs-{first.name}.json"
     jobs_file.write_text(json.dumps([{"folder": str(folder), "args": list(args)} for folder, args in runs.items()]))
-    try:  # a hang: the launch is killed with every process it started
-        proc = warm_python.run([sys.executable, TRAIN_RUNS, nproc, jobs_file], env=titan_env(debug_detail), cwd=REPO,
-                               timeout=180 * len(runs))  # fmt: skip
-        output = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        output = f"{e.output}{e.stderr}\n(killed after {e.timeout:.0f} s)\n"
-    jobs_file.with_suffix(".log").write_text(output)
+    with open(jobs_file.with_suffix(".log"), "w") as log:
+        proc = warm_python.start([sys.executable, TRAIN_RUNS, nproc, jobs_file], stdout=log, env=titan_env(debug_detail),
+                                 cwd=REPO)  # fmt: skip
+    try:
+        proc.wait(timeout=180 * len(runs))
+    except subprocess.TimeoutExpired:  # a hang: end every process of the launch (its own session)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     done = {folder for folder in runs if (folder / "DONE").is_file()}
     for folder in runs.keys() - done:
         shutil.rmtree(folder, ignore_errors=True)
