@@ -53,12 +53,11 @@ def _measure(family: str, flavor: str, ac: str, batch: int, seq_len: int, dtype:
 def test_a_compiled_run_peaks_within_10_percent_of_the_compiled_estimate(tmp_path):
     out = tmp_path / "peak.json"
     worker = REPO / "tests" / "workers" / "compiled_peak_worker.py"
-    log = (tmp_path / "worker.log").open("w")
-    proc = warm_python.start([sys.executable, worker, out, *COMPILED], stdout=log, env=titan_env(), cwd=REPO)
+    with (tmp_path / "worker.log").open("w") as log:  # the run writes to its own copy of the descriptor
+        proc = warm_python.start([sys.executable, worker, out, *COMPILED], stdout=log, env=titan_env(), cwd=REPO)
     compiled = estimate_analytic(load_config(None, COMPILED), 1, device_type="cpu")  # traced while the run runs
     eager_estimate = estimate_analytic(load_config(None, BASE), 1, device_type="cpu")  # the same job, not compiled
     proc.wait(timeout=600)
-    log.close()
     assert proc.returncode == 0, (tmp_path / "worker.log").read_text()[-6000:]
     measured = json.loads(out.read_text())["peak"]
     error = (compiled.ranks[0].total - measured) / measured

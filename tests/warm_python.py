@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import json
 import os
 import select
@@ -70,13 +69,14 @@ class WarmProcess:
     and `kill` (the run's pid is also its session's and process group's)."""
 
     def __init__(self, server: _Server, cmd: list[str], env: dict[str, str], cwd: str, stdout: int, stderr: int):
-        self.server, self.args, self.returncode = server, cmd, None
+        self.args, self.returncode = cmd, None
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._conn.connect(server.address)
         socket.send_fds(self._conn, [json.dumps({"argv": cmd[1:], "env": env, "cwd": cwd}).encode()], [stdout, stderr])
         self.pid: int = json.loads(self._conn.recv(_MESSAGE))["pid"]
 
     def wait(self, timeout: float | None = None) -> int:
+        global _runs_cpu
         if self.returncode is None:
             self._conn.settimeout(timeout)
             try:
@@ -84,7 +84,7 @@ class WarmProcess:
             except (TimeoutError, BlockingIOError):  # BlockingIOError: timeout 0
                 raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
             done = json.loads(message)
-            self.server.cpu += done["cpu"]
+            _runs_cpu += done["cpu"]
             self.returncode = done["code"]
             self._conn.close()
         return self.returncode
@@ -111,7 +111,6 @@ class _Server:
         self.log = open(os.path.join(self.folder, "server.log"), "w+")  # noqa: SIM115 (open for the server's life)
         self.proc = subprocess.Popen([sys.executable, __file__, self.address], env=env, cwd=cwd,
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)  # fmt: skip
-        self.cpu = 0.0  # the finished runs' CPU seconds (theirs and their waited-for children's)
         deadline = time.monotonic() + START_TIMEOUT
         while not os.path.exists(self.address + ".ready"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -133,18 +132,18 @@ class _Server:
 
 
 _servers: dict[frozenset, _Server] = {}
-_finished_cpu = 0.0
-_failed: list[str] = []  # why a server did not start (none is tried after)
+_runs_cpu = 0.0  # the finished warm runs' CPU seconds (theirs and their waited-for children's)
+_failed = False  # a server did not start: none is tried after
 
 
 def children_cpu() -> float:
     """CPU seconds of the runs this process had a server run (which `resource.RUSAGE_CHILDREN` does not see)."""
-    return _finished_cpu + sum(server.cpu for server in _servers.values())
+    return _runs_cpu
 
 
 def _warm_server(cmd: Sequence[str], env: dict[str, str], cwd: str) -> _Server | None:
     """The server to run `cmd` on, started if need be; None where the run must start cold (module docstring)."""
-    global _finished_cpu
+    global _failed
     if sys.platform != "linux" or env.get("TITAN_TEST_COLD") == "1" or len(cmd) < 2 or cmd[0] != sys.executable:
         return None
     if cmd[1].startswith("-") and (cmd[1] not in ("-m", "-c") or len(cmd) < 3):
@@ -152,14 +151,13 @@ def _warm_server(cmd: Sequence[str], env: dict[str, str], cwd: str) -> _Server |
     key = _start_state(env)
     server = _servers.get(key)
     if server is not None and not server.alive():  # killed from outside: start another
-        _finished_cpu += _servers.pop(key).cpu
-        server.close()
+        _servers.pop(key).close()
         server = None
     if server is None and len(_servers) < MAX_SERVERS and not _failed:
         try:
             server = _servers[key] = _Server(env, cwd)
         except RuntimeError as e:  # the runs start cold, as before this module existed
-            _failed.append(str(e))
+            _failed = True
             print(f"warm_python: every run starts cold: {e}", file=sys.stderr)
             return None
         atexit.register(server.close)
@@ -214,11 +212,12 @@ def _serve(address: str) -> list[str]:
     command (after the interpreter)."""
     import ctypes
 
+    from titan_core.launch import collector_paused
+
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end with the pytest worker that started us
-    gc.disable()  # while importing, as `titan train` does (titan_core.launch.collector_paused)
-    for module in PRELOAD:
-        __import__(module)
-    gc.enable()
+    with collector_paused():  # as `titan train` imports
+        for module in PRELOAD:
+            __import__(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
     listener.listen()
