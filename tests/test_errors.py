@@ -143,18 +143,27 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     that it imports the trainer meanwhile: the ranks are then forked from that server, and a launch that ends
     before forking (a failed check) kills it rather than waiting for its imports, leaving no process behind. The
     server is forked from the launching process, which named it; a launcher with another thread running starts it
-    as a new interpreter instead (a lock that thread holds would stay held in the fork)."""
+    as a new interpreter instead (a lock that thread holds would stay held in the fork), which ignores the job's
+    signals as the forked one does."""
     (tmp_path / "entry_mod.py").write_text(textwrap.dedent("""
         import os
 
         def rank(out):
             with open(out, "w") as f:
                 f.write(str(os.getppid()))
+
+        def rank_with_signals(out):
+            import signal
+            from titan_core.rank_fork import rank_started
+
+            rank_started()
+            with open(out, "w") as f:
+                f.write(f"{os.getppid()} {signal.getsignal(signal.SIGTERM).name}")
     """))
     (tmp_path / "slow_mod.py").write_text("import time\ntime.sleep(120)\n")
     script = tmp_path / "early.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, threading, time
+        import os, signal, sys, threading, time
         from multiprocessing import forkserver
         sys.path.insert(0, {str(tmp_path)!r})
         import entry_mod
@@ -171,10 +180,19 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
             threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
             with server_started_early(["entry_mod"]):
                 spawned = forkserver._forkserver._forkserver_pid
-                run_elastic(["--standalone", "--nproc-per-node=1"], entry_mod.rank, ({str(tmp_path / "ppid2")!r},),
-                            preload=["entry_mod"])
+                while True:  # SIGTERM, as a scheduler sends every process of the job, once the server ignores it
+                    with open(f"/proc/{{spawned}}/status") as f:
+                        ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+                    if ignored >> (signal.SIGTERM - 1) & 1:
+                        break
+                    time.sleep(0.01)
+                os.kill(spawned, signal.SIGTERM)
+                run_elastic(["--standalone", "--nproc-per-node=1"], entry_mod.rank_with_signals,
+                            ({str(tmp_path / "ppid2")!r},), preload=["entry_mod"])
                 with open(f"/proc/{{spawned}}/cmdline", "rb") as f:
-                    print(spawned, b"multiprocessing.forkserver" in f.read())
+                    new_interpreter = b"multiprocessing.forkserver" in f.read()
+                with open(f"/proc/{{spawned}}/comm") as f:
+                    print(spawned, new_interpreter, f.read().strip())
             started = time.perf_counter()
             with server_started_early(["slow_mod"]):
                 slow = forkserver._forkserver._forkserver_pid
@@ -183,9 +201,12 @@ def test_the_fork_server_started_before_the_check_serves_the_ranks_or_is_killed(
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env=titan_env(debug_detail=False))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    name, spawned, is_new_interpreter, server, slow, seconds = proc.stdout.split()
+    name, spawned, is_new_interpreter, spawned_name, server, slow, seconds = proc.stdout.split()
     assert (tmp_path / "ppid").read_text() == server  # the rank was forked from the server started early
     assert name == "titan-forksrv"  # itself forked from this process (rank_fork.start_server), not a new interpreter
-    assert (tmp_path / "ppid2").read_text() == spawned and is_new_interpreter == "True"
+    # The new interpreter outlived its SIGTERM (rank_fork.JOB_SIGNALS) and served the rank, which has SIGTERM's
+    # default handling back.
+    assert is_new_interpreter == "True" and spawned_name == "titan-forksrv"
+    assert (tmp_path / "ppid2").read_text() == f"{spawned} SIG_DFL"
     assert float(seconds) < 10  # not the 120 s its import takes
     assert not Path(f"/proc/{slow}").exists()

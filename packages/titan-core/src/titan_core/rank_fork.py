@@ -134,7 +134,8 @@ def start_server() -> None:
     """Start multiprocessing's fork server for the preload set by `_fork_server`, forked from this process where
     that is safe (`_forkable`): the modules this process imported already (torch, which the agent needs here too:
     ~5 s of CPU on a 2-core AVX2-only AMD EPYC, torch 2.15) are not imported a second time by the server, which
-    imports only the rest of its preload. Elsewhere the server is a new interpreter, as multiprocessing starts it.
+    imports only the rest of its preload. Elsewhere the server is a new interpreter, as multiprocessing starts it,
+    which calls `become_server` first as a forked server does.
 
     The server runs multiprocessing's own server loop (`forkserver.main`, with the arguments multiprocessing
     passes it), after closing every file descriptor but the standard streams and the ones passed to it, as a new
@@ -145,8 +146,10 @@ def start_server() -> None:
     spawn = util.spawnv_passfds
 
     def fork_instead(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
-        if "multiprocessing.forkserver import main" not in args[-1] or not _forkable():
+        if "multiprocessing.forkserver import main" not in args[-1]:
             return spawn(path, args, passfds)
+        if not _forkable():  # a new interpreter, which becomes the server as a forked one does before its loop
+            return spawn(path, [*args[:-1], f"{SPAWNED_SERVER_PRELUDE}; {args[-1]}"], passfds)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -159,10 +162,7 @@ def start_server() -> None:
                 os.closerange(low + 1, high)
             # This copy's lock: the launcher's `ensure_running` holds the original.
             forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
-            for sig in JOB_SIGNALS:  # the ranks take the launcher's handling back (`rank_started`)
-                previous = signal.signal(sig, signal.SIG_IGN)
-                _launcher_signals[sig] = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-            _name_process("titan-forksrv")  # else `ps` shows a second `titan train`, the launcher's command line
+            become_server()
             exec(args[-1], {"__name__": "__mp_forkserver__"})  # noqa: S102  multiprocessing's command, as `-c` runs it
             code = 0
         except SystemExit as end:  # the server's loop ends so when the last client is gone
@@ -180,11 +180,25 @@ def start_server() -> None:
 
 
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
-"""Signals a forked server ignores. Its command line is the launcher's, so `pkill -f "titan train"` signals it
-too (as a scheduler signals every process of a job step): a server killed by one leaves the agent unable to learn
-its ranks' exit codes, and it takes them for dead (code 255) and ends the job before they saved."""
+"""Signals the server ignores. A forked server's command line is the launcher's, so `pkill -f "titan train"`
+signals it too, and a scheduler signals every process of a job step, a new interpreter's server included: a server
+killed by one leaves the agent unable to learn its ranks' exit codes, and it takes them for dead (code 255) and
+ends the job before they saved."""
 _launcher_signals: dict[int, Any] = {}
-"""In a forked server and its ranks: the launcher's handling of `JOB_SIGNALS` when it forked the server."""
+"""In the server and its ranks: the handling of `JOB_SIGNALS` the server started with (the launcher's, where the
+server was forked from it; the default, in a new interpreter)."""
+SPAWNED_SERVER_PRELUDE = "from titan_core.rank_fork import become_server; become_server()"
+"""Run first by a server started as a new interpreter, before multiprocessing's own server code."""
+
+
+def become_server() -> None:
+    """Called first in the fork server (forked or a new interpreter): ignore `JOB_SIGNALS`, keeping the handling
+    they had for the ranks to take back (`rank_started`), and name the process `titan-forksrv` (else `ps` shows a
+    second `titan train` where the server was forked from the launcher)."""
+    for sig in JOB_SIGNALS:
+        previous = signal.signal(sig, signal.SIG_IGN)
+        _launcher_signals[sig] = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+    _name_process("titan-forksrv")
 
 
 def _forkable() -> bool:
