@@ -66,6 +66,7 @@ SPEC_DEFAULTS = {
     "optimizer.beta2": 0.95,
     "optimizer.eps": 1e-8,
     "optimizer.weight_decay": 0.1,
+    "optimizer.weight_decay_exclude": [],
     "optimizer.implementation": "auto",
     "optimizer.master_weights": "auto",
     "optimizer.muon_momentum": 0.95,

@@ -66,6 +66,9 @@ BROKEN = {
                         ["fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"]),
     "master_weights": (["--optimizer.master_weights", "on", "--training.mixed_precision_param", "float32"], 1,
                        ["optimizer.master_weights = 'on' cannot train this job", "float32"]),
+    "weight_decay": (["--optimizer.weight_decay_exclude", "*.bias,*nrom*"], 1,
+                     ["optimizer.weight_decay_exclude: '*.bias', '*nrom*' match no parameter of llama3 debugmodel",
+                      "layers.0.attention_norm.weight"]),
 }
 
 FT_ON = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",

@@ -21,6 +21,7 @@ from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.muon import MuonOptions
 from titan_core.optim import OptimizerOptions, build_optimizer
 from titan_models import get_model_args, get_model_spec
+from titan_run import TINY, losses, run_titan
 
 
 def _lrs(steps: int, n: int | None = None, **schedule) -> list[float]:
@@ -346,3 +347,85 @@ def test_a_resume_under_muon_names_the_group_whose_setting_changed(tmp_path, wor
     muon_group, adamw_group = resumed.opt.param_groups
     # Step 4 of 6 (factor 1 - (4 - 2) / 5, as above) at each group's own peak.
     assert (muon_group["lr"], adamw_group["lr"]) == pytest.approx((1e-2 * 0.6, 2e-3 * 0.6), rel=1e-12)
+
+
+# optimizer.weight_decay_exclude (titan_core.weight_decay): a one-block Llama's norms and its query projection
+# (a Muon matrix under Muon) train without weight decay.
+EXCLUDE = ("*norm*", "*.wq.*")
+EXCLUDED = {"layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "norm.weight", "layers.0.attention.wq.weight"}
+
+
+def _one_block():
+    torch.manual_seed(0)
+    spec = get_model_spec("llama3")
+    return spec, spec.build(dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1))
+
+
+@pytest.mark.parametrize(("name", "implementation"),
+                         [("AdamW", "for-loop"), ("AdamW", "foreach"), ("AdamW", "fused"), ("Adam", "fused"), ("Muon", "fused")])  # fmt: skip
+def test_excluded_parameters_take_no_weight_decay(name, implementation):
+    # Zero gradients: AdamW's and Muon's updates are 0, so a step only decays, p * (1 - lr * wd) = 0.95 p;
+    # Adam's L2 decay is its gradient wd * p, which moves p by lr * g / (|g| + eps). An excluded one stays put.
+    spec, model = _one_block()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model.named_parameters(), name=name, lr=0.1, weight_decay=0.5, implementation=implementation,
+                          device_type="cpu", plan=spec.plan, weight_decay_exclude=EXCLUDE)  # fmt: skip
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0] * (2 if name == "Muon" else 1)
+    assert f"no weight decay for {len(EXCLUDED)} tensors" in opt.description
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if n in EXCLUDED:
+            torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0, msg=n)
+        elif name == "Adam":
+            g = 0.5 * before[n]
+            torch.testing.assert_close(p.detach(), before[n] - 0.1 * g / (g.abs() + 1e-8), rtol=0, atol=1e-6, msg=n)
+        else:
+            torch.testing.assert_close(p.detach(), before[n] * 0.95, rtol=1e-6, atol=0, msg=n)
+
+
+def test_weight_decay_exclude_needs_parameter_names():
+    _, model = _one_block()
+    with pytest.raises(ConfigError, match=r"optimizer\.weight_decay_exclude.*named_parameters"):
+        build_optimizer(model.parameters(), lr=0.1, device_type="cpu", weight_decay_exclude=("*norm*",))
+
+
+def test_a_resume_takes_the_configs_exclusions_and_keeps_every_parameters_state(tmp_path, world_of_one):
+    """The groups hold what the config excludes now; each parameter's moments come back whichever group it is in."""
+    reference = _Run(tmp_path / "ref", steps=6, weight_decay_exclude=EXCLUDE)
+    reference.train(3)
+    resumed = _Run(tmp_path / "ref", steps=6, weight_decay_exclude=("*norm*",))
+    assert resumed.resume() == []  # each group's settings are the config's, as saved
+    names = {p: n for n, p in resumed.model.named_parameters()}
+    assert {names[p] for p in resumed.opt.param_groups[1]["params"]} == EXCLUDED - {"layers.0.attention.wq.weight"}
+    saved = dict(zip([n for n, _ in reference.model.named_parameters()], reference.model.parameters(), strict=True))
+    for p, n in names.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(resumed.opt.state[p][key], reference.opt.state[saved[n]][key], rtol=0, atol=0)
+
+
+def test_two_ranks_exclude_what_one_process_does_and_a_resume_keeps_the_number_of_groups(tmp_path):
+    """`titan train`: FSDP over 2 ranks with activation checkpointing (wrapped parameter names) excludes the same
+    parameters as one process and trains the same losses; its checkpoint resumes under other patterns, and a
+    resume without any (one param group, not two) is one line naming the keys."""
+    args = [*TINY, "--training.steps", "4", "--optimizer.weight_decay", "1.0",
+            "--optimizer.weight_decay_exclude", "*norm*,tok_embeddings.*"]  # fmt: skip
+    one = run_titan(tmp_path / "one", *args)
+    two = run_titan(tmp_path / "two", *args, "--activation_checkpoint.mode", "full", "--checkpoint.enable", "true",
+                    "--checkpoint.interval", "2", "--training.local_batch_size", "4", nproc=2)  # the same 8 sequences
+    shape = get_model_args("llama3", "debugmodel")  # two norms per block, the final norm, the embeddings
+    tensors, elements = 2 * shape.n_layers + 2, (2 * shape.n_layers + 1) * shape.dim + shape.vocab_size * shape.dim
+    said = f"no weight decay for {tensors} tensors ({elements:,} elements) matching '*norm*', 'tok_embeddings.*'"
+    assert said in one.stdout + one.stderr and said in two.stdout + two.stderr
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=2e-5)
+
+    plain = run_titan(tmp_path / "two", *args[:-2], "--checkpoint.enable", "true", "--training.steps", "6", check=False)
+    assert plain.returncode != 0
+    line = plain.stderr.strip().splitlines()[-1]
+    assert "optimizer.weight_decay_exclude = ['*norm*', 'tok_embeddings.*']" in line, plain.stderr[-3000:]
+    assert "checkpoint.exclude_from_loading" in line and "Traceback" not in plain.stderr
+
+    norms = run_titan(tmp_path / "two", *args[:-1], "*norm*", "--checkpoint.enable", "true", "--training.steps", "6")
+    assert f"no weight decay for {tensors - 1} tensors" in norms.stdout + norms.stderr
+    assert len(losses(tmp_path / "two")) == 6  # steps 1-4, then 5-6 resumed from step 4

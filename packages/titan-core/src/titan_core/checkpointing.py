@@ -35,6 +35,7 @@ __all__ = [
     "RunCheckpointer",
     "SchedulersState",
     "another_models_checkpoint",
+    "another_optimizers_checkpoint",
     "build_checkpointer",
     "hf_checkpoint_hooks",
 ]
@@ -208,6 +209,40 @@ def another_models_checkpoint(
         f"(its config.toml), and this run is {name}/{flavor}: choose another job.dump_folder, or resume that "
         f"run with its model.name and model.flavor ({error})",
         keys=("job.dump_folder", "model.name", "model.flavor"),
+    )
+
+
+def another_optimizers_checkpoint(
+    error: Exception, run_folder: Path, checkpoint_folder: str | Path, name: str, weight_decay_exclude: Sequence[str]
+) -> ConfigError | None:
+    """The error to tell when the run folder's own checkpoint did not load and its earlier run (its `config.toml`)
+    built other optimizer param groups: another `optimizer.name`, or weight decay exclusions added or removed (one
+    group against two); None when that is not the case (the error stands).
+
+    Args:
+        error: what the load raised.
+        run_folder: `job.dump_folder`.
+        checkpoint_folder: where the run's `step-N` folders are.
+        name: this run's `optimizer.name`.
+        weight_decay_exclude: this run's `optimizer.weight_decay_exclude`.
+    """
+    import tomllib
+
+    if not any(Path(checkpoint_folder).glob("step-*")):  # not the folder's own checkpoint (initial_load_path)
+        return None
+    try:
+        saved = tomllib.loads((Path(run_folder) / "config.toml").read_text()).get("optimizer", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    saved_name, saved_exclude = saved.get("name", "AdamW"), list(saved.get("weight_decay_exclude", []))
+    if saved_name == name and bool(saved_exclude) == bool(weight_decay_exclude):
+        return None
+    return ConfigError(
+        f"the checkpoints in {run_folder} were saved with optimizer.name = {saved_name!r} and "
+        f"optimizer.weight_decay_exclude = {saved_exclude} (its config.toml), which build other param groups than "
+        f"this run's {name!r} and {list(weight_decay_exclude)}: resume with those, or add 'optimizer' and "
+        f"'lr_scheduler' to checkpoint.exclude_from_loading to start them afresh ({error})",
+        keys=("optimizer.name", "optimizer.weight_decay_exclude", "checkpoint.exclude_from_loading"),
     )
 
 

@@ -268,9 +268,12 @@ def muon_param_groups(
     betas: tuple[float, float],
     eps: float,
     muon: MuonOptions,
+    weight_decay_exclude: Sequence[str] = (),
 ) -> tuple[list[dict[str, Any]], dict[torch.Tensor, str], str]:
     """The two param groups of `titan_core.muon_groups.RULE`: Muon's, then AdamW's (either may be empty,
-    e.g. a pipeline stage without blocks: every part has the same two groups, as checkpoints need).
+    e.g. a pipeline stage without blocks: every part has the same two groups, as checkpoints need). With
+    `weight_decay_exclude`, each is followed by a group of its matching parameters with weight decay 0 (four
+    groups, on every part).
 
     Args:
         named: the model part's `(name, parameter)` pairs.
@@ -280,11 +283,14 @@ def muon_param_groups(
         betas: AdamW's betas.
         eps: AdamW's eps.
         muon: Muon's own settings.
+        weight_decay_exclude: shell-style patterns of parameter names without weight decay
+            (`titan_core.weight_decay`).
 
     Returns:
         (param groups, name of each Muon parameter, a one-line description of the split).
     """
     from titan_core.muon_groups import RULE, split_params
+    from titan_core.weight_decay import describe_exclusion, split_by_decay
 
     split = split_params(named, plan)
     adamw_lr = lr if muon.adamw_lr is None else muon.adamw_lr
@@ -309,4 +315,12 @@ def muon_param_groups(
         f"momentum {muon.momentum:g}{nesterov}, {muon.ns_steps} Newton-Schulz steps), "
         f"AdamW lr {adamw_lr:g} wd {adamw_wd:g}"
     )
+    if weight_decay_exclude:
+        split_groups, without = [], []
+        for group, pairs in zip(groups, (split.muon, split.adamw), strict=True):
+            decayed, excluded = split_by_decay(pairs, weight_decay_exclude)
+            split_groups += [{**group, "params": decayed}, {**group, "params": excluded, "weight_decay": 0.0}]
+            without += excluded
+        groups = split_groups
+        line += f"; {describe_exclusion(without, weight_decay_exclude)}"
     return groups, {p: name for name, p in split.muon}, line

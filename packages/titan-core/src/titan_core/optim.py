@@ -4,8 +4,9 @@ The `optimizer.*` config keys become one `OptimizerOptions` when the job is
 resolved (`titan_core.job`); `build_optimizer` takes it, or the same plain
 keyword arguments.
 Weight decay applies to every parameter, norms and biases included, as in
-torchtitan: one parameter group keeps the optimizer state simple to shard and
-to checkpoint. Muon (`titan_core.muon`) has two groups, Muon's and AdamW's,
+torchtitan, unless `optimizer.weight_decay_exclude` names some
+(`titan_core.weight_decay`): they get a param group of their own with weight
+decay 0. Muon (`titan_core.muon`) has two groups, Muon's and AdamW's,
 split by a rule (`titan_core.muon_groups.RULE`), each with its own learning
 rate and weight decay; the step kernel applies to its AdamW group.
 """
@@ -20,6 +21,7 @@ import torch
 
 from titan_core.config.errors import ConfigError
 from titan_core.muon import Muon, MuonOptions, muon_param_groups, resolve_ns_dtype
+from titan_core.weight_decay import describe_exclusion, split_by_decay
 
 __all__ = [
     "build_optimizer",
@@ -106,6 +108,8 @@ class OptimizerOptions:
         weight_decay: decay coefficient.
         implementation: "auto", "for-loop", "foreach" or "fused" (see `build_optimizer`).
         muon: Muon's own settings (used when `name` is "Muon").
+        weight_decay_exclude: shell-style patterns of parameter names that train without weight decay
+            (`titan_core.weight_decay`); empty: every parameter decays.
     """
 
     lr: float
@@ -115,6 +119,7 @@ class OptimizerOptions:
     weight_decay: float = 0.1
     implementation: str = "foreach"
     muon: MuonOptions = DEFAULT_MUON
+    weight_decay_exclude: tuple[str, ...] = ()
 
 
 def build_optimizer(
@@ -128,6 +133,7 @@ def build_optimizer(
     weight_decay: float = 0.1,
     implementation: str = "foreach",
     muon: MuonOptions = DEFAULT_MUON,
+    weight_decay_exclude: tuple[str, ...] = (),
     device_type: str,
     plan: Any = None,
     copies: Any = None,
@@ -135,7 +141,7 @@ def build_optimizer(
     """Build Adam, AdamW or Muon over `params` with the requested step kernel.
 
     Weight decay applies to all parameters (no exemption for norms or biases,
-    as in torchtitan). AdamW decays decoupled from the gradient; Adam adds
+    as in torchtitan) but those `weight_decay_exclude` matches. AdamW decays decoupled from the gradient; Adam adds
     L2 decay to the gradient. Muon takes the 2-D weights of the blocks (and
     stacked experts) and gives the rest to AdamW (`titan_core.muon_groups.RULE`).
 
@@ -156,6 +162,9 @@ def build_optimizer(
             or "auto" ("fused" where the device type has it, else "foreach";
             `resolve_implementation`); Muon's AdamW group takes it, its Muon group steps per matrix.
         muon: Muon's own settings (`titan_core.muon.MuonOptions`), when `name` is "Muon".
+        weight_decay_exclude: shell-style patterns of parameter names (wrapper levels ignored) that train
+            without weight decay, in a param group of their own (needs `(name, parameter)` pairs); the
+            optimizer's `description` says how many matched.
         device_type: where the parameters live, e.g. "cuda" or "cpu".
         plan: the model's `ModelPlan`, which Muon's rule reads (the blocks, the MoE module).
         copies: the model's `titan_parallel.ComputeCopies` (`optimizer.master_weights`): Adam / AdamW then step
@@ -166,11 +175,13 @@ def build_optimizer(
 
     Raises:
         ConfigError: an unknown name or implementation, "fused" on an
-            unsupported device type or dtype, Muon without names and a plan, or an unknown
-            Newton-Schulz dtype.
+            unsupported device type or dtype, Muon or `weight_decay_exclude` without names (and
+            Muon without a plan), or an unknown Newton-Schulz dtype.
         TypeError: neither `options` nor `lr`, or `options` with setting keywords.
     """
-    keywords = OptimizerOptions(0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation, muon)
+    keywords = OptimizerOptions(
+        0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation, muon, weight_decay_exclude
+    )
     if options is None:
         if lr is None:
             raise TypeError("build_optimizer needs lr, or options=OptimizerOptions(lr=...)")
@@ -192,8 +203,18 @@ def build_optimizer(
             "optimizer.name: Muon splits parameters by name and the model's plan; "
             "pass model.named_parameters() and plan=<the model's ModelPlan>, or use AdamW"
         )
+    exclude = options.weight_decay_exclude
+    if exclude and len(named) != len(param_list):
+        raise ConfigError(
+            "optimizer.weight_decay_exclude matches parameter names; pass model.named_parameters(), or leave it empty"
+        )
+    description = ""
     if named and name != "Muon":
         param_list = [p for _, p in named]
+        if exclude:
+            decayed, without = split_by_decay(named, exclude)
+            param_list = [{"params": decayed}, {"params": without, "weight_decay": 0.0}]
+            description = describe_exclusion(without, exclude)
     if copies is not None:
         from titan_parallel import MasterAdam, MasterAdamW
 
@@ -201,7 +222,8 @@ def build_optimizer(
             raise ConfigError(f"optimizer.name: {name!r} has no master-weight step; use Adam or AdamW")
         master = MasterAdamW if name == "AdamW" else MasterAdam
         o = options
-        return master(param_list, copies, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        stepper = master(param_list, copies, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return _described(stepper, description)
     implementation, _ = resolve_implementation(implementation, device_type)
     if implementation == "fused":
         _check_fused_supported([p for _, p in named] if name == "Muon" else param_list, device_type)
@@ -213,8 +235,9 @@ def build_optimizer(
     if name == "Muon":
         o = options
         groups, names, line = muon_param_groups(
-            named, plan, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon=o.muon
-        )
+            named, plan, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon=o.muon,
+            weight_decay_exclude=exclude,
+        )  # fmt: skip
         try:
             ns_dtype, why = resolve_ns_dtype(o.muon.ns_dtype, device_type)
         except ValueError as e:
@@ -223,7 +246,7 @@ def build_optimizer(
         short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[ns_dtype]
         optimizer.description = f"{line}; Newton-Schulz in {short} ({why})"  # the trainer logs it once
         return optimizer
-    return OPTIMIZERS[name](
+    plain = OPTIMIZERS[name](
         param_list,
         lr=options.lr,
         betas=options.betas,
@@ -231,3 +254,10 @@ def build_optimizer(
         weight_decay=options.weight_decay,
         **kernel,
     )
+    return _described(plain, description)
+
+
+def _described(optimizer: torch.optim.Optimizer, description: str) -> torch.optim.Optimizer:
+    """`optimizer` with `description`, the line the trainer logs once about it (as `Muon.description`)."""
+    optimizer.description = description  # type: ignore[attr-defined]
+    return optimizer

@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt import CheckpointError
-from titan_core.checkpointing import another_models_checkpoint, build_checkpointer, hf_checkpoint_hooks
+from titan_core.checkpointing import (
+    another_models_checkpoint,
+    another_optimizers_checkpoint,
+    build_checkpointer,
+    hf_checkpoint_hooks,
+)
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
@@ -35,7 +40,6 @@ from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.model_setup import build_model_parts, loss_compiled_for
 from titan_core.moe_balance import ExpertLoadBalancer
-from titan_core.muon import Muon
 from titan_core.optim import build_optimizer, resolve_implementation
 from titan_core.profiling import Profiler
 from titan_core.run_banner import run_banner
@@ -151,8 +155,8 @@ class Trainer:
             )
             for part in self.model.parts
         ]
-        for part, optimizer in enumerate(self.optimizers):  # Muon: its rule and the groups it made, once
-            description = optimizer.description if isinstance(optimizer, Muon) else ""
+        for part, optimizer in enumerate(self.optimizers):  # Muon's rule, the weight decay exclusions: once
+            description = getattr(optimizer, "description", "")
             if self.rank == 0 and description:
                 logger.info("optimizer %s, part %d: %s", cfg.optimizer.name, part, description)
         self.lr_schedulers = [
@@ -369,9 +373,9 @@ class Trainer:
         try:
             resumed = self.checkpointer.load()
         except CheckpointError as e:
-            told = another_models_checkpoint(
-                e, self.run_folder, self.job.checkpoint.folder, cfg.model.name, cfg.model.flavor
-            )
+            folder, o = self.job.checkpoint.folder, cfg.optimizer
+            told = another_models_checkpoint(e, self.run_folder, folder, cfg.model.name, cfg.model.flavor)
+            told = told or another_optimizers_checkpoint(e, self.run_folder, folder, o.name, o.weight_decay_exclude)
             if told is None:
                 raise
             raise told from e

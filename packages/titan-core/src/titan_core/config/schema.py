@@ -75,6 +75,8 @@ class Optimizer(Section):
     """Adam's epsilon, added to the denominator."""
     weight_decay: NonNegativeFloat = 0.1
     """Decoupled (AdamW, Muon) or L2 (Adam) weight decay; under Muon, the Muon group's."""
+    weight_decay_exclude: list[str] = []
+    """Parameters without weight decay: name patterns, e.g. ['*norm*', '*.bias', 'tok_embeddings.*']; [] = none."""
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """Step kernel: 'auto' = 'fused' where torch has it for the device (fastest, drops a NaN step on the device)."""
     master_weights: Literal["auto", "on", "off"] = "auto"

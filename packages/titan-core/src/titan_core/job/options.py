@@ -153,6 +153,7 @@ def optimizer_options(cfg: JobConfig) -> OptimizerOptions:
             adamw_lr=o.adamw_lr,
             adamw_weight_decay=o.adamw_weight_decay,
         ),
+        weight_decay_exclude=tuple(o.weight_decay_exclude),
     )
 
 

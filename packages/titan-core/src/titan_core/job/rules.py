@@ -365,6 +365,25 @@ def _lr_schedule(d: Draft) -> None:
     d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, d.cfg.training.steps)
 
 
+def _weight_decay(d: Draft) -> None:
+    """Each pattern of `optimizer.weight_decay_exclude` matches a parameter of the model (a typo would leave
+    decaying what it meant to exempt)."""
+    from titan_core.weight_decay import unmatched
+
+    patterns = d.cfg.optimizer.weight_decay_exclude
+    if not patterns:
+        return
+    names = [name for name, _ in d.meta_model().named_parameters()]
+    missing = unmatched(names, patterns)
+    if missing:
+        examples = ", ".join(dict.fromkeys([names[0], *(n for n in names if "norm" in n)][:3]))
+        verb = "matches" if len(missing) == 1 else "match"
+        raise ConfigError(
+            f"optimizer.weight_decay_exclude: {', '.join(repr(p) for p in missing)} {verb} no parameter of "
+            f"{d.cfg.model.name} {d.cfg.model.flavor} (its names look like {examples}); fix or remove the pattern"
+        )
+
+
 def _data(d: Draft) -> None:
     """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults.
     `eval.enable` needs `eval.tasks`."""
@@ -439,5 +458,6 @@ RULES: tuple[Rule, ...] = (
     Rule("attention_mask", _attention_mask),
     Rule("fault_tolerance", fault_tolerance),
     Rule("master_weights", master_weights),
+    Rule("weight_decay", _weight_decay),
 )
 """Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""
