@@ -362,14 +362,20 @@ def _one_block():
 
 
 @pytest.mark.parametrize(("name", "implementation"),
-                         [("AdamW", "for-loop"), ("AdamW", "foreach"), ("AdamW", "fused"), ("Adam", "fused"), ("Muon", "fused")])  # fmt: skip
+                         [("AdamW", "for-loop"), ("AdamW", "foreach"), ("AdamW", "fused"), ("Adam", "fused"), ("Muon", "fused"),
+                          ("AdamW", "master"), ("Adam", "master")])  # fmt: skip
 def test_excluded_parameters_take_no_weight_decay(name, implementation):
     # Zero gradients: AdamW's and Muon's updates are 0, so a step only decays, p * (1 - lr * wd) = 0.95 p;
     # Adam's L2 decay is its gradient wd * p, which moves p by lr * g / (|g| + eps). An excluded one stays put.
+    # "master": the master-weight step (titan_parallel.MasterAdamW / MasterAdam) on the fp32 masters.
+    from titan_parallel import ComputeCopies
+
     spec, model = _one_block()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = build_optimizer(model.named_parameters(), name=name, lr=0.1, weight_decay=0.5, implementation=implementation,
-                          device_type="cpu", plan=spec.plan, weight_decay_exclude=EXCLUDE)  # fmt: skip
+    copies = ComputeCopies([model], torch.bfloat16) if implementation == "master" else None
+    opt = build_optimizer(model.named_parameters(), name=name, lr=0.1, weight_decay=0.5, device_type="cpu",
+                          implementation="fused" if copies else implementation, plan=spec.plan, copies=copies,
+                          weight_decay_exclude=EXCLUDE)  # fmt: skip
     assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0] * (2 if name == "Muon" else 1)
     assert f"no weight decay for {len(EXCLUDED)} tensors" in opt.description
     for p in model.parameters():
