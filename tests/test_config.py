@@ -95,6 +95,7 @@ SPEC_DEFAULTS = {
     "training.mixed_precision_reduce": "float32",
     "training.device": "auto",
     "training.fused_loss": True,
+    "training.z_loss_weight": 0.0,
     "training.attention_backend": "auto",
     "training.enable_cpu_offload": False,
     "training.on_nonfinite": "stop",

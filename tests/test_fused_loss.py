@@ -7,7 +7,9 @@ processes with a `Shard(0)` weight. The float8 GEMMs (`float8=Float8Loss(...)`, 
 against torchao's own `Float8Linear` output projection with the plain loss, and on 2 processes
 against one. The training runs (1 process, TP, PP, FSDP, CP) are
 compared by the parity matrix, which now trains every layout through this loss; here one
-run checks that `training.fused_loss = false` (the plain loss) gives the same losses.
+run checks that `training.fused_loss = false` (the plain loss) gives the same losses, with PaLM's
+z-loss (`training.z_loss_weight`) and without; the z-loss itself is checked against its definition
+written out with torch's ops, as the cross-entropy is.
 """
 
 from __future__ import annotations
@@ -39,9 +41,15 @@ def _inputs(seed: int = 0, ignored: int = 5):
     return h, w, labels
 
 
-def _plain(h, w, labels):
+def _plain(h, w, labels, z_loss=0.0):
+    """torch's cross-entropy on the full logits, plus (z_loss > 0) PaLM's z-loss written out: z_loss times the
+    mean over labelled tokens of logsumexp(logits)^2."""
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = F.cross_entropy((h @ w.t()).float(), labels)
+    logits = (h @ w.t()).float()
+    loss = F.cross_entropy(logits, labels)
+    if z_loss:
+        valid = labels != -100
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1)[valid].pow(2).mean()
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
@@ -67,12 +75,60 @@ def test_equals_plain_cross_entropy_with_gradients(chunk_rows):
     assert max(errors) <= 1e-6, errors
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 1, 8])
+def test_the_z_loss_equals_its_definition_with_gradients(chunk_rows):
+    h, w, labels = _inputs(seed=8)
+    ref = _plain(h, w, labels, z_loss=0.3)  # large enough to move every figure well past the tolerance
+    got = _fused(h, w, labels, chunk_rows=chunk_rows, z_loss=0.3)
+    errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
+    without = _plain(h, w, labels)
+    assert min(_rel_err(a, b) for a, b in zip(without, ref, strict=True)) > 1e-2
+
+
+def test_the_plain_loss_adds_the_z_loss_in_training_only():
+    """`titan_core.step.cross_entropy_loss` (the unfused path) and the fused head: the z-loss while autograd
+    records; forward-only evaluation (validation, downstream evals) gets the cross-entropy alone."""
+    from titan_core.step import cross_entropy_loss
+
+    from titan_models import get_model_spec
+
+    from titan_parallel.linear_cross_entropy import fuse_output_loss
+
+    h, w, labels = _inputs(seed=9)
+    ref, ref_h, ref_w = _plain(h, w, labels, z_loss=0.3)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = cross_entropy_loss((hg @ wg.t()).view(1, TOKENS, VOCAB), labels.view(1, TOKENS), z_loss=0.3)
+    loss.backward()
+    assert max(_rel_err(loss.detach(), ref), _rel_err(hg.grad, ref_h), _rel_err(wg.grad, ref_w)) <= 1e-6
+
+    class Model(torch.nn.Module):
+        skip_output = False
+
+        def __init__(self):
+            super().__init__()
+            self.output = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    model = Model()
+    model.output.weight.data.copy_(w)
+    head = fuse_output_loss(model, get_model_spec("llama3").plan, z_loss=0.3)  # its output projection: `output`
+    assert _rel_err(head(h, labels=labels), ref) <= 1e-6
+    plain = F.cross_entropy(h @ w.t(), labels)
+    with torch.no_grad():
+        assert _rel_err(head(h, labels=labels), plain) <= 1e-6
+        assert _rel_err(cross_entropy_loss((h @ w.t()).view(1, TOKENS, VOCAB), labels.view(1, TOKENS), 0.3), plain) <= 1e-6
+
+
 def test_the_compiled_per_chunk_arithmetic_equals_plain_cross_entropy():
     """What `compile.enable` runs: Inductor's kernels for the per-chunk arithmetic (~10 s to compile here)."""
     h, w, labels = _inputs(seed=4)
     ref = _plain(h, w, labels)
     got = _fused(h, w, labels, chunk_rows=16, compiled=True)
     errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
+    ref = _plain(h, w, labels, z_loss=0.3)  # the z-loss's kernels, compiled too
+    got = _fused(h, w, labels, chunk_rows=16, compiled=True, z_loss=0.3)
+    errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]
     assert max(errors) <= 1e-6, errors
 
 
@@ -171,8 +227,8 @@ def _vocab_parallel_worker(rank: int, port: int, result: dict) -> None:
         h, w, labels = _inputs(seed=3)
         hd = distribute_tensor(h.clone(), mesh, [Replicate()]).requires_grad_()
         wd = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
-        for key, float8 in (("", None), ("float8 ", FLOAT8)):
-            loss = linear_cross_entropy(hd, wd, labels, chunk_rows=8, float8=float8)
+        for key, float8, z_loss in (("", None, 0.0), ("float8 ", FLOAT8, 0.0), ("z ", None, 0.3)):
+            loss = linear_cross_entropy(hd, wd, labels, chunk_rows=8, float8=float8, z_loss=z_loss)
             loss.backward()
             grad_h = hd.grad.full_tensor()  # a partial sum on each rank, reduced here
             grad_w = wd.grad.full_tensor()
@@ -191,7 +247,10 @@ def test_vocab_parallel_on_two_processes_equals_one_process():
         mp.spawn(_vocab_parallel_worker, args=(_free_port(), result), nprocs=2)
         got = (result["loss"], result["grad_h"], result["grad_w"])
         got8 = (result["float8 loss"], result["float8 grad_h"], result["float8 grad_w"])
+        got_z = (result["z loss"], result["z grad_h"], result["z grad_w"])  # the global logsumexp's z-loss
     errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
+    assert max(errors) <= 1e-6, errors
+    errors = [_rel_err(a, b) for a, b in zip(got_z, _plain(h, w, labels, z_loss=0.3), strict=True)]
     assert max(errors) <= 1e-6, errors
     # float8: each shard's weight and logit-gradient amax is all-reduced, so the scales are one process's
     ref8 = _fused(h, w, labels, chunk_rows=8, float8=FLOAT8)
@@ -200,9 +259,14 @@ def test_vocab_parallel_on_two_processes_equals_one_process():
 
 
 def test_a_run_with_the_fused_loss_trains_as_the_plain_loss(tmp_path):
+    """With and without `training.z_loss_weight` (which adds ~0.01 x 8.3^2 at step 1 here: lse ~ ln(vocab))."""
     args = [*TINY, "--training.steps", "4", "--training.mixed_precision_param", "float32"]
-    run_titan_all({tmp_path / "fused": args, tmp_path / "plain": [*args, "--training.fused_loss", "false"]})
-    fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
-    assert len(fused) == len(plain) == 4
-    for a, b in zip(fused, plain, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (fused, plain)
+    z = ["--training.z_loss_weight", "0.01"]
+    run_titan_all({tmp_path / "fused": args, tmp_path / "plain": [*args, "--training.fused_loss", "false"],
+                   tmp_path / "fused_z": [*args, *z], tmp_path / "plain_z": [*args, *z, "--training.fused_loss", "false"]})  # fmt: skip
+    for name in ("", "_z"):
+        fused, plain = losses(tmp_path / f"fused{name}"), losses(tmp_path / f"plain{name}")
+        assert len(fused) == len(plain) == 4
+        for a, b in zip(fused, plain, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, fused, plain)
+    assert losses(tmp_path / "fused_z")[0] - losses(tmp_path / "fused")[0] > 0.3  # the same weights, plus the z-loss

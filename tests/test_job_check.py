@@ -69,6 +69,10 @@ BROKEN = {
     "weight_decay": (["--optimizer.weight_decay_exclude", "*.bias,*nrom*"], 1,
                      ["optimizer.weight_decay_exclude: '*.bias', '*nrom*' match no parameter of llama3 debugmodel",
                       "layers.0.attention_norm.weight"]),
+    "z_loss": (["--training.z_loss_weight", "1e-4", "--training.fused_loss", "false",
+                "--parallelism.tensor_parallel_degree", "2"], 2,
+               ["training.z_loss_weight under tensor parallel needs training.fused_loss = true",
+                "parallelism.disable_loss_parallel = true"]),
 }
 
 FT_ON = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",

@@ -89,6 +89,7 @@ def build_model_parts(job: Job, mesh: ParallelMesh, device: torch.device, seed: 
         converters=job.converters,
         fused_loss=job.cfg.training.fused_loss,
         compiled_loss=job.cfg.compile.enable and "loss" in job.cfg.compile.components,
+        z_loss=job.cfg.training.z_loss_weight,
     )
 
 
@@ -133,6 +134,7 @@ def assemble_model(
     converters: Converters | None = None,
     fused_loss: bool = False,
     compiled_loss: bool = False,
+    z_loss: float = 0.0,
 ) -> ModelParts:
     """`build_model_parts` from plain arguments (for tests that build a model without a job config).
 
@@ -151,6 +153,7 @@ def assemble_model(
         fused_loss: the output projection computes the loss in token chunks (`titan_parallel.fuse_output_loss`);
             `ModelParts.head` is it, and the parts return hidden states.
         compiled_loss: compile the fused loss's per-chunk arithmetic.
+        z_loss: the fused loss's z-loss weight in training (`titan_parallel.fuse_output_loss`).
     """
     dims, converters = mesh.dims, converters or Converters()
     fsdp = uses_fsdp(mesh, options)  # decided once here, as `parallelize` decides it
@@ -185,7 +188,7 @@ def assemble_model(
         from titan_parallel.linear_cross_entropy import fuse_output_loss
 
         for _, module in stage_modules:
-            head = fuse_output_loss(module, plan, compiled=compiled_loss, float8=float8_loss) or head
+            head = fuse_output_loss(module, plan, compiled=compiled_loss, float8=float8_loss, z_loss=z_loss) or head
     if options.dp_mode == "ddp":
         # DDP buckets the gradients of real parameters: materialise first, then wrap.
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)

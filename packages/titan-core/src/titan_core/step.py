@@ -85,9 +85,16 @@ logger = logging.getLogger("titan")
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_batch_size, seq_len)
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`. With `z_loss` > 0
+    and autograd recording (training), plus `z_loss` times the mean of `logsumexp(logits)**2` over the labelled
+    tokens (`training.z_loss_weight`; forward-only evaluation reports the cross-entropy alone)."""
+    flat, targets = logits.flatten(0, 1).float(), labels.flatten()  # (tokens, vocab), (tokens,)
+    loss = F.cross_entropy(flat, targets)
+    if z_loss and torch.is_grad_enabled():
+        valid = targets != -100  # F.cross_entropy's ignore_index
+        loss = loss + z_loss * (torch.logsumexp(flat, dim=-1).square() * valid).sum() / valid.sum()
+    return loss
 
 
 class HeadLoss:

@@ -10,10 +10,11 @@ below gets the plain arguments it uses. `docs/architecture.md` walks through it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -130,9 +131,11 @@ class Trainer:
                 logger.info("%s", job.warmup_note)
             if cfg.validation.enable and (overlap := training_overlap(cfg)):
                 logger.warning("%s", overlap)
-        loss_fn = cross_entropy_loss
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
+        if t.z_loss_weight:
+            loss_fn = functools.partial(cross_entropy_loss, z_loss=t.z_loss_weight)
         if loss_compiled_for(job):
-            loss_fn = torch.compile(cross_entropy_loss)
+            loss_fn = torch.compile(loss_fn)
         elif cfg.compile.enable and "loss" in cfg.compile.components and self.rank == 0:
             logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
         self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor

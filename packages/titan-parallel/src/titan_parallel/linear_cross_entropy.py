@@ -25,6 +25,9 @@ plain loss's 20.8 ms and 1.96 GiB; eager, 5.0 GiB against the plain loss's 11.2 
 
     loss = linear_cross_entropy(h, output.weight, labels)   # == F.cross_entropy(output(h).float(), labels)
 
+With `z_loss=w` the loss adds PaLM's z-loss, `w * logsumexp(logits)**2` per labelled token, whose
+gradient `2 w lse softmax` joins the cross-entropy's in the same pass over each chunk.
+
 With `float8=Float8Loss(...)` the three GEMMs run in float8 (`titan_parallel.float8_matmul`:
 torchao's tensorwise recipe through `torch._scaled_mm`), the hidden states and the weight cast
 once per call, each chunk's logit gradient as it comes.
@@ -89,25 +92,30 @@ def _chunk_max_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return peak, (x - peak.unsqueeze(-1)).exp().sum(dim=-1)
 
 
-def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`(softmax(logits) - onehot(target)) * scale` per row, in the logits' dtype.
+def _chunk_grad(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, z_loss: float = 0.0
+) -> torch.Tensor:
+    """`(softmax(logits) * (1 + 2 z_loss lse) - onehot(target)) * scale` per row, in the logits' dtype (the
+    z-loss `z_loss * lse**2` has gradient `2 z_loss lse softmax`).
 
     `target` holds local vocab indices, -1 where the row's label is not on this rank (or ignored);
     `scale` is 1 / (valid tokens) for valid rows, 0 for ignored ones. Written in place on one fp32
-    copy (eager: five passes over the chunk; compiled, Inductor fuses them into one).
+    copy (eager: five passes over the chunk, six with the z-loss; compiled, Inductor fuses them into one).
     """
     probs = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()  # (rows, vocab)
+    if z_loss:
+        probs.mul_((1 + 2 * z_loss * lse).unsqueeze(-1))
     rows = torch.arange(probs.shape[0], device=probs.device)
     probs.index_put_((rows, target.clamp(min=0)), -(target >= 0).to(probs.dtype), accumulate=True)
     return probs.mul_(scale.unsqueeze(-1)).to(logits.dtype)
 
 
 def _chunk_grad_float8(
-    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, z_loss: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_chunk_grad` cast to e5m2 with its own scale, in both layouts: (g8, g8.T contiguous, scale). Compiled,
     Inductor reads the logits for the amax and again for the cast, and never writes the bf16 gradient."""
-    g = _chunk_grad(logits, lse, target, scale)
+    g = _chunk_grad(logits, lse, target, scale, z_loss)
     g_scale = amax_to_scale(g.abs().amax().float(), E5M2)
     g8 = scale_and_saturate(g, g_scale, E5M2)
     return g8, g8.t().contiguous(), g_scale
@@ -141,9 +149,11 @@ def _loss_and_grads(
     want_grads: bool,
     compiled: bool,
     float8: Float8Loss | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`."""
     lse_of, max_sumexp, grad_of, grad_float8_of = _kernels(compiled)
+    z_args = (z_loss,) if z_loss else ()  # the kernels' z-loss argument, left out (their default) when off
     vocab_local = weight.shape[0]
     valid = labels != ignore_index
     count = valid.sum()  # on the device: no host sync
@@ -171,18 +181,21 @@ def _loss_and_grads(
             dist.all_reduce(sumexp, group=group)
             dist.all_reduce(target_logit, group=group)
             lse = global_peak + sumexp.log()
-        total = total + ((lse - target_logit) * valid[rows]).sum()
+        token_loss = lse - target_logit
+        if z_loss:
+            token_loss = token_loss + z_loss * lse.square()
+        total = total + (token_loss * valid[rows]).sum()
         if want_grads:
             assert grad_h is not None and grad_w is not None
             if f8 is not None:  # the gradient in e5m2; one process, compiled, casts it in the same kernel
                 if group is None and grad_float8_of is not None:
-                    g8, g8_t, g_scale = grad_float8_of(logits, lse, target[rows], scale[rows])
+                    g8, g8_t, g_scale = grad_float8_of(logits, lse, target[rows], scale[rows], *z_args)
                 else:
-                    g8, g8_t, g_scale = f8.cast_gradient(grad_of(logits, lse, target[rows], scale[rows]))
+                    g8, g8_t, g_scale = f8.cast_gradient(grad_of(logits, lse, target[rows], scale[rows], *z_args))
                 del logits
                 f8.backward(g8, g8_t, g_scale, rows, grad_h, grad_w)
                 continue
-            g = grad_of(logits, lse, target[rows], scale[rows])  # (chunk, vocab_local), logits' dtype
+            g = grad_of(logits, lse, target[rows], scale[rows], *z_args)  # (chunk, vocab_local), logits' dtype
             del logits
             torch.mm(g, weight, out=grad_h[rows])
             grad_w.addmm_(g.t(), h_c)
@@ -211,11 +224,13 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     compiled: bool = False,
     float8: Float8Loss | None = None,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     """Mean token cross-entropy of `h @ weight.T` against `labels`, in row chunks (see the module docstring).
 
     Equal to `F.cross_entropy((h @ weight.T).float().flatten(0, -2), labels.flatten(), ignore_index=...)`,
-    gradients included. Under `torch.autocast` the matmuls run in the autocast dtype, as `nn.Linear` would.
+    gradients included, plus `z_loss` times the mean over labelled tokens of `logsumexp(logits)**2` where
+    `z_loss` > 0. Under `torch.autocast` the matmuls run in the autocast dtype, as `nn.Linear` would.
 
     Args:
         h: `(..., dim)` hidden states; a `Replicate()` DTensor under tensor parallel.
@@ -226,6 +241,8 @@ def linear_cross_entropy(
         compiled: compile the per-chunk arithmetic (`torch.compile`).
         float8: run the three GEMMs in float8 (`titan_parallel.float8_matmul`: torchao's tensorwise
             recipe, what a `Float8Linear` output projection computes); None: in `h`'s dtype.
+        z_loss: weight of the z-loss (PaLM's auxiliary loss, which keeps the softmax normaliser near 1);
+            0: none.
 
     Returns:
         The 0-dim fp32 loss (a plain tensor, the same on every TP rank).
@@ -262,6 +279,7 @@ def linear_cross_entropy(
         ignore_index=ignore_index,
         compiled=compiled,
         float8=float8,
+        z_loss=z_loss,
     )
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
@@ -271,19 +289,24 @@ def linear_cross_entropy(
 
 class LinearCrossEntropyHead:
     """Mixed into a model's output `nn.Linear` by `fuse_output_loss`: called with `labels=`, it returns
-    the mean token loss (`linear_cross_entropy`); called without, the logits, as before."""
+    the mean token loss (`linear_cross_entropy`); called without, the logits, as before. Its `z_loss` is
+    added while autograd records (training) and left out of forward-only calls (evaluation), which
+    report the cross-entropy alone."""
 
     chunk_rows: int | None = None
     compiled_loss: bool = False
     float8_loss: Float8Loss | None = None
+    z_loss: float = 0.0
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h)  # type: ignore[misc]
         weight = self.weight  # type: ignore[attr-defined]
+        z_loss = self.z_loss if torch.is_grad_enabled() else 0.0
         return linear_cross_entropy(
-            h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss, float8=self.float8_loss
-        )
+            h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss, float8=self.float8_loss,
+            z_loss=z_loss,
+        )  # fmt: skip
 
 
 def fuse_output_loss(
@@ -293,6 +316,7 @@ def fuse_output_loss(
     chunk_rows: int | None = None,
     compiled: bool = False,
     float8: Float8Loss | None = None,
+    z_loss: float = 0.0,
 ) -> nn.Module | None:
     """Make `model`'s output projection compute the loss when called with labels.
 
@@ -309,6 +333,7 @@ def fuse_output_loss(
         compiled: compile the per-chunk arithmetic.
         float8: the loss's GEMMs in float8 (`linear_cross_entropy`'s `float8`); leave the projection
             itself out of `apply_float8` (`output_projection_path` names it).
+        z_loss: the z-loss weight in training (`LinearCrossEntropyHead`); 0: none.
 
     Returns:
         The output projection, now a `LinearCrossEntropyHead`; None where `model` has none (a
@@ -321,6 +346,7 @@ def fuse_output_loss(
         return None
     head.__class__ = type("LinearCrossEntropyLinear", (LinearCrossEntropyHead, nn.Linear), {})
     head.chunk_rows, head.compiled_loss, head.float8_loss = chunk_rows, compiled, float8  # type: ignore[assignment]
+    head.z_loss = z_loss  # type: ignore[assignment]
     return head
 
 

@@ -189,6 +189,8 @@ class Training(Section):
     """Where to train: 'auto' = CUDA when available, else CPU."""
     fused_loss: bool = True
     """Output projection + cross-entropy in token chunks, gradients taken in forward: no full logits, no fp32 copy."""
+    z_loss_weight: NonNegativeFloat = 0.0
+    """Adds this x mean logsumexp(logits)^2 to the training loss (PaLM's z-loss, e.g. 1e-4); validation omits it."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """SDPA kernel order: 'auto' = cuDNN first on Hopper+ GPUs, flash first before; a name pins that kernel."""
     enable_cpu_offload: bool = False

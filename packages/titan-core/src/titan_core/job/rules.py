@@ -365,6 +365,17 @@ def _lr_schedule(d: Draft) -> None:
     d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, d.cfg.training.steps)
 
 
+def _z_loss(d: Draft) -> None:
+    """`training.z_loss_weight` under tensor parallel's loss parallel needs the fused loss: the plain loss there is
+    torch's `loss_parallel` cross-entropy on vocab-sharded logits, which has no z-loss."""
+    t = d.cfg.training
+    if t.z_loss_weight and d.dims is not None and d.dims.tp > 1 and d.parallel.loss_parallel and not t.fused_loss:
+        raise ConfigError(
+            "training.z_loss_weight under tensor parallel needs training.fused_loss = true (the plain loss is torch's "
+            "loss-parallel cross-entropy, without a z-loss), or parallelism.disable_loss_parallel = true"
+        )
+
+
 def _weight_decay(d: Draft) -> None:
     """Each pattern of `optimizer.weight_decay_exclude` matches a parameter of the model (a typo would leave
     decaying what it meant to exempt)."""
@@ -459,5 +470,6 @@ RULES: tuple[Rule, ...] = (
     Rule("fault_tolerance", fault_tolerance),
     Rule("master_weights", master_weights),
     Rule("weight_decay", _weight_decay),
+    Rule("z_loss", _z_loss),
 )
 """Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""
