@@ -76,7 +76,7 @@ class Optimizer(Section):
     weight_decay: NonNegativeFloat = 0.1
     """Decoupled (AdamW, Muon) or L2 (Adam) weight decay; under Muon, the Muon group's."""
     weight_decay_exclude: list[str] = []
-    """Parameters without weight decay: name patterns, e.g. ['*norm*', '*.bias', 'tok_embeddings.*']; [] = none."""
+    """Parameters without weight decay: fnmatch patterns of names, e.g. ['*norm*', 'tok_embeddings.*']; [] = none."""
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """Step kernel: 'auto' = 'fused' where torch has it for the device (fastest, drops a NaN step on the device)."""
     master_weights: Literal["auto", "on", "off"] = "auto"
