@@ -188,6 +188,19 @@ def test_keep_latest_k_and_unfinished_folders(tmp_path):
     assert b.counter.value == 4
 
 
+def test_keep_interval_spares_milestones_from_keep_latest_k(tmp_path):
+    a = Run(seed=1)
+    saver = a.manager(tmp_path, interval=1, keep_latest_k=2, keep_interval=3)
+    for step in range(1, 8):
+        a.step()
+        saver.save(step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-6", "step-7"]  # the newest 2, and 3 and 6
+    assert Run(seed=2).manager(tmp_path).load() == 7
+    with pytest.raises(CheckpointError, match=re.escape("keep_interval=3; keep the checkpoints of every N-th step with N a multiple of interval=2")) as err:
+        CheckpointManager(tmp_path, model_parts=[a.model], interval=2, keep_interval=3)
+    assert err.value.arguments == ("keep_interval", "interval")
+
+
 def test_model_only_last_save_in_export_dtype(tmp_path):
     a = Run(seed=1)
     a.step(5)

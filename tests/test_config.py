@@ -129,6 +129,7 @@ SPEC_DEFAULTS = {
     "checkpoint.folder": "checkpoint",
     "checkpoint.interval": 500,
     "checkpoint.keep_latest_k": 10,
+    "checkpoint.keep_interval": 0,
     "checkpoint.async_mode": "disabled",
     "checkpoint.last_save_model_only": False,
     "checkpoint.export_dtype": "float32",

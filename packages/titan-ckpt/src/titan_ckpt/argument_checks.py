@@ -25,6 +25,7 @@ def check_arguments(
     interval: int,
     keep_latest_k: int,
     async_mode: AsyncMode,
+    keep_interval: int = 0,
     load_step: int,
     exclude_from_loading: Sequence[str],
 ) -> None:
@@ -37,6 +38,7 @@ def check_arguments(
         interval: steps between saves.
         keep_latest_k: complete checkpoints kept.
         async_mode: one of `ASYNC_MODES`.
+        keep_interval: milestone steps kept besides them (0: none), a multiple of `interval`.
         load_step: step to resume from, or -1.
         exclude_from_loading: state names not restored.
 
@@ -71,6 +73,12 @@ def check_arguments(
     if keep_latest_k < 0:
         raise CheckpointError(
             f"keep_latest_k={keep_latest_k}; keep N >= 1 checkpoints, or 0 to keep all", arguments=("keep_latest_k",)
+        )
+    if keep_interval < 0 or keep_interval % interval:
+        raise CheckpointError(
+            f"keep_interval={keep_interval}; keep the checkpoints of every N-th step with N a multiple of "
+            f"interval={interval} (the steps saved), or 0 for none",
+            arguments=("keep_interval", "interval"),
         )
     if load_step < -1:
         raise CheckpointError(

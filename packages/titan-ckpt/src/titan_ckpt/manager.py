@@ -77,6 +77,9 @@ class CheckpointManager:
         enable: when False, `load` restores nothing and `save` writes nothing.
         interval: save every this many steps (and at the last step).
         keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
+        keep_interval: also keep every checkpoint whose step is a multiple of this (milestones, e.g. to
+            branch a learning-rate decay from later), which `keep_latest_k` never removes; 0: none. A
+            multiple of `interval`, so that those steps are saved.
         async_mode: "disabled", "async" (stage into CPU buffers reused between saves, write in a
             background thread) or "async_with_pinned_mem" (the buffers are pinned memory, for fast
             device-to-host copies; on a CPU-only run the same as "async").
@@ -108,6 +111,7 @@ class CheckpointManager:
         enable: bool = True,
         interval: int = 500,
         keep_latest_k: int = 10,
+        keep_interval: int = 0,
         async_mode: AsyncMode = "disabled",
         last_save_model_only: bool = False,
         export_dtype: torch.dtype = torch.float32,
@@ -124,6 +128,7 @@ class CheckpointManager:
             enable=enable,
             interval=interval,
             keep_latest_k=keep_latest_k,
+            keep_interval=keep_interval,
             async_mode=async_mode,
             last_save_model_only=last_save_model_only,
             export_dtype=export_dtype,
@@ -142,6 +147,7 @@ class CheckpointManager:
             self.states,
             interval=o.interval,
             keep_latest_k=o.keep_latest_k,
+            keep_interval=o.keep_interval,
             async_mode=o.async_mode,
             load_step=o.load_step,
             exclude_from_loading=o.exclude_from_loading,
@@ -155,7 +161,7 @@ class CheckpointManager:
         self.folder = Path(o.folder)
         self.model_parts, self.optimizers = list(model_parts), list(optimizers)
         self.device, self.enable = device, o.enable
-        self.interval, self.keep_latest_k = o.interval, o.keep_latest_k
+        self.interval, self.keep_latest_k, self.keep_interval = o.interval, o.keep_latest_k, o.keep_interval
         self.last_save_model_only, self.export_dtype = o.last_save_model_only, o.export_dtype
         self.load_step, self.exclude = o.load_step, set(o.exclude_from_loading)
         self.initial_load_path = None if o.initial_load_path is None else Path(o.initial_load_path)
@@ -335,7 +341,7 @@ class CheckpointManager:
             return
         manifest = write_manifest(tmp, info, self.checksums)
         publish(tmp, step_folder(self.folder, step))
-        removed = prune(self.folder, self.keep_latest_k)
+        removed = prune(self.folder, self.keep_latest_k, self.keep_interval)
         size = sum(entry["bytes"] for entry in manifest["files"].values())
         took = f" in {time.perf_counter() - start:.2f} s" if start is not None else ""
         logger.info(
@@ -344,7 +350,10 @@ class CheckpointManager:
             "model only" if info["model_only"] else "full",
             size / 1e6,
             took,
-            f"; removed step {', '.join(map(str, removed))} (keep_latest_k={self.keep_latest_k})" if removed else "",
+            f"; removed step {', '.join(map(str, removed))} (keep_latest_k={self.keep_latest_k}"
+            + (f", keep_interval={self.keep_interval})" if self.keep_interval else ")")
+            if removed
+            else "",
         )
 
     # ---- loading --------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ class CheckpointOptions:
         enable: when False, `load` restores nothing and `save` writes nothing.
         interval: save every this many steps (and at the last step).
         keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
+        keep_interval: also keep every checkpoint whose step is a multiple of this (milestones, which
+            `keep_latest_k` never removes); 0: none. A multiple of `interval`.
         async_mode: "disabled", "async" or "async_with_pinned_mem" (see `CheckpointManager`).
         last_save_model_only: the last step saves only the model weights (plus the small JSON states).
         export_dtype: dtype of the weights in that model-only save.
@@ -39,6 +41,7 @@ class CheckpointOptions:
     enable: bool = True
     interval: int = 500
     keep_latest_k: int = 10
+    keep_interval: int = 0
     async_mode: AsyncMode = "disabled"
     last_save_model_only: bool = False
     export_dtype: torch.dtype = torch.float32

@@ -117,19 +117,21 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def prune(root: Path, keep_latest_k: int) -> list[int]:
-    """Delete all but the newest `keep_latest_k` complete checkpoints (0 keeps all); returns the steps removed.
+def prune(root: Path, keep_latest_k: int, keep_interval: int = 0) -> list[int]:
+    """Delete all but the newest `keep_latest_k` complete checkpoints (0 keeps all) and those whose step is a
+    multiple of `keep_interval` (0: none); returns the steps removed.
 
     Each is first renamed to `step-N.tmp` so a crash mid-delete never leaves a
     damaged `step-N` that looks complete.
 
     Args:
         root: the run's checkpoint folder.
-        keep_latest_k: how many to keep.
+        keep_latest_k: how many of the newest to keep.
+        keep_interval: also keep every step that is a multiple of this (milestones).
     """
     if keep_latest_k <= 0:
         return []
-    old = list_complete_steps(root)[:-keep_latest_k]
+    old = [s for s in list_complete_steps(root)[:-keep_latest_k] if not (keep_interval and s % keep_interval == 0)]
     for step in old:
         doomed = root / f"step-{step}.pruned{TMP_SUFFIX}"
         os.rename(step_folder(root, step), doomed)

@@ -282,6 +282,8 @@ class Checkpoint(Section):
     """Save every this many steps (and at the last step)."""
     keep_latest_k: NonNegativeInt = 10
     """Keep this many newest checkpoints; 0 = keep all."""
+    keep_interval: NonNegativeInt = 0
+    """Also keep every checkpoint whose step is a multiple of this (milestones keep_latest_k spares); 0 = none."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: 'async' in a thread, 'async_with_pinned_mem' also staging in pinned memory."""
     last_save_model_only: bool = False

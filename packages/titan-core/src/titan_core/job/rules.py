@@ -306,8 +306,14 @@ def _converters(d: Draft) -> None:
 
 def _checkpoint(d: Draft) -> None:
     """[checkpoint] keys (and 'rollback' of training.on_nonfinite / on_loss_spike) that need checkpoint.enable;
-    a seed checkpoint on one process; a Hugging Face export of the model only, from an unpipelined model."""
+    a seed checkpoint on one process; a Hugging Face export of the model only, from an unpipelined model;
+    milestones at saved steps."""
     ckpt = d.cfg.checkpoint
+    if ckpt.keep_interval % ckpt.interval:
+        raise ConfigError(
+            f"checkpoint.keep_interval={ckpt.keep_interval} is not a multiple of checkpoint.interval={ckpt.interval}: "
+            "only those steps are saved; make it one (or 0 for no milestones)"
+        )
     if not ckpt.enable:
         for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
             if getattr(ckpt, key):
