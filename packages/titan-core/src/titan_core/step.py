@@ -85,15 +85,21 @@ logger = logging.getLogger("titan")
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_batch_size, seq_len)
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+def cross_entropy_loss(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0, z_loss_out: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Mean token cross-entropy in fp32; logits `(bs, seqlen, vocab)`, labels `(bs, seqlen)`. With `z_loss` > 0
     and autograd recording (training), plus `z_loss` times the mean of `logsumexp(logits)**2` over the labelled
-    tokens (`training.z_loss_weight`; forward-only evaluation reports the cross-entropy alone)."""
+    tokens (`training.z_loss_weight`; forward-only evaluation reports the cross-entropy alone), which is also
+    appended, detached, to `z_loss_out` where given."""
     flat, targets = logits.flatten(0, 1).float(), labels.flatten()  # (tokens, vocab), (tokens,)
     loss = F.cross_entropy(flat, targets)
     if z_loss and torch.is_grad_enabled():
         valid = targets != -100  # F.cross_entropy's ignore_index
-        loss = loss + z_loss * (torch.logsumexp(flat, dim=-1).square() * valid).sum() / valid.sum()
+        z_term = z_loss * (torch.logsumexp(flat, dim=-1).square() * valid).sum() / valid.sum()
+        if z_loss_out is not None:
+            z_loss_out.append(z_term.detach())
+        loss = loss + z_term
     return loss
 
 
@@ -144,6 +150,7 @@ class StepLoss:
         self.fn = fn
         self.divisor = divisor
         self.aux_layers: list[MoE] = []  # MoE layers whose auxiliary loss follows the divisor
+        self.z_terms: list[torch.Tensor] = []  # each training call's z-loss term (`training.z_loss_weight`)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.fn(logits, labels) / self.divisor
@@ -178,6 +185,8 @@ class StepResult:
         committed: False when torchft's commit vote dropped the step (`titan_core.fault_tolerance`): no
             update, no LR step; the loop runs the step again.
         lr: the learning rate this step's update used (the first schedule's, a host float); None without one.
+        z_loss: the step's mean z-loss term on this rank (detached, 0-dim; part of `loss`); None without a
+            z-loss or off the last pipeline stage.
     """
 
     loss: torch.Tensor | None
@@ -185,6 +194,7 @@ class StepResult:
     found_inf: torch.Tensor | None = None
     committed: bool = True
     lr: float | None = None
+    z_loss: torch.Tensor | None = None
 
 
 class StepRunner:
@@ -321,6 +331,7 @@ class StepRunner:
         """
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self.loss.z_terms.clear()
         if self.replicas is not None:
             self.replicas.begin_step()  # torchft's quorum, in the background during forward
         total: torch.Tensor | None = None
@@ -346,7 +357,9 @@ class StepRunner:
             self._optimizer_step(None, divisor)
         lr = float(self.lr_schedulers[0].get_last_lr()[0]) if self.lr_schedulers else None  # before it moves on
         self.lr_step()  # the schedule follows the step counter, dropped steps included
-        return StepResult(total, norm, found_inf, lr=lr)
+        z_terms = self.loss.z_terms  # one per loss call: the step's mean, as `total` is over its micro-batches
+        z_loss = torch.stack(z_terms).sum() / len(z_terms) if z_terms else None
+        return StepResult(total, norm, found_inf, lr=lr, z_loss=z_loss)
 
     def _optimizer_step(self, found_inf: torch.Tensor | None, clip_divisor: torch.Tensor | None = None) -> None:
         # Read by Adam/AdamW's fused step: found_inf drops the update, grad_scale divides the gradients.

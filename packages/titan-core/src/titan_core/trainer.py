@@ -131,17 +131,19 @@ class Trainer:
                 logger.info("%s", job.warmup_note)
             if cfg.validation.enable and (overlap := training_overlap(cfg)):
                 logger.warning("%s", overlap)
+        self.loss = StepLoss(cross_entropy_loss)  # normalised in one place; the runner sets its divisor
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
         if t.z_loss_weight:
-            loss_fn = functools.partial(cross_entropy_loss, z_loss=t.z_loss_weight)
+            loss_fn = functools.partial(cross_entropy_loss, z_loss=t.z_loss_weight, z_loss_out=self.loss.z_terms)
         if loss_compiled_for(job):
             loss_fn = torch.compile(loss_fn)
         elif cfg.compile.enable and "loss" in cfg.compile.components and self.rank == 0:
             logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
-        self.loss = StepLoss(loss_fn)  # normalised in one place; the runner sets its divisor
+        self.loss.fn = loss_fn
         self.model = build_model_parts(job, self.mesh, self.device, self.seed, loss_fn=self.loss)
         if self.model.head is not None:  # the output projection computes the loss, in token chunks
             self.loss.fn = HeadLoss(self.model.head)
+            self.model.head.z_loss_out = self.loss.z_terms  # type: ignore[assignment]
         optimizer_kernel = resolve_implementation(cfg.optimizer.implementation, self.device.type)
         attention, sdpa_why = choose_sdpa_backends(t.attention_backend, self.device)
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
@@ -324,9 +326,11 @@ class Trainer:
     def _step_values(self, result: StepResult, data_wait_s: float, meter: ThroughputMeter) -> dict[str, object]:
         """A log step's figures: the only place the loop reads device values (after the step is queued)."""
         avg, mx = self._reduce_loss(result.loss)
+        z_loss = {"loss/z_loss": self._reduce_loss(result.z_loss)[0]} if self.cfg.training.z_loss_weight else {}
         return {
             "loss/global_avg": avg,
             "loss/global_max": mx,
+            **z_loss,  # the part of loss/global_avg the z-loss adds
             "optim/grad_norm": result.grad_norm.item(),
             "optim/lr": result.lr,  # the step's own, not the next one's
             **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),

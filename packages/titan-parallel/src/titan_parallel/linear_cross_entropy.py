@@ -150,8 +150,10 @@ def _loss_and_grads(
     compiled: bool,
     float8: Float8Loss | None = None,
     z_loss: float = 0.0,
+    z_loss_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`."""
+    """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`;
+    the mean z-loss term appended to `z_loss_out` where given."""
     lse_of, max_sumexp, grad_of, grad_float8_of = _kernels(compiled)
     z_args = (z_loss,) if z_loss else ()  # the kernels' z-loss argument, left out (their default) when off
     vocab_local = weight.shape[0]
@@ -164,6 +166,7 @@ def _loss_and_grads(
     grad_h = torch.empty_like(h) if want_grads else None
     grad_w = torch.zeros_like(weight) if want_grads else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    z_total = torch.zeros((), dtype=torch.float32, device=h.device) if z_loss else None
     f8 = ChunkedFloat8Matmuls(h, weight, float8, group, want_grads, compiled) if float8 is not None else None
     for start in range(0, h.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
@@ -182,8 +185,10 @@ def _loss_and_grads(
             dist.all_reduce(target_logit, group=group)
             lse = global_peak + sumexp.log()
         token_loss = lse - target_logit
-        if z_loss:
-            token_loss = token_loss + z_loss * lse.square()
+        if z_total is not None:
+            z_term = z_loss * lse.square()
+            z_total = z_total + (z_term * valid[rows]).sum()
+            token_loss = token_loss + z_term
         total = total + (token_loss * valid[rows]).sum()
         if want_grads:
             assert grad_h is not None and grad_w is not None
@@ -199,6 +204,8 @@ def _loss_and_grads(
             del logits
             torch.mm(g, weight, out=grad_h[rows])
             grad_w.addmm_(g.t(), h_c)
+    if z_total is not None and z_loss_out is not None:
+        z_loss_out.append(z_total / count)
     return total / count, grad_h, grad_w
 
 
@@ -225,6 +232,7 @@ def linear_cross_entropy(
     compiled: bool = False,
     float8: Float8Loss | None = None,
     z_loss: float = 0.0,
+    z_loss_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Mean token cross-entropy of `h @ weight.T` against `labels`, in row chunks (see the module docstring).
 
@@ -243,6 +251,8 @@ def linear_cross_entropy(
             recipe, what a `Float8Linear` output projection computes); None: in `h`'s dtype.
         z_loss: weight of the z-loss (PaLM's auxiliary loss, which keeps the softmax normaliser near 1);
             0: none.
+        z_loss_out: where given (and `z_loss` > 0), a list the call appends its z-loss term to (0-dim fp32,
+            no gradient, still on the device), for logging.
 
     Returns:
         The 0-dim fp32 loss (a plain tensor, the same on every TP rank).
@@ -280,6 +290,7 @@ def linear_cross_entropy(
         compiled=compiled,
         float8=float8,
         z_loss=z_loss,
+        z_loss_out=z_loss_out,
     )
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
@@ -291,12 +302,13 @@ class LinearCrossEntropyHead:
     """Mixed into a model's output `nn.Linear` by `fuse_output_loss`: called with `labels=`, it returns
     the mean token loss (`linear_cross_entropy`); called without, the logits, as before. Its `z_loss` is
     added while autograd records (training) and left out of forward-only calls (evaluation), which
-    report the cross-entropy alone."""
+    report the cross-entropy alone; each training call appends its z-loss term to `z_loss_out` where set."""
 
     chunk_rows: int | None = None
     compiled_loss: bool = False
     float8_loss: Float8Loss | None = None
     z_loss: float = 0.0
+    z_loss_out: list[torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -305,7 +317,7 @@ class LinearCrossEntropyHead:
         z_loss = self.z_loss if torch.is_grad_enabled() else 0.0
         return linear_cross_entropy(
             h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss, float8=self.float8_loss,
-            z_loss=z_loss,
+            z_loss=z_loss, z_loss_out=self.z_loss_out,
         )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ The console line shows the keys below when present (any other key goes to
 TensorBoard only):
 
     loss/global_avg, loss/global_max   loss 5.4321 (max 5.50)
+    loss/z_loss                        z_loss 0.0012   (its part of the loss, with training.z_loss_weight)
     optim/grad_norm                    grad_norm 1.23
     optim/lr                           lr 8.0e-04
     throughput/tokens_per_s            tokens/s 2,345
@@ -104,6 +105,8 @@ def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
         if (loss_max := value("loss/global_max")) is not None:
             text += f" (max {loss_max:.2f})"
         fields.append(_paint(text, "loss", color))
+    if (z_loss := value("loss/z_loss")) is not None:
+        fields.append(_paint(f"z_loss {z_loss:.4f}", "loss", color))
     if (grad_norm := value("optim/grad_norm")) is not None:
         fields.append(_paint(f"grad_norm {grad_norm:#.3g}", "grad_norm", color))  # "19.0", not "19"
     if (lr := value("optim/lr")) is not None:
