@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from titan_run import TINY, losses, read_metrics, run_titan_all
+from titan_run import TINY, losses, read_metrics, run_titan, run_titan_all
 
 from titan_parallel.float8_matmul import Float8Loss
 from titan_parallel.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
@@ -275,3 +275,8 @@ def test_a_run_with_the_fused_loss_trains_as_the_plain_loss(tmp_path):
     assert z_terms["fused_z"] == pytest.approx(z_terms["plain_z"], rel=1e-5) and min(z_terms["fused_z"]) > 0.3
     assert losses(tmp_path / "fused_z")[0] - z_terms["fused_z"][0] == pytest.approx(losses(tmp_path / "fused")[0], rel=1e-6)
     assert "loss/z_loss" not in read_metrics(tmp_path / "fused")[0]
+    # 2 pipeline stages: the last one's terms, its 8 micro-batches' (not torch's extra call of the loss, which
+    # infers the backward's shapes at the first step).
+    run_titan(tmp_path / "pp_z", *args, *z, "--parallelism.pipeline_parallel_degree", "2", nproc=2)
+    assert losses(tmp_path / "pp_z") == pytest.approx(losses(tmp_path / "fused_z"), abs=2e-5)
+    assert [r["loss/z_loss"] for r in read_metrics(tmp_path / "pp_z")] == pytest.approx(z_terms["fused_z"], abs=2e-5)

@@ -310,6 +310,7 @@ class StepRunner:
         losses: list[torch.Tensor] | None = [] if any(stage.is_last for stage in stages) else None
         args = (inputs,) if any(stage.is_first for stage in stages) else ()
         target = labels if losses is not None else None
+        z_terms, first = self.loss.z_terms, len(self.loss.z_terms)
         with self.forward_context():
             if backward:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)
@@ -317,6 +318,9 @@ class StepRunner:
                 schedule.eval(*args, target=target, losses=losses, **extra)
         if losses is None:
             return None
+        # The micro-batches' z-loss terms are the last ones: torch's first pipeline step calls the loss once more
+        # to infer the backward's shapes (torch 2.15).
+        del z_terms[first : max(first, len(z_terms) - len(losses))]
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
         return torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
 
