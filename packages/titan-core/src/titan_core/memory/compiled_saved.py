@@ -257,7 +257,8 @@ def _partitioned(fn: Callable[..., Any], args: tuple[Any, ...], tokens: int) -> 
 
     # A fresh code object: Dynamo keeps its compiled graphs on the code object, so each trace starts anew
     # and none counts towards another's recompile limit.
-    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__  # the defaults too (`cross_entropy_loss`'s z-loss is off by default)
     # dynamic=False: static shapes, as a training run compiles its fixed-shape blocks (Dynamo would otherwise
     # mark sizes dynamic once it has seen this function at two shapes)
     # and no automatic dynamic shapes from an earlier trace of the same function (torch 2.11 keys that state by
