@@ -194,15 +194,10 @@ def another_models_checkpoint(
         name: this run's `model.name`.
         flavor: this run's `model.flavor`.
     """
-    import tomllib
-
     if str(checkpoint_folder) not in str(error):  # not the folder's own checkpoint (initial_load_path)
         return None
-    try:
-        saved = tomllib.loads((Path(run_folder) / "config.toml").read_text()).get("model", {})
-    except (OSError, tomllib.TOMLDecodeError):
-        return None
-    if (saved.get("name"), saved.get("flavor")) == (name, flavor):
+    saved = _saved_section(run_folder, "model")
+    if saved is None or (saved.get("name"), saved.get("flavor")) == (name, flavor):
         return None
     return ConfigError(
         f"job.dump_folder {run_folder} holds the checkpoints of a {saved.get('name')}/{saved.get('flavor')} run "
@@ -226,13 +221,10 @@ def another_optimizers_checkpoint(
         name: this run's `optimizer.name`.
         weight_decay_exclude: this run's `optimizer.weight_decay_exclude`.
     """
-    import tomllib
-
     if not any(Path(checkpoint_folder).glob("step-*")):  # not the folder's own checkpoint (initial_load_path)
         return None
-    try:
-        saved = tomllib.loads((Path(run_folder) / "config.toml").read_text()).get("optimizer", {})
-    except (OSError, tomllib.TOMLDecodeError):
+    saved = _saved_section(run_folder, "optimizer")
+    if saved is None:
         return None
     saved_name, saved_exclude = saved.get("name", "AdamW"), list(saved.get("weight_decay_exclude", []))
     if saved_name == name and bool(saved_exclude) == bool(weight_decay_exclude):
@@ -244,6 +236,16 @@ def another_optimizers_checkpoint(
         f"'lr_scheduler' to checkpoint.exclude_from_loading to start them afresh ({error})",
         keys=("optimizer.name", "optimizer.weight_decay_exclude", "checkpoint.exclude_from_loading"),
     )
+
+
+def _saved_section(run_folder: Path, section: str) -> dict[str, Any] | None:
+    """A section of the config the run folder's earlier run wrote (`config.toml`); None where it cannot be read."""
+    import tomllib
+
+    try:
+        return dict(tomllib.loads((Path(run_folder) / "config.toml").read_text()).get(section, {}))
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
 
 
 def _plain(value: Any) -> Any:
