@@ -32,6 +32,8 @@ from titan_run import TINY, run_titan
 BROKEN = {
     "device": (["--training.device", "cuda"], 1, ["device='cuda' but no CUDA GPU", "(device set by training.device)"]),
     "model_shape": (["--model.flavor", "debugmodle"], 1, ["model.flavor", "debugmodel"]),
+    "moe": (["--moe.router_z_loss_coeff", "0.001"], 1,
+            ["moe.router_z_loss_coeff: model.name='llama3' flavor 'debugmodel' has no Mixture-of-Experts", "[moe]"]),
     "degrees": (["--parallelism.tensor_parallel_degree", "4"], 2,
                 ["world size 2 is not divisible by tp=4", "(tp set by parallelism.tensor_parallel_degree)"]),
     "batch": (["--training.local_batch_size", "4", "--training.global_batch_size", "10"], 2,

@@ -64,7 +64,7 @@ def test_expert_bias_selects_but_does_not_weigh():
     with torch.no_grad():
         moe.expert_bias.zero_()
         moe.expert_bias[3] = 100.0  # expert 3 wins every choice...
-        weights, chosen, scores = moe.router(x, moe.expert_bias)
+        weights, chosen, scores, _ = moe.router(x, moe.expert_bias)
     assert (chosen == 3).any(dim=-1).all()
     torch.testing.assert_close(weights, scores.gather(1, chosen))  # ...but weighs by its unbiased score
 
@@ -79,7 +79,7 @@ def test_group_limited_routing_by_hand():
     with torch.no_grad():
         moe.router.gate.weight.copy_(torch.zeros(6, 2))
     # a bias equal to the target scores minus sigmoid(0) = 0.5 makes the choice scores exactly `probs`
-    _, chosen, _ = moe.router(torch.zeros(1, 2), probs[0] - 0.5)
+    _, chosen, _, _ = moe.router(torch.zeros(1, 2), probs[0] - 0.5)
     assert sorted(chosen[0].tolist()) == [0, 2]
 
 
@@ -150,9 +150,73 @@ def test_aux_loss_reaches_the_router_only_in_training():
         torch.testing.assert_close(moe(x), _built(dataclasses.replace(args, aux_loss_coeff=0.0)).eval()(x))
 
 
+def _router_z(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss written out in float64: mean over tokens of log(sum_e exp(logit_e))^2."""
+    logits = x.reshape(-1, x.shape[-1]).double() @ moe.router.gate.weight.double().T
+    return torch.log(torch.exp(logits).sum(dim=-1)).pow(2).mean()
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_router_z_loss_adds_its_gradient_and_records_the_steps_mean(score_func):
+    """Two micro-batches (`aux_loss_scale` 1/2): the router's gradient is the one without the z-loss plus
+    c/2 times the written-out z-loss's of each, every other gradient unchanged; the buffer holds c/2 x (z1 + z2)."""
+    c = 0.05
+    base = dataclasses.replace(ARGS, score_func=score_func)
+    xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    grads = {}
+    for coeff in (0.0, c):
+        moe = _built(dataclasses.replace(base, router_z_loss_coeff=coeff))
+        moe.aux_loss_scale = 0.5
+        for x in xs:
+            moe(x).sum().backward()
+        grads[coeff] = {name: p.grad.clone() for name, p in moe.named_parameters()}
+    z = sum(_router_z(moe, x) for x in xs)
+    weight = moe.router.gate.weight.detach().double().requires_grad_()
+    expected_z = sum(torch.log(torch.exp(x.reshape(-1, 16).double() @ weight.T).sum(-1)).pow(2).mean() for x in xs)
+    (0.5 * c * expected_z).backward()
+    torch.testing.assert_close(grads[c].pop("router.gate.weight"),
+                               grads[0.0].pop("router.gate.weight") + weight.grad.float(), rtol=1e-5, atol=1e-7)
+    for name, grad in grads[c].items():
+        torch.testing.assert_close(grad, grads[0.0][name], rtol=0, atol=0, msg=name)
+    assert moe.router_z_loss.item() == pytest.approx(0.5 * c * z.item(), rel=1e-6)
+    assert z.item() > 1.0  # log(6 experts)^2 at least: a real term, not a zero that matches anything
+
+
+def test_router_z_loss_is_training_only():
+    moe = _built(dataclasses.replace(ARGS, router_z_loss_coeff=0.1)).eval()
+    assert moe.router(torch.randn(4, 16), None)[3] is None
+    x = torch.randn(1, 4, 16)
+    with torch.no_grad():
+        out = moe(x)
+    assert moe.router_z_loss.item() == 0.0
+    torch.testing.assert_close(out, _built(ARGS).eval()(x), rtol=0, atol=0)
+
+
+def test_activation_checkpointing_counts_each_token_once():
+    """A full-AC recompute runs the layer's forward again inside the backward: its tokens and z-loss were counted
+    by the first run (they were counted twice until 2026-12-06), and the gradients equal the plain run's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    args = dataclasses.replace(ARGS, router_z_loss_coeff=0.01, aux_loss_coeff=0.01)
+    x = torch.randn(2, 7, 16)
+    runs = []
+    for wrap in (False, True):
+        moe = _built(args)
+        (checkpoint_wrapper(moe) if wrap else moe)(x).sum().backward()
+        runs.append((moe.tokens_per_expert.clone(), moe.router_z_loss.clone(),
+                     {name: p.grad.clone() for name, p in moe.named_parameters()}))
+    (counts, z, grads), (ac_counts, ac_z, ac_grads) = runs
+    assert counts.sum().item() == 2 * 7 * ARGS.top_k and torch.equal(ac_counts, counts)
+    assert z.item() > 0 and ac_z.item() == z.item()
+    for name, grad in grads.items():
+        torch.testing.assert_close(ac_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("bad, key", [
     (dict(top_k=7), "top_k"), (dict(n_groups=4), "n_groups"), (dict(topk_groups=4), "topk_groups"),
     (dict(score_func="relu"), "score_func"), (dict(top_k=5, topk_groups=2), "top_k"),
+    (dict(router_z_loss_coeff=-1e-3), "router_z_loss_coeff"), (dict(aux_loss_coeff=-0.1), "aux_loss_coeff"),
+    (dict(load_balance_coeff=0.0), "load_balance_coeff"),
 ])
 def test_bad_moe_args_name_the_field(bad, key):
     with pytest.raises(ModelConfigError, match=key):

@@ -7,6 +7,7 @@ samples from both and agrees; the logs carry the experts' load."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ RUN = [
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
     "--metrics.peak_tflops", "1", "--debug.seed", "7",
     "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+    # ST-MoE's router z-loss on top of the expert-bias balancing, under full AC (whose recompute must not count twice)
+    "--moe.router_z_loss_coeff", "0.01", "--activation_checkpoint.mode", "full",
 ]  # fmt: skip
 EP = "--parallelism.expert_parallel_degree"
 
@@ -76,13 +79,23 @@ def test_checkpoints_reshard_across_expert_parallel_degrees(runs):
 
 
 def test_load_balance_metrics_are_logged(runs):
-    reference, _ = runs
-    record = read_metrics(reference)[-1]
-    counts = record["moe/tokens_per_expert"]  # {block: [slots per expert]}, summed over the global batch
-    assert counts and all(len(c) == 8 for c in counts.values())
-    assert all(sum(c) == GLOBAL_BATCH * 32 * 2 for c in counts.values())  # every token reaches top_k = 2 experts
-    busiest = max(max(c) / (sum(c) / len(c)) for c in counts.values())
-    assert record["moe/max_load"] == pytest.approx(busiest)
+    reference, resharded = runs
+    for folder in runs:
+        record = read_metrics(folder)[-1]
+        counts = record["moe/tokens_per_expert"]  # {block: [slots per expert]}, summed over the global batch
+        assert counts and all(len(c) == 8 for c in counts.values())
+        # every token reaches top_k = 2 experts, counted once although full AC runs each block's forward twice
+        assert all(sum(c) == GLOBAL_BATCH * 32 * 2 for c in counts.values())
+        busiest = max(max(c) / (sum(c) / len(c)) for c in counts.values())
+        assert record["moe/max_load"] == pytest.approx(busiest)
+    # The router z-loss (summed over the 3 MoE blocks, averaged over the ranks' tokens) is the one process's at every
+    # step, steps 1-4 from 2 ranks at EP 2. At the start the router's logits are small (init std 0.02), so each
+    # block's logsumexp is near log(8 experts): 3 x 0.01 x log(8)^2 = 0.130; the z-loss pulls it down from there.
+    ref = {r["step"]: r["moe/router_z_loss"] for r in read_metrics(reference)}
+    ours = {r["step"]: r["moe/router_z_loss"] for r in read_metrics(resharded)}
+    assert sorted(ours) == sorted(ref) == [1, 2, 3, 4, 5, 6]
+    assert all(ours[s] == pytest.approx(ref[s], rel=1e-5) for s in ref), (ours, ref)
+    assert ref[1] == pytest.approx(3 * 0.01 * math.log(8) ** 2, rel=0.05) and ref[6] < ref[1]
 
 
 def test_trained_moe_converts_to_hf_and_back_and_generates(runs, tmp_path):

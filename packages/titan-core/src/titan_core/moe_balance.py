@@ -10,6 +10,10 @@ load (DeepSeek-V3's auxiliary-loss-free balancing):
     bias += coeff * sign(mean(load) - load),  re-centred to mean 0
 
 The bias only changes which experts are chosen, never the weights of their outputs.
+
+A layer with a router z-loss (`MoEArgs.router_z_loss_coeff`) also holds the step's weighted
+z-loss (`MoE.router_z_loss`); it travels in the same all-reduce, averaged over the group,
+and the logs show its sum over layers as `moe/router_z_loss`.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class ExpertLoadBalancer:
                 if moe is not None:
                     self.layers.append((name, cast("MoE", moe)))
         self.last_counts: torch.Tensor | None = None  # (layers, experts) global counts of the last step
+        self.z_loss = any(moe.args.router_z_loss_coeff > 0 for _, moe in self.layers)
+        self.last_z: torch.Tensor | None = None  # (layers,) the last step's router z-loss, averaged over the group
 
     @torch.no_grad()
     def after_backward(self, found_inf: torch.Tensor | None = None) -> None:
@@ -69,8 +75,16 @@ class ExpertLoadBalancer:
         if not self.layers:
             return
         counts = torch.stack([moe.tokens_per_expert for _, moe in self.layers])  # (layers, experts)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        if self.z_loss:  # one more column, in the same all-reduce
+            counts = torch.cat([counts, torch.stack([moe.router_z_loss for _, moe in self.layers])[:, None]], dim=1)
+        ranks = dist.get_world_size(self.group) if self.group is not None else 1
+        if ranks > 1:
             dist.all_reduce(counts, group=self.group)
+        if self.z_loss:
+            counts, z = counts[:, :-1], counts[:, -1] / ranks
+            for _, moe in self.layers:
+                moe.router_z_loss.zero_()
+            self.last_z = z
         for (_, moe), load in zip(self.layers, counts, strict=True):
             coeff = moe.args.load_balance_coeff
             if coeff is not None:
@@ -85,24 +99,33 @@ class ExpertLoadBalancer:
         """Forget counts gathered outside training (e.g. by a validation pass)."""
         for _, moe in self.layers:
             moe.tokens_per_expert.zero_()
+            moe.router_z_loss.zero_()
 
     def metrics(self) -> dict[str, object]:
         """The last step's load, for the logs (every stage's layers under pipeline parallel).
 
         `moe/max_load`: over all layers, the busiest expert's tokens over the mean (1 = even);
         `moe/layer{L}/max_load`, `moe/layer{L}/min_load`: per layer, busiest and idlest expert over the
-        mean; `moe/tokens_per_expert`: `{layer: [tokens of each expert]}` (metrics.jsonl only).
+        mean; `moe/tokens_per_expert`: `{layer: [tokens of each expert]}` (metrics.jsonl only);
+        `moe/router_z_loss`, with a router z-loss: its weighted value summed over the layers (the step's mean
+        over micro-batches and ranks), what it adds to the training objective beside `loss/global_avg`.
         """
         counts: dict[str, list[int]] = {}
+        z_loss: dict[str, float] = {}
         if self.last_counts is not None:
             counts = {
                 name: [int(c) for c in row]
                 for (name, _), row in zip(self.layers, self.last_counts.tolist(), strict=True)
             }
+        if self.last_z is not None:
+            z_loss = {name: z for (name, _), z in zip(self.layers, self.last_z.tolist(), strict=True)}
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            stages: list[dict[str, list[int]]] = [{} for _ in range(dist.get_world_size(self.pp_group))]
-            dist.all_gather_object(stages, counts, group=self.pp_group)
-            counts = {name: row for stage in stages for name, row in stage.items()}
+            stages: list[tuple[dict[str, list[int]], dict[str, float]]] = [
+                ({}, {}) for _ in range(dist.get_world_size(self.pp_group))
+            ]
+            dist.all_gather_object(stages, (counts, z_loss), group=self.pp_group)
+            counts = {name: row for stage, _ in stages for name, row in stage.items()}
+            z_loss = {name: z for _, stage in stages for name, z in stage.items()}
         if not counts:
             return {}
         counts = dict(sorted(counts.items(), key=lambda item: int(item[0]) if item[0].isdigit() else item[0]))
@@ -115,4 +138,5 @@ class ExpertLoadBalancer:
             **loads,
             "moe/max_load": max(v for k, v in loads.items() if k.endswith("/max_load")),
             "moe/tokens_per_expert": counts,
+            **({"moe/router_z_loss": sum(z_loss.values())} if z_loss else {}),
         }

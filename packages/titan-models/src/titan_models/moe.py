@@ -61,8 +61,17 @@ class MoEArgs:
     """Auxiliary-loss-free balancing: `expert_bias` moves by this much per step towards even load; None = no bias."""
     aux_loss_coeff: float = 0.0
     """Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3's); 0 = off."""
+    router_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE's, OLMoE's 1e-3): mean over tokens of logsumexp(router logits)^2; 0 = off."""
 
     def __post_init__(self) -> None:
+        for name in ("aux_loss_coeff", "router_z_loss_coeff"):
+            if not getattr(self, name) >= 0:
+                raise ModelConfigError(f"MoEArgs.{name}={getattr(self, name)} must be >= 0 (0 = off)")
+        if self.load_balance_coeff is not None and not self.load_balance_coeff > 0:
+            raise ModelConfigError(
+                f"MoEArgs.load_balance_coeff={self.load_balance_coeff} must be > 0, or None for no expert bias"
+            )
         if self.score_func not in SCORE_FUNCS:
             raise ModelConfigError(f"MoEArgs.score_func '{self.score_func}' is unknown; choose 'softmax' or 'sigmoid'")
         if not 1 <= self.top_k <= self.num_experts:
@@ -195,18 +204,21 @@ class TokenChoiceTopKRouter(nn.Module):
 
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Args:
             x: `(tokens, dim)`.
             expert_bias: `(experts,)` added to the scores for the choice only, or None.
 
         Returns:
-            weights `(tokens, top_k)` fp32, chosen experts `(tokens, top_k)` int64, and the
-            scores of all experts `(tokens, experts)` fp32.
+            weights `(tokens, top_k)` fp32, chosen experts `(tokens, top_k)` int64, the
+            scores of all experts `(tokens, experts)` fp32, and in training with a router z-loss
+            (`router_z_loss_coeff`) the mean over tokens of `logsumexp(logits)^2` (0-dim fp32, unweighted),
+            else None.
         """
         a = self.args
-        scores = self.gate(x).float()  # (tokens, experts)
-        scores = scores.softmax(dim=-1) if a.score_func == "softmax" else scores.sigmoid()
+        logits = self.gate(x).float()  # (tokens, experts)
+        z = logits.logsumexp(dim=-1).square().mean() if a.router_z_loss_coeff > 0 and self.training else None
+        scores = logits.softmax(dim=-1) if a.score_func == "softmax" else logits.sigmoid()
         choice = scores + expert_bias if expert_bias is not None else scores
         if a.n_groups > 1:
             grouped = choice.view(x.shape[0], a.n_groups, -1)  # (tokens, groups, experts per group)
@@ -218,10 +230,19 @@ class TokenChoiceTopKRouter(nn.Module):
         weights = scores.gather(1, chosen)
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * a.route_scale, chosen, scores
+        return weights * a.route_scale, chosen, scores, z
 
     def init_weights(self) -> None:
         init_trunc_normal_(self.gate.weight, 0.02)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward: activation checkpointing's recompute, where the autograd
+    engine has a graph task. Never under `no_grad` (decoding), nor while torch.compile traces (the engine's
+    graph task is not traceable; Titan compiles the layer's children, not the layer, in training)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -278,21 +299,26 @@ def sequence_balance_loss(
 class MoE(nn.Module):
     """Routed experts plus optional shared experts, in place of a block's FeedForward.
 
-    Buffers: `expert_bias` `(experts,)` (persistent: checkpoints keep it) and
+    Buffers: `expert_bias` `(experts,)` (persistent: checkpoints keep it);
     `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
-    last read it (not persistent). `aux_loss_scale` multiplies the auxiliary loss's gradient: the
+    last read it, and `router_z_loss` (0-dim), the weighted router z-loss of the training forwards since
+    then, each times `aux_loss_scale` (so over one step, the step's mean); neither persistent. An
+    activation-checkpointing recompute (a forward run again inside the backward) adds to neither.
+
+    `aux_loss_scale` multiplies the auxiliary losses' gradient (the balance loss and the router z-loss): the
     trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
     loss by (gradient-accumulation steps x pipeline microbatches). `sequence_group`, set by context
-    parallel, is the ranks holding the rest of this rank's sequences: the auxiliary loss counts the
+    parallel, is the ranks holding the rest of this rank's sequences: the balance loss counts the
     token slots of whole sequences over them. `grad_share`, set by tensor parallel (`TPStyle.MOE_INPUT`,
     which sums the TP ranks' partial gradients of the layer's input and router), is the share of the
-    auxiliary loss's gradient each rank adds: 1 / tp. The auxiliary loss enters the backward
+    auxiliary losses' gradient each rank adds: 1 / tp. The auxiliary losses enter the backward
     here, inside the block, rather than being returned: under FSDP the router's weights are gathered
     only while the block's own backward runs.
     """
 
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor
+    router_z_loss: torch.Tensor
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -302,6 +328,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.num_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("router_z_loss", torch.zeros(()), persistent=False)
         self.aux_loss_scale: float = 1.0
         self.grad_share: float = 1.0  # set by tensor parallel: its ranks' gradients are summed
         self.sequence_group: ProcessGroup | None = None  # set by context parallel (`sequence_balance_loss`)
@@ -313,28 +340,38 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # (bs * seqlen, dim)
         k = self.args.top_k
         bias = self.expert_bias if self.args.load_balance_coeff is not None else None
-        weights, chosen, scores = self.router(tokens, bias)  # (tokens, k), (tokens, k), (tokens, experts)
+        # (tokens, k), (tokens, k), (tokens, experts), 0-dim or None
+        weights, chosen, scores, z = self.router(tokens, bias)
         slots = chosen.flatten()
         counts = slots.new_zeros(self.args.num_experts).scatter_add_(
             0, slots, torch.ones_like(slots)
         )  # (experts,) int64
-        with torch.no_grad():
-            self.tokens_per_expert += counts
+        first_run = not _recomputing()  # an activation-checkpointing recompute: its tokens were counted already
+        if first_run:
+            with torch.no_grad():
+                self.tokens_per_expert += counts
         order = slots.argsort(stable=True)  # token slots grouped by expert
         routed = self.experts(tokens[order // k], counts)  # (tokens * k, dim), in `order`
         routed = routed[order.argsort()].view(-1, k, dim)  # back to (tokens, k, dim)
         out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (tokens, dim)
+        aux: torch.Tensor | None = None
         if self.args.aux_loss_coeff > 0 and self.training:
-            balance = sequence_balance_loss(scores, chosen, bs, k, self.sequence_group)
-            aux = self.grad_share * self.aux_loss_scale * self.args.aux_loss_coeff * balance
-            out = _AddAuxLoss.apply(out, aux)
+            aux = self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k, self.sequence_group)
+        if z is not None:
+            z = self.args.router_z_loss_coeff * z
+            if first_run:
+                with torch.no_grad():
+                    self.router_z_loss += self.aux_loss_scale * z.detach()
+            aux = z if aux is None else aux + z
+        if aux is not None:
+            out = _AddAuxLoss.apply(out, self.grad_share * self.aux_loss_scale * aux)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.view(bs, seqlen, dim)
 
     def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
         """Router 0.02, experts and shared experts as a FeedForward (`w2`, `w3` at `out_std`);
-        `expert_bias` and `tokens_per_expert` to zeros.
+        `expert_bias`, `tokens_per_expert` and `router_z_loss` to zeros.
 
         Args:
             out_std: std of the output-side weights (depth-scaled by the block).
@@ -347,3 +384,4 @@ class MoE(nn.Module):
         device = buffer_device if buffer_device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
+        self.router_z_loss = torch.zeros((), device=device)

@@ -360,6 +360,17 @@ class MX(Section):
     """Linears whose name contains any of these stay in high precision (the output projection by default)."""
 
 
+class MoE(Section):
+    """Mixture-of-Experts balancing and router losses (Qwen3-MoE, DeepSeek-V3); unset = the model flavor's."""
+
+    aux_loss_coeff: NonNegativeFloat | None = None
+    """Weight of the sequence-wise balance loss (0 = off); unset = the flavor's (Qwen3-MoE 1e-3, DeepSeek-V3 0)."""
+    load_balance_coeff: NonNegativeFloat | None = None
+    """Expert-bias step per step (aux-loss-free balancing; 0 = no bias); unset = the flavor's (DeepSeek-V3 1e-3)."""
+    router_z_loss_coeff: NonNegativeFloat | None = None
+    """Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE; OLMoE 1e-3); unset = the flavor's (0)."""
+
+
 class JobConfig(Section):
     """The whole job: one field per section, each section one TOML table."""
 
@@ -385,6 +396,8 @@ class JobConfig(Section):
     """Float8 training (model.converters = ["float8"])."""
     mx: MX = Field(default_factory=MX)
     """MXFP8 training (model.converters = ["mx"])."""
+    moe: MoE = Field(default_factory=MoE)
+    """Mixture-of-Experts balancing and router losses."""
     metrics: Metrics = Field(default_factory=Metrics)
     """Logging and TensorBoard."""
     profiling: Profiling = Field(default_factory=Profiling)

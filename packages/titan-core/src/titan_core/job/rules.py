@@ -173,6 +173,24 @@ def _model_shape(d: Draft) -> None:
     d.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
 
 
+def _moe(d: Draft) -> None:
+    """`[moe]`'s coefficients replace the flavor's (or the Hugging Face config's) in every MoE layer; a dense model
+    has none to replace."""
+    given = {key: value for key, value in d.cfg.moe.model_dump().items() if value is not None}
+    if not given:
+        return
+    moe = getattr(d.model_args, "moe", None)
+    if moe is None:
+        keys = ", ".join(f"moe.{key}" for key in given)
+        raise ConfigError(
+            f"{keys}: model.name={d.cfg.model.name!r} flavor {d.cfg.model.flavor!r} has no Mixture-of-Experts "
+            "layers; remove the [moe] settings or choose an MoE flavor"
+        )
+    if given.get("load_balance_coeff") == 0:
+        given["load_balance_coeff"] = None  # no expert bias
+    d.model_args = dataclasses.replace(d.model_args, moe=dataclasses.replace(moe, **given))  # values checked by [moe]
+
+
 def _degrees(d: Draft) -> None:
     """The parallel degrees multiply to the world size; DDP replicates whole models only."""
     from titan_parallel import check_data_parallel
@@ -459,6 +477,7 @@ PIPELINE_RULE_KEYS = {**PIPELINE_KEYS, **_keys(DIMS_KEYS, "pp"), **_keys(RUN_KEY
 RULES: tuple[Rule, ...] = (
     Rule("device", _device, _keys(RUN_KEYS, "device")),
     Rule("model_shape", _model_shape),
+    Rule("moe", _moe),
     Rule("degrees", _degrees, DEGREES_KEYS),
     Rule("batch", _batch),
     Rule("tensor_parallel", _tensor_parallel, TENSOR_PARALLEL_KEYS),
