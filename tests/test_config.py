@@ -88,6 +88,8 @@ SPEC_DEFAULTS = {
     "training.shuffle_seed": 0,
     "training.local_batch_size": 8,
     "training.global_batch_size": -1,
+    "training.batch_size_rampup_start": None,
+    "training.batch_size_rampup_steps": 0,
     "training.seq_len": 256,
     "training.max_norm": 1.0,
     "training.steps": 60,

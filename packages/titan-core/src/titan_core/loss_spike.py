@@ -143,7 +143,7 @@ class LossSpikePolicy:
         max_in_a_row: `training.max_loss_spikes_in_a_row`.
         checkpointer: the run's checkpoint manager (rolled back from).
         loader: the training loader (names the spiked step's samples).
-        global_batch: samples per step, all ranks.
+        batch_at: samples of a step (1-based), all ranks (`BatchRamp.global_batch`).
         rank: this process's rank (rank 0 logs).
     """
 
@@ -156,11 +156,11 @@ class LossSpikePolicy:
         checkpointer: CheckpointManager,
         loader: BatchLedger,
         *,
-        global_batch: int,
+        batch_at: Callable[[int], int],
         rank: int,
     ):
         self.policy, self.factor, self.warmup_steps, self.max_in_a_row = policy, factor, warmup_steps, max_in_a_row
-        self.checkpointer, self.loader, self.global_batch, self.rank = checkpointer, loader, global_batch, rank
+        self.checkpointer, self.loader, self.batch_at, self.rank = checkpointer, loader, batch_at, rank
         self.spikes = 0  # spiked steps in this process
 
     def detector(self, device: torch.device) -> SpikeDetector | None:
@@ -212,13 +212,13 @@ class LossSpikePolicy:
 
     def describe(self, report: SpikeReport, step: int) -> str:
         """`step 6: loss 33.1 is 5.2x its running average 6.37 (training.loss_spike_factor=2.0); batch: ...`."""
-        first = self.loader.samples_consumed - (step - report.step + 1) * self.global_batch
+        first = self.loader.samples_consumed - sum(self.batch_at(s) for s in range(report.step, step + 1))
         more = f" (and {report.spikes - 1} later step(s))" if report.spikes > 1 else ""
         ratio = report.loss / report.average if report.average > 0 else float("inf")
         return (
             f"step {report.step}{more}: loss {report.loss:.4g} is {ratio:.1f}x its running average "
             f"{report.average:.4g} (training.loss_spike_factor={self.factor}); batch: "
-            f"{self.loader.describe_samples(first, self.global_batch)}"
+            f"{self.loader.describe_samples(first, self.batch_at(report.step))}"
         )
 
     def metrics(self) -> dict[str, int]:
@@ -234,16 +234,20 @@ class InjectedSpike:
         fn: the loss function `(logits, labels) -> mean loss` to wrap.
         step: the step to spike (1-based).
         current_step: returns the step being trained.
-        calls_per_step: loss calls in one step on this rank (`StepLoss.divisor`: micro-batches).
+        calls_per_step: returns the loss calls in the step being trained on this rank (`StepLoss.divisor`:
+            micro-batches), read at its first call.
     """
 
-    def __init__(self, fn: Callable, step: int, current_step: Callable[[], int], calls_per_step: int):
-        self.fn, self.step, self.current_step = fn, step, current_step
-        self.remaining = calls_per_step
+    def __init__(self, fn: Callable, step: int, current_step: Callable[[], int], calls_per_step: Callable[[], int]):
+        self.fn, self.step, self.current_step, self.calls_per_step = fn, step, current_step, calls_per_step
+        self.remaining: int | None = None  # spiked calls left, once the step began
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.fn(logits, labels)
-        if self.remaining and torch.is_grad_enabled() and self.current_step() == self.step:
-            self.remaining -= 1
-            return loss * INJECTED_FACTOR
+        if torch.is_grad_enabled() and self.current_step() == self.step:
+            if self.remaining is None:
+                self.remaining = self.calls_per_step()
+            if self.remaining:
+                self.remaining -= 1
+                return loss * INJECTED_FACTOR
         return loss

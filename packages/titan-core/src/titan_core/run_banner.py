@@ -70,12 +70,11 @@ def describe_mix(mix: list, shuffle: bool) -> str:
 
 
 def _describe_batch(job: Job) -> str:
-    """'global batch 8 x seq_len 256, 1 micro-batch per step'."""
+    """'global batch 8 x seq_len 256, 1 micro-batch per step' (`BatchRamp.describe`)."""
     seq = f"seq_len {job.cfg.training.seq_len}"
-    if job.global_batch is None or job.accum_steps is None:  # the world size is not known yet
+    if job.batch_ramp is None:  # the world size is not known yet
         return f"local batch {job.cfg.training.local_batch_size} x {seq}"
-    plural = "es" if job.accum_steps > 1 else ""
-    return f"global batch {job.global_batch} x {seq}, {job.accum_steps} micro-batch{plural} per step"
+    return job.batch_ramp.describe(job.cfg.training.seq_len)
 
 
 def _describe_compute(job: Job) -> str:

@@ -328,13 +328,15 @@ class StepRunner:
         """Forward and backward over the step's micro-batches, clip, and step the optimizers.
 
         Args:
-            batches: the step's micro-batches, `(inputs, labels)` each `(local_batch_size, seq_len)`.
+            batches: the step's micro-batches, `(inputs, labels)` each `(local_batch_size, seq_len)`; the loss is
+                their mean (`StepLoss` divides by their number x the pipeline micro-batches).
             guard: gives the verdict on the device (non-finite loss or grad norm on any rank drops the
                 update everywhere); None always applies the update.
             step: the step's number (1-based), for the guard's record of a dropped step.
         """
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self.loss.set_divisor(len(batches) * self.model.n_microbatches)  # a batch-size ramp-up varies it by step
         self.loss.z_terms.clear()
         if self.replicas is not None:
             self.replicas.begin_step()  # torchft's quorum, in the background during forward

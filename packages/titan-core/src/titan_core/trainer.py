@@ -86,8 +86,10 @@ class Trainer:
         # on everything is built from the frozen job alone.
         job = self.job = resolve(cfg, self.world_size, tokenizer_vocab_size=self.tokenizer.vocab_size)
         assert job.dims is not None and job.global_batch is not None and job.accum_steps is not None  # world size known
+        assert job.batch_ramp is not None
         self.cfg, self.dims, self.spec, self.model_args = job.cfg, job.dims, job.spec, job.model_args
-        self.global_batch, self.accum_steps = job.global_batch, job.accum_steps  # micro-batches per step
+        self.global_batch, self.accum_steps = job.global_batch, job.accum_steps  # micro-batches per step (full batch)
+        self.batch_ramp = job.batch_ramp  # each step's batch: `training.batch_size_rampup_*` (titan_core.batch_ramp)
         self.options = job.parallel
         self.mesh = self.dims.build_mesh(self.device.type)
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
@@ -226,12 +228,12 @@ class Trainer:
             t.max_loss_spikes_in_a_row,
             self.checkpointer,
             self.loader,
-            global_batch=self.global_batch,
+            batch_at=self.batch_ramp.global_batch,
             rank=self.rank,
         )
         if cfg.debug.inject_loss_spike_step is not None and self.rank == self.world_size - 1:
             self.loss.fn = InjectedSpike(
-                self.loss.fn, cfg.debug.inject_loss_spike_step, lambda: self.state.step + 1, self.loss.divisor
+                self.loss.fn, cfg.debug.inject_loss_spike_step, lambda: self.state.step + 1, lambda: self.loss.divisor
             )
         self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
@@ -422,7 +424,6 @@ class Trainer:
         if self.rank == 0:
             logger.info("%s", run_banner(self.job))  # model, data, batch, dtype, layout (+ job.description)
         losses: list[float] = []
-        tokens_per_step = self.global_batch * t.seq_len
         meter = ThroughputMeter(
             flops_per_token=flops_per_token,
             peak_flops=peak,
@@ -451,7 +452,7 @@ class Trainer:
             try:
                 while self.state.step < t.steps and not guard.stop_requested:
                     started = time.perf_counter()
-                    batches = [next(data) for _ in range(self.accum_steps)]
+                    batches = [next(data) for _ in range(self.batch_ramp.accum_steps(self.state.step + 1))]
                     data_wait_s += time.perf_counter() - started
                     result = self.train_step(batches, guard)
                     if not result.committed:
@@ -459,9 +460,10 @@ class Trainer:
                     self.state.step += 1
                     step = self.state.step
                     watch.step_done(step)  # after this process's first step: the train timeout
-                    self.state.tokens_seen += tokens_per_step
+                    tokens = self.batch_ramp.global_batch(step) * t.seq_len
+                    self.state.tokens_seen += tokens
                     steps_since_log += 1
-                    meter.add_tokens(tokens_per_step // self.dims.dp)
+                    meter.add_tokens(tokens // self.dims.dp)
                     log_step = step % cfg.metrics.log_freq == 0 or step == t.steps
                     save_step = self.checkpointer.due(step, last_step=step == t.steps)
                     if log_step or save_step or guard.poll_due(step):  # the host reads the guard (a sync)
@@ -477,6 +479,8 @@ class Trainer:
                         profiler.step(step)
                     if log_step or guard.stop_requested:
                         values = self._step_values(result, data_wait_s / steps_since_log, meter)
+                        if self.batch_ramp.steps:  # the logged step's batch, while and after it grows
+                            values["data/global_batch"] = self.batch_ramp.global_batch(step)
                         data_wait_s, steps_since_log = 0.0, 0
                         losses.append(float(values["loss/global_avg"]))  # type: ignore[arg-type]  # a float
                         metrics.log(step, values)

@@ -175,6 +175,10 @@ class Training(Section):
     """Sequences per micro-batch on each data-parallel rank."""
     global_batch_size: int = -1
     """Sequences per step, all ranks; -1 = local_batch_size x DP degree; a multiple of that accumulates gradients."""
+    batch_size_rampup_start: PositiveInt | None = None
+    """Global batch at step 1, growing linearly to global_batch_size over batch_size_rampup_steps; unset = no ramp."""
+    batch_size_rampup_steps: NonNegativeInt = 0
+    """Steps of the batch-size ramp-up (with batch_size_rampup_start); the full batch from the step after."""
     seq_len: PositiveInt = 256
     """Tokens per sequence."""
     max_norm: PositiveFloat = 1.0

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from titan_ckpt import CheckpointOptions
+    from titan_core.batch_ramp import BatchRamp
     from titan_core.converters import Converters
     from titan_core.optim import OptimizerOptions
     from titan_models import ModelSpec
@@ -37,7 +38,9 @@ class Job:
         names_per_stage: module names of each pipeline stage, as `check_pipeline` cut them; None without
             pipeline parallel.
         global_batch: sequences per optimizer step over all ranks; None when `world_size` is.
-        accum_steps: micro-batches accumulated per step; None when `world_size` is.
+        accum_steps: micro-batches accumulated per step (after a batch-size ramp-up); None when `world_size` is.
+        batch_ramp: the global batch and micro-batches of each step (`training.batch_size_rampup_*`); None when
+            `world_size` is.
         tokenizer_vocab_size: the tokenizer's number of tokens.
         vocab_widened_from: the flavor's vocab size when the tokenizer widened it, else None.
         parallel: what `parallelize` applies (`param_dtype` is `training.mixed_precision_param` resolved
@@ -65,6 +68,7 @@ class Job:
     names_per_stage: list[list[str]] | None
     global_batch: int | None
     accum_steps: int | None
+    batch_ramp: BatchRamp | None
     tokenizer_vocab_size: int
     vocab_widened_from: int | None
     parallel: ParallelOptions
@@ -113,6 +117,7 @@ def resolve(
         names_per_stage=d.names_per_stage,
         global_batch=d.global_batch,
         accum_steps=d.accum_steps,
+        batch_ramp=d.batch_ramp,
         tokenizer_vocab_size=d.tokenizer_vocab_size,
         vocab_widened_from=d.vocab_widened_from,
         parallel=d.parallel,

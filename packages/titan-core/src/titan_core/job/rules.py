@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
+    from titan_core.batch_ramp import BatchRamp
     from titan_core.converters import Converters
     from titan_models import ModelSpec
     from titan_parallel import ParallelDims, ParallelOptions, PipelineConfig
@@ -70,6 +71,7 @@ class Draft:
     dims: ParallelDims | None = None
     global_batch: int | None = None
     accum_steps: int | None = None
+    batch_ramp: BatchRamp | None = None
     pipeline: PipelineConfig = field(init=False)
     names_per_stage: list[list[str]] | None = None
     converters: Converters = field(init=False)
@@ -202,10 +204,18 @@ def _degrees(d: Draft) -> None:
 
 
 def _batch(d: Draft) -> None:
-    """`training.global_batch_size` is a multiple of local_batch_size x the data-parallel degree."""
+    """`training.global_batch_size` is a multiple of local_batch_size x the data-parallel degree; a batch-size
+    ramp-up starts at such a multiple, below the full batch."""
+    from titan_core.batch_ramp import BatchRamp
+
+    t = d.cfg.training
+    start, steps = t.batch_size_rampup_start, t.batch_size_rampup_steps
+    if (start is None) != (steps == 0):
+        given = "training.batch_size_rampup_start" if start is not None else "training.batch_size_rampup_steps"
+        needed = "training.batch_size_rampup_steps" if start is not None else "training.batch_size_rampup_start"
+        raise ConfigError(f"{given} needs {needed} too (a ramp-up has a start and a length); set both or neither")
     if d.dims is None:
         return
-    t = d.cfg.training
     per_step = t.local_batch_size * d.dims.dp
     global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
     if global_batch % per_step:
@@ -213,7 +223,15 @@ def _batch(d: Draft) -> None:
             f"training.global_batch_size={global_batch} must be a multiple of training.local_batch_size x "
             f"data-parallel degree = {t.local_batch_size} x {d.dims.dp} = {per_step}; change one of them"
         )
+    if start is not None and (start % per_step or start >= global_batch):
+        raise ConfigError(
+            f"training.batch_size_rampup_start={start} must be a multiple of training.local_batch_size x "
+            f"data-parallel degree = {t.local_batch_size} x {d.dims.dp} = {per_step}, below "
+            f"training.global_batch_size={global_batch}; change one of them"
+        )
     d.global_batch, d.accum_steps = global_batch, global_batch // per_step
+    ramp = BatchRamp(per_step, global_batch, start, steps) if start else BatchRamp.constant(per_step, global_batch)
+    d.batch_ramp = ramp
 
 
 def _tensor_parallel(d: Draft) -> None:
