@@ -16,6 +16,8 @@ from titan_cli.estimate_cmd import estimate_memory
 from titan_cli.eval_cmd import evaluate
 from titan_cli.generate_cmd import generate
 from titan_cli.lighthouse_cmd import lighthouse
+from titan_cli.params_cmd import _PASS_THROUGH as _PARAMS
+from titan_cli.params_cmd import params
 from titan_cli.plan_cmd import _PASS_THROUGH as _PLAN
 from titan_cli.plan_cmd import plan
 from titan_cli.tokenize_cmd import tokenize
@@ -112,6 +114,7 @@ app.command(context_settings=_PASS_THROUGH, help=_help(train))(train)
 app.command(help=_help(convert))(convert)
 app.command("estimate-memory", context_settings=_EST, help=_help(estimate_memory))(estimate_memory)
 app.command("plan", context_settings=_PLAN, help=_help(plan))(plan)
+app.command("params", context_settings=_PARAMS, help=_help(params))(params)
 app.command(help=_help(tokenize))(tokenize)
 app.command(help=_help(generate))(generate)
 app.command("eval", help=_help(evaluate))(evaluate)

@@ -153,15 +153,33 @@ def float8_filter(options: Float8Options, exclude: Sequence[str] = ()) -> Callab
     """
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or fqn in exclude or any(f in fqn for f in options.filter_fqns):
-            return False
-        if module.in_features % 16 or module.out_features % 16:
-            return False
-        return not options.auto_filter_small_kn or gains_from_float8(
-            module.in_features, module.out_features, options.recipe_name
-        )
+        return float8_skip_reason(module, fqn, options, exclude) is None
 
     return keep
+
+
+def float8_skip_reason(module: nn.Module, fqn: str, options: Float8Options, exclude: Sequence[str] = ()) -> str | None:
+    """Why `float8_filter` leaves module `fqn` in high precision, in a few words; None when it converts it.
+
+    Args:
+        module: the module.
+        fqn: its name in the model.
+        options: the selection (`filter_fqns`, `auto_filter_small_kn`, `recipe_name`).
+        exclude: module names left out whatever the options say.
+    """
+    if not isinstance(module, nn.Linear):
+        return "not an nn.Linear"
+    if fqn in exclude:
+        return "excluded by the caller"
+    if hits := [f for f in options.filter_fqns if f in fqn]:
+        return f"filter_fqns {hits[0]!r}"
+    if module.in_features % 16 or module.out_features % 16:
+        return f"{module.in_features} x {module.out_features}: not multiples of 16"
+    if options.auto_filter_small_kn and not gains_from_float8(
+        module.in_features, module.out_features, options.recipe_name
+    ):
+        return f"K={module.in_features}, N={module.out_features}: too small to gain ({options.recipe_name})"
+    return None
 
 
 def check_float8(options: Float8Options) -> None:

@@ -18,8 +18,8 @@ def target_device(cfg: JobConfig) -> str:
     return "cpu" if cfg.training.device == "cpu" else "cuda"
 
 
-def check_target_job(cfg: JobConfig, world_size: int, device_type: str | None = None) -> tuple[Job, list[str]]:
-    """Check `cfg` for `world_size` ranks of `device_type` (default: `target_device(cfg)`).
+def check_target_job(cfg: JobConfig, world_size: int | None, device_type: str | None = None) -> tuple[Job, list[str]]:
+    """Check `cfg` for `world_size` ranks (None: any number) of `device_type` (default: `target_device(cfg)`).
 
     Returns:
         The resolved job, and notes on what was assumed (one line each).

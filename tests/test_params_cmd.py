@@ -1,0 +1,96 @@
+"""`titan params`: the table agrees with the optimizer the trainer builds, parameter by parameter; float8's choice
+on the Llama 3 8B shape by torchao's size table, by hand; `--match` as `optimizer.weight_decay_exclude` matches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from titan_core.config import load_config
+from titan_core.job import resolve
+from titan_core.optim import build_optimizer
+from titan_core.param_table import parameter_rows
+from titan_run import REPO
+
+
+def titan_params(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "titan_cli", "params", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [
+    ["--model.name", "deepseek_v3", "--optimizer.name", "Muon", "--optimizer.adamw_weight_decay", "0.05",
+     "--optimizer.weight_decay_exclude", "*norm*,tok_embeddings.*"],
+    ["--optimizer.name", "Adam", "--optimizer.weight_decay_exclude", "*norm*"],
+])  # fmt: skip
+def test_each_row_is_what_the_trainers_optimizer_does_with_the_parameter(args):
+    job = resolve(load_config(None, args), 1)
+    model = job.spec.build(job.model_args)  # on CPU, uninitialised: only names and shapes matter
+    optimizer = build_optimizer(model.named_parameters(), job.optimizer, device_type="cpu", plan=job.spec.plan)
+    by_param = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    rows = parameter_rows(job)
+    assert [r.name for r in rows] == [n for n, _ in model.named_parameters()]
+    kinds = set()
+    for row, (name, p) in zip(rows, model.named_parameters(), strict=True):
+        group = by_param[id(p)]
+        kind = ("Muon" if group["use_muon"] else "AdamW") if "use_muon" in group else job.cfg.optimizer.name
+        assert (row.optimizer, row.weight_decay, row.shape, row.numel) == (kind, group["weight_decay"], tuple(p.shape),
+                                                                          p.numel()), name  # fmt: skip
+        kinds.add((row.optimizer, row.weight_decay))
+    muon = job.cfg.optimizer.name == "Muon"
+    # every kind of row occurs: Muon's matrices at 0.1, AdamW's others at 0.05, the excluded at 0 (or Adam's two)
+    assert kinds == ({("Muon", 0.1), ("AdamW", 0.05), ("AdamW", 0.0)} if muon else {("Adam", 0.1), ("Adam", 0.0)})
+
+
+def test_float8_choice_on_the_8b_shape_by_hand():
+    """torchao's tensorwise table skips a GEMM with K <= 4096 and N <= 1024: the 8B's wk / wv (4096 -> 1024) stay in
+    bf16, wq / wo (4096 -> 4096) and the feed-forward convert; the output projection is in filter_fqns."""
+    job = resolve(load_config(None, ["--model.flavor", "8B", "--model.converters", "float8"]), None)
+    rows = {r.name: r.float8 for r in parameter_rows(job, ["layers.0.*", "output.*", "norm.*"])}
+    assert rows == {
+        "layers.0.attention_norm.weight": "-",
+        "layers.0.attention.wq.weight": "yes",
+        "layers.0.attention.wk.weight": "no: K=4096, N=1024: too small to gain (tensorwise)",
+        "layers.0.attention.wv.weight": "no: K=4096, N=1024: too small to gain (tensorwise)",
+        "layers.0.attention.wo.weight": "yes",
+        "layers.0.ffn_norm.weight": "-",
+        "layers.0.feed_forward.w1.weight": "yes",
+        "layers.0.feed_forward.w2.weight": "yes",
+        "layers.0.feed_forward.w3.weight": "yes",
+        "norm.weight": "-",
+        "output.weight": "no: filter_fqns 'output'",
+    }
+    assert parameter_rows(resolve(load_config(None, []), None))[0].float8 is None  # no float8 column without it
+
+
+def test_the_command_matches_as_weight_decay_exclude_and_says_when_nothing_does():
+    proc = titan_params("--match", "*norm*", "--json")
+    assert proc.returncode == 0, proc.stderr
+    names = [json.loads(line)["name"] for line in proc.stdout.splitlines()]
+    args = resolve(load_config(None, []), None).model_args
+    from titan_models import get_model_spec
+
+    model = get_model_spec("llama3").build(args)  # the default model, built independently of the command
+    assert names == [n for n, _ in model.named_parameters() if "norm" in n] and len(names) == 2 * args.n_layers + 1
+    table = titan_params("--match", "layers.0.attention.w?.weight")
+    kv = args.n_kv_heads * args.dim // args.n_heads  # grouped-query attention: wk, wv project to the kv heads
+    expected = 2 * args.dim * args.dim + 2 * args.dim * kv  # wq, wo; wk, wv
+    assert table.returncode == 0 and f"4 tensors, {expected:,} elements" in table.stdout, table.stdout
+    none = titan_params("--match", "layer.*")  # a typo: no parameter is called layer.*
+    assert none.returncode == 1 and "(no parameter)" in none.stdout
+    # A shipped GPU config, its tokenizer folder absent here: listed for a CUDA host with the flavor's vocab, said so.
+    shipped = titan_params("--config", "llama3_8b", "--match", "tok_embeddings.*", "--json")
+    assert shipped.returncode == 0 and json.loads(shipped.stdout)["shape"] == [128256, 4096], shipped.stderr
+    assert "the flavor's vocab (128256) is assumed" in shipped.stderr
+    bad = titan_params("--model.flavor", "nope")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "model.flavor" in bad.stderr
+
+
+def test_build_does_not_touch_the_device():
+    # The table of a 405B model costs no memory: the model is built on the meta device.
+    job = resolve(load_config(None, ["--model.flavor", "405B"]), None)
+    rows = parameter_rows(job, ["tok_embeddings.*"])
+    assert rows[0].shape == (128256, 16384) and torch.device("meta") == next(job.meta_model().parameters()).device
