@@ -337,3 +337,51 @@ def test_exports_of_a_run_carry_its_tokenizer(tmp_path):
     assert from_run[0] == from_export[0] and from_run[0].startswith("To be")  # the prompt and its continuation
     described = [next(line for line in lines if line.startswith("model ")) for lines in (from_run, from_export)]
     assert described[0].endswith(f"tokenizer of {assets}") and described[1].endswith(f"tokenizer in {export}")
+
+
+def _trainer_run(root: Path, flavor: str, steps: dict[int, int]) -> Path:
+    """A run folder `root` with step-N checkpoints of random `flavor` weights (seed per step) and its config.toml."""
+    args = llama3_flavors[flavor]
+    for step, seed in steps.items():
+        torch.manual_seed(seed)
+        state = {k: 0.05 * torch.randn_like(v) for k, v in Transformer(args).state_dict().items()}
+        dcp.save(state, checkpoint_id=str(root / "checkpoint" / f"step-{step}"), no_dist=True)
+    (root / "config.toml").write_text(f'[model]\nname = "llama3"\nflavor = "{flavor}"\n')
+    return root / "checkpoint"
+
+
+def test_average_of_trainer_checkpoints(tmp_path):
+    """`--average-with`: the output is the weighted mean of the checkpoints, tensor by tensor (computed here in
+    float64 from the files), in DCP, torch and Hugging Face (with its parity check); bad weights or a checkpoint of
+    another shape fail in one line and write nothing."""
+    ckpt = _trainer_run(tmp_path / "run", "debugmodel", {1: 1, 2: 2, 3: 3})
+    def read(folder: Path) -> dict[str, torch.Tensor]:
+        return read_dcp_state_dict(folder, list(read_dcp_tensor_shapes(folder)))
+
+    states = [read(ckpt / f"step-{s}") for s in (3, 1, 2)]  # the source first, then --average-with
+    more = ["--average-with", ckpt / "step-1", "--average-with", ckpt / "step-2"]
+    for out, extra, weights in ((tmp_path / "avg", ["--to", "dcp"], (1, 1, 1)),
+                                (tmp_path / "avg.pt", ["--to", "torch", "--weights", "1,1,2"], (1, 1, 2))):  # fmt: skip
+        result = run_cli(ckpt / "step-3", out, *extra, *more)
+        assert result.exit_code == 0 and "averaged 3 checkpoints" in result.stdout, result.output
+        got = read(out) if out.is_dir() else torch.load(out, weights_only=True)
+        assert set(got) == set(states[0])
+        for key in states[0]:
+            mean = sum(w * s[key].double() for w, s in zip(weights, states)) / sum(weights)
+            torch.testing.assert_close(got[key].double(), mean, rtol=1e-6, atol=1e-7, msg=key)
+            assert got[key].dtype == torch.float32
+    result = run_cli(ckpt / "step-3", tmp_path / "avg_hf", "--to", "hf", *more)
+    assert result.exit_code == 0, result.output
+    assert parse_parity(result.stdout)[0] < 1e-5
+    other = _trainer_run(tmp_path / "other", "10M", {1: 1})  # another shape
+    cases = [
+        (["--weights", "1,2", *more], "--weights: 2 weight(s) for 3 checkpoints"),
+        (["--weights", "1,x", *more], "--weights '1,x': give numbers separated by commas"),
+        (["--weights", "1"], "--weights weigh the checkpoints of an average; add them with --average-with"),
+        (["--average-with", other / "step-1"], f"--average-with {other / 'step-1'}: another model shape than"),
+    ]
+    for i, (extra, expected) in enumerate(cases):
+        result = run_cli(ckpt / "step-3", tmp_path / f"bad{i}", "--to", "dcp", *extra)
+        assert result.exit_code == 2 and expected in result.stderr.strip().splitlines()[-1], (extra, result.stderr)
+        assert not (tmp_path / f"bad{i}").exists()
+    assert no_partial_left(tmp_path)

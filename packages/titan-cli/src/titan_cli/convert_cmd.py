@@ -31,12 +31,25 @@ def convert(
         None, "--flavor", help="Named shape of a DCP/torch source that has no config.json beside it (model.flavor)."
     ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest Hugging Face shard, e.g. 5GB, 500MB."),
+    average_with: list[str] = typer.Option(
+        [],
+        "--average-with",
+        help="Another checkpoint of the same model (any format; repeat for more): DST holds the average of SRC and "
+        "these (checkpoint averaging).",
+    ),
+    weights: str | None = typer.Option(
+        None,
+        "--weights",
+        help="With --average-with: one weight per checkpoint, SRC's first, e.g. 1,1,2 (default: equal).",
+    ),
 ) -> None:
-    """Convert model weights between Hugging Face safetensors, DCP and torch files.
+    """Convert model weights between Hugging Face safetensors, DCP and torch files, or average several checkpoints.
 
     The source format is detected. Conversions to or from Hugging Face end with a
     parity check: transformers' logits on the HF files against Titan's on the
-    converted weights. Nothing is left on disk unless the conversion succeeds.
+    converted weights. With --average-with, DST holds the weighted mean of the
+    checkpoints' weights (in fp32), checked for parity when written as Hugging Face
+    files. Nothing is left on disk unless the conversion succeeds.
     """
     from titan_core.convert import convert_checkpoint
     from titan_core.hf_parity import ParityError
@@ -45,6 +58,13 @@ def convert(
     def log(message: str) -> None:
         typer.echo(message, err=True)
 
+    try:
+        weight_list = [float(w) for w in weights.split(",")] if weights is not None else None
+    except ValueError:
+        typer.echo(
+            f"titan convert: error: --weights {weights!r}: give numbers separated by commas, e.g. 1,1,2", err=True
+        )
+        raise typer.Exit(2) from None
     try:
         result = convert_checkpoint(
             src,
@@ -56,6 +76,8 @@ def convert(
             flavor=flavor,
             max_shard_size=max_shard_size,
             log=log,
+            average_with=average_with,
+            weights=weight_list,
         )
     except ParityError as err:
         typer.echo(f"titan convert: error: {err}", err=True)
@@ -63,8 +85,9 @@ def convert(
     except (*USER_ERRORS, OSError) as err:  # a wrong input or an unreadable file; a bug keeps its traceback
         typer.echo(f"titan convert: error: {err}", err=True)
         raise typer.Exit(2) from None
+    verb = f"averaged {1 + len(average_with)} checkpoints," if average_with else "converted"
     typer.echo(
-        f"converted {result.src_format} -> {result.dst_format}: {result.dst} "
+        f"{verb} {result.src_format} -> {result.dst_format}: {result.dst} "
         f"({result.n_params / 1e6:.2f}M parameters, {result.dtype})"
     )
     if result.parity is not None:

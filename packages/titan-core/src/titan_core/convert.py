@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shutil
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,11 @@ def convert_checkpoint(
     flavor: str | None = None,
     max_shard_size: str = "5GB",
     log: Callable[[str], None] = lambda message: None,
+    average_with: Sequence[str] = (),
+    weights: Sequence[float] | None = None,
 ) -> ConversionResult:
-    """Convert model weights between "hf", "dcp" and "torch" (source format detected).
+    """Convert model weights between "hf", "dcp" and "torch" (source format detected), or write the average of
+    several checkpoints of one model (`average_with`).
 
     Args:
         src: source folder or file, or a Hugging Face Hub repo id.
@@ -102,6 +105,9 @@ def convert_checkpoint(
         flavor: named shape for a DCP/torch source without a config.json beside it.
         max_shard_size: Hugging Face shard size limit ("5GB").
         log: receives progress lines.
+        average_with: more checkpoints of the same model (any format): the output holds the weighted mean of
+            `src` and these, each floating-point tensor averaged in fp32 (checkpoint averaging, "model soups").
+        weights: one weight per checkpoint (`src` first), normalised to sum 1; None = equal weights.
 
     Raises:
         ValueError / FileNotFoundError / FileExistsError: bad input, one line naming the path and the fix.
@@ -124,6 +130,12 @@ def convert_checkpoint(
     expected = expected_shapes(spec.build, args)
     state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected)
     check_state_dict(state_dict, expected, src_path)
+    if average_with:
+        state_dict = _average(
+            state_dict, src_path, average_with, weights, args, adapter, model_name, flavor, expected, log
+        )
+    elif weights is not None:
+        raise ConfigError("--weights weigh the checkpoints of an average; add them with --average-with")
     written = cast_floating(state_dict, out_dtype)
     stable_config = {k: v for k, v in base_config.items() if k not in _STALE_CONFIG_KEYS}
     hf_config = {**stable_config, **adapter.hf_config_from_args(args, dtype_name(state_dict_dtype(written)))}
@@ -145,7 +157,8 @@ def convert_checkpoint(
             copy_extra_files(extras_dir, tmp)
         if tmp.is_dir() and src_format != "hf":
             copy_run_tokenizer(src_path, tmp, log)
-        if parity_check and "hf" in (src_format, to):
+        # An average is none of its sources: it is checked where it is written as Hugging Face files.
+        if parity_check and (to == "hf" or (src_format == "hf" and not average_with)):
             log("checking parity with transformers")
             if to == "hf":  # HF side: the files just written; Titan side: the source weights
                 parity = check_hf_parity(tmp, state_dict, args, spec.build, adapter.hf_architecture, out_dtype)
@@ -158,6 +171,65 @@ def convert_checkpoint(
                 )
     n_params = sum(t.numel() for k, t in written.items() if not (k == "output.weight" and args.tie_word_embeddings))
     return ConversionResult(src_format, dst, to, n_params, dtype_name(state_dict_dtype(written)), parity)
+
+
+def _average(
+    first: dict[str, torch.Tensor],
+    first_path: Path,
+    others: Sequence[str],
+    weights: Sequence[float] | None,
+    args: Any,
+    adapter: HFAdapter[Any] | None,
+    model_name: str,
+    flavor: str | None,
+    expected: dict[str, torch.Size],
+    log: Callable[[str], None],
+) -> dict[str, torch.Tensor]:
+    """The weighted mean of `first` and the checkpoints at `others` (read one at a time): floating-point tensors
+    accumulated in fp32 and returned in `first`'s dtypes; any other tensor must be equal in all of them."""
+    count = 1 + len(others)
+    if weights is None:
+        weights = [1.0] * count
+    if len(weights) != count or not all(w > 0 for w in weights):
+        raise ConfigError(
+            f"--weights: {len(weights)} weight(s) for {count} checkpoints (the source and {len(others)} "
+            "--average-with); give one positive weight per checkpoint, the source's first"
+        )
+    shares = [w / sum(weights) for w in weights]
+    log(f"averaging {count} checkpoints, weights {', '.join(f'{w:.4g}' for w in shares)}")
+    total = {k: v.float() * shares[0] if v.is_floating_point() else v for k, v in first.items()}
+    for other, share in zip(others, shares[1:], strict=True):
+        path = resolve_hf_source(other)
+        fmt = detect_format(path)
+        other_args = resolve_source_args(path, fmt, adapter, model_name, flavor)[0]
+        if other_args != args:
+            raise ConfigError(
+                f"--average-with {other}: another model shape than {first_path} ({_shape_difference(args, other_args)})"
+                "; average checkpoints of one model only"
+            )
+        log(f"reading {fmt} checkpoint {path}")
+        state_dict = load_titan_state_dict(path, fmt, args, adapter, expected)
+        check_state_dict(state_dict, expected, path)
+        for key, tensor in state_dict.items():
+            if tensor.is_floating_point():
+                total[key] += tensor.float() * share
+            elif not torch.equal(tensor, total[key]):
+                raise ConfigError(f"--average-with {other}: its {key!r} ({tensor.dtype}) differs from {first_path}'s")
+    return {k: v.to(first[k].dtype) for k, v in total.items()}
+
+
+def _shape_difference(a: Any, b: Any) -> str:
+    """The first fields in which two model args differ, e.g. 'n_layers 6 vs 4'."""
+    import dataclasses
+
+    if type(a) is not type(b):
+        return f"{type(a).__module__} vs {type(b).__module__}"
+    diffs = [
+        f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
+    return ", ".join(diffs[:3]) or "another args class"
 
 
 def read_hf_weights(source: str | Path, model_name: str, args: Any) -> dict[str, torch.Tensor]:
