@@ -144,6 +144,11 @@ def test_aux_loss_reaches_the_router_only_in_training():
         moe(torch.ones(2, 5, 16).normal_(generator=torch.Generator().manual_seed(1))).sum().backward()
         grads.append(moe.router.gate.weight.grad.clone())
     assert not torch.equal(grads[0], grads[1])
+    # the weighted balance loss is recorded for the logs (`aux_losses[0]`), as the router scores it
+    x = torch.ones(2, 5, 16).normal_(generator=torch.Generator().manual_seed(1))
+    _, chosen, scores, _ = moe.router(x.view(-1, 16), moe.expert_bias)
+    expected = 0.1 * sequence_balance_loss(scores, chosen, batch=2, top_k=args.top_k)
+    assert moe.aux_losses[0].item() == pytest.approx(expected.item(), rel=1e-6) and moe.aux_losses[1] == 0
     moe = _built(args).eval()
     x = torch.randn(1, 4, 16)
     with torch.no_grad():
@@ -178,7 +183,7 @@ def test_router_z_loss_adds_its_gradient_and_records_the_steps_mean(score_func):
                                grads[0.0].pop("router.gate.weight") + weight.grad.float(), rtol=1e-5, atol=1e-7)
     for name, grad in grads[c].items():
         torch.testing.assert_close(grad, grads[0.0][name], rtol=0, atol=0, msg=name)
-    assert moe.router_z_loss.item() == pytest.approx(0.5 * c * z.item(), rel=1e-6)
+    assert moe.aux_losses[1].item() == pytest.approx(0.5 * c * z.item(), rel=1e-6) and moe.aux_losses[0] == 0
     assert z.item() > 1.0  # log(6 experts)^2 at least: a real term, not a zero that matches anything
 
 
@@ -188,7 +193,7 @@ def test_router_z_loss_is_training_only():
     x = torch.randn(1, 4, 16)
     with torch.no_grad():
         out = moe(x)
-    assert moe.router_z_loss.item() == 0.0
+    assert moe.aux_losses[1].item() == 0.0
     torch.testing.assert_close(out, _built(ARGS).eval()(x), rtol=0, atol=0)
 
 
@@ -203,11 +208,11 @@ def test_activation_checkpointing_counts_each_token_once():
     for wrap in (False, True):
         moe = _built(args)
         (checkpoint_wrapper(moe) if wrap else moe)(x).sum().backward()
-        runs.append((moe.tokens_per_expert.clone(), moe.router_z_loss.clone(),
+        runs.append((moe.tokens_per_expert.clone(), moe.aux_losses.clone(),
                      {name: p.grad.clone() for name, p in moe.named_parameters()}))
     (counts, z, grads), (ac_counts, ac_z, ac_grads) = runs
     assert counts.sum().item() == 2 * 7 * ARGS.top_k and torch.equal(ac_counts, counts)
-    assert z.item() > 0 and ac_z.item() == z.item()
+    assert (z > 0).all() and torch.equal(ac_z, z)  # the balance loss and the router z-loss, each once
     for name, grad in grads.items():
         torch.testing.assert_close(ac_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 

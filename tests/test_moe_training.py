@@ -25,8 +25,9 @@ RUN = [
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
     "--metrics.peak_tflops", "1", "--debug.seed", "7",
     "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-    # ST-MoE's router z-loss on top of the expert-bias balancing, under full AC (whose recompute must not count twice)
-    "--moe.router_z_loss_coeff", "0.01", "--activation_checkpoint.mode", "full",
+    # ST-MoE's router z-loss and DeepSeek-V3's sequence-wise balance loss (its paper's 1e-4) on top of the
+    # expert-bias balancing, under full AC (whose recompute must not count twice)
+    "--moe.router_z_loss_coeff", "0.01", "--moe.aux_loss_coeff", "1e-4", "--activation_checkpoint.mode", "full",
 ]  # fmt: skip
 EP = "--parallelism.expert_parallel_degree"
 
@@ -96,6 +97,11 @@ def test_load_balance_metrics_are_logged(runs):
     assert sorted(ours) == sorted(ref) == [1, 2, 3, 4, 5, 6]
     assert all(ours[s] == pytest.approx(ref[s], rel=1e-5) for s in ref), (ours, ref)
     assert ref[1] == pytest.approx(3 * 0.01 * math.log(8) ** 2, rel=0.05) and ref[6] < ref[1]
+    # The balance loss likewise: 1 per block at perfect balance (1.08 measured), at most experts / top_k = 4.
+    ref = {r["step"]: r["moe/aux_loss"] for r in read_metrics(reference)}
+    ours = {r["step"]: r["moe/aux_loss"] for r in read_metrics(resharded)}
+    assert all(ours[s] == pytest.approx(ref[s], rel=1e-5) for s in ref), (ours, ref)
+    assert all(1.5e-4 <= v <= 12e-4 for v in ref.values()), ref
 
 
 def test_trained_moe_converts_to_hf_and_back_and_generates(runs, tmp_path):

@@ -11,9 +11,10 @@ load (DeepSeek-V3's auxiliary-loss-free balancing):
 
 The bias only changes which experts are chosen, never the weights of their outputs.
 
-A layer with a router z-loss (`MoEArgs.router_z_loss_coeff`) also holds the step's weighted
-z-loss (`MoE.router_z_loss`); it travels in the same all-reduce, averaged over the group,
-and the logs show its sum over layers as `moe/router_z_loss`.
+A layer with a balance loss or a router z-loss (`MoEArgs.aux_loss_coeff`, `router_z_loss_coeff`)
+also holds the step's weighted values (`MoE.aux_losses`); they travel in the same all-reduce,
+averaged over the group, and the logs show their sums over layers as `moe/aux_loss` and
+`moe/router_z_loss`.
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ class ExpertLoadBalancer:
                 if moe is not None:
                     self.layers.append((name, cast("MoE", moe)))
         self.last_counts: torch.Tensor | None = None  # (layers, experts) global counts of the last step
-        self.z_loss = any(moe.args.router_z_loss_coeff > 0 for _, moe in self.layers)
-        self.last_z: torch.Tensor | None = None  # (layers,) the last step's router z-loss, averaged over the group
+        # which auxiliary losses the layers add: (balance loss, router z-loss)
+        self.aux_on = (
+            any(moe.args.aux_loss_coeff > 0 for _, moe in self.layers),
+            any(moe.args.router_z_loss_coeff > 0 for _, moe in self.layers),
+        )
+        self.last_aux: torch.Tensor | None = None  # (layers, 2) the last step's, averaged over the group
 
     @torch.no_grad()
     def after_backward(self, found_inf: torch.Tensor | None = None) -> None:
@@ -75,16 +80,16 @@ class ExpertLoadBalancer:
         if not self.layers:
             return
         counts = torch.stack([moe.tokens_per_expert for _, moe in self.layers])  # (layers, experts)
-        if self.z_loss:  # one more column, in the same all-reduce
-            counts = torch.cat([counts, torch.stack([moe.router_z_loss for _, moe in self.layers])[:, None]], dim=1)
+        aux = any(self.aux_on)
+        if aux:  # two more columns, in the same all-reduce
+            counts = torch.cat([counts, torch.stack([moe.aux_losses for _, moe in self.layers])], dim=1)
         ranks = dist.get_world_size(self.group) if self.group is not None else 1
         if ranks > 1:
             dist.all_reduce(counts, group=self.group)
-        if self.z_loss:
-            counts, z = counts[:, :-1], counts[:, -1] / ranks
+        if aux:
+            counts, self.last_aux = counts[:, :-2], counts[:, -2:] / ranks
             for _, moe in self.layers:
-                moe.router_z_loss.zero_()
-            self.last_z = z
+                moe.aux_losses.zero_()
         for (_, moe), load in zip(self.layers, counts, strict=True):
             coeff = moe.args.load_balance_coeff
             if coeff is not None:
@@ -99,7 +104,7 @@ class ExpertLoadBalancer:
         """Forget counts gathered outside training (e.g. by a validation pass)."""
         for _, moe in self.layers:
             moe.tokens_per_expert.zero_()
-            moe.router_z_loss.zero_()
+            moe.aux_losses.zero_()
 
     def metrics(self) -> dict[str, object]:
         """The last step's load, for the logs (every stage's layers under pipeline parallel).
@@ -107,25 +112,28 @@ class ExpertLoadBalancer:
         `moe/max_load`: over all layers, the busiest expert's tokens over the mean (1 = even);
         `moe/layer{L}/max_load`, `moe/layer{L}/min_load`: per layer, busiest and idlest expert over the
         mean; `moe/tokens_per_expert`: `{layer: [tokens of each expert]}` (metrics.jsonl only);
-        `moe/router_z_loss`, with a router z-loss: its weighted value summed over the layers (the step's mean
-        over micro-batches and ranks), what it adds to the training objective beside `loss/global_avg`.
+        `moe/aux_loss` and `moe/router_z_loss`, with a balance loss or router z-loss: its weighted value summed
+        over the layers (the step's mean over micro-batches and ranks), what it adds to the training objective
+        beside `loss/global_avg`.
         """
         counts: dict[str, list[int]] = {}
-        z_loss: dict[str, float] = {}
+        aux: dict[str, list[float]] = {}
         if self.last_counts is not None:
             counts = {
                 name: [int(c) for c in row]
                 for (name, _), row in zip(self.layers, self.last_counts.tolist(), strict=True)
             }
-        if self.last_z is not None:
-            z_loss = {name: z for (name, _), z in zip(self.layers, self.last_z.tolist(), strict=True)}
+        if self.last_aux is not None:
+            aux = {name: pair for (name, _), pair in zip(self.layers, self.last_aux.tolist(), strict=True)}
+        aux_on = self.aux_on
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            stages: list[tuple[dict[str, list[int]], dict[str, float]]] = [
-                ({}, {}) for _ in range(dist.get_world_size(self.pp_group))
+            stages: list[tuple[dict[str, list[int]], dict[str, list[float]], tuple[bool, bool]]] = [
+                ({}, {}, (False, False)) for _ in range(dist.get_world_size(self.pp_group))
             ]
-            dist.all_gather_object(stages, (counts, z_loss), group=self.pp_group)
-            counts = {name: row for stage, _ in stages for name, row in stage.items()}
-            z_loss = {name: z for _, stage in stages for name, z in stage.items()}
+            dist.all_gather_object(stages, (counts, aux, aux_on), group=self.pp_group)
+            counts = {name: row for stage, _, _ in stages for name, row in stage.items()}
+            aux = {name: pair for _, stage, _ in stages for name, pair in stage.items()}
+            aux_on = (any(on[0] for _, _, on in stages), any(on[1] for _, _, on in stages))
         if not counts:
             return {}
         counts = dict(sorted(counts.items(), key=lambda item: int(item[0]) if item[0].isdigit() else item[0]))
@@ -138,5 +146,6 @@ class ExpertLoadBalancer:
             **loads,
             "moe/max_load": max(v for k, v in loads.items() if k.endswith("/max_load")),
             "moe/tokens_per_expert": counts,
-            **({"moe/router_z_loss": sum(z_loss.values())} if z_loss else {}),
+            **({"moe/aux_loss": sum(pair[0] for pair in aux.values())} if aux_on[0] and aux else {}),
+            **({"moe/router_z_loss": sum(pair[1] for pair in aux.values())} if aux_on[1] and aux else {}),
         }

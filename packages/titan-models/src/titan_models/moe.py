@@ -301,9 +301,9 @@ class MoE(nn.Module):
 
     Buffers: `expert_bias` `(experts,)` (persistent: checkpoints keep it);
     `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
-    last read it, and `router_z_loss` (0-dim), the weighted router z-loss of the training forwards since
-    then, each times `aux_loss_scale` (so over one step, the step's mean); neither persistent. An
-    activation-checkpointing recompute (a forward run again inside the backward) adds to neither.
+    last read it, and `aux_losses` `(2,)`, the weighted balance loss and router z-loss of the training
+    forwards since then, each times `aux_loss_scale` (so over one step, the step's mean); neither persistent.
+    An activation-checkpointing recompute (a forward run again inside the backward) adds to neither.
 
     `aux_loss_scale` multiplies the auxiliary losses' gradient (the balance loss and the router z-loss): the
     trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
@@ -318,7 +318,7 @@ class MoE(nn.Module):
 
     expert_bias: torch.Tensor
     tokens_per_expert: torch.Tensor
-    router_z_loss: torch.Tensor
+    aux_losses: torch.Tensor
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -328,7 +328,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.num_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-        self.register_buffer("router_z_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_losses", torch.zeros(2), persistent=False)  # balance loss, router z-loss
         self.aux_loss_scale: float = 1.0
         self.grad_share: float = 1.0  # set by tensor parallel: its ranks' gradients are summed
         self.sequence_group: ProcessGroup | None = None  # set by context parallel (`sequence_balance_loss`)
@@ -354,16 +354,19 @@ class MoE(nn.Module):
         routed = self.experts(tokens[order // k], counts)  # (tokens * k, dim), in `order`
         routed = routed[order.argsort()].view(-1, k, dim)  # back to (tokens, k, dim)
         out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (tokens, dim)
-        aux: torch.Tensor | None = None
+        balance = None
         if self.args.aux_loss_coeff > 0 and self.training:
-            aux = self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k, self.sequence_group)
+            balance = self.args.aux_loss_coeff * sequence_balance_loss(scores, chosen, bs, k, self.sequence_group)
         if z is not None:
             z = self.args.router_z_loss_coeff * z
+        terms = [t for t in (balance, z) if t is not None]
+        if terms:
             if first_run:
                 with torch.no_grad():
-                    self.router_z_loss += self.aux_loss_scale * z.detach()
-            aux = z if aux is None else aux + z
-        if aux is not None:
+                    zero = torch.zeros((), device=out.device)
+                    both = torch.stack([t.detach() if t is not None else zero for t in (balance, z)])
+                    self.aux_losses += self.aux_loss_scale * both
+            aux = terms[0] if len(terms) == 1 else terms[0] + terms[1]
             out = _AddAuxLoss.apply(out, self.grad_share * self.aux_loss_scale * aux)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -371,7 +374,7 @@ class MoE(nn.Module):
 
     def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
         """Router 0.02, experts and shared experts as a FeedForward (`w2`, `w3` at `out_std`);
-        `expert_bias`, `tokens_per_expert` and `router_z_loss` to zeros.
+        `expert_bias`, `tokens_per_expert` and `aux_losses` to zeros.
 
         Args:
             out_std: std of the output-side weights (depth-scaled by the block).
@@ -384,4 +387,4 @@ class MoE(nn.Module):
         device = buffer_device if buffer_device is not None else self.expert_bias.device
         self.expert_bias = torch.zeros(self.args.num_experts, device=device)
         self.tokens_per_expert = torch.zeros(self.args.num_experts, device=device)
-        self.router_z_loss = torch.zeros((), device=device)
+        self.aux_losses = torch.zeros(2, device=device)
