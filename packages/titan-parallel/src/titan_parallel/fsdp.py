@@ -7,6 +7,7 @@ just before it runs and freed after; the modules in `plan.fsdp_root_units`
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -120,7 +121,14 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         model: the materialised model (DDP buckets real gradients).
         mesh: the data-parallel replicate mesh, e.g. `mesh["dp_replicate"]`.
     """
+    import torch.distributed as dist
     from torch.distributed._composable.replicate import replicate
 
+    if mesh.device_type == "cpu" and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        logging.getLogger(__name__).warning(
+            "DDP on gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL: torch 2.15's DDP crashes with SIGSEGV in its first "
+            "forward there (the reducer's construction log under DETAIL's wrapper group); if this process dies with "
+            "signal 11, unset TORCH_DISTRIBUTED_DEBUG (FSDP and pipeline layouts run under DETAIL)"
+        )
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
     return model
