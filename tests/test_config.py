@@ -179,6 +179,7 @@ SPEC_DEFAULTS = {
     "validation.enable": False,
     "validation.dataset": "stdlib",
     "validation.dataset_path": None,
+    "validation.sets": [],
     "validation.freq": 50,
     "validation.steps": 10,
     "validation.local_batch_size": None,

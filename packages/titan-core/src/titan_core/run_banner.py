@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from titan_core.data.corpus import looks_like_path
 from titan_core.job import Job
+from titan_core.job.rules import validation_set_names
 
 
 def run_banner(job: Job) -> str:
@@ -25,7 +26,9 @@ def run_banner(job: Job) -> str:
         active += ", attention within each document"
     source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
     data = f"data: {source}"
-    if cfg.validation.enable:
+    if cfg.validation.enable and cfg.validation.sets:
+        data += f", validation sets {', '.join(validation_set_names(cfg.validation.sets))}"
+    elif cfg.validation.enable:
         data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path, held_out=True)}"
     tokenizer = f"tokenizer {cfg.model.hf_assets_path}" if cfg.model.hf_assets_path else "byte tokenizer"
     parts = [

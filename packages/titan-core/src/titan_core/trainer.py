@@ -33,6 +33,7 @@ from titan_core.downstream_eval import DownstreamEvaluator, load_task
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
+from titan_core.job.rules import validation_set_names
 from titan_core.kernel_lines import log_kernels
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler
@@ -254,19 +255,32 @@ class Trainer:
         if not v.enable:
             return None
 
+        common = dict(
+            seq_len=t.seq_len,
+            local_batch_size=v.local_batch_size or t.local_batch_size,
+            dp_rank=self.mesh["dp"].get_local_rank(),
+            dp_world=self.dims.dp,
+            prefetch=t.prefetch_batches,
+            section="validation",
+        )
+        if v.sets:  # several held-out sets, each under its label
+            loaders = {
+                name: loader_factory(
+                    entry.path,
+                    None,
+                    entry.text_field or t.dataset_text_field,
+                    self.tokenizer,
+                    dataset_key=f"validation.sets[{i}].path",
+                    **common,  # type: ignore[arg-type]
+                )
+                for i, (name, entry) in enumerate(zip(validation_set_names(v.sets), v.sets, strict=True))
+            }
+        else:
+            loaders = {
+                "": loader_factory(v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer, **common)  # type: ignore[arg-type]
+            }
         return Validator(
-            loader_factory(
-                v.dataset,
-                v.dataset_path,
-                t.dataset_text_field,
-                self.tokenizer,
-                seq_len=t.seq_len,
-                local_batch_size=v.local_batch_size or t.local_batch_size,
-                dp_rank=self.mesh["dp"].get_local_rank(),
-                dp_world=self.dims.dp,
-                prefetch=t.prefetch_batches,
-                section="validation",
-            ),
+            loaders,
             steps=v.steps,
             eval_loss=self.runner.eval_loss,
             parts=self.model.parts,
@@ -485,7 +499,7 @@ class Trainer:
                         losses.append(float(values["loss/global_avg"]))  # type: ignore[arg-type]  # a float
                         metrics.log(step, values)
                     if validator is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                        metrics.log(step, {"validation/loss": validator.validate()})
+                        metrics.log(step, validator.metrics())
                         self.balancer.reset()  # validation's routing is not training load
                         meter.reset()  # validation time is not training throughput
                     if evaluator is not None and (step % cfg.eval.freq == 0 or step == t.steps):

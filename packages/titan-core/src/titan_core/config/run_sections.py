@@ -62,6 +62,17 @@ class Debug(Section):
     """Multiply this step's loss on the last rank by 10, once: tries training.on_loss_spike; unset = never."""
 
 
+class ValidationSet(Section):
+    """One set of `validation.sets`: `{path = "...", name = "code"}` (TOML inline table)."""
+
+    path: str
+    """As validation.dataset: 'stdlib' (its held-out files), a token-shard folder, local files, or a hub dataset."""
+    name: str | None = None
+    """Label in metrics (`validation/<name>/loss`) and the log; unset = the folder or file name."""
+    text_field: str | None = None
+    """JSON field / parquet column of the text (text sets); unset = training.dataset_text_field."""
+
+
 class Validation(Section):
     """Periodic evaluation on held-out data."""
 
@@ -71,6 +82,8 @@ class Validation(Section):
     """Validation dataset name (as training.dataset)."""
     dataset_path: str | None = None
     """Local file or folder to read the validation dataset from."""
+    sets: list[ValidationSet] = []
+    """Several held-out sets, each logged as validation/<name>/loss (their mean as validation/loss); [] = dataset."""
     freq: PositiveInt = 50
     """Validate every this many steps."""
     steps: PositiveInt = 10

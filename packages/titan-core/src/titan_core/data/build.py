@@ -50,6 +50,7 @@ def loader_factory(
     shuffle: bool = False,
     shuffle_seed: int = 0,
     mix: Sequence[MixEntry] = (),
+    dataset_key: str | None = None,
 ) -> Callable[[], Loader]:
     """A function that returns a fresh loader at the data's start (e.g. for each validation pass):
     a `MixtureLoader` for a mix or a shuffled token-shard folder, a `TokenShardLoader` for a
@@ -74,6 +75,7 @@ def loader_factory(
         shuffle: `<section>.shuffle`: token-shard data in a seeded order per epoch (text stays in order).
         shuffle_seed: `<section>.shuffle_seed`: picks that order.
         mix: `<section>.dataset_mix`: weighted sources; when given, `dataset` and `dataset_path` are unused.
+        dataset_key: the config key `dataset` comes from, for messages; None = `<section>.dataset`.
     """
     seed = shuffle_seed if shuffle else None
     if mix:
@@ -96,7 +98,7 @@ def loader_factory(
     if dataset_path:
         folder, key = dataset_path, f"{section}.dataset_path"
     else:
-        folder, key = dataset, f"{section}.dataset"
+        folder, key = dataset, dataset_key or f"{section}.dataset"
     if (dataset_path or looks_like_path(dataset)) and is_token_shard_folder(folder):
         manifest = read_manifest(folder, key)  # read and checked once, for every loader the factory makes
         check_tokenizer(manifest, tokenizer, key)
@@ -111,5 +113,5 @@ def loader_factory(
             TokenShardLoader, manifest, seq_len, local_batch_size, dp_rank, dp_world, prefetch=prefetch, key=key
         )
     split: Split = "validation" if section == "validation" else "train"
-    source = build_source(dataset, dataset_path, text_field, split=split, section=section)
+    source = build_source(dataset, dataset_path, text_field, split=split, section=section, dataset_key=dataset_key)
     return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)

@@ -58,6 +58,7 @@ def build_source(
     text_field: str = "text",
     split: Split = "train",
     section: str = "training",
+    dataset_key: str | None = None,
 ) -> DocumentSource:
     """The document source that the config names.
 
@@ -69,16 +70,16 @@ def build_source(
         split: which part of the stdlib corpus (`StdlibSource`), or of a hub dataset (its `validation` split for
             `"validation"`, else `train`); local files are read whole.
         section: the config section the keys belong to (`training`, `validation`), for error messages.
+        dataset_key: the config key `dataset` comes from, for messages; None = `<section>.dataset`.
     """
+    key = dataset_key or f"{section}.dataset"
     if dataset_path:
         return LocalFileSource(expand_pattern(dataset_path, f"{section}.dataset_path"), text_field)
     if dataset == "stdlib":
         return StdlibSource(split=split)
     if looks_like_path(dataset):
-        return LocalFileSource(expand_pattern(dataset, f"{section}.dataset"), text_field)
-    return HFDatasetSource(
-        dataset, text_field, key=f"{section}.dataset", split="validation" if split == "validation" else "train"
-    )
+        return LocalFileSource(expand_pattern(dataset, key), text_field)
+    return HFDatasetSource(dataset, text_field, key=key, split="validation" if split == "validation" else "train")
 
 
 def looks_like_path(name: str) -> bool:

@@ -19,7 +19,7 @@ import dataclasses
 import importlib.util
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -446,12 +446,32 @@ def _data(d: Draft) -> None:
             "eval.enable is set but eval.tasks is empty; list JSONL files of multiple-choice examples "
             "(docs/evaluation.md) or set eval.enable to false"
         )
+    v = d.cfg.validation
+    if v.sets and (v.dataset_path or v.dataset != "stdlib"):
+        given = f"validation.dataset_path={v.dataset_path}" if v.dataset_path else f"validation.dataset={v.dataset}"
+        raise ConfigError(
+            f"validation.sets and {given} are both set; add that data to validation.sets as {{path = ...}} and "
+            f"unset {given.split('=')[0]}"
+        )
+    names = validation_set_names(v.sets)
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(
+            f"validation.sets: the name {twice[0]!r} labels two sets; give each set a name of its own (name = ...)"
+        )
     if t.dataset_mix and (t.dataset_path or t.dataset != "stdlib"):
         given = f"training.dataset_path={t.dataset_path}" if t.dataset_path else f"training.dataset={t.dataset}"
         raise ConfigError(
             f"training.dataset_mix and {given} are both set; the mix names its sources: "
             f"add that data to training.dataset_mix as {{path = ..., weight = ...}} and unset {given.split('=')[0]}"
         )
+
+
+def validation_set_names(sets: Sequence[Any]) -> list[str]:
+    """Each `validation.sets` entry's label: its `name`, else its folder or file name."""
+    from titan_core.data.mix_sources import default_name
+
+    return [entry.name or default_name(entry.path) for entry in sets]
 
 
 def _attention_mask(d: Draft) -> None:
