@@ -77,3 +77,13 @@ def test_the_example_config_resolves():
     resolve(cfg, 1)
     assert validation_set_names(cfg.validation.sets) == ["stdlib", "commonsense"]
     assert (REPO / cfg.validation.sets[1].path).is_file() and cfg.validation.sets[1].text_field == "context"
+
+
+def test_a_sets_missing_text_field_names_that_sets_key(tmp_path):
+    from titan_run import REPO
+
+    jsonl = str(REPO / "examples" / "eval_tasks" / "toy_commonsense.jsonl")  # its text is under "context"
+    sets = json.dumps([{"path": "stdlib"}, {"path": jsonl, "name": "mc", "text_field": "ctx"}])
+    proc = run_titan(tmp_path / "run", *RUN, "--validation.sets", sets, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "has no field 'ctx'" in proc.stderr and "set validation.sets[1].text_field to the field" in proc.stderr

@@ -271,6 +271,7 @@ class Trainer:
                     entry.text_field or t.dataset_text_field,
                     self.tokenizer,
                     dataset_key=f"validation.sets[{i}].path",
+                    field_key=f"validation.sets[{i}].text_field" if entry.text_field else "training.dataset_text_field",
                     **common,  # type: ignore[arg-type]
                 )
                 for i, (name, entry) in enumerate(zip(validation_set_names(v.sets), v.sets, strict=True))

@@ -51,6 +51,7 @@ def loader_factory(
     shuffle_seed: int = 0,
     mix: Sequence[MixEntry] = (),
     dataset_key: str | None = None,
+    field_key: str = "training.dataset_text_field",
 ) -> Callable[[], Loader]:
     """A function that returns a fresh loader at the data's start (e.g. for each validation pass):
     a `MixtureLoader` for a mix or a shuffled token-shard folder, a `TokenShardLoader` for a
@@ -76,6 +77,7 @@ def loader_factory(
         shuffle_seed: `<section>.shuffle_seed`: picks that order.
         mix: `<section>.dataset_mix`: weighted sources; when given, `dataset` and `dataset_path` are unused.
         dataset_key: the config key `dataset` comes from, for messages; None = `<section>.dataset`.
+        field_key: the config key `text_field` comes from, for messages.
     """
     seed = shuffle_seed if shuffle else None
     if mix:
@@ -113,5 +115,7 @@ def loader_factory(
             TokenShardLoader, manifest, seq_len, local_batch_size, dp_rank, dp_world, prefetch=prefetch, key=key
         )
     split: Split = "validation" if section == "validation" else "train"
-    source = build_source(dataset, dataset_path, text_field, split=split, section=section, dataset_key=dataset_key)
+    source = build_source(
+        dataset, dataset_path, text_field, split=split, section=section, dataset_key=dataset_key, field_key=field_key
+    )
     return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)

@@ -59,6 +59,7 @@ def build_source(
     split: Split = "train",
     section: str = "training",
     dataset_key: str | None = None,
+    field_key: str = "training.dataset_text_field",
 ) -> DocumentSource:
     """The document source that the config names.
 
@@ -71,15 +72,17 @@ def build_source(
             `"validation"`, else `train`); local files are read whole.
         section: the config section the keys belong to (`training`, `validation`), for error messages.
         dataset_key: the config key `dataset` comes from, for messages; None = `<section>.dataset`.
+        field_key: the config key `text_field` comes from, for messages.
     """
     key = dataset_key or f"{section}.dataset"
     if dataset_path:
-        return LocalFileSource(expand_pattern(dataset_path, f"{section}.dataset_path"), text_field)
+        return LocalFileSource(expand_pattern(dataset_path, f"{section}.dataset_path"), text_field, field_key=field_key)
     if dataset == "stdlib":
         return StdlibSource(split=split)
     if looks_like_path(dataset):
-        return LocalFileSource(expand_pattern(dataset, key), text_field)
-    return HFDatasetSource(dataset, text_field, key=key, split="validation" if split == "validation" else "train")
+        return LocalFileSource(expand_pattern(dataset, key), text_field, field_key=field_key)
+    held_out = "validation" if split == "validation" else "train"
+    return HFDatasetSource(dataset, text_field, key=key, field_key=field_key, split=held_out)
 
 
 def looks_like_path(name: str) -> bool:
