@@ -114,7 +114,9 @@ def test_the_command_prints_the_fsdp_estimate_within_5_percent(two_processes):
     # the line it printed: each block adds at least its half of the block's fp32 parameters and AdamW moments
     fixed, blocks, per_block = _groups(r"= ([\d.]+) MiB \+ (\d+) x ([\d.]+) MiB", out)
     assert int(blocks) == 6 and float(per_block) * MiB > 12 * (_params(3) - _params(2)) / 2
-    assert float(fixed) + 6 * float(per_block) == pytest.approx(printed / MiB, abs=0.2)
+    # fixed + 6 x per_block is the peak exactly (`measured_fixed` is defined so); each figure is printed to 0.1 MiB,
+    # so the printed ones agree to 0.05 + 6 x 0.05 + 0.05 = 0.4 MiB (0.2 failed once: 79.1 against 79.4, 2026-12-06)
+    assert float(fixed) + 6 * float(per_block) == pytest.approx(printed / MiB, abs=0.4)
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ def params(
 
     Takes the same `--config` and `--section.key value` overrides as `titan train`, and builds the model on the
     meta device (no memory, any size). Use it to write `optimizer.weight_decay_exclude`, `float8.filter_fqns` or
-    `checkpoint.exclude_from_loading` patterns: `--match` shows what a pattern matches. See docs/models.md.
+    `checkpoint.exclude_from_loading` patterns: `--match` shows what a pattern matches. See docs/optimizers.md.
     """
     from titan_core.config import load_config
     from titan_core.launch import USER_ERRORS, error_line
