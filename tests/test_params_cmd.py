@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from titan_core.config import load_config
 from titan_core.job import resolve
 from titan_core.optim import build_optimizer
@@ -89,8 +88,10 @@ def test_the_command_matches_as_weight_decay_exclude_and_says_when_nothing_does(
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "model.flavor" in bad.stderr
 
 
-def test_build_does_not_touch_the_device():
-    # The table of a 405B model costs no memory: the model is built on the meta device.
+def test_a_405b_table_costs_no_memory():
+    # 405B parameters would need ~1.6 TB in fp32, on a machine of 24 GiB: the table builds the model on the meta
+    # device. Its embedding is Llama 3.1 405B's published shape, vocab 128256 x dim 16384.
     job = resolve(load_config(None, ["--model.flavor", "405B"]), None)
-    rows = parameter_rows(job, ["tok_embeddings.*"])
-    assert rows[0].shape == (128256, 16384) and torch.device("meta") == next(job.meta_model().parameters()).device
+    rows = parameter_rows(job)
+    assert rows[0].name == "tok_embeddings.weight" and rows[0].shape == (128256, 16384)
+    assert sum(r.numel for r in rows) > 400e9

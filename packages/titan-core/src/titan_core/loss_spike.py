@@ -27,12 +27,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
 from titan_ckpt import CheckpointManager
 from titan_core.run_guard import NonFiniteError
+
+if TYPE_CHECKING:
+    from titan_core.batch_ramp import BatchRamp
 
 __all__ = ["InjectedSpike", "LossSpikeError", "LossSpikePolicy", "SpikeDetector", "SpikeReport"]
 
@@ -143,7 +146,7 @@ class LossSpikePolicy:
         max_in_a_row: `training.max_loss_spikes_in_a_row`.
         checkpointer: the run's checkpoint manager (rolled back from).
         loader: the training loader (names the spiked step's samples).
-        batch_at: samples of a step (1-based), all ranks (`BatchRamp.global_batch`).
+        batches: each step's samples, all ranks (the run's `BatchRamp`).
         rank: this process's rank (rank 0 logs).
     """
 
@@ -156,11 +159,11 @@ class LossSpikePolicy:
         checkpointer: CheckpointManager,
         loader: BatchLedger,
         *,
-        batch_at: Callable[[int], int],
+        batches: BatchRamp,
         rank: int,
     ):
         self.policy, self.factor, self.warmup_steps, self.max_in_a_row = policy, factor, warmup_steps, max_in_a_row
-        self.checkpointer, self.loader, self.batch_at, self.rank = checkpointer, loader, batch_at, rank
+        self.checkpointer, self.loader, self.batches, self.rank = checkpointer, loader, batches, rank
         self.spikes = 0  # spiked steps in this process
 
     def detector(self, device: torch.device) -> SpikeDetector | None:
@@ -212,13 +215,14 @@ class LossSpikePolicy:
 
     def describe(self, report: SpikeReport, step: int) -> str:
         """`step 6: loss 33.1 is 5.2x its running average 6.37 (training.loss_spike_factor=2.0); batch: ...`."""
-        first = self.loader.samples_consumed - sum(self.batch_at(s) for s in range(report.step, step + 1))
+        spanned = self.batches.samples_through(step) - self.batches.samples_through(report.step - 1)
+        first = self.loader.samples_consumed - spanned  # the spiked step's first sample
         more = f" (and {report.spikes - 1} later step(s))" if report.spikes > 1 else ""
         ratio = report.loss / report.average if report.average > 0 else float("inf")
         return (
             f"step {report.step}{more}: loss {report.loss:.4g} is {ratio:.1f}x its running average "
             f"{report.average:.4g} (training.loss_spike_factor={self.factor}); batch: "
-            f"{self.loader.describe_samples(first, self.batch_at(report.step))}"
+            f"{self.loader.describe_samples(first, self.batches.global_batch(report.step))}"
         )
 
     def metrics(self) -> dict[str, int]:

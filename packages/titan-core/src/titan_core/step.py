@@ -210,7 +210,6 @@ class StepRunner:
         device: where the step computes.
         param_dtype: the compute dtype.
         loss_parallel: under TP, the loss runs on vocab-sharded logits (`loss_parallel()`).
-        accum_steps: micro-batches per step.
         max_norm: gradient clipping norm (<= 0: measure only).
         balancer: the MoE load balancer (token counts, expert biases), or None.
         after_step: called after each applied optimizer step (e.g. float8's scale precompute).
@@ -232,7 +231,6 @@ class StepRunner:
         device: torch.device,
         param_dtype: torch.dtype,
         loss_parallel: bool,
-        accum_steps: int,
         max_norm: float,
         balancer: ExpertLoadBalancer | None = None,
         after_step: Callable[[], None] | None = None,
@@ -265,7 +263,6 @@ class StepRunner:
             self.stages = [self.schedule]
         if balancer is not None:
             loss.aux_layers = [moe for _, moe in balancer.layers]
-        loss.set_divisor(accum_steps * model.n_microbatches)
         # The fused kernels take the guard's verdict on the device; the others need it on the host.
         self.device_drop = all(_takes_found_inf(opt) for opt in self.optimizers)
         # The same kernels divide each gradient by `grad_scale` as they read it: the clip happens there, and the

@@ -89,7 +89,7 @@ class Trainer:
         assert job.dims is not None and job.global_batch is not None and job.accum_steps is not None  # world size known
         assert job.batch_ramp is not None
         self.cfg, self.dims, self.spec, self.model_args = job.cfg, job.dims, job.spec, job.model_args
-        self.global_batch, self.accum_steps = job.global_batch, job.accum_steps  # micro-batches per step (full batch)
+        self.accum_steps = job.accum_steps  # micro-batches per step at the full batch
         self.batch_ramp = job.batch_ramp  # each step's batch: `training.batch_size_rampup_*` (titan_core.batch_ramp)
         self.options = job.parallel
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -211,7 +211,6 @@ class Trainer:
             device=self.device,
             param_dtype=self.options.param_dtype,
             loss_parallel=self.options.loss_parallel,
-            accum_steps=self.accum_steps,
             max_norm=t.max_norm,
             attention_backends=attention,
             balancer=self.balancer,
@@ -229,7 +228,7 @@ class Trainer:
             t.max_loss_spikes_in_a_row,
             self.checkpointer,
             self.loader,
-            batch_at=self.batch_ramp.global_batch,
+            batches=self.batch_ramp,
             rank=self.rank,
         )
         if cfg.debug.inject_loss_spike_step is not None and self.rank == self.world_size - 1:
@@ -255,7 +254,9 @@ class Trainer:
         if not v.enable:
             return None
 
-        common = dict(
+        make = functools.partial(
+            loader_factory,
+            tokenizer=self.tokenizer,
             seq_len=t.seq_len,
             local_batch_size=v.local_batch_size or t.local_batch_size,
             dp_rank=self.mesh["dp"].get_local_rank(),
@@ -265,21 +266,17 @@ class Trainer:
         )
         if v.sets:  # several held-out sets, each under its label
             loaders = {
-                name: loader_factory(
+                name: make(
                     entry.path,
                     None,
                     entry.text_field or t.dataset_text_field,
-                    self.tokenizer,
                     dataset_key=f"validation.sets[{i}].path",
                     field_key=f"validation.sets[{i}].text_field" if entry.text_field else "training.dataset_text_field",
-                    **common,  # type: ignore[arg-type]
                 )
                 for i, (name, entry) in enumerate(zip(validation_set_names(v.sets), v.sets, strict=True))
             }
         else:
-            loaders = {
-                "": loader_factory(v.dataset, v.dataset_path, t.dataset_text_field, self.tokenizer, **common)  # type: ignore[arg-type]
-            }
+            loaders = {"": make(v.dataset, v.dataset_path, t.dataset_text_field)}
         return Validator(
             loaders,
             steps=v.steps,
