@@ -157,6 +157,8 @@ SPEC_DEFAULTS = {
     "moe.aux_loss_coeff": None,
     "moe.load_balance_coeff": None,
     "moe.router_z_loss_coeff": None,
+    "mtp.layers": 0,
+    "mtp.loss_weight": 0.3,
     "metrics.log_freq": 1,
     "metrics.enable_tensorboard": True,
     "metrics.save_tb_folder": "tb",

@@ -36,6 +36,7 @@ BROKEN = {
             ["moe.router_z_loss_coeff: model.name='llama3' flavor 'debugmodel' has no Mixture-of-Experts", "[moe]"]),
     "degrees": (["--parallelism.tensor_parallel_degree", "4"], 2,
                 ["world size 2 is not divisible by tp=4", "(tp set by parallelism.tensor_parallel_degree)"]),
+    "mtp": (["--mtp.layers", "1"], 1, ["mtp.layers=1: model.name='llama3' has no multi-token prediction", "mtp.layers = 0"]),
     "batch": (["--training.local_batch_size", "4", "--training.global_batch_size", "10"], 2,
               ["training.global_batch_size=10", "training.local_batch_size"]),
     "tensor_parallel": (["--parallelism.tensor_parallel_degree", "3"], 3,

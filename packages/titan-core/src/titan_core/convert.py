@@ -17,6 +17,7 @@ once the parity check passed.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tomllib
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from titan_ckpt.hf_hub import resolve_hf_source
 from titan_ckpt.hf_safetensors import (
     CONFIG_FILE,
     copy_extra_files,
+    list_hf_shards,
     read_hf_config,
     read_hf_state_dict,
     write_hf_checkpoint,
@@ -436,7 +438,7 @@ def resolve_source_args(
     folder = src if src.is_dir() else src.parent
     if src_format == "hf":
         config = read_hf_config(src)
-        return _needs_adapter(adapter, src).args_from_hf_config(config), config, src
+        return hf_mtp_layers(src, _needs_adapter(adapter, src).args_from_hf_config(config)), config, src
     if flavor is not None:
         return get_model_args(model_name, flavor), {}, folder
     if (folder / CONFIG_FILE).is_file():
@@ -448,10 +450,31 @@ def resolve_source_args(
         if model.get("name", model_name) != model_name:
             raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
         if "flavor" in model:
-            return get_model_args(model_name, model["flavor"]), {}, folder
+            args = get_model_args(model_name, model["flavor"])
+            if mtp_layers := run[1].get("mtp", {}).get("layers"):  # the run's prediction depths are in its weights
+                args = dataclasses.replace(args, n_mtp_layers=int(mtp_layers))
+            return args, {}, folder
     raise ConfigError(
         f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it"
     )
+
+
+def hf_mtp_layers(src: Path, args: Any) -> Any:
+    """`args` with as many multi-token-prediction depths as the Hugging Face weights in `src` hold (layers
+    `n_layers ..` with an `eh_proj`; their config's `num_nextn_predict_layers` is not evidence, see
+    `titan_models.deepseek_v3.hf_adapter`); `args` unchanged for a model without them. Reads shard headers only."""
+    if not hasattr(args, "n_mtp_layers"):
+        return args
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in list_hf_shards(src):
+        with safe_open(str(shard), framework="pt") as f:
+            names.update(f.keys())
+    depths = 0
+    while f"model.layers.{args.n_layers + depths}.eh_proj.weight" in names:
+        depths += 1
+    return dataclasses.replace(args, n_mtp_layers=depths)
 
 
 def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[str, torch.Size]:

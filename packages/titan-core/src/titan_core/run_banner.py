@@ -24,6 +24,9 @@ def run_banner(job: Job) -> str:
     active = f", {n_active / 1e6:.1f}M active" if n_active != n_params else ""
     if cfg.model.attn_mask_type == "block_causal":
         active += ", attention within each document"
+    if depths := getattr(job.model_args, "n_mtp_layers", 0):
+        plural = "s" if depths > 1 else ""
+        active += f", {depths} multi-token-prediction depth{plural} (loss weight {cfg.mtp.loss_weight:g})"
     source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
     data = f"data: {source}"
     if cfg.validation.enable and cfg.validation.sets:

@@ -25,6 +25,10 @@ rank's token count (torchtitan's sum / global-token normalisation), and data
 parallel's gradient average over the dp x cp ranks makes it the global batch's
 mean: accumulation, pipeline micro-batches, CP and DP agree by construction.
 Mixture-of-Experts auxiliary losses take the same divisor (see `StepLoss.divisor`).
+With multi-token prediction (`mtp.layers`), the training forward returns the main rows and
+each depth's stacked on the batch dim, and `StepLoss` adds `mtp.loss_weight` times the
+depths' mean cross-entropy (each depth's labels shifted left once more) to the micro-batch's;
+the step's reported loss stays the language-model loss, the depths' mean is `loss/mtp`.
 
 The compute dtype is applied once, the same way on every world size: FSDP2's
 mixed-precision policy where the model is FSDP-wrapped (every `dp_mode="fsdp"`
@@ -78,6 +82,7 @@ __all__ = [
     "StepRunner",
     "cross_entropy_loss",
     "sequence_loss_sums",
+    "shift_labels",
 ]
 
 logger = logging.getLogger("titan")
@@ -151,9 +156,26 @@ class StepLoss:
         self.divisor = divisor
         self.aux_layers: list[MoE] = []  # MoE layers whose auxiliary loss follows the divisor
         self.z_terms: list[torch.Tensor] = []  # each training call's z-loss term (`training.z_loss_weight`)
+        self.mtp_depths = 0  # multi-token-prediction depths the training forward returns rows for
+        self.mtp_weight = 0.0  # `mtp.loss_weight`
+        self.mtp_terms: list[torch.Tensor] = []  # each training call's mean MTP cross-entropy (detached)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.mtp_depths and logits.shape[0] == labels.shape[0] * (1 + self.mtp_depths):
+            return self._with_mtp(logits, labels)
         return self.fn(logits, labels) / self.divisor
+
+    def _with_mtp(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The main rows' loss plus `mtp_weight` x the mean of the depths' (depth k's targets: `labels` shifted left
+        k places, -100 at the end). The z-loss terms the depths add stay in the loss, not in `z_terms`."""
+        parts = output.chunk(1 + self.mtp_depths, dim=0)
+        loss = self.fn(parts[0], labels)
+        first_z = len(self.z_terms)
+        depth_losses = [self.fn(part, shift_labels(labels, k)) for k, part in enumerate(parts[1:], start=1)]
+        del self.z_terms[first_z:]
+        mtp = sum(depth_losses[1:], depth_losses[0]) / self.mtp_depths
+        self.mtp_terms.append((mtp.full_tensor() if isinstance(mtp, DTensor) else mtp).detach())  # loss parallel
+        return (loss + self.mtp_weight * mtp) / self.divisor
 
     @contextlib.contextmanager
     def divided_by(self, divisor: int) -> Iterator[None]:
@@ -187,6 +209,8 @@ class StepResult:
         lr: the learning rate this step's update used (the first schedule's, a host float); None without one.
         z_loss: the step's mean z-loss term on this rank (detached, 0-dim; part of `loss`); None without a
             z-loss or off the last pipeline stage.
+        mtp_loss: the step's mean multi-token-prediction cross-entropy on this rank (detached, 0-dim; not part of
+            `loss`, which is the language-model loss); None without MTP.
     """
 
     loss: torch.Tensor | None
@@ -195,6 +219,7 @@ class StepResult:
     committed: bool = True
     lr: float | None = None
     z_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
 
 
 class StepRunner:
@@ -308,8 +333,11 @@ class StepRunner:
         args = (inputs,) if any(stage.is_first for stage in stages) else ()
         target = labels if losses is not None else None
         z_terms, first = self.loss.z_terms, len(self.loss.z_terms)
+        mtp_terms, first_mtp = self.loss.mtp_terms, len(self.loss.mtp_terms)
         with self.forward_context():
             if backward:
+                if self.loss.mtp_depths:  # the prediction depths run in training only
+                    extra = {**extra, "mtp": True}
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)
             else:
                 schedule.eval(*args, target=target, losses=losses, **extra)
@@ -319,7 +347,10 @@ class StepRunner:
         # to infer the backward's shapes (torch 2.15).
         del z_terms[first : max(first, len(z_terms) - len(losses))]
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
-        return torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
+        total = torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
+        if len(mtp_terms) > first_mtp:  # report the language-model loss; the MTP part is `mtp_loss`
+            total = total - self.loss.mtp_weight * torch.stack(mtp_terms[first_mtp:]).sum() / self.loss.divisor
+        return total
 
     def step(self, batches: Sequence[Batch], guard: RunGuard | None = None, *, step: int = 0) -> StepResult:
         """Forward and backward over the step's micro-batches, clip, and step the optimizers.
@@ -335,6 +366,7 @@ class StepRunner:
             optimizer.zero_grad(set_to_none=True)
         self.loss.set_divisor(len(batches) * self.model.n_microbatches)  # a batch-size ramp-up varies it by step
         self.loss.z_terms.clear()
+        self.loss.mtp_terms.clear()
         if self.replicas is not None:
             self.replicas.begin_step()  # torchft's quorum, in the background during forward
         total: torch.Tensor | None = None
@@ -362,7 +394,9 @@ class StepRunner:
         self.lr_step()  # the schedule follows the step counter, dropped steps included
         z_terms = self.loss.z_terms  # one per loss call: the step's mean, as `total` is over its micro-batches
         z_loss = torch.stack(z_terms).sum() / len(z_terms) if z_terms else None
-        return StepResult(total, norm, found_inf, lr=lr, z_loss=z_loss)
+        mtp_terms = self.loss.mtp_terms  # one per micro-batch
+        mtp_loss = torch.stack(mtp_terms).mean() if mtp_terms else None
+        return StepResult(total, norm, found_inf, lr=lr, z_loss=z_loss, mtp_loss=mtp_loss)
 
     def _optimizer_step(self, found_inf: torch.Tensor | None, clip_divisor: torch.Tensor | None = None) -> None:
         # Read by Adam/AdamW's fused step: found_inf drops the update, grad_scale divides the gradients.
@@ -414,6 +448,17 @@ class StepRunner:
         finally:
             self.loss.fn = mean_fn
         return None if present is None else torch.cat(sums)
+
+
+def shift_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """`labels` `(bs, seqlen)` shifted left `k` places, the last `k` positions -100 (no target): the targets of
+    multi-token-prediction depth `k`, whose row `i` predicts token `i + k + 1`.
+
+    Args:
+        labels: the main targets (token `i + 1` at position `i`), -100 where no loss is taken.
+        k: the depth (>= 1).
+    """
+    return torch.cat([labels[:, k:], labels.new_full((labels.shape[0], min(k, labels.shape[1])), -100)], dim=1)
 
 
 def sequence_loss_sums(

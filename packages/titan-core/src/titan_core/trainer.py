@@ -135,6 +135,8 @@ class Trainer:
             if cfg.validation.enable and (overlap := training_overlap(cfg)):
                 logger.warning("%s", overlap)
         self.loss = StepLoss(cross_entropy_loss)  # normalised in one place; the runner sets its divisor
+        self.loss.mtp_depths = getattr(self.model_args, "n_mtp_layers", 0)  # `mtp.layers`, set by the job check
+        self.loss.mtp_weight = cfg.mtp.loss_weight
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
         if t.z_loss_weight:
             loss_fn = functools.partial(cross_entropy_loss, z_loss=t.z_loss_weight, z_loss_out=self.loss.z_terms)
@@ -341,10 +343,12 @@ class Trainer:
         """A log step's figures: the only place the loop reads device values (after the step is queued)."""
         avg, mx = self._reduce_loss(result.loss)
         z_loss = {"loss/z_loss": self._reduce_loss(result.z_loss)[0]} if self.cfg.training.z_loss_weight else {}
+        mtp = {"loss/mtp": self._reduce_loss(result.mtp_loss)[0]} if result.mtp_loss is not None else {}
         return {
             "loss/global_avg": avg,
             "loss/global_max": mx,
             **z_loss,  # the part of loss/global_avg the z-loss adds
+            **mtp,  # the prediction depths' mean cross-entropy (not part of loss/global_avg)
             "optim/grad_norm": result.grad_norm.item(),
             "optim/lr": result.lr,  # the step's own, not the next one's
             **({"optim/skipped_steps": self.nonfinite.skipped} if self.nonfinite.skipped else {}),

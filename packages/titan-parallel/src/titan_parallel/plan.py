@@ -45,6 +45,10 @@ class TPStyle(enum.StrEnum):
     SUM_GRAD = "sum_grad"
     """An identity on a replicated tensor that each TP rank uses for its own heads only (MLA's rotated key,
     shared by all heads): forward unchanged, gradient summed over the TP ranks."""
+    TOKENWISE = "tokenwise"
+    """A module that treats each token alone (multi-token prediction's input projection: norms, a concatenation,
+    a linear) run on this rank's sequence shard: weights `Replicate()`, input `Shard(1)` (local or DTensor), output
+    a plain local `Shard(1)` tensor; the weights' gradients, partial on each rank, are summed over the TP ranks."""
     MOE_INPUT = "moe_input"
     """A Mixture-of-Experts module whose routed and shared experts are split on their hidden dim
     (`tensor_parallel_layout.MOE_TP_SPLITS`), its router run whole on every TP rank: its input all-gathered

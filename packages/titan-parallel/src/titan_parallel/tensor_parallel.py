@@ -98,6 +98,8 @@ def build_tp_style(
     if style is TPStyle.HEAD_NORM:
         # The heads dim plays the sequence dim's part: the norm runs per head on this rank's heads.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style is TPStyle.TOKENWISE:
+        return TokenwiseParallel()
     if style is TPStyle.MOE_INPUT:
         return MoETokenParallel() if ep_spans_tp else MoETensorParallel()
     if style is TPStyle.OUTPUT:
@@ -163,6 +165,32 @@ class SumGradParallel(ParallelStyle):
             input_fn=lambda mod, inputs, mesh: _as_replicated(inputs, mesh),  # type: ignore[arg-type]
             output_fn=lambda mod, out, mesh: out.to_local(grad_placements=(Partial(),)),
         )
+
+
+class TokenwiseParallel(ParallelStyle):
+    """`TPStyle.TOKENWISE`: a module acting on each token alone, run on this rank's sequence shard.
+
+    Its parameters become `Replicate()` DTensors (so FSDP and checkpoints see one layout), but the forward runs on
+    local tensors, so a linear's reshapes need no DTensor rule: each rank computes its own tokens, and each weight's
+    gradient, a partial sum over those tokens, is summed over the TP ranks (its local tensor enters as a
+    `Replicate()` DTensor and leaves with a `Partial()` gradient, as `MoETensorParallel`'s router). No collective in
+    the forward.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        _, replicated = _distribute_moe_params(module, device_mesh, {})
+        inner = module.forward
+
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if isinstance(x, DTensor):  # a sequence-parallel module hands on its Shard(1) output
+                x = x.to_local()
+            with _reparametrize_module(module, _grad_summed_locals(module, replicated, device_mesh)):
+                return inner(x, *args, **kwargs)
+
+        module.forward = forward
+        return module
 
 
 class MoETensorParallel(ParallelStyle):

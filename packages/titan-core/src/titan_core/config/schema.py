@@ -375,6 +375,17 @@ class MoE(Section):
     """Weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE; OLMoE 1e-3); unset = the flavor's (0)."""
 
 
+class MTP(Section):
+    """Multi-token prediction (DeepSeek-V3's MTP; model.name = "deepseek_v3"): extra depths trained to predict
+    tokens further ahead, through the shared embedding and output."""
+
+    layers: NonNegativeInt = 0
+    """Depths (Hugging Face `num_nextn_predict_layers`; DeepSeek-V3 1); 0 = none. Not with pipeline or context
+    parallel."""
+    loss_weight: NonNegativeFloat = 0.3
+    """Weight of the depths' mean cross-entropy in the loss (DeepSeek-V3: 0.3 for its first 10T tokens, then 0.1)."""
+
+
 class JobConfig(Section):
     """The whole job: one field per section, each section one TOML table."""
 
@@ -402,6 +413,8 @@ class JobConfig(Section):
     """MXFP8 training (model.converters = ["mx"])."""
     moe: MoE = Field(default_factory=MoE)
     """Mixture-of-Experts balancing and router losses."""
+    mtp: MTP = Field(default_factory=MTP)
+    """Multi-token prediction."""
     metrics: Metrics = Field(default_factory=Metrics)
     """Logging and TensorBoard."""
     profiling: Profiling = Field(default_factory=Profiling)

@@ -9,6 +9,7 @@ checkpoint and family to read, and builds the model the Titan way: on meta, cast
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ def load_model(
             f"model.name '{name}' has no Hugging Face adapter, so {checkpoint} cannot be read; pass --model-name"
         )
     args, _, _ = resolve_source_args(checkpoint, fmt, spec.hf_adapter, name, flavor)
+    if getattr(args, "n_mtp_layers", 0):  # decoding never runs the multi-token-prediction depths: not loaded
+        args = dataclasses.replace(args, n_mtp_layers=0)
     expected = expected_shapes(spec.build, args)
     state_dict = load_titan_state_dict(checkpoint, fmt, args, spec.hf_adapter, expected)
     check_state_dict(state_dict, expected, checkpoint)

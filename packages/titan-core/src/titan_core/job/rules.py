@@ -203,6 +203,29 @@ def _degrees(d: Draft) -> None:
     check_data_parallel(d.dims, d.parallel.dp_mode)
 
 
+def _mtp(d: Draft) -> None:
+    """`mtp.layers` sets the multi-token-prediction depths of a model that has them (DeepSeek-V3; a Hugging Face
+    checkpoint's own depths are loaded only as far as it asks), on a layout that keeps the whole sequence and the
+    embedding, blocks and output on one stage: no pipeline or context parallel."""
+    layers = d.cfg.mtp.layers
+    if not hasattr(d.model_args, "n_mtp_layers"):
+        if layers:
+            raise ConfigError(
+                f"mtp.layers={layers}: model.name={d.cfg.model.name!r} has no multi-token prediction; "
+                "use model.name = 'deepseek_v3' or set mtp.layers = 0"
+            )
+        return
+    if layers and d.dims is not None:
+        for degree, key in ((d.dims.pp, "pipeline_parallel_degree"), (d.dims.cp, "context_parallel_degree")):
+            if degree > 1:
+                raise ConfigError(
+                    f"mtp.layers={layers} with parallelism.{key}={degree}: the prediction depths need the "
+                    "embedding, the blocks and the output on one rank's whole sequence; set mtp.layers = 0 or "
+                    f"parallelism.{key} = 1"
+                )
+    d.model_args = dataclasses.replace(d.model_args, n_mtp_layers=layers)
+
+
 def _batch(d: Draft) -> None:
     """`training.global_batch_size` is a multiple of local_batch_size x the data-parallel degree; a batch-size
     ramp-up starts at such a multiple, below the full batch."""
@@ -517,6 +540,7 @@ RULES: tuple[Rule, ...] = (
     Rule("model_shape", _model_shape),
     Rule("moe", _moe),
     Rule("degrees", _degrees, DEGREES_KEYS),
+    Rule("mtp", _mtp),
     Rule("batch", _batch),
     Rule("tensor_parallel", _tensor_parallel, TENSOR_PARALLEL_KEYS),
     Rule("expert_parallel", _expert_parallel, _keys(DIMS_KEYS, "ep")),

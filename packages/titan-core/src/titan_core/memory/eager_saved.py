@@ -244,7 +244,8 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                         on_fake(holder, dtype, device)
                         rope, positions = _rope(meta, device), _positions(mesh, seq, device)
                         mask = _document_mask(layout, batch, device)
-                        shape = (batch, seq // layout.tp, args.dim)  # sequence parallel splits the block's input
+                        width = getattr(block, "input_width", args.dim)  # a multi-token-prediction block: 2 x dim
+                        shape = (batch, seq // layout.tp, width)  # sequence parallel splits the block's input
                         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
                         if kind == "none":  # and the backward's transients, from the same forward
                             return block_saved_and_backward_bytes(unit, rope, positions, shape, dtype, device, mask)

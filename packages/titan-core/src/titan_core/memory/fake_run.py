@@ -343,12 +343,14 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
     import heapq
 
     roots: list[Any] = [t.grad_fn for t in outputs]
+    slots = [t.output_nr for t in outputs]  # which output of its node each is (a node may have several)
     # Each node's edges, input metadata and order, read while the whole graph is alive: a Python function's node
     # object holds its C++ node weakly in torch 2.11, which frees it with its last consumer, before it runs here.
     graph: dict[Any, tuple[tuple[tuple[Any, int], ...], list[Any], int]] = {}
     saved: dict[Any, tuple[torch.Tensor, ...]] = {}  # Python function nodes' saved tensors, held until they run
     consumers: dict[Any, int] = {}
-    stack = list(roots)
+    stack = list(dict.fromkeys(roots))
+    seen = set(stack)  # each node read once, a root that another output's graph reaches too (a norm of it) included
     while stack:
         node = stack.pop()
         graph[node] = (tuple(node.next_functions), list(node._input_metadata), node._sequence_nr())
@@ -356,13 +358,20 @@ def walk_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> lis
             saved[node] = node.saved_tensors
         for child, _ in graph[node][0]:
             if child is not None:
-                if child not in consumers:
+                if child not in seen:
+                    seen.add(child)
                     stack.append(child)
                 consumers[child] = consumers.get(child, 0) + 1
+    del seen
     outputs.clear()
-    pending: dict[Any, list[Any]] = {root: [grad] for root, grad in zip(roots, grads, strict=True)}
+    pending: dict[Any, list[Any]] = {}
+    for root, slot, grad in zip(roots, slots, grads, strict=True):
+        at_root = pending.setdefault(root, [None] * len(graph[root][1]))
+        at_root[slot] = grad if at_root[slot] is None else at_root[slot] + grad
+    del root, at_root, grad  # no name may hold a node or a gradient: each is freed once its node ran
     grads.clear()
-    ready = [(-graph[root][2], id(root), root) for root in roots]
+    # An output computed from another (a block's hidden states and their norm) runs once every consumer has.
+    ready = [(-graph[root][2], id(root), root) for root in dict.fromkeys(roots) if not consumers.get(root)]
     heapq.heapify(ready)
     del roots
     leaf_grads = []
@@ -417,11 +426,13 @@ def block_saved_and_backward_bytes(
         hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
         live.add(hidden)  # the block's input (the previous block's output), kept by its first norm
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            outputs = [block(hidden, **kwargs)]
-        del hidden
-        live.drop(outputs[0])  # the next block's input: its saved bytes count there
+            out = block(hidden, **kwargs)
+        outputs = list(out) if isinstance(out, tuple) else [out]  # a multi-token-prediction block returns two
+        del hidden, out
+        for i in range(len(outputs)):  # no loop variable may hold an output: the walk frees them
+            live.drop(outputs[i])  # the next block's input (or the head's): its saved bytes count there
         kept = live.now()
-        incoming = [torch.empty_like(outputs[0])]
+        incoming = [torch.empty_like(output) for output in outputs]
         live.watch()
         walk_backward(outputs, incoming)
     return saved.total, live.peak - kept

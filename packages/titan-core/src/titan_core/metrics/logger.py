@@ -6,6 +6,7 @@ TensorBoard only):
 
     loss/global_avg, loss/global_max   loss 5.4321 (max 5.50)
     loss/z_loss                        z_loss 0.0012   (its part of the loss, with training.z_loss_weight)
+    loss/mtp                           mtp 5.6789      (the prediction depths' mean cross-entropy, with mtp.layers)
     optim/grad_norm                    grad_norm 1.23
     optim/lr                           lr 8.0e-04
     throughput/tokens_per_s            tokens/s 2,345
@@ -108,6 +109,8 @@ def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
         fields.append(_paint(text, "loss", color))
     if (z_loss := value("loss/z_loss")) is not None:
         fields.append(_paint(f"z_loss {z_loss:.4f}", "loss", color))
+    if (mtp := value("loss/mtp")) is not None:
+        fields.append(_paint(f"mtp {mtp:.4f}", "loss", color))
     if (grad_norm := value("optim/grad_norm")) is not None:
         fields.append(_paint(f"grad_norm {grad_norm:#.3g}", "grad_norm", color))  # "19.0", not "19"
     if (lr := value("optim/lr")) is not None:

@@ -24,9 +24,11 @@ def _moe_params(args: ModelArgs, experts: int) -> int:
 
 
 def _count(args: ModelArgs, routed_experts: int) -> int:
-    n_moe = args.n_layers - args.n_dense_layers
-    blocks = args.n_layers * (_attention_params(args) + 2 * args.dim)  # + attention_norm, ffn_norm
+    n_moe = args.n_layers - args.n_dense_layers + args.n_mtp_layers  # the MTP blocks are MoE blocks
+    n_blocks = args.n_layers + args.n_mtp_layers
+    blocks = n_blocks * (_attention_params(args) + 2 * args.dim)  # + attention_norm, ffn_norm
     blocks += args.n_dense_layers * 3 * args.dim * args.ffn_hidden_dim + n_moe * _moe_params(args, routed_experts)
+    blocks += args.n_mtp_layers * (2 * args.dim * args.dim + 3 * args.dim)  # eh_proj; enorm, hnorm, head_norm
     embedding = args.vocab_size * args.dim
     output = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
     return embedding + blocks + args.dim + output  # + final norm
@@ -55,7 +57,7 @@ def count_active_params(args: ModelArgs) -> int:
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token, as in the PaLM / torchtitan estimate.
 
-    `6 * N_active + 6 * n_layers * n_heads * (qk_head_dim + v_head_dim) * seq_len`.
+    `6 * N_active + 6 * (n_layers + n_mtp_layers) * n_heads * (qk_head_dim + v_head_dim) * seq_len`.
 
     N_active is `count_active_params` without the token-embedding table (a lookup, no
     matmul); the output projection counts once even when tied. The second term is
@@ -69,8 +71,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
         seq_len: training sequence length.
     """
     embedding = args.vocab_size * args.dim
-    matmul_params = count_active_params(args) - embedding
+    matmul_params = count_active_params(args) - embedding + args.n_mtp_layers * embedding  # + each depth's output
     if args.tie_word_embeddings:
         matmul_params += embedding  # the tied weight is also the output projection
-    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    attention = 6 * (args.n_layers + args.n_mtp_layers) * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     return 6 * matmul_params + attention

@@ -12,8 +12,16 @@ layout (`mlp.experts.gate_up_proj` `(experts, 2 * hidden, dim)`, `mlp.experts.do
 The router's `mlp.gate.e_score_correction_bias` is `moe.expert_bias`.
 
 Multi-token prediction: DeepSeek-V3's checkpoints carry an MTP module as layer
-`num_hidden_layers` (layer 61 of the 671B); Titan has no MTP, so `from_hf` skips every layer
-index >= `n_layers` and the written `config.json` says `num_nextn_predict_layers: 0`.
+`num_hidden_layers` (layer 61 of the 671B): a block plus `enorm`, `hnorm`, `eh_proj`,
+`shared_head.norm`, and copies of the embedding (`embed_tokens`) and output (`shared_head.head`).
+Titan's `MTPBlock`s are the same layers of `layers` (`input_proj.{enorm,hnorm,eh_proj}`,
+`head_norm`), sharing the model's embedding and output: `from_hf` reads the first
+`args.n_mtp_layers` of them (and skips the copies, and any further layers), `to_hf` writes them with
+the copies, as the Hub checkpoints and vLLM's and SGLang's MTP loaders have them. The written `config.json`
+says `num_nextn_predict_layers: n_mtp_layers`; `args_from_hf_config` does not read it (n_mtp_layers 0), since
+transformers writes 1 into every DeepSeek-V3 config whether or not the weights hold the layer (it drops
+them on load): a training job asks for the depths with `mtp.layers`, `titan convert` counts the layers the
+weights hold.
 FP8 checkpoints (`*.weight_scale_inv`, `quantization_config`) are refused: dequantize to bf16 first.
 """
 
@@ -50,6 +58,14 @@ _LAYER_NAMES: dict[str, str] = {
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+_MTP_NAMES: dict[str, str] = {  # an MTPBlock's own parameters (the rest is a block's)
+    "input_proj.enorm.weight": "enorm.weight",
+    "input_proj.hnorm.weight": "hnorm.weight",
+    "input_proj.eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
+}
+_MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+"""An MTP layer's copies of the shared weights in the Hub layout -> the Titan weight they copy."""
 _TOP_NAMES: dict[str, str] = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -57,6 +73,7 @@ _TOP_NAMES: dict[str, str] = {
 }
 _EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # Titan stacked weight -> HF per-expert name
 _HF_LAYER_NAMES = {hf: titan for titan, hf in _LAYER_NAMES.items()}
+_HF_MTP_NAMES = {hf: titan for titan, hf in _MTP_NAMES.items()}
 _HF_TOP_NAMES = {hf: titan for titan, hf in _TOP_NAMES.items()}
 _TITAN_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -99,6 +116,8 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
         prefix = f"model.layers.{match.group(1)}." if match else ""
         if leaf in _LAYER_NAMES:
             hf[prefix + _LAYER_NAMES[leaf]] = tensor
+        elif leaf in _MTP_NAMES and match is not None and int(match.group(1)) >= args.n_layers:
+            hf[prefix + _MTP_NAMES[leaf]] = tensor
         elif leaf is not None and leaf.startswith("moe.experts.") and leaf[len("moe.experts.") :] in _EXPERT_PROJ:
             proj = _EXPERT_PROJ[leaf[len("moe.experts.") :]]
             for j, weight in enumerate(tensor.unbind(0)):  # (experts, out, in) -> experts x (out, in)
@@ -107,13 +126,21 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
             raise ValueError(
                 f"'{name}' is not a DeepSeek-V3 parameter; pass the model's own state dict (Titan names, no prefix)"
             )
+    embedding = state_dict.get("tok_embeddings.weight")
+    head = embedding if args.tie_word_embeddings else state_dict.get("output.weight")
+    copies: dict[str, torch.Tensor | None] = {"embed_tokens.weight": embedding, "shared_head.head.weight": head}
+    for layer in range(args.n_layers, args.n_layers + args.n_mtp_layers):  # the Hub layout's copies
+        for hf_leaf, shared in copies.items():
+            if shared is not None:  # a clone: safetensors refuses two names for one storage
+                hf[f"model.layers.{layer}.{hf_leaf}"] = shared.clone()
     return hf
 
 
 def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """`DeepseekV3ForCausalLM` state dict (Hub per-expert layout or transformers' fused one) -> Titan names.
 
-    Layers with index >= `args.n_layers` (the multi-token-prediction module) are skipped.
+    Layers `n_layers .. n_layers + n_mtp_layers - 1` are multi-token-prediction blocks (their copies of the
+    embedding and output skipped); later layers (depths the run does not train) are skipped.
 
     Args:
         hf_state_dict: Hugging Face names (`model.embed_tokens.weight`, ...).
@@ -143,10 +170,13 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
                 f"'{name}' is not a DeepseekV3ForCausalLM parameter; only DeepSeek-V3-architecture checkpoints convert"
             )
         layer, leaf = match.groups()
-        if int(layer) >= args.n_layers:
-            continue  # the multi-token-prediction layer
+        mtp_layer = int(layer) >= args.n_layers
+        if int(layer) >= args.n_layers + args.n_mtp_layers or (mtp_layer and leaf in _MTP_SHARED):
+            continue  # a prediction depth this model has not, or an MTP layer's copy of a shared weight
         expert = _HF_EXPERT.fullmatch(leaf)
-        if leaf in _HF_LAYER_NAMES:
+        if mtp_layer and leaf in _HF_MTP_NAMES:
+            titan[f"layers.{layer}.{_HF_MTP_NAMES[leaf]}"] = tensor
+        elif leaf in _HF_LAYER_NAMES:
             titan[f"layers.{layer}.{_HF_LAYER_NAMES[leaf]}"] = tensor
         elif expert is not None:
             experts.setdefault((layer, _HF_PROJ[expert.group(2)]), {})[int(expert.group(1))] = tensor
@@ -304,7 +334,7 @@ def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict[str, An
         "routed_scaling_factor": m.route_scale,
         "scoring_func": m.score_func,
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.n_mtp_layers,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,

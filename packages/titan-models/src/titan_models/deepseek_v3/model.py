@@ -12,6 +12,13 @@ Differences from `titan_models.llama3.model`:
   DeepSeek's interleaved pair layout (pairs `(2i, 2i+1)`, as Llama 3's `apply_rotary_emb`).
 - Blocks after the first `n_dense_layers` replace the dense feed-forward with a
   Mixture-of-Experts (`titan_models.moe.MoE`, attribute `moe`).
+- Multi-token prediction (DeepSeek-V3's MTP, `ModelArgs.n_mtp_layers`): depth `k` combines the
+  main model's last hidden state at position `i` (before the final norm), through depth `k - 1`,
+  with the embedding of token `i + k` (`MTPInput`: `eh_proj(cat(enorm(emb), hnorm(h)))`), runs one
+  more block and its own final norm (`head_norm`), and predicts token `i + k + 1` through the shared
+  `output`. Its blocks are entries `n_layers ..` of `layers`, so every parallel wrapping that splits a
+  block splits them too; only `forward(..., mtp=True)` runs them (training), and the output then holds
+  the main rows and each depth's, stacked on the batch dim.
 
 Nothing here knows about parallelism (no `torch.distributed` import); titan-parallel
 splits the modules from outside, reading `titan_models.deepseek_v3.plan`. Build on the
@@ -117,8 +124,13 @@ class ModelArgs:
     """The Mixture-of-Experts of blocks `n_dense_layers` .. `n_layers - 1`."""
     tie_word_embeddings: bool = False
     """Share one weight between `tok_embeddings` and `output`."""
+    n_mtp_layers: int = 0
+    """Multi-token-prediction depths (Hugging Face `num_nextn_predict_layers`; DeepSeek-V3 trains with 1): blocks
+    `n_layers .. n_layers + n_mtp_layers - 1` of `layers`, run only by `forward(..., mtp=True)`."""
 
     def __post_init__(self) -> None:
+        if self.n_mtp_layers < 0:
+            raise ModelConfigError(f"ModelArgs.n_mtp_layers={self.n_mtp_layers} must be >= 0")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ModelConfigError(
                 f"ModelArgs.n_dense_layers={self.n_dense_layers} must be in 0..n_layers={self.n_layers}"
@@ -419,6 +431,71 @@ class TransformerBlock(nn.Module):
             self.moe.init_weights(out_std, buffer_device)
 
 
+class MTPInput(nn.Module):
+    """A multi-token-prediction depth's input: `eh_proj(cat(enorm(emb), hnorm(h)))`, token by token.
+
+    Args:
+        args: the model's shape (`dim`, `norm_eps`).
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args:
+        x: `(bs, seqlen, 2 * dim)`: the embeddings of the tokens `k` ahead, then the previous depth's hidden states.
+        """
+        emb, h = x.chunk(2, dim=-1)
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+
+
+class MTPBlock(TransformerBlock):
+    """One multi-token-prediction depth (DeepSeek-V3 section 2.2): `input_proj` (`MTPInput`), a block (a
+    Mixture-of-Experts one, as every block after `n_dense_layers`), and `head_norm` before the shared output.
+
+    Args:
+        layer_id: its index in `layers` (`n_layers + depth - 1`); depth-scales its output-side init.
+        args: the model's shape.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__(layer_id, args)
+        self.input_proj = MTPInput(args)
+        self.head_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.input_width = 2 * args.dim  # the last dim of its input (a block's is `dim`), for callers that build one
+
+    def forward(  # type: ignore[override]  # two outputs: the hidden states for the next depth and the head's
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args:
+            x: `(bs, seqlen, 2 * dim)`, see `MTPInput.forward`.
+            rope_cache, positions, mask: as `TransformerBlock.forward`'s.
+
+        Returns:
+            `(h, head_norm(h))`, each `(bs, seqlen, dim)`: `h` feeds the next depth, the other the output.
+        """
+        h = super().forward(self.input_proj(x), rope_cache, positions, mask)
+        return h, self.head_norm(h)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """As `TransformerBlock.init_weights`; `eh_proj` std 0.02, the norms ones.
+
+        Args:
+            buffer_device: where the MoE's buffers go; None keeps their device.
+        """
+        super().init_weights(buffer_device)
+        for norm in (self.input_proj.enorm, self.input_proj.hnorm, self.head_norm):
+            norm.reset_parameters()
+        init_trunc_normal_(self.input_proj.eh_proj.weight, 0.02)
+
+
 class Transformer(nn.Module):
     """DeepSeek-V3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
     and deletes entries of `layers`; the forward then skips them."""
@@ -434,6 +511,8 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        for i in range(args.n_layers, args.n_layers + args.n_mtp_layers):
+            self.layers[str(i)] = MTPBlock(i, args)
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -447,7 +526,11 @@ class Transformer(nn.Module):
         return precompute_rope_cache(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        mtp: bool = False,
     ) -> torch.Tensor:
         """Args:
             tokens: `(bs, seqlen)` int64 token ids, or `(bs, seqlen, dim)` hidden states
@@ -456,10 +539,14 @@ class Transformer(nn.Module):
                 (context parallel passes its shard's positions); None means `arange(seqlen)`.
             document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
                 attention stays within each document (block-causal); None: causal over the whole sequence.
+            mtp: also run the multi-token-prediction depths (training; needs the whole sequence of token ids).
+                Depth `k`'s row `i` predicts token `i + k + 1`: its targets are the labels shifted left by `k`
+                (the last `k` positions have none). Without MTP layers this changes nothing.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
-            stage without `output`.
+            stage without `output`. With `mtp` and `n_mtp_layers = D`: `(bs * (1 + D), seqlen, ...)`,
+            the main rows first, then each depth's.
         """
         seqlen = tokens.shape[1]
         if positions is None and seqlen > self.args.max_seq_len:
@@ -467,15 +554,31 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds ModelArgs.max_seq_len={self.args.max_seq_len}; "
                 "shorten the sequence or raise max_seq_len"
             )
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        main_layers = self.args.n_layers
+        depths = self.args.n_mtp_layers if mtp else 0
+        if depths and (self.tok_embeddings is None or tokens.dim() != 2):
+            raise ValueError("multi-token prediction needs the token ids and tok_embeddings (no pipeline stage cut)")
+        if depths:  # one lookup for the main rows and each depth's tokens k ahead (wrapped: their targets are -100)
+            rolled = [tokens, *(tokens.roll(-k, dims=1) for k in range(1, depths + 1))]
+            embedded = self.tok_embeddings(torch.cat(rolled, dim=0)).chunk(depths + 1, dim=0)  # type: ignore[misc]
+            h = embedded[0]
+        else:
+            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions, mask)
-        if self.norm is not None:
-            h = self.norm(h)
+        for key, layer in self.layers.items():
+            if int(key) < main_layers:
+                h = layer(h, self.rope_cache, positions, mask)
+        out = self.norm(h) if self.norm is not None else h
+        if depths:
+            heads = [out]
+            for k in range(1, depths + 1):
+                block = self.layers[str(main_layers + k - 1)]
+                h, head_in = block(torch.cat([embedded[k], h], dim=-1), self.rope_cache, positions, mask)
+                heads.append(head_in)
+            out = torch.cat(heads, dim=0)  # (bs * (1 + depths), seqlen, dim)
         if self.output is None or self.skip_output:
-            return h  # (bs, seqlen, dim): a stage without the output, or the loss applies it
-        return self.output(h)  # (bs, seqlen, vocab_size)
+            return out  # (bs, seqlen, dim): a stage without the output, or the loss applies it
+        return self.output(out)  # (bs, seqlen, vocab_size)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -484,6 +587,8 @@ class Transformer(nn.Module):
         As `llama3.Transformer.init_weights`: works after `to_empty` from the meta device, on
         DTensor parameters and on pipeline stages; embeddings std 0.02, `output` std
         `dim ** -0.5`, output-side weights depth-scaled, norms ones, normals truncated at +-3 std.
+        The multi-token-prediction blocks come last, so that adding them leaves the main model's
+        initial weights (the same seed's) as they were.
 
         Args:
             buffer_device: device for the RoPE table and the MoE buffers; None keeps their device.
@@ -499,10 +604,13 @@ class Transformer(nn.Module):
         elif self.tok_embeddings is not None:
             init_trunc_normal_(self.tok_embeddings.weight, 0.02)
         device = torch.device(buffer_device) if buffer_device is not None else None
-        for layer in self.layers.values():
+        blocks = [(int(key), layer) for key, layer in self.layers.items()]
+        for _, layer in [b for b in blocks if b[0] < self.args.n_layers]:
             # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
             layer.init_weights(device)  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:
             init_trunc_normal_(self.output.weight, self.args.dim**-0.5)
+        for _, layer in [b for b in blocks if b[0] >= self.args.n_layers]:  # multi-token prediction's
+            layer.init_weights(device)  # type: ignore[operator]

@@ -9,6 +9,8 @@ gradient of it covers only that rank's heads: `attention.k_rope_to_heads` (an id
 it over the TP ranks (`SUM_GRAD`). A Mixture-of-Experts block's routed and shared experts are
 split on their hidden dim (`MOE_INPUT`); expert parallel splits the routed ones by expert. Only
 the entries a block has apply (a model has `wq` or `wq_a`/`wq_b`; a block `feed_forward` or `moe`).
+A multi-token-prediction block (`MTPBlock`) adds its input projection, run token by token on each rank's sequence
+shard with its weights replicated (`TOKENWISE`), and its head norm (sequence parallel).
 """
 
 from titan_parallel.plan import ModelPlan, TPStyle
@@ -42,6 +44,8 @@ deepseek_v3_plan = ModelPlan(
         ("feed_forward.w3", TPStyle.COLWISE),
         ("feed_forward.w2", TPStyle.ROWWISE),
         ("moe", TPStyle.MOE_INPUT),
+        ("input_proj", TPStyle.TOKENWISE),
+        ("head_norm", TPStyle.NORM),
     ),
     pp_first=("tok_embeddings",),
     pp_last=("norm", "output"),

@@ -1,0 +1,245 @@
+"""Multi-token prediction (DeepSeek-V3's MTP, `mtp.layers`): each depth's rows against the paper's equations
+written out on truncated sequences, the loss against its definition (value and gradient), the Hugging Face
+layout of the Hub checkpoints, the parameter and FLOP counts, the job check's refusals, and `titan train` with
+two depths: FSDP 2, TP 2 (fused and plain loss), EP 2, full AC and compiled blocks against one process at every
+step, a zero weight that leaves the language model's training as without MTP, and the trained run converted to
+Hugging Face files (parity-checked) and back, and sampled from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from titan_cli.main import app
+from titan_core.config import ConfigError, load_config
+from titan_core.job import resolve
+from titan_core.step import StepLoss, cross_entropy_loss, shift_labels
+from titan_models import get_model_spec
+from titan_models.deepseek_v3 import Transformer, TransformerBlock, count_params, flops_per_token
+from titan_models.deepseek_v3.hf_adapter import from_hf_state_dict, to_hf_state_dict
+from typer.testing import CliRunner
+
+from titan_run import losses, read_metrics, run_titan_all
+
+DEBUG = get_model_spec("deepseek_v3").flavors["debugmodel"]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def small_model(depths: int = 2) -> Transformer:
+    args = dataclasses.replace(DEBUG, n_layers=2, n_mtp_layers=depths, vocab_size=97, max_seq_len=64)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    return model.double()
+
+
+def test_each_depth_predicts_one_more_token_ahead_as_the_paper_writes_it():
+    model = small_model(depths=2)
+    n_layers, seqlen = model.args.n_layers, 24
+    tokens = torch.randint(0, 97, (2, seqlen), generator=torch.Generator().manual_seed(3))
+    captured = []
+    model.norm.register_forward_pre_hook(lambda module, inputs: captured.append(inputs[0]))  # the main hidden states
+    with torch.no_grad():
+        stacked = model(tokens, mtp=True)  # (2 * 3, seqlen, vocab)
+        plain = model(tokens)
+    assert stacked.shape == (6, seqlen, 97)
+    torch.testing.assert_close(stacked[:2], plain, rtol=0, atol=0)  # the main rows are the model's logits
+    rows = stacked.chunk(3, dim=0)
+    # DeepSeek-V3 eq. 21-23 on the sequence cut to the positions that have a target: depth k at position i joins
+    # h^{k-1}_i with Emb(t_{i+k}) through M_k [RMSNorm(h); RMSNorm(Emb)], one block, the shared output head.
+    h = captured[0]  # (2, seqlen, dim), before the final norm
+    with torch.no_grad():
+        for k in (1, 2):
+            block = model.layers[str(n_layers + k - 1)]
+            proj, length = block.input_proj, seqlen - k
+            emb = model.tok_embeddings(tokens[:, k:])  # t_{i+k} for i < seqlen - k
+            x = proj.eh_proj(torch.cat([proj.enorm(emb), proj.hnorm(h[:, :length])], dim=-1))
+            h = TransformerBlock.forward(block, x, model.rope_cache)  # causal over the cut sequence (routing in fp32)
+            torch.testing.assert_close(rows[k][:, :length], model.output(block.head_norm(h)), rtol=1e-6, atol=1e-8)
+
+
+def test_the_loss_adds_the_weighted_mean_of_the_depths_and_reports_them_apart():
+    torch.manual_seed(1)
+    depths, weight, divisor, (bs, seqlen, vocab) = 2, 0.3, 2, (2, 9, 11)
+    logits = torch.randn(bs * (1 + depths), seqlen, vocab, requires_grad=True)  # the loss computes in fp32
+    labels = torch.randint(0, vocab, (bs, seqlen))
+    labels[0, 3] = -100  # a position without a target stays without one at every depth
+    loss_fn = StepLoss(cross_entropy_loss, divisor=divisor)
+    loss_fn.mtp_depths, loss_fn.mtp_weight = depths, weight
+    loss = loss_fn(logits, labels)
+    # By definition: the main cross-entropy plus weight x the depths' mean, depth k's row i scored on token
+    # i + k + 1 = labels[:, i + k], over the positions that have one.
+    exact = logits.double()
+    main, rows = exact[:bs], exact[bs:].reshape(depths, bs, seqlen, vocab)
+    per_depth = [F.cross_entropy(rows[k - 1][:, : seqlen - k].flatten(0, 1), labels[:, k:].flatten()) for k in (1, 2)]
+    expected = (F.cross_entropy(main.flatten(0, 1), labels.flatten()) + weight * sum(per_depth) / depths) / divisor
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
+    grad, expected_grad = torch.autograd.grad(loss, logits)[0], torch.autograd.grad(expected, logits)[0]
+    torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(loss_fn.mtp_terms[0].double(), (sum(per_depth) / depths).detach(), rtol=1e-6, atol=0)
+    assert shift_labels(labels, 2)[0].tolist() == [*labels[0, 2:].tolist(), -100, -100]
+    # A forward without the depths' rows (evaluation) is the plain loss; a z-loss term is the main rows' alone.
+    plain = F.cross_entropy(main.flatten(0, 1), labels.flatten()) / divisor
+    torch.testing.assert_close(loss_fn(logits[:bs], labels).double(), plain, rtol=1e-6, atol=0)
+    z_loss = StepLoss(lambda out, lab: cross_entropy_loss(out, lab, z_loss=1e-2, z_loss_out=z_loss.z_terms))
+    z_loss.mtp_depths, z_loss.mtp_weight = depths, weight
+    z_loss(logits, labels)
+    main_z = 1e-2 * torch.logsumexp(main.flatten(0, 1)[labels.flatten() != -100], dim=-1).square().mean()
+    assert len(z_loss.z_terms) == 1
+    torch.testing.assert_close(z_loss.z_terms[0].double(), main_z.detach(), rtol=1e-6, atol=0)
+
+
+def test_hugging_face_layout_is_the_hub_checkpoints_and_round_trips():
+    model = small_model(depths=1)
+    state = model.state_dict()
+    hf = to_hf_state_dict(state, model.args)
+    mtp_only = {name for name in hf if name.startswith("model.layers.2.")} - {
+        name.replace("model.layers.1.", "model.layers.2.") for name in hf if name.startswith("model.layers.1.")
+    }
+    # DeepSeek-V3's model.safetensors.index.json, layer 61 (its MTP module), less the names every MoE block has.
+    assert mtp_only == {
+        f"model.layers.2.{leaf}"
+        for leaf in ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+                     "shared_head.norm.weight", "shared_head.head.weight")
+    }  # fmt: skip
+    assert torch.equal(hf["model.layers.2.shared_head.head.weight"], state["output.weight"])
+    assert torch.equal(hf["model.layers.2.embed_tokens.weight"], state["tok_embeddings.weight"])
+    back = from_hf_state_dict(hf, model.args)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    plain_args = dataclasses.replace(model.args, n_mtp_layers=0)  # a model without the depths skips them
+    Transformer(plain_args).load_state_dict(from_hf_state_dict(hf, plain_args), strict=True)
+
+
+def test_counts_include_the_depths():
+    args = dataclasses.replace(DEBUG, n_mtp_layers=1)
+    with torch.device("meta"):
+        assert count_params(args) == sum(p.numel() for p in Transformer(args).parameters())
+    # One more MoE block's active FLOPs (its routed top 2 and shared expert, attention, eh_proj), and the output
+    # projection applied once more: 6 x (block + 2 dim^2 + 3 dim + vocab dim) + the block's attention term.
+    dim, seqlen = args.dim, 64
+    attention = 32768 + 128 + 49152 + 36864 + 128 + 65536 + 65536  # as test_deepseek_v3's by-hand count
+    block = attention + 2 * dim + dim * 8 + 3 * 3 * dim * 256  # norms, router, 2 routed + 1 shared expert
+    extra = 6 * (block + 2 * dim * dim + 3 * dim + args.vocab_size * dim) + 6 * 8 * (48 + 32) * seqlen
+    assert flops_per_token(args, seqlen) - flops_per_token(DEBUG, seqlen) == extra
+
+
+def test_the_memory_estimate_measures_a_depth_as_autograd_runs_it():
+    """The analytic tier's eager figures for a depth's block (input twice as wide, two outputs): what it keeps
+    against what autograd saves, and its backward's peak against autograd's engine, on real CPU tensors."""
+    from titan_core.memory.activations import ActivationLayout
+    from titan_core.memory.eager_saved import measure_eager
+    from titan_core.memory.fake_run import LiveBytes
+    from titan_run import autograd_saved_bytes
+
+    spec, args, seq = get_model_spec("deepseek_v3"), dataclasses.replace(DEBUG, n_mtp_layers=1), 64
+    torch.manual_seed(0)
+    model = spec.build(args)
+    model.init_weights()
+    for p in model.parameters():  # the model states count the parameters' gradients
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    eager = measure_eager(spec, args, ActivationLayout(compute_bytes=4, seq_len=seq, device_type="cpu"))
+    block = model.layers[str(args.n_layers)]
+    for bs in (1, 3):
+        figures = eager.for_tokens(bs * seq).per_block[args.n_layers]
+        x = torch.randn(bs, seq, 2 * args.dim, requires_grad=True)
+        kept = autograd_saved_bytes(model, lambda x=x: block(x, model.rope_cache))
+        assert kept / (bs * seq) == pytest.approx(figures.block, rel=0.015)
+        live = LiveBytes([*model.parameters(), *model.buffers(), model.rope_cache])
+        with live:
+            outputs = list(block(x.clone(), model.rope_cache))
+            for i in range(2):
+                live.drop(outputs[i])
+            before = live.now()
+            grads = [torch.ones_like(out) for out in outputs]
+            live.watch()
+            torch.autograd.backward(outputs, grads)
+        # Autograd's peak holds one input-wide fp32 gradient (2 x dim per token) more than the node-by-node walk
+        # finds, at both batch sizes; otherwise to the byte (a block's agree to 2%, tests/test_memory_eager.py).
+        gap = (live.peak - before) / (bs * seq) - figures.block_backward
+        assert gap == pytest.approx(2 * args.dim * 4, abs=0.02 * figures.block_backward), (bs, gap)
+
+
+def test_the_job_check_refuses_what_cannot_run_it():
+    base = ["--model.name", "deepseek_v3", "--mtp.layers", "1"]
+    assert resolve(load_config(None, base), 2).model_args.n_mtp_layers == 1
+    example = resolve(load_config(str(Path(__file__).parents[1] / "examples" / "mtp.toml")), 2)  # as README runs it
+    assert example.model_args.n_mtp_layers == 1 and example.cfg.mtp.loss_weight == 0.3
+    for key in ("pipeline_parallel_degree", "context_parallel_degree"):
+        with pytest.raises(ConfigError, match=f"mtp.layers=1 with parallelism.{key}=2.*set mtp.layers = 0"):
+            resolve(load_config(None, [*base, f"--parallelism.{key}", "2"]), 2)
+
+
+RUN = [
+    "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--mtp.layers", "2",
+    "--training.steps", "4", "--training.seq_len", "32", "--training.global_batch_size", "4",
+    "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--metrics.peak_tflops", "1", "--debug.seed", "7",
+]  # fmt: skip
+ONE_PROCESS = {  # row -> arguments, local batch 4
+    "reference": ["--checkpoint.enable", "--checkpoint.interval", "4"],
+    "plain_loss": ["--training.fused_loss", "false"],
+    "full_ac_compiled": ["--activation_checkpoint.mode", "full", "--compile.enable"],
+    "weight_0": ["--mtp.loss_weight", "0"],
+    "no_mtp": ["--mtp.layers", "0"],
+}
+TWO_PROCESSES = {
+    "fsdp": ["--training.local_batch_size", "2"],
+    "tp": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"],
+    "tp_plain_loss": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                      "--training.fused_loss", "false"],
+    "ep": ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mtp")
+    run_titan_all({root / name: [*RUN, "--training.local_batch_size", "4", *a] for name, a in ONE_PROCESS.items()})
+    run_titan_all({root / name: [*RUN, *a] for name, a in TWO_PROCESSES.items()}, nproc=2)
+    return root
+
+
+def test_layouts_train_the_depths_as_one_process(runs):
+    reference = read_metrics(runs / "reference")
+    assert [r["step"] for r in reference] == [1, 2, 3, 4]
+    for row in ["plain_loss", "full_ac_compiled", *TWO_PROCESSES]:
+        records = read_metrics(runs / row)
+        for key in ("loss/global_avg", "loss/mtp"):
+            gap = max(abs(a[key] - b[key]) for a, b in zip(records, reference, strict=True))
+            assert gap < 2e-5, (row, key, gap)
+    log = (runs / "reference" / "train.log").read_text()
+    assert "2 multi-token-prediction depths (loss weight 0.3)" in log and " mtp " in log
+
+
+def test_the_depths_learn_and_a_zero_weight_leaves_the_language_model_alone(runs):
+    # loss/global_avg is the language-model loss alone: with weight 0 the depths add no gradient, and the run
+    # trains the main model exactly as one without MTP (the depths' blocks are initialised after the main ones).
+    assert losses(runs / "weight_0") == pytest.approx(losses(runs / "no_mtp"), rel=0, abs=1e-6)
+    assert "loss/mtp" not in read_metrics(runs / "no_mtp")[0]
+    trained, untrained = read_metrics(runs / "reference"), read_metrics(runs / "weight_0")
+    assert trained[0]["loss/mtp"] == pytest.approx(untrained[0]["loss/mtp"], abs=1e-6)  # same start
+    assert trained[-1]["loss/mtp"] < untrained[-1]["loss/mtp"] - 0.1  # the weighted loss trains the depths
+
+
+def test_trained_depths_convert_to_hugging_face_and_back_and_sampling_skips_them(runs, tmp_path):
+    step = runs / "reference" / "checkpoint" / "step-4"
+    cli = CliRunner()
+    result = cli.invoke(app, ["convert", str(step), str(tmp_path / "hf"), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    assert "parity:" in result.output and "(ok;" in result.output  # transformers ignores the MTP layers' names
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 4
+    result = cli.invoke(app, ["convert", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--to", "dcp"])
+    assert result.exit_code == 0, result.output
+    from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes
+
+    names = [n for n in read_dcp_tensor_shapes(step) if n.startswith("layers.5.")]  # the second depth's weights
+    assert "layers.5.input_proj.eh_proj.weight" in names and "layers.5.head_norm.weight" in names
+    ours, back = read_dcp_state_dict(step, names), read_dcp_state_dict(tmp_path / "dcp", names)
+    assert all(torch.equal(ours[n], back[n]) for n in names)
+    result = cli.invoke(app, ["generate", str(runs / "reference"), "--prompt", "def ", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
