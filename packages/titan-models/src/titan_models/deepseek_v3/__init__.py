@@ -7,6 +7,8 @@ from titan_models.deepseek_v3.hf_adapter import args_from_hf_config, deepseek_v3
 from titan_models.deepseek_v3.model import (
     Attention,
     ModelArgs,
+    MTPBlock,
+    MTPInput,
     ScaledDotProductAttention,
     Transformer,
     TransformerBlock,
@@ -18,6 +20,8 @@ from titan_models.deepseek_v3.plan import deepseek_v3_plan
 
 __all__ = [
     "Attention",
+    "MTPBlock",
+    "MTPInput",
     "ModelArgs",
     "ScaledDotProductAttention",
     "Transformer",
