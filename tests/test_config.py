@@ -166,6 +166,7 @@ SPEC_DEFAULTS = {
     "metrics.enable_wandb": False,
     "metrics.wandb_project": "titan",
     "metrics.wandb_run_name": None,
+    "metrics.per_layer_norms": False,
     "metrics.peak_tflops": None,
     "profiling.enable_profiling": False,
     "profiling.save_traces_folder": "profile_traces",

@@ -293,6 +293,7 @@ class StepRunner:
         # The same kernels divide each gradient by `grad_scale` as they read it: the clip happens there, and the
         # separate in-place pass over every gradient (`clip_grad_norm_`) disappears.
         self.clip_in_optimizer = self.device_drop and max_norm > 0
+        self.grad_observer: Callable[[], None] | None = None  # called on every rank after backward, before clipping
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -376,6 +377,8 @@ class StepRunner:
                 total = loss if total is None else total + loss
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
             self.replicas.average_gradients(self.model.parameters())
+        if self.grad_observer is not None:  # e.g. each block's gradient norm, before clipping
+            self.grad_observer()
         if self.clip_in_optimizer:
             norm = grad_norm(self.model.parameters(), pp_mesh=self.pp_mesh)
             divisor: torch.Tensor | None = clip_divisor(norm, self.max_norm)

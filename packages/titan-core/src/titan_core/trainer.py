@@ -38,6 +38,7 @@ from titan_core.kernel_lines import log_kernels
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
+from titan_core.metrics.layer_norms import LayerNorms
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.model_setup import build_model_parts, loss_compiled_for
@@ -220,6 +221,14 @@ class Trainer:
             replicas=self.replicas,
             documents=documents if cfg.model.attn_mask_type == "block_causal" else None,
         )
+        self.layer_norms = None  # metrics.per_layer_norms: each block's gradient and parameter norm
+        if cfg.metrics.per_layer_norms:
+            self.layer_norms = LayerNorms(
+                self.model.parts,
+                [name for name, _ in job.meta_model().named_parameters()],
+                self.spec.plan.blocks,
+                pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None,
+            )
         # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
         self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
         # training.on_loss_spike: found on the device by the guard, applied at its polls (titan_core.loss_spike)
@@ -356,6 +365,7 @@ class Trainer:
             **self.loader.metrics(),  # host ints: data/epoch, or each mixed source's tokens and epoch
             "time/data_wait_ms": 1000 * data_wait_s,
             **self.balancer.metrics(),
+            **(self.layer_norms.metrics() if self.layer_norms is not None else {}),
             **(self.replicas.metrics() if self.replicas is not None else {}),
             **meter.read(),
             **memory_stats(self.device),
@@ -470,6 +480,10 @@ class Trainer:
                     started = time.perf_counter()
                     batches = [next(data) for _ in range(self.batch_ramp.accum_steps(self.state.step + 1))]
                     data_wait_s += time.perf_counter() - started
+                    if self.layer_norms is not None:  # the gradients' norms on the steps that log them
+                        upcoming = self.state.step + 1
+                        logs = upcoming % cfg.metrics.log_freq == 0 or upcoming == t.steps
+                        self.runner.grad_observer = self.layer_norms.record_grads if logs else None
                     result = self.train_step(batches, guard)
                     if not result.committed:
                         continue  # [fault_tolerance] a group left or joined mid-step: run it again

@@ -75,6 +75,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_divisor",
     "grad_norm",
+    "grouped_norms",
     "canonical_name",
     "copy_full_state",
     # processes and devices
@@ -120,7 +121,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "precision": ("mixed_precision_context", "native_bf16", "resolve_param_dtype"),
     "master_weights": ("ComputeCopies", "MasterAdam", "MasterAdamW", "master_weights_blockers"),
-    "grad_clip": ("clip_divisor", "clip_grad_norm_", "grad_norm"),
+    "grad_clip": ("clip_divisor", "clip_grad_norm_", "grad_norm", "grouped_norms"),
     "materialize": ("canonical_name", "copy_full_state"),
     "distributed": ("init_distributed", "resolve_device", "shutdown_distributed"),
     "comm_watch": ("CollectiveError", "CommWatch", "set_collective_timeout"),
@@ -152,7 +153,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily a
     from titan_parallel.distributed import init_distributed, resolve_device, shutdown_distributed
     from titan_parallel.float8 import Float8Options, MXOptions, apply_float8, apply_mx, check_float8, check_mx
     from titan_parallel.fsdp import apply_ddp, apply_fsdp
-    from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
+    from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm, grouped_norms
     from titan_parallel.layout import (
         ParallelConfigError,
         ParallelDims,

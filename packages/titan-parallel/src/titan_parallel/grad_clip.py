@@ -11,6 +11,9 @@ and torch 2.15 warns about that on every step of an FSDP x TP run. A pipeline st
 holds only its own layers, so the squared norms of all stages are summed over the
 `pp` mesh as well.
 
+`grouped_norms` takes the same global norms per group of tensors (each block's gradients or
+parameters, for logging), with one all-reduce per mesh dim for all the groups together.
+
 `clip_grad_norm_` scales the gradients in place (one read and one write of every
 gradient). An optimizer whose kernel divides the gradients by a `grad_scale` as it
 reads them (torch's fused Adam and AdamW, the kernels `torch.amp.GradScaler` drives)
@@ -20,7 +23,7 @@ pass over the gradients disappears (~3 ms of a 1B step on an H100).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,6 +88,59 @@ def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return ((total_norm.float() + 1e-6) / max_norm).clamp(min=1.0)
 
 
+@torch.no_grad()
+def grouped_norms(groups: Sequence[Sequence[torch.Tensor]], *, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """The global L2 norm of each group of tensors (plain tensors or DTensors of any layout, e.g. one block's
+    gradients), as `clip_grad_norm_` takes the norm of all of them: shards summed over the mesh dims they are
+    split on, all groups in one all-reduce per mesh dim (and one over `pp_mesh`).
+
+    Every rank of a collective passes the same number of groups in the same order; a group may be empty on a rank
+    (its tensors live on another pipeline stage), which then adds 0 to it.
+
+    Args:
+        groups: the tensors of each group on this rank.
+        pp_mesh: the pipeline mesh when the model is pipelined (the groups' squares are summed over it), else None.
+
+    Returns:
+        `(len(groups),)` fp32 norms, the same on every rank (on the tensors' device; CPU when there are none).
+    """
+    tensors = [t for group in groups for t in group]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    squares = torch.zeros(len(groups), dtype=torch.float32, device=device)
+    entries: list[tuple[int, torch.Tensor]] = []  # (group, this rank's square of one layout's tensors)
+    over: dict[tuple[DeviceMesh, int], list[int]] = {}  # (mesh, dim) -> the entries sharded on it
+    for index, group in enumerate(groups):
+        by_layout: dict[_Layout, list[torch.Tensor]] = {}
+        for t in group:
+            by_layout.setdefault((t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None, []).append(t)
+        for key, members in by_layout.items():
+            if key is None or any(placement.is_partial() for placement in key[1]):
+                norm = _norm(members, None)
+                entries.append((index, (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2))
+                continue
+            local = [t.to_local() if isinstance(t, DTensor) else t for t in members]
+            entries.append((index, _norm(local, None).float() ** 2))
+            for dim, placement in enumerate(key[1]):
+                if not placement.is_replicate() and key[0].size(dim) > 1:
+                    over.setdefault((key[0], dim), []).append(len(entries) - 1)
+    reduced = dict(enumerate(square for _, square in entries))
+    _sum_over_mesh_dims(reduced, over)
+    for entry, (index, _) in enumerate(entries):
+        squares[index] += reduced[entry]
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return squares.sqrt()
+
+
+def _sum_over_mesh_dims(squares: dict[int, torch.Tensor], over: dict[tuple[DeviceMesh, int], list[int]]) -> None:
+    """Sum each entry of `squares` over the mesh dims `over` lists it under, in place: one all-reduce of a vector
+    per mesh dim, in `over`'s order (the same on every rank of each collective)."""
+    for (mesh, dim), members in over.items():
+        summed = torch.stack([squares[i] for i in members])
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        squares.update(zip(members, summed.unbind(), strict=True))
+
+
 def _by_layout(parameters: Iterable[torch.nn.Parameter]) -> dict[_Layout, list[torch.nn.Parameter]]:
     """The parameters that have gradients, grouped by the (mesh, placements) of their gradients (None: plain
     tensors)."""
@@ -127,10 +183,7 @@ def _total_norm(
                 over.setdefault((mesh, dim), []).append(len(norms) - 1)
     reduced = sorted({i for members in over.values() for i in members})
     squares = {i: norms[i] ** 2 for i in reduced}  # summed over each mesh dim in turn, then one root
-    for (mesh, dim), members in over.items():
-        summed = torch.stack([squares[i] for i in members])
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
-        squares.update(zip(members, summed.unbind(), strict=True))
+    _sum_over_mesh_dims(squares, over)
     for i in reduced:
         norms[i] = squares[i] ** 0.5
     if not norms:

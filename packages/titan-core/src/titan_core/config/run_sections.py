@@ -15,6 +15,8 @@ class Metrics(Section):
     """TensorBoard folder, relative to job.dump_folder."""
     disable_color_printing: bool = False
     """Print logs without ANSI colours."""
+    per_layer_norms: bool = False
+    """Also log each block's gradient norm (before clipping) and parameter norm: grad_norm/layers.3, param_norm/..."""
     peak_tflops: PositiveFloat | None = None
     """The device's peak TFLOP/s for MFU; unset = the GPU table, or on CPU a figure measured once and cached."""
     enable_wandb: bool = False

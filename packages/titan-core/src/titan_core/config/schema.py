@@ -380,8 +380,7 @@ class MTP(Section):
     tokens further ahead, through the shared embedding and output."""
 
     layers: NonNegativeInt = 0
-    """Depths (Hugging Face `num_nextn_predict_layers`; DeepSeek-V3 1); 0 = none. Not with pipeline or context
-    parallel."""
+    """Prediction depths (DeepSeek-V3 1); 0 = none. Not with pipeline or context parallel (docs/models.md)."""
     loss_weight: NonNegativeFloat = 0.3
     """Weight of the depths' mean cross-entropy in the loss (DeepSeek-V3: 0.3 for its first 10T tokens, then 0.1)."""
 

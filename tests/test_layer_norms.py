@@ -1,0 +1,68 @@
+"""Each block's gradient and parameter norms (`metrics.per_layer_norms`): `titan_parallel.grouped_norms` against
+norms taken by hand, the groups a model's names fall into, and `titan train` on FSDP 2, TP 2, PP 2 and EP 2 against
+one process: the same norm for every group at every logged step, whose root sum of squares is the run's own
+`optim/grad_norm`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from titan_core.metrics.layer_norms import norm_group
+from titan_parallel import grouped_norms
+
+from titan_run import TINY, read_metrics, run_titan_all
+
+
+def test_grouped_norms_are_each_groups_l2_norm():
+    torch.manual_seed(0)
+    groups = [[torch.randn(3, 4), torch.randn(5)], [], [torch.randn(2, 2, dtype=torch.bfloat16)]]
+    by_hand = [torch.cat([t.float().flatten() for t in group]).norm() if group else torch.zeros(()) for group in groups]
+    torch.testing.assert_close(grouped_norms(groups), torch.stack(by_hand), rtol=1e-6, atol=0)
+    assert grouped_norms([]).shape == (0,)
+
+
+def test_groups_are_blocks_and_top_level_modules_whatever_wraps_them():
+    assert norm_group("layers.3._checkpoint_wrapped_module.attention.wq.weight", "layers") == "layers.3"
+    assert norm_group("layers.12._orig_mod.moe.experts.w1", "layers") == "layers.12"
+    assert norm_group("tok_embeddings.weight", "layers") == "tok_embeddings"
+    assert norm_group("output.weight", "layers") == "output"
+
+
+LLAMA = [*TINY, "--training.steps", "4", "--metrics.log_freq", "2", "--metrics.per_layer_norms", "true",
+         "--training.global_batch_size", "4"]  # fmt: skip
+DEEPSEEK = [*LLAMA, "--model.name", "deepseek_v3"]
+ROWS = {  # row -> (reference, arguments on 2 ranks)
+    "fsdp": ("llama", [*LLAMA, "--training.local_batch_size", "2"]),
+    "tp": ("llama", [*LLAMA, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    "pp": ("llama", [*LLAMA, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]),
+    "ep": ("deepseek", [*DEEPSEEK, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("layer_norms")
+    run_titan_all({root / "llama": [*LLAMA, "--training.local_batch_size", "4"],
+                   root / "deepseek": [*DEEPSEEK, "--training.local_batch_size", "4"]})  # fmt: skip
+    run_titan_all({root / row: args for row, (_, args) in ROWS.items()}, nproc=2)
+    return root
+
+
+def test_every_layout_reports_one_processs_norms(runs):
+    for row, (reference, _) in ROWS.items():
+        ours, theirs = read_metrics(runs / row), read_metrics(runs / reference)
+        assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [2, 4]
+        for mine, ref in zip(ours, theirs, strict=True):
+            groups = sorted(k for k in ref if k.startswith(("grad_norm/", "param_norm/")))
+            assert sorted(k for k in mine if k.startswith(("grad_norm/", "param_norm/"))) == groups, row
+            for key in groups:  # fp32 layouts: most agree to 1e-6; the output's gradient norm by 8e-5 (FSDP, TP, EP)
+                assert mine[key] == pytest.approx(ref[key], rel=2e-4), (row, key, mine[key], ref[key])
+            # The groups' gradient norms make up the clipped norm the run reports.
+            total = math.sqrt(sum(mine[k] ** 2 for k in groups if k.startswith("grad_norm/")))
+            assert total == pytest.approx(mine["optim/grad_norm"], rel=1e-5), row
+    names = [k for k in read_metrics(runs / "deepseek")[0] if k.startswith("grad_norm/")]
+    assert names == ["grad_norm/tok_embeddings", *(f"grad_norm/layers.{i}" for i in range(4)),
+                     "grad_norm/norm", "grad_norm/output"]  # fmt: skip
