@@ -159,6 +159,8 @@ SPEC_DEFAULTS = {
     "moe.router_z_loss_coeff": None,
     "mtp.layers": 0,
     "mtp.loss_weight": 0.3,
+    "ema.enable": False,
+    "ema.decay": 0.999,
     "metrics.log_freq": 1,
     "metrics.enable_tensorboard": True,
     "metrics.save_tb_folder": "tb",

@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "LoadModelFn": "manager",
     "SaveModelFn": "manager",
     "JsonStateful": "json_states",
+    "TensorStateful": "json_states",
     "ASYNC_MODES": "argument_checks",
     "AsyncMode": "argument_checks",
     "CheckpointError": "errors",
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointOptions",
     "JsonStateful",
+    "TensorStateful",
     "LoadModelFn",
     "SaveModelFn",
     "atomic_output",
@@ -103,7 +105,7 @@ if TYPE_CHECKING:
         write_hf_config,
     )
     from titan_ckpt.hf_to_dcp import convert_hf_to_dcp
-    from titan_ckpt.json_states import JsonStateful
+    from titan_ckpt.json_states import JsonStateful, TensorStateful
     from titan_ckpt.manager import CheckpointManager, LoadModelFn, SaveModelFn
     from titan_ckpt.options import CheckpointOptions
     from titan_ckpt.torch_files import read_torch_state_dict, write_torch_state_dict

@@ -28,6 +28,7 @@ def check_arguments(
     keep_interval: int = 0,
     load_step: int,
     exclude_from_loading: Sequence[str],
+    tensor_states: Mapping[str, Any] | None = None,
 ) -> None:
     """Fail on arguments of `CheckpointManager` that cannot work (see its docstring for each).
 
@@ -41,15 +42,23 @@ def check_arguments(
         keep_interval: milestone steps kept besides them (0: none), a multiple of `interval`.
         load_step: step to resume from, or -1.
         exclude_from_loading: state names not restored.
+        tensor_states: the tensor states by name.
 
     Raises:
         CheckpointError: the first argument that cannot work; `arguments` names it.
     """
+    tensor_states = tensor_states or {}
     clash = sorted(set(states) & set(RESERVED_STATES))
     if clash:
         raise CheckpointError(
             f"state name '{clash[0]}' is reserved by the checkpoint manager; rename that entry of states",
             arguments=("states",),
+        )
+    clash = sorted(set(tensor_states) & {*RESERVED_STATES, *states})
+    if clash:
+        raise CheckpointError(
+            f"tensor state name '{clash[0]}' is reserved or a JSON state's; rename that entry of tensor_states",
+            arguments=("tensor_states",),
         )
     if optimizers and len(optimizers) != len(model_parts):
         raise CheckpointError(
@@ -57,7 +66,7 @@ def check_arguments(
             "pass one optimizer per model part (pipeline stage)",
             arguments=("optimizers",),
         )
-    known = (*RESERVED_STATES, *states)
+    known = (*RESERVED_STATES, *states, *tensor_states)
     unknown = [name for name in exclude_from_loading if name not in known]
     if unknown:
         raise CheckpointError(

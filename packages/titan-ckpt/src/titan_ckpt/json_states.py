@@ -26,6 +26,16 @@ class JsonStateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class TensorStateful(Protocol):
+    """An object whose `state_dict()` is tensors by name (plain tensors or DTensors, the live ones: DCP saves them
+    resharded and loads into them in place), then given back to `load_state_dict` once filled (e.g. an exponential
+    moving average of the weights)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 def to_json_text(name: str, state: Any) -> str:
     """Serialise a state dict to JSON text, failing with the offending state's name.
 

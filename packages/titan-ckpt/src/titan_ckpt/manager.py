@@ -41,6 +41,7 @@ from titan_ckpt.dcp_io import ChecksummingWriter
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.json_states import (
     JsonStateful,
+    TensorStateful,
     rng_state_dict,
     to_json_text,
     write_json_state,
@@ -71,6 +72,9 @@ class CheckpointManager:
         optimizers: one per model part.
         states: JSON states by name, e.g. {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}:
             objects whose `state_dict()` is plain JSON data, the same on every rank.
+        tensor_states: tensor states by name (`TensorStateful`, e.g. {"ema": ...}): their tensors (DTensors
+            resharded as the model's) saved under `<name>.<key>`, in model-only saves too (in `export_dtype`),
+            and loaded back in place; a checkpoint without one leaves it as it is (logged).
         device: the device the run computes on (picks the RNG state to save).
         options: `folder` and every setting below but the two functions, as one value
             (`CheckpointOptions`); pass either it or `folder` and the setting keywords, not both.
@@ -86,7 +90,8 @@ class CheckpointManager:
         last_save_model_only: the last step saves only the model weights (plus the small JSON states).
         export_dtype: dtype of the weights in that model-only save.
         load_step: step to resume from; -1 = the newest complete one.
-        exclude_from_loading: states not restored, from "model", "optimizer", "rng" and the `states` names.
+        exclude_from_loading: states not restored, from "model", "optimizer", "rng" and the `states` and
+            `tensor_states` names.
         initial_load_path: a checkpoint to start from when `folder` has none.
         initial_load_model_only: load only the model weights from `initial_load_path`.
         load_model_fn: reads `initial_load_path` (or an externally saved step) as full weights,
@@ -106,6 +111,7 @@ class CheckpointManager:
         model_parts: Sequence[nn.Module],
         optimizers: Sequence[torch.optim.Optimizer] = (),
         states: Mapping[str, JsonStateful] | None = None,
+        tensor_states: Mapping[str, TensorStateful] | None = None,
         device: torch.device = torch.device("cpu"),
         options: CheckpointOptions | None = None,
         enable: bool = True,
@@ -141,10 +147,12 @@ class CheckpointManager:
         o = one_form(folder, options, keywords)
         self.options = o
         self.states = dict(states or {})
+        self.tensor_states = dict(tensor_states or {})
         check_arguments(
             model_parts,
             optimizers,
             self.states,
+            tensor_states=self.tensor_states,
             interval=o.interval,
             keep_latest_k=o.keep_latest_k,
             keep_interval=o.keep_interval,
@@ -270,7 +278,7 @@ class CheckpointManager:
         tensors, texts = self._collect(model_only, dtype, with_dcp=not external, with_json=with_json)
         info = {
             "step": step,
-            "contents": sorted(["model", *texts]),
+            "contents": sorted(["model", *texts, *([] if external else self.tensor_states)]),
             "model_only": model_only,
             "model_format": "external" if external else "dcp",
             "weights_dtype": str(dtype or next(self.model_parts[0].parameters()).dtype).removeprefix("torch."),
@@ -313,6 +321,14 @@ class CheckpointManager:
             for state in ms.get_part_states(self.model_parts):
                 tensors.update(
                     {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()}
+                )
+        if with_dcp:  # in model-only saves too: weights such as an average of the model's
+            for name, obj in self.tensor_states.items():
+                tensors.update(
+                    {
+                        f"{name}.{k}": v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                        for k, v in obj.state_dict().items()
+                    }
                 )
         texts = {}
         if not model_only:
@@ -401,7 +417,7 @@ class CheckpointManager:
         return step
 
     def _all_states(self) -> list[str]:
-        return [*RESERVED_STATES, *self.states]
+        return [*RESERVED_STATES, *self.states, *self.tensor_states]
 
     def _choose_step(self, load_step: int | None = None) -> int | None:
         """Rank 0 picks the step (`load_step`, default the manager's; the ranks might list the folder
@@ -476,6 +492,7 @@ class CheckpointManager:
             device=self.device,
             pg=self.pg,
             load_model_fn=self.load_model_fn,
+            tensor_states=self.tensor_states,
         )
         if self.rank == 0:
             excluded = sorted(set(self._all_states()) - names - set(absent))

@@ -17,7 +17,7 @@ import torch.nn as nn
 from titan_ckpt import model_state as ms
 from titan_ckpt.dcp_io import SafeFileSystemReader, read_metadata_safely
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.json_states import JsonStateful, load_rng_state, read_json_state
+from titan_ckpt.json_states import JsonStateful, TensorStateful, load_rng_state, read_json_state
 from titan_ckpt.manifest import find_damaged_file
 from titan_ckpt.step_folders import list_complete_steps, step_folder
 
@@ -35,6 +35,7 @@ def load_states(
     device: torch.device,
     pg: dist.ProcessGroup | None,
     load_model_fn: Callable[[Path], Mapping[str, torch.Tensor]] | None,
+    tensor_states: Mapping[str, TensorStateful] | None = None,
 ) -> None:
     """Load the `names` states ("model", "optimizer", "rng", JSON state names) from `folder` into the live objects.
 
@@ -48,6 +49,7 @@ def load_states(
         device: the device the run computes on (for the RNG state).
         pg: the manager's gloo group.
         load_model_fn: reads full model weights from a folder of another format, or None.
+        tensor_states: the run's tensor states by name (their tensors under `<name>.<key>`).
     """
     tensors: dict[str, torch.Tensor] = {}
     part_states = opt_states = None
@@ -65,6 +67,10 @@ def load_states(
     if "optimizer" in names:
         opt_states = ms.get_optimizer_states(model_parts, optimizers)
         tensors.update(ms.flatten_optimizer_tensors(opt_states))
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    for name in sorted(names & set(tensor_states or {})):
+        loaded[name] = dict((tensor_states or {})[name].state_dict())
+        tensors.update({f"{name}.{key}": value for key, value in loaded[name].items()})
     if tensors:
         ms.check_against_metadata(tensors, read_metadata_safely(folder / ".metadata"), str(folder))
         try:
@@ -81,6 +87,8 @@ def load_states(
         ms.set_optimizer_states(
             model_parts, optimizers, opt_states, read_json_state(folder, "optimizer")["param_groups"]
         )
+    for name, filled in loaded.items():  # DCP filled their tensors in place
+        (tensor_states or {})[name].load_state_dict(filled)
     for name in sorted(names & set(states)):
         states[name].load_state_dict(read_json_state(folder, name))
     if "rng" in names:

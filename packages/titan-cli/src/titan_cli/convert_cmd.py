@@ -42,6 +42,11 @@ def convert(
         "--weights",
         help="With --average-with: one weight per checkpoint, SRC's first, e.g. 1,1,2 (default: equal).",
     ),
+    ema: bool = typer.Option(
+        False,
+        "--ema",
+        help="Write the moving average of the weights a trainer checkpoint holds ([ema]) instead of its weights.",
+    ),
 ) -> None:
     """Convert model weights between Hugging Face safetensors, DCP and torch files, or average several checkpoints.
 
@@ -78,6 +83,7 @@ def convert(
             log=log,
             average_with=average_with,
             weights=weight_list,
+            ema=ema,
         )
     except ParityError as err:
         typer.echo(f"titan convert: error: {err}", err=True)

@@ -7,7 +7,8 @@ The trainer calls, in order (see `titan_core.trainer`):
     self.checkpointer.save(step, last_step=...)                    # after every step
     self.checkpointer.close()                                      # at the end, waits for a background save
 
-What a checkpoint holds: model and optimizer tensors (DCP, resharded on load), and as
+What a checkpoint holds: model and optimizer tensors (DCP, resharded on load), the moving
+average of the weights with `[ema]` ("ema", `titan_core.ema`), and as
 JSON the LR schedule ("lr_scheduler"), the data loader's global position
 ("dataloader", independent of the world size), step and tokens seen ("train_state"),
 and the RNG ("rng"); the names are what `checkpoint.exclude_from_loading` accepts.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titan_ckpt import CheckpointManager, CheckpointOptions, LoadModelFn, SaveModelFn, parse_dtype
+from titan_ckpt import CheckpointManager, CheckpointOptions, LoadModelFn, SaveModelFn, TensorStateful, parse_dtype
 from titan_core.config.errors import ConfigError
 from titan_core.config.schema import Checkpoint, Model
 from titan_core.job.options import checkpoint_options
@@ -267,6 +268,7 @@ def build_checkpointer(
     device: torch.device,
     load_model_fn: LoadModelFn | None = None,
     save_model_fn: SaveModelFn | None = None,
+    ema: TensorStateful | None = None,
 ) -> RunCheckpointer:
     """Build the run's checkpoint manager (disabled: it does nothing); each load puts the config's optimizer
     settings back (`RunCheckpointer`).
@@ -284,6 +286,7 @@ def build_checkpointer(
         load_model_fn: reads `initial_load_path` in Hugging Face format (`checkpoint.initial_load_in_hf`,
             see `hf_checkpoint_hooks`).
         save_model_fn: writes the last save in Hugging Face format (`checkpoint.last_save_in_hf`).
+        ema: the moving average of the weights (`[ema]`), saved as the tensor state "ema"; None without one.
 
     The rules across the `checkpoint` keys are checked with the whole job (`titan_core.job`).
     """
@@ -301,6 +304,7 @@ def build_checkpointer(
         model_parts=model_parts,
         optimizers=optimizers,
         states={"lr_scheduler": SchedulersState(lr_schedulers), "dataloader": dataloader, "train_state": train_state},
+        tensor_states={"ema": ema} if ema is not None else None,
         device=device,
         options=options,
         load_model_fn=load_model_fn,

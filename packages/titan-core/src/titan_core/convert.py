@@ -92,6 +92,7 @@ def convert_checkpoint(
     log: Callable[[str], None] = lambda message: None,
     average_with: Sequence[str] = (),
     weights: Sequence[float] | None = None,
+    ema: bool = False,
 ) -> ConversionResult:
     """Convert model weights between "hf", "dcp" and "torch" (source format detected), or write the average of
     several checkpoints of one model (`average_with`).
@@ -110,6 +111,8 @@ def convert_checkpoint(
         average_with: more checkpoints of the same model (any format): the output holds the weighted mean of
             `src` and these, each floating-point tensor averaged in fp32 (checkpoint averaging, "model soups").
         weights: one weight per checkpoint (`src` first), normalised to sum 1; None = equal weights.
+        ema: read each DCP checkpoint's moving average of the weights (`[ema]`, keys `ema.<name>`) instead of its
+            weights.
 
     Raises:
         ValueError / FileNotFoundError / FileExistsError: bad input, one line naming the path and the fix.
@@ -130,11 +133,11 @@ def convert_checkpoint(
     log(f"reading {src_format} checkpoint {src_path}")
     args, base_config, extras_dir = resolve_source_args(src_path, src_format, adapter, model_name, flavor)
     expected = expected_shapes(spec.build, args)
-    state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected)
+    state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected, ema=ema)
     check_state_dict(state_dict, expected, src_path)
     if average_with:
         state_dict = _average(
-            state_dict, src_path, average_with, weights, args, adapter, model_name, flavor, expected, log
+            state_dict, src_path, average_with, weights, args, adapter, model_name, flavor, expected, log, ema
         )
     elif weights is not None:
         raise ConfigError("--weights weigh the checkpoints of an average; add them with --average-with")
@@ -186,6 +189,7 @@ def _average(
     flavor: str | None,
     expected: dict[str, torch.Size],
     log: Callable[[str], None],
+    ema: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The weighted mean of `first` and the checkpoints at `others` (read one at a time): floating-point tensors
     accumulated in fp32 and returned in `first`'s dtypes; any other tensor must be equal in all of them."""
@@ -210,7 +214,7 @@ def _average(
                 "; average checkpoints of one model only"
             )
         log(f"reading {fmt} checkpoint {path}")
-        state_dict = load_titan_state_dict(path, fmt, args, adapter, expected)
+        state_dict = load_titan_state_dict(path, fmt, args, adapter, expected, ema=ema)
         check_state_dict(state_dict, expected, path)
         for key, tensor in state_dict.items():
             if tensor.is_floating_point():
@@ -484,7 +488,13 @@ def expected_shapes(build: Callable[[Any], torch.nn.Module], args: Any) -> dict[
 
 
 def load_titan_state_dict(
-    path: Path, fmt: str, args: Any, adapter: HFAdapter[Any] | None, expected: dict[str, torch.Size]
+    path: Path,
+    fmt: str,
+    args: Any,
+    adapter: HFAdapter[Any] | None,
+    expected: dict[str, torch.Size],
+    *,
+    ema: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read a checkpoint of any format as a Titan-named full state dict on CPU.
 
@@ -494,24 +504,37 @@ def load_titan_state_dict(
         args: the model's args (for the RoPE permutation and tied embeddings).
         adapter: the model's Hugging Face adapter (None: it has none; Hugging Face weights cannot be read).
         expected: the model's names and shapes (`expected_shapes`); a DCP folder is read for these only.
+        ema: read a trainer checkpoint's moving average of the weights (DCP only) instead of its weights.
     """
+    if ema and fmt != "dcp":
+        raise ConfigError(
+            f"--ema: {path} is a {fmt} checkpoint; the moving average of the weights is in a trainer's DCP "
+            "checkpoints (ema.enable = true): point to a step-N folder"
+        )
     if fmt == "hf":
         return _needs_adapter(adapter, path).from_hf(read_hf_state_dict(path), args)
     if fmt == "dcp":
-        return read_dcp_model(path, args, expected)
+        return read_dcp_model(path, args, expected, prefixes=("ema.",) if ema else ("", "model."))
     raw = read_torch_state_dict(torch_file_of(path))
     if "model.embed_tokens.weight" in raw or "lm_head.weight" in raw:  # a Hugging Face pytorch_model.bin
         return _needs_adapter(adapter, path).from_hf(raw, args)
     return _with_tied_output(_strip_prefix(raw, "model."), args)
 
 
-def read_dcp_model(folder: Path, args: Any, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """The model's tensors from a DCP folder whose keys have no prefix or `model.` (the
-    prefix that holds the most expected names wins); optimizer, data loader and train
-    state entries are not read."""
+def read_dcp_model(
+    folder: Path, args: Any, expected: dict[str, torch.Size], prefixes: Sequence[str] = ("", "model.")
+) -> dict[str, torch.Tensor]:
+    """The model's tensors from a DCP folder whose keys have one of `prefixes` (no prefix or `model.`; `ema.` for
+    the moving average of the weights): the prefix that holds the most expected names wins. Optimizer, data
+    loader and train state entries are not read."""
     stored = read_dcp_tensor_shapes(folder)
-    prefix = max(("", "model."), key=lambda p: sum(p + k in stored for k in expected))
+    prefix = max(prefixes, key=lambda p: sum(p + k in stored for k in expected))
     names = [prefix + k for k in expected if prefix + k in stored]
+    if not names and prefix == "ema.":
+        raise ConfigError(
+            f"--ema: {folder} holds no moving average of the weights (no 'ema.*' tensors); it is saved by runs with "
+            "ema.enable = true"
+        )
     if not names:
         raise ConfigError(
             f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); "

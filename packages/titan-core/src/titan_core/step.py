@@ -67,6 +67,7 @@ from titan_parallel.linear_cross_entropy import hidden_states_out
 from titan_parallel.precision import mixed_precision_context
 
 if TYPE_CHECKING:
+    from titan_core.ema import WeightEMA
     from titan_core.fault_tolerance import ReplicaGroups
     from titan_core.model_setup import ModelParts
     from titan_core.moe_balance import ExpertLoadBalancer
@@ -243,6 +244,8 @@ class StepRunner:
             and commit vote around the step; None without fault tolerance.
         documents: `(bos_id, eos_id)` of the packed data: attention stays within each document (block-causal,
             `model.attn_mask_type`), the model given each batch's `document_ids`; None: causal attention.
+        ema: the moving average of the weights (`titan_core.ema.WeightEMA`), updated after each optimizer step
+            with the guard's verdict (a dropped update leaves it unchanged); None without one.
     """
 
     def __init__(
@@ -262,6 +265,7 @@ class StepRunner:
         attention_backends: Sequence[str] | None = None,
         replicas: ReplicaGroups | None = None,
         documents: tuple[int, int] | None = None,
+        ema: WeightEMA | None = None,
     ):
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
@@ -275,6 +279,7 @@ class StepRunner:
         self.attention_backends = attention_backends
         self.replicas = replicas
         self.documents = documents
+        self.ema = ema
         # Torch's pipeline schedule over this rank's stages, or without pipeline parallel a one-stage schedule
         # with the same interface (`step`, `eval`; stages with `is_first` / `is_last`).
         self.schedule: Any
@@ -391,8 +396,12 @@ class StepRunner:
             self.balancer.after_backward(found_inf=found_inf)
         if found_inf is None or self.device_drop:
             self._optimizer_step(found_inf, divisor)  # a bad update is dropped inside the fused kernels
+            if self.ema is not None:
+                self.ema.update(found_inf)  # unchanged where the kernels dropped the update
         elif not bool(found_inf.item()):  # foreach / for-loop: the verdict is read on the host (one sync)
             self._optimizer_step(None, divisor)
+            if self.ema is not None:
+                self.ema.update()
         lr = float(self.lr_schedulers[0].get_last_lr()[0]) if self.lr_schedulers else None  # before it moves on
         self.lr_step()  # the schedule follows the step counter, dropped steps included
         z_terms = self.loss.z_terms  # one per loss call: the step's mean, as `total` is over its micro-batches

@@ -30,6 +30,7 @@ from titan_core.checkpointing import (
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
+from titan_core.ema import WeightEMA
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
@@ -182,6 +183,7 @@ class Trainer:
             for optimizer in self.optimizers
         ]
         self.state = TrainState()
+        self.ema = WeightEMA(self.model.parts, cfg.ema.decay) if cfg.ema.enable else None  # [ema]
         if self.replicas is not None:  # what a restarted group recovers live from a peer
             self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
         # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
@@ -195,6 +197,7 @@ class Trainer:
             train_state=self.state,
             device=self.device,
             **hf_checkpoint_hooks(cfg.checkpoint, cfg.model, self.model_args, job.hf_source, rank=self.rank),
+            ema=self.ema,
         )
         # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
         self.balancer = ExpertLoadBalancer(
@@ -220,6 +223,7 @@ class Trainer:
             after_step=self._float8_after_step(),
             replicas=self.replicas,
             documents=documents if cfg.model.attn_mask_type == "block_causal" else None,
+            ema=self.ema,
         )
         self.layer_norms = None  # metrics.per_layer_norms: each block's gradient and parameter norm
         if cfg.metrics.per_layer_norms:
@@ -414,6 +418,8 @@ class Trainer:
             if told is None:
                 raise
             raise told from e
+        if self.ema is not None and not self.ema.loaded:  # [ema] from the weights training starts from
+            self.ema.restart()
         self._write_config()  # after the load: a start that cannot resume this folder leaves its run's config
         if resumed and self.state.step >= t.steps and self.rank == 0:
             logger.warning(

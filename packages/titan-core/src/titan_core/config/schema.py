@@ -385,6 +385,15 @@ class MTP(Section):
     """Weight of the depths' mean cross-entropy in the loss (DeepSeek-V3: 0.3 for its first 10T tokens, then 0.1)."""
 
 
+class EMA(Section):
+    """An exponential moving average of the weights, checkpointed beside them (titan convert --ema exports it)."""
+
+    enable: bool = False
+    """Keep the average: after every applied step ema = decay * ema + (1 - decay) * weights, fp32, sharded."""
+    decay: Annotated[float, Field(ge=0, lt=1)] = 0.999
+    """Decay per step: the average spans about 1 / (1 - decay) steps (0.999: ~1000)."""
+
+
 class JobConfig(Section):
     """The whole job: one field per section, each section one TOML table."""
 
@@ -414,6 +423,8 @@ class JobConfig(Section):
     """Mixture-of-Experts balancing and router losses."""
     mtp: MTP = Field(default_factory=MTP)
     """Multi-token prediction."""
+    ema: EMA = Field(default_factory=EMA)
+    """A moving average of the weights."""
     metrics: Metrics = Field(default_factory=Metrics)
     """Logging and TensorBoard."""
     profiling: Profiling = Field(default_factory=Profiling)

@@ -1,0 +1,76 @@
+"""An exponential moving average of the weights (`[ema]`): `ema = decay * ema + (1 - decay) * weights` after every
+applied optimizer step, in fp32, sharded as the parameters are (FSDP, TP, EP, pipeline stages: each rank averages
+its own shards, no communication).
+
+Torch has `torch.optim.swa_utils.AveragedModel`, which keeps a second copy of the whole module (deep-copied, so on
+FSDP or TP a second set of DTensor wrappers and hooks) and updates it one parameter at a time; here the average is a
+plain dict of tensors beside the parameters, updated in one multi-tensor `lerp` on the local shards, and checkpointed
+through `titan_ckpt`'s tensor states (`ema.<name>` in every checkpoint, model-only saves included, resharded on
+load like the weights).
+
+It starts from the weights training starts from (the initialised model, or the checkpoint's weights when a
+checkpoint without an average is loaded) and skips a step whose update the run guard dropped (`found_inf`, on the
+device: no host sync). `titan convert --ema` exports the average instead of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_parallel import canonical_name
+
+__all__ = ["WeightEMA"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class WeightEMA:
+    """The moving average of this rank's parameters, by their model names (wrappers stripped).
+
+    Args:
+        parts: this rank's model parts (the model, or its pipeline stages), initialised.
+        decay: the average's decay per step, in [0, 1).
+    """
+
+    def __init__(self, parts: Iterable[nn.Module], decay: float):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"WeightEMA decay={decay} must be in [0, 1)")
+        self.decay = decay
+        self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
+        with torch.no_grad():  # fp32 whatever the weights' dtype; DTensors keep their placements
+            self.average = {name: p.detach().float().clone() for name, p in self.params.items()}
+        self.loaded = False  # whether a checkpoint's average was loaded (else it restarts from the weights)
+        self._pairs = [(_local(self.average[name]), _local(p)) for name, p in self.params.items()]
+
+    @torch.no_grad()
+    def update(self, found_inf: torch.Tensor | None = None) -> None:
+        """Move the average toward the weights just updated; a step whose update was dropped (`found_inf` 1, on the
+        device) leaves it unchanged."""
+        averages = [a for a, _ in self._pairs]
+        weights = [p if p.dtype == torch.float32 else p.float() for _, p in self._pairs]
+        if found_inf is None:
+            torch._foreach_lerp_(averages, weights, 1.0 - self.decay)
+        else:
+            step = (1.0 - self.decay) * (1.0 - found_inf.float())  # 0 on a dropped step
+            torch._foreach_lerp_(averages, weights, [step] * len(averages))
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Set the average to the weights (after a checkpoint without one was loaded)."""
+        torch._foreach_copy_([a for a, _ in self._pairs], [p.float() for _, p in self._pairs])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The live averages (`titan_ckpt.TensorStateful`): saved as they are, loaded into in place."""
+        return self.average
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            if value is not self.average[name]:
+                self.average[name].copy_(value)
+        self.loaded = True

@@ -1,0 +1,122 @@
+"""The moving average of the weights (`[ema]`): the average in every checkpoint follows its recurrence from the
+checkpointed weights; 2 FSDP ranks stopped at step 2 and resumed on 1 rank hold the average of one uninterrupted
+process; a resume from a checkpoint without an average starts it from the loaded weights; a dropped update leaves
+it unchanged; `titan convert --ema` writes it, and refuses in one line where there is none."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes
+from titan_cli.main import app
+from titan_core.ema import WeightEMA
+from typer.testing import CliRunner
+
+import warm_python
+from titan_run import FORK_RUN, REPO, TINY, losses, run_titan, titan_env
+
+DECAY = 0.5  # large moves: a wrong term shows at once
+RUN = [*TINY, "--training.steps", "4", "--training.global_batch_size", "4", "--ema.enable", "true",
+       "--ema.decay", str(DECAY), "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]  # fmt: skip
+WORKER = REPO / "tests" / "workers" / "ckpt_train.py"
+
+
+def averages(step_folder: Path, with_weights: bool = False) -> dict[str, torch.Tensor]:
+    names = [n for n in read_dcp_tensor_shapes(step_folder) if n.startswith("ema.")]
+    return read_dcp_state_dict(step_folder, names + ([n[4:] for n in names] if with_weights else []))
+
+
+def test_the_average_follows_its_recurrence_and_skips_a_dropped_update():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ema = WeightEMA([model], decay=0.75)
+    start = {k: v.clone() for k, v in ema.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(found_inf=torch.tensor(1.0))  # the guard dropped this step's update: no move
+    torch.testing.assert_close(ema.state_dict()["weight"], start["weight"], rtol=0, atol=0)
+    ema.update(found_inf=torch.tensor(0.0))
+    torch.testing.assert_close(ema.state_dict()["weight"], 0.75 * start["weight"] + 0.25 * model.weight.detach())
+    ema.update()
+    with pytest.raises(ValueError, match="decay=1.0"):
+        WeightEMA([model], decay=1.0)
+
+
+def test_the_job_check_refuses_it_where_a_group_could_not_recover_it():
+    pytest.importorskip("torchft")
+    from titan_core.config import ConfigError, load_config
+    from titan_core.job import resolve
+
+    cfg = load_config(None, ["--ema.enable", "true", "--fault_tolerance.enable", "true",
+                             "--fault_tolerance.lighthouse", "http://localhost:29510"])  # fmt: skip
+    with pytest.raises(ConfigError, match="ema.enable with fault_tolerance.enable.*set ema.enable = false"):
+        resolve(cfg, 1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """`reference`: 4 steps in one process; `resharded`: 2 FSDP ranks to step 2, then 1 rank to step 4;
+    `late`: 2 steps without an average, then 2 with one."""
+    root = tmp_path_factory.mktemp("ema")
+    run_titan(root / "reference", *RUN, "--training.local_batch_size", "4")
+    cmd = [sys.executable, str(FORK_RUN), "2", str(WORKER), "stop-after-step", "2", *RUN,
+           "--training.local_batch_size", "2", "--job.dump_folder", str(root / "resharded")]  # fmt: skip
+    proc = warm_python.run(cmd, env=titan_env(), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_titan(root / "resharded", *RUN, "--training.local_batch_size", "4")
+    run_titan(root / "late", *RUN, "--training.local_batch_size", "4", "--ema.enable", "false", "--training.steps", "2")
+    resumed = run_titan(root / "late", *RUN, "--training.local_batch_size", "4")
+    (root / "late.log").write_text(resumed.stdout + resumed.stderr)
+    return root
+
+
+def test_every_checkpoints_average_follows_from_the_weights(runs):
+    folder = runs / "reference" / "checkpoint"
+    for step in (2, 3, 4):
+        previous, now = averages(folder / f"step-{step - 1}"), averages(folder / f"step-{step}", with_weights=True)
+        assert len(previous) == len(now) // 2 > 10
+        for name, value in previous.items():  # ema_t = d ema_{t-1} + (1 - d) weights_t, in fp32
+            expected = DECAY * value.double() + (1 - DECAY) * now[name[4:]].double()
+            torch.testing.assert_close(now[name].double(), expected, rtol=0, atol=1e-6)
+    first = averages(folder / "step-1", with_weights=True)  # half way between the initial and the trained weights
+    assert all(not torch.equal(first[n], first[n[4:]]) for n in first if n.startswith("ema.") and n.endswith("wq.weight"))
+
+
+def test_resharded_and_resumed_average_is_one_processs(runs):
+    assert losses(runs / "resharded")[-2:] == pytest.approx(losses(runs / "reference")[-2:], abs=2e-5)
+    ours = averages(runs / "resharded" / "checkpoint" / "step-4")
+    theirs = averages(runs / "reference" / "checkpoint" / "step-4", with_weights=True)
+    assert ours.keys() == {n for n in theirs if n.startswith("ema.")}
+    for name in ours:  # as the weights of the two runs agree (fp32 over 4 Adam steps); an average restarted at
+        # the resume, or not resharded, would be off by the weights' moves (the largest is printed)
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5)
+    moved = max((theirs[n] - theirs[n[4:]]).abs().max().item() for n in ours)
+    assert moved > 10 * 1e-5, moved  # 3.8e-4 here: 38x the tolerance
+
+
+def test_an_average_started_on_resume_starts_from_the_loaded_weights(runs):
+    folder = runs / "late" / "checkpoint"
+    assert not averages(folder / "step-2")  # saved without an average
+    weights = read_dcp_state_dict(folder / "step-2", [n[4:] for n in averages(folder / "step-3")])
+    step3 = averages(folder / "step-3", with_weights=True)
+    for name, value in weights.items():  # ema_3 = d weights_2 + (1 - d) weights_3
+        expected = DECAY * value.double() + (1 - DECAY) * step3[name].double()
+        torch.testing.assert_close(step3[f"ema.{name}"].double(), expected, rtol=0, atol=1e-6)
+    assert "holds no ema state" in (runs / "late.log").read_text()  # said, not silently fresh
+
+
+def test_convert_writes_the_average_and_refuses_where_there_is_none(runs, tmp_path):
+    cli, step = CliRunner(), runs / "reference" / "checkpoint" / "step-4"
+    result = cli.invoke(app, ["convert", str(step), str(tmp_path / "ema.pt"), "--to", "torch", "--ema"])
+    assert result.exit_code == 0, result.output
+    written = torch.load(tmp_path / "ema.pt", weights_only=True)
+    saved = averages(step)
+    assert written.keys() == {n[4:] for n in saved}
+    assert all(torch.equal(written[n[4:]], saved[n]) for n in saved)
+    result = cli.invoke(app, ["convert", str(runs / "late" / "checkpoint" / "step-2"), str(tmp_path / "x.pt"),
+                              "--to", "torch", "--ema"])  # fmt: skip
+    assert result.exit_code == 2 and "holds no moving average of the weights" in result.output
+    assert not (tmp_path / "x.pt").exists()
