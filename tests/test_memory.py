@@ -32,6 +32,9 @@ def test_8b_fsdp8_model_states_are_the_published_count_over_8():
     shard = LLAMA31_8B_PARAMS // 8  # every 8B weight's rows divide by 8: no FSDP padding
     assert rank.parameters == 4 * shard + ROPE_8B
     assert rank.optimizer == 8 * shard
+    # [ema]: the moving average is one more fp32 copy of the shards
+    averaged = estimate_analytic(load_config("llama3_8b", ["--ema.enable", "true"]), 8).ranks[0]
+    assert averaged.parameters == 8 * shard + ROPE_8B and averaged.optimizer == rank.optimizer
     # the 8B config: selective op AC, seq 8192, batch 1: the fused loss holds one chunk of logits at a time,
     # 2093 rows (1 GiB of fp32 logits), 12 x V bytes per row at its peak; the plain loss all 8192 rows
     assert rank.detail["logits_transient"] == 12 * 128256 * (2**30 // (4 * 128256))

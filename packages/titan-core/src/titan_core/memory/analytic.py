@@ -324,6 +324,8 @@ def _rank_memory(
     # weights (`titan_parallel.master_weights`): the compute copies beside the masters, gradients in the compute dtype.
     master = job.parallel.master_weights
     param_bytes = (4 + (b if master else 0)) * params.sharded + precast_float8_weights(job)  # + float8 copies
+    if job.cfg.ema.enable:  # the moving average of the weights: one more fp32 copy of the shards (titan_core.ema)
+        param_bytes += 4 * params.sharded
     grad_bytes = (b if master else 4) * params.sharded
     opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
     if p.dp_mode == "ddp" and dims.dp_replicate > 1:
