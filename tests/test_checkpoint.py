@@ -352,6 +352,47 @@ def test_arguments_and_states_are_checked(tmp_path):
         a.manager(tmp_path, interval=1).save(1)
 
 
+class Tensors:
+    """A tensor state: a copy of the model's weights (as a moving average keeps one)."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors = {k: v.detach().clone() for k, v in model.named_parameters()}
+        self.loaded = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        assert all(state[k] is self.tensors[k] for k in state)  # filled in place
+        self.loaded += 1
+
+
+def test_tensor_states_save_in_every_save_and_load_in_place(tmp_path):
+    a = Run(seed=1)
+    kept = Tensors(a.model)
+    a.step(2)
+    a.manager(tmp_path, tensor_states={"copy": kept}, interval=2).save(2)
+    a.manager(tmp_path, tensor_states={"copy": kept}, interval=2, last_save_model_only=True,
+              export_dtype=torch.bfloat16).save(4, last_step=True)  # fmt: skip
+    assert {"copy.embed.weight", "copy.head.bias"} <= set(stored_tensors(tmp_path / "step-2"))
+    assert stored_tensors(tmp_path / "step-4")["copy.head.weight"] == torch.bfloat16  # model-only: export dtype
+    assert "copy" in json.loads((tmp_path / "step-2" / "manifest.json").read_text())["contents"]
+    b = Run(seed=2)
+    other = Tensors(b.model)
+    assert b.manager(tmp_path, tensor_states={"copy": other}, load_step=2).load() == 2
+    assert other.loaded == 1 and all(torch.equal(other.tensors[k], v) for k, v in kept.tensors.items())
+    plain = tmp_path / "plain"  # a checkpoint saved without it leaves it as it was
+    a.manager(plain, interval=2).save(2)
+    c = Run(seed=3)
+    untouched = Tensors(c.model)
+    before = {k: v.clone() for k, v in untouched.tensors.items()}
+    assert c.manager(plain, tensor_states={"copy": untouched}).load() == 2
+    assert untouched.loaded == 0 and all(torch.equal(untouched.tensors[k], v) for k, v in before.items())
+    with pytest.raises(CheckpointError, match="tensor state name 'counter' is reserved or a JSON state's") as err:
+        a.manager(tmp_path, tensor_states={"counter": kept})
+    assert err.value.arguments == ("tensor_states",)
+
+
 def test_excluded_states_are_not_loaded(tmp_path):
     a = Run(seed=1)
     a.step(2)
