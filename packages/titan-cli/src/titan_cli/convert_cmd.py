@@ -45,7 +45,8 @@ def convert(
     ema: bool = typer.Option(
         False,
         "--ema",
-        help="Write the moving average of the weights a trainer checkpoint holds ([ema]) instead of its weights.",
+        help="Write the moving average of the weights a trainer checkpoint holds (ema.enable = true) instead of "
+        "its weights.",
     ),
 ) -> None:
     """Convert model weights between Hugging Face safetensors, DCP and torch files, or average several checkpoints.
