@@ -161,6 +161,7 @@ SPEC_DEFAULTS = {
     "mtp.loss_weight": 0.3,
     "ema.enable": False,
     "ema.decay": 0.999,
+    "ema.validation": False,
     "metrics.log_freq": 1,
     "metrics.enable_tensorboard": True,
     "metrics.save_tb_folder": "tb",

@@ -76,6 +76,8 @@ BROKEN = {
                 "--parallelism.tensor_parallel_degree", "2"], 2,
                ["training.z_loss_weight under tensor parallel needs training.fused_loss = true",
                 "parallelism.disable_loss_parallel = true"]),
+    "ema": (["--ema.validation", "true", "--ema.enable", "true"], 1,
+            ["ema.validation = true scores the averaged weights", "set validation.enable = true"]),
 }
 
 FT_ON = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",

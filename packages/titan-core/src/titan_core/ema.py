@@ -10,12 +10,14 @@ load like the weights).
 
 It starts from the weights training starts from (the initialised model, or the checkpoint's weights when a
 checkpoint without an average is loaded) and skips a step whose update the run guard dropped (`found_inf`, on the
-device: no host sync). `titan convert --ema` exports the average instead of the weights.
+device: no host sync). `titan convert --ema` exports the average instead of the weights; `swapped()` puts it in the
+model for a while (validation on the averaged weights, `ema.validation`), and the weights back exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -64,6 +66,37 @@ class WeightEMA:
     def restart(self) -> None:
         """Set the average to the weights (after a checkpoint without one was loaded)."""
         torch._foreach_copy_([a for a, _ in self._pairs], [p.float() for _, p in self._pairs])
+
+    @contextmanager
+    def swapped(
+        self, *, prepare: Callable[[], None] | None = None, refresh: Callable[[], None] | None = None
+    ) -> Iterator[None]:
+        """Inside the block the model's parameters hold the average (cast to their dtype); after it, the weights
+        they held, bit for bit. Costs one more copy of this rank's parameter shards meanwhile.
+
+        Args:
+            prepare: called before each write, so that the parameters hold what the optimizer updates and no
+                derived copy outlives them (the fp32 masters in place of the compute copies; FSDP's all-gathered
+                parameters freed, which a module that keeps them after its forward would otherwise reuse).
+            refresh: called after each write, for state derived from the weights (float8's precomputed scales).
+        """
+        params = [p for _, p in self._pairs]
+        if prepare is not None:
+            prepare()
+        with torch.no_grad():
+            kept = [p.clone() for p in params]
+            torch._foreach_copy_(params, [a for a, _ in self._pairs])
+        if refresh is not None:
+            refresh()
+        try:
+            yield
+        finally:
+            if prepare is not None:
+                prepare()
+            with torch.no_grad():
+                torch._foreach_copy_(params, kept)
+            if refresh is not None:
+                refresh()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The live averages (`titan_ckpt.TensorStateful`): saved as they are, loaded into in place."""

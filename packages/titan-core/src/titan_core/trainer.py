@@ -264,6 +264,24 @@ class Trainer:
             self.device,
         )
 
+    def _ema_validation(self, validator: Validator) -> dict[str, object]:
+        """[ema] `ema.validation`: the same validation pass on the averaged weights, as `validation_ema/...`."""
+        if self.ema is None or not self.cfg.ema.validation:
+            return {}
+        from torch.distributed.fsdp import FSDPModule
+
+        def prepare() -> None:  # the parameters as the optimizer writes them, no gathered or compute copy kept
+            if self.model.copies is not None:
+                self.model.copies.use_masters()
+            for part in self.model.parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+
+        with self.ema.swapped(prepare=prepare, refresh=self.runner.after_step):
+            values = validator.metrics()
+        return {key.replace("validation/", "validation_ema/", 1): value for key, value in values.items()}
+
     def _build_validator(self) -> Validator | None:
         v, t = self.cfg.validation, self.cfg.training
         if not v.enable:
@@ -521,7 +539,7 @@ class Trainer:
                         losses.append(float(values["loss/global_avg"]))  # type: ignore[arg-type]  # a float
                         metrics.log(step, values)
                     if validator is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                        metrics.log(step, validator.metrics())
+                        metrics.log(step, {**validator.metrics(), **self._ema_validation(validator)})
                         self.balancer.reset()  # validation's routing is not training load
                         meter.reset()  # validation time is not training throughput
                     if evaluator is not None and (step % cfg.eval.freq == 0 or step == t.steps):

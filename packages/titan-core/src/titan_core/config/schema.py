@@ -392,6 +392,8 @@ class EMA(Section):
     """Keep the average: after every applied step ema = decay * ema + (1 - decay) * weights, fp32, sharded."""
     decay: Annotated[float, Field(ge=0, lt=1)] = 0.999
     """Decay per step: the average spans about 1 / (1 - decay) steps (0.999: ~1000)."""
+    validation: bool = False
+    """Each validation pass also scores the averaged weights: validation_ema/loss (needs validation.enable)."""
 
 
 class JobConfig(Section):

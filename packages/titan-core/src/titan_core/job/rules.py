@@ -430,6 +430,18 @@ def _lr_schedule(d: Draft) -> None:
     d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, d.cfg.training.steps)
 
 
+def _ema(d: Draft) -> None:
+    """`ema.validation` scores the moving average of the weights in the validation passes: it needs both."""
+    e = d.cfg.ema
+    if e.validation and not (e.enable and d.cfg.validation.enable):
+        missing = " and ".join(
+            k for k, on in (("ema.enable", e.enable), ("validation.enable", d.cfg.validation.enable)) if not on
+        )
+        raise ConfigError(
+            f"ema.validation = true scores the averaged weights in the validation passes; set {missing} = true"
+        )
+
+
 def _z_loss(d: Draft) -> None:
     """`training.z_loss_weight` under tensor parallel's loss parallel needs the fused loss: the plain loss there is
     torch's `loss_parallel` cross-entropy on vocab-sharded logits, which has no z-loss."""
@@ -558,5 +570,6 @@ RULES: tuple[Rule, ...] = (
     Rule("master_weights", master_weights),
     Rule("weight_decay", _weight_decay),
     Rule("z_loss", _z_loss),
+    Rule("ema", _ema),
 )
 """Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""

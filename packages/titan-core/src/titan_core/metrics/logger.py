@@ -16,6 +16,7 @@ TensorBoard only):
     memory/rss_gib                     mem 1.23GiB   (host, when no CUDA figure)
     validation/loss                    validation loss 3.2500 (ppl 25.79)
     validation/<set>/loss              validation loss 3.2500 (ppl 25.79; code 3.0000, web 3.5000)   (validation.sets)
+    validation_ema/loss                ema validation loss 3.1000 (ppl 22.20)   (ema.validation: the averaged weights')
 
 A record with none of these keys (a downstream evaluation's, whose evaluator prints
 its own line) prints no console line.
@@ -128,15 +129,16 @@ def _fields(metrics: Mapping[str, float | None], color: bool) -> list[str]:
         mem = value("memory/rss_gib")
     if mem is not None:
         fields.append(_paint(f"mem {mem:.2f}GiB", "mem", color))
-    if (val_loss := value("validation/loss")) is not None:
-        ppl = math.inf if val_loss > 700 else math.exp(val_loss)  # exp() overflows a float past ~709; NaN stays NaN
-        sets = [
-            f"{key[len('validation/') : -len('/loss')]} {v:.4f}"
-            for key, v in metrics.items()
-            if key.startswith("validation/") and key.endswith("/loss") and key != "validation/loss" and v is not None
-        ]
-        each = f"; {', '.join(sets)}" if sets else ""  # validation.sets: each set's, validation/loss their mean
-        fields.append(_paint(f"validation loss {val_loss:.4f} (ppl {ppl:.2f}{each})", "loss", color))
+    for prefix, label in (("validation", "validation loss"), ("validation_ema", "ema validation loss")):
+        if (val_loss := value(f"{prefix}/loss")) is not None:
+            ppl = math.inf if val_loss > 700 else math.exp(val_loss)  # exp() overflows past ~709; NaN stays NaN
+            sets = [
+                f"{key[len(prefix) + 1 : -len('/loss')]} {v:.4f}"
+                for key, v in metrics.items()
+                if key.startswith(f"{prefix}/") and key.endswith("/loss") and key != f"{prefix}/loss" and v is not None
+            ]
+            each = f"; {', '.join(sets)}" if sets else ""  # validation.sets: each set's, {prefix}/loss their mean
+            fields.append(_paint(f"{label} {val_loss:.4f} (ppl {ppl:.2f}{each})", "loss", color))
     return fields
 
 
