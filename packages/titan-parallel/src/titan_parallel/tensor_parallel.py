@@ -178,19 +178,26 @@ class TokenwiseParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from torch.nn.utils.stateless import _reparametrize_module
+        return _run_on_local_shard(module, device_mesh)
 
-        _, replicated = _distribute_moe_params(module, device_mesh, {})
-        inner = module.forward
 
-        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if isinstance(x, DTensor):  # a sequence-parallel module hands on its Shard(1) output
-                x = x.to_local()
-            with _reparametrize_module(module, _grad_summed_locals(module, replicated, device_mesh)):
-                return inner(x, *args, **kwargs)
+def _run_on_local_shard(module: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Make `module`'s plain parameters `Replicate()` DTensors (those split already keep their placement) and run
+    its forward on this rank's sequence shard as a local tensor, each replicated weight entering as its local
+    tensor with a gradient summed over the TP ranks (`_grad_summed_locals`); `module` is changed in place."""
+    from torch.nn.utils.stateless import _reparametrize_module
 
-        module.forward = forward
-        return module
+    _, replicated = _distribute_params(module, tp_mesh, {})
+    inner = module.forward
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if isinstance(x, DTensor):  # a sequence-parallel module hands on its Shard(1) output
+            x = x.to_local()
+        with _reparametrize_module(module, _grad_summed_locals(module, replicated, tp_mesh)):
+            return inner(x, *args, **kwargs)
+
+    module.forward = forward
+    return module
 
 
 class MoETensorParallel(ParallelStyle):
@@ -222,7 +229,7 @@ class MoETensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.nn.utils.stateless import _reparametrize_module
 
-        split, replicated = _distribute_moe_params(module, device_mesh, MOE_TP_SPLITS)
+        split, replicated = _distribute_params(module, device_mesh, MOE_TP_SPLITS)
         inner = module.forward
 
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -263,8 +270,6 @@ class MoETokenParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from torch.nn.utils.stateless import _reparametrize_module
-
         experts = module.get_submodule("experts")
         if not any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
             raise ValueError(
@@ -274,24 +279,13 @@ class MoETokenParallel(ParallelStyle):
         shared = getattr(module, "shared_experts", None)
         if isinstance(shared, nn.Module):
             _split_shared_experts(shared, device_mesh)
-        _, replicated = _distribute_moe_params(module, device_mesh, {})  # the experts are split already
-        inner = module.forward
-
-        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if isinstance(x, DTensor):  # a sequence-parallel norm hands on its Shard(1) output
-                x = x.to_local()
-            with _reparametrize_module(module, _grad_summed_locals(module, replicated, device_mesh)):
-                return inner(x, *args, **kwargs)
-
-        module.forward = forward
-        return module
+        return _run_on_local_shard(module, device_mesh)  # the experts are split already; the router replicated
 
 
-def _distribute_moe_params(
-    module: nn.Module, tp_mesh: DeviceMesh, splits: dict[str, int]
-) -> tuple[list[str], list[str]]:
-    """Make each plain parameter of the MoE `module` a DTensor on `tp_mesh` in place: `Shard(dim)` where `splits`
-    names it, else `Replicate()`; DTensors already (expert parallel's, a TP style's) are left alone. Sets the
+def _distribute_params(module: nn.Module, tp_mesh: DeviceMesh, splits: dict[str, int]) -> tuple[list[str], list[str]]:
+    """Make each plain parameter of `module` (a MoE, a token-wise module) a DTensor on `tp_mesh` in place:
+    `Shard(dim)` where `splits` names it, else `Replicate()`; DTensors already (expert parallel's, a TP style's)
+    are left alone. Sets the
     module's `grad_share` (its auxiliary loss's share of each rank's backward) to `1 / tp` where it has one.
 
     Returns:

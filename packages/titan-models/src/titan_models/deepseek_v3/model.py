@@ -604,13 +604,14 @@ class Transformer(nn.Module):
         elif self.tok_embeddings is not None:
             init_trunc_normal_(self.tok_embeddings.weight, 0.02)
         device = torch.device(buffer_device) if buffer_device is not None else None
-        blocks = [(int(key), layer) for key, layer in self.layers.items()]
-        for _, layer in [b for b in blocks if b[0] < self.args.n_layers]:
-            # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
-            layer.init_weights(device)  # type: ignore[operator]
+        main = {key: int(key) < self.args.n_layers for key in self.layers}
+        for key, layer in self.layers.items():
+            if main[key]:  # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
+                layer.init_weights(device)  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:
             init_trunc_normal_(self.output.weight, self.args.dim**-0.5)
-        for _, layer in [b for b in blocks if b[0] >= self.args.n_layers]:  # multi-token prediction's
-            layer.init_weights(device)  # type: ignore[operator]
+        for key, layer in self.layers.items():
+            if not main[key]:  # the multi-token-prediction blocks
+                layer.init_weights(device)  # type: ignore[operator]
