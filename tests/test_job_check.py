@@ -34,6 +34,8 @@ BROKEN = {
     "model_shape": (["--model.flavor", "debugmodle"], 1, ["model.flavor", "debugmodel"]),
     "moe": (["--moe.router_z_loss_coeff", "0.001"], 1,
             ["moe.router_z_loss_coeff: model.name='llama3' flavor 'debugmodel' has no Mixture-of-Experts", "[moe]"]),
+    "mup": (["--mup.enable", "true", "--model.name", "deepseek_v3"], 1,
+            ["mup.enable: deepseek_v3 models have no muP", "use llama3 or qwen3"]),
     "degrees": (["--parallelism.tensor_parallel_degree", "4"], 2,
                 ["world size 2 is not divisible by tp=4", "(tp set by parallelism.tensor_parallel_degree)"]),
     "mtp": (["--mtp.layers", "1"], 1, ["mtp.layers=1: model.name='llama3' has no multi-token prediction", "mtp.layers = 0"]),

@@ -24,6 +24,7 @@ def titan_params(*args: str) -> subprocess.CompletedProcess:
     ["--model.name", "deepseek_v3", "--optimizer.name", "Muon", "--optimizer.adamw_weight_decay", "0.05",
      "--optimizer.weight_decay_exclude", "*norm*,tok_embeddings.*"],
     ["--optimizer.name", "Adam", "--optimizer.weight_decay_exclude", "*norm*"],
+    ["--mup.enable", "true", "--mup.base_dim", "64", "--optimizer.weight_decay_exclude", "*norm*"],
 ])  # fmt: skip
 def test_each_row_is_what_the_trainers_optimizer_does_with_the_parameter(args):
     job = resolve(load_config(None, args), 1)
@@ -36,12 +37,17 @@ def test_each_row_is_what_the_trainers_optimizer_does_with_the_parameter(args):
     for row, (name, p) in zip(rows, model.named_parameters(), strict=True):
         group = by_param[id(p)]
         kind = ("Muon" if group["use_muon"] else "AdamW") if "use_muon" in group else job.cfg.optimizer.name
-        assert (row.optimizer, row.weight_decay, row.shape, row.numel) == (kind, group["weight_decay"], tuple(p.shape),
-                                                                          p.numel()), name  # fmt: skip
-        kinds.add((row.optimizer, row.weight_decay))
-    muon = job.cfg.optimizer.name == "Muon"
-    # every kind of row occurs: Muon's matrices at 0.1, AdamW's others at 0.05, the excluded at 0 (or Adam's two)
-    assert kinds == ({("Muon", 0.1), ("AdamW", 0.05), ("AdamW", 0.0)} if muon else {("Adam", 0.1), ("Adam", 0.0)})
+        assert (row.optimizer, row.weight_decay, row.lr, row.shape, row.numel) == (
+            kind, group["weight_decay"], group["lr"], tuple(p.shape), p.numel()), name  # fmt: skip
+        kinds.add((row.optimizer, row.weight_decay, row.lr))
+    name = job.cfg.optimizer.name
+    # every kind of row occurs: Muon's matrices at 0.1, AdamW's others at 0.05, the excluded at 0 (or Adam's two);
+    # under muP (4x the base width) the blocks' matrices at a quarter of the learning rate
+    assert kinds == {
+        "Muon": {("Muon", 0.1, 8e-4), ("AdamW", 0.05, 8e-4), ("AdamW", 0.0, 8e-4)},
+        "Adam": {("Adam", 0.1, 8e-4), ("Adam", 0.0, 8e-4)},
+        "AdamW": {("AdamW", 0.1, 8e-4), ("AdamW", 0.1, 2e-4), ("AdamW", 0.0, 8e-4)},
+    }[name]
 
 
 def test_float8_choice_on_the_8b_shape_by_hand():

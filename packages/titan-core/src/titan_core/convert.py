@@ -45,6 +45,7 @@ from titan_ckpt.torch_files import TORCH_SUFFIXES, read_torch_state_dict, write_
 from titan_core.config.errors import ConfigError, MissingFileError
 from titan_core.data.tokenizer import find_tokenizer_file
 from titan_core.hf_parity import ParityError, ParityReport, check_hf_parity
+from titan_core.model_shape import run_args
 from titan_models import HFAdapter, get_model_args, get_model_spec
 
 DEFAULT_MODEL_NAME = "llama3"
@@ -454,7 +455,7 @@ def resolve_source_args(
         if model.get("name", model_name) != model_name:
             raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
         if "flavor" in model:
-            args = get_model_args(model_name, model["flavor"])
+            args = run_args(get_model_args(model_name, model["flavor"]), run[1])  # model.shape, [mup]
             if mtp_layers := run[1].get("mtp", {}).get("layers"):  # the run's prediction depths are in its weights
                 args = dataclasses.replace(args, n_mtp_layers=int(mtp_layers))
             return args, {}, folder

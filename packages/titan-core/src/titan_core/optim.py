@@ -110,6 +110,8 @@ class OptimizerOptions:
         muon: Muon's own settings (used when `name` is "Muon").
         weight_decay_exclude: shell-style patterns of parameter names that train without weight decay
             (`titan_core.weight_decay`); empty: every parameter decays.
+        hidden_lr_scale: muP's factor on the learning rate of the blocks' matrices (`1 / (dim / base_dim)`;
+            the matrices Muon's rule picks, `titan_core.muon_groups.takes_muon`); 1: one learning rate.
     """
 
     lr: float
@@ -120,6 +122,7 @@ class OptimizerOptions:
     implementation: str = "foreach"
     muon: MuonOptions = DEFAULT_MUON
     weight_decay_exclude: tuple[str, ...] = ()
+    hidden_lr_scale: float = 1.0
 
 
 def build_optimizer(
@@ -134,6 +137,7 @@ def build_optimizer(
     implementation: str = "foreach",
     muon: MuonOptions = DEFAULT_MUON,
     weight_decay_exclude: tuple[str, ...] = (),
+    hidden_lr_scale: float = 1.0,
     device_type: str,
     plan: Any = None,
     copies: Any = None,
@@ -165,6 +169,8 @@ def build_optimizer(
         weight_decay_exclude: shell-style patterns of parameter names (wrapper levels ignored) that train
             without weight decay, in a param group of their own (needs `(name, parameter)` pairs); the
             optimizer's `description` says how many matched.
+        hidden_lr_scale: muP's factor on the learning rate of the blocks' matrices (Muon's rule's set; needs
+            `(name, parameter)` pairs and `plan`); Adam and AdamW only.
         device_type: where the parameters live, e.g. "cuda" or "cpu".
         plan: the model's `ModelPlan`, which Muon's rule reads (the blocks, the MoE module).
         copies: the model's `titan_parallel.ComputeCopies` (`optimizer.master_weights`): Adam / AdamW then step
@@ -180,7 +186,15 @@ def build_optimizer(
         TypeError: neither `options` nor `lr`, or `options` with setting keywords.
     """
     keywords = OptimizerOptions(
-        0.0 if lr is None else lr, name, betas, eps, weight_decay, implementation, muon, weight_decay_exclude
+        0.0 if lr is None else lr,
+        name,
+        betas,
+        eps,
+        weight_decay,
+        implementation,
+        muon,
+        weight_decay_exclude,
+        hidden_lr_scale,
     )
     if options is None:
         if lr is None:
@@ -208,13 +222,17 @@ def build_optimizer(
         raise ConfigError(
             "optimizer.weight_decay_exclude matches parameter names; pass model.named_parameters(), or leave it empty"
         )
+    scale = options.hidden_lr_scale
+    if scale != 1.0 and (name == "Muon" or plan is None or len(named) != len(param_list)):
+        raise ConfigError(
+            "muP's learning-rate scale picks the blocks' matrices by name and the model's plan, for Adam or AdamW; "
+            "pass model.named_parameters() and plan=<the model's ModelPlan>"
+        )
     description = ""
     if named and name != "Muon":
         param_list = [p for _, p in named]
-        if exclude:
-            decayed, without = split_by_decay(named, exclude)
-            param_list = [{"params": decayed}, {"params": without, "weight_decay": 0.0}]
-            description = describe_exclusion(without, exclude)
+        if exclude or scale != 1.0:
+            param_list, description = _adam_groups(named, exclude, scale, options.lr, plan)
     if copies is not None:
         from titan_parallel import MasterAdam, MasterAdamW
 
@@ -255,6 +273,34 @@ def build_optimizer(
         **kernel,
     )
     return _described(plain, description)
+
+
+def _adam_groups(
+    named: list[tuple[str, Any]], exclude: tuple[str, ...], scale: float, lr: float, plan: Any
+) -> tuple[list[dict[str, Any]], str]:
+    """Adam's param groups: the decayed and the `exclude`d parameters (weight decay 0), each split again, under
+    muP (`scale` != 1), into the rest and the blocks' matrices at `lr * scale`. Every group is present even when
+    empty (a pipeline stage without some), so checkpoints hold the same groups on every stage; the log line."""
+    from titan_core.muon_groups import takes_muon
+
+    lines = []
+    if exclude:
+        decayed, without = split_by_decay(named, exclude)
+        lines.append(describe_exclusion(without, exclude))
+        halves = [(decayed, {}), (without, {"weight_decay": 0.0})]
+    else:
+        halves = [([p for _, p in named], {})]
+    if scale == 1.0:
+        return [{"params": params, **settings} for params, settings in halves], "; ".join(lines)
+    matrices = {id(p) for n, p in named if takes_muon(n, p.ndim, plan)}
+    groups = [{"params": [p for p in params if id(p) not in matrices], **settings} for params, settings in halves]
+    groups += [
+        {"params": [p for p in params if id(p) in matrices], **settings, "lr": lr * scale}
+        for params, settings in halves
+    ]
+    elements = sum(p.numel() for _, p in named if id(p) in matrices)
+    lines.append(f"muP: {len(matrices)} block matrices ({elements:,} elements) at lr x {scale:.4g}")
+    return groups, "; ".join(lines)
 
 
 def _described(optimizer: torch.optim.Optimizer, description: str) -> torch.optim.Optimizer:

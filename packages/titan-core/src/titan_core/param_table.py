@@ -36,6 +36,8 @@ class ParamRow:
         numel: its elements.
         optimizer: "AdamW", "Adam" or "Muon" (under Muon, "AdamW" for the parameters Muon leaves to AdamW).
         weight_decay: the weight decay it trains with.
+        lr: the peak learning rate it trains at (under Muon, `optimizer.adamw_lr` for AdamW's; under muP, the
+            blocks' matrices at `optimizer.lr` / width multiplier).
         float8: with float8 converters: "yes", or why its linear is not converted ("-": not a linear's); None
             without them.
     """
@@ -45,6 +47,7 @@ class ParamRow:
     numel: int
     optimizer: str
     weight_decay: float
+    lr: float
     float8: str | None = None
 
     def to_json(self) -> dict[str, object]:
@@ -72,17 +75,18 @@ def parameter_rows(job: Job, patterns: Sequence[str] = ()) -> list[ParamRow]:
         name = canonical_name(raw)
         if patterns and not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
             continue
-        optimizer, decay = opt.name, opt.weight_decay
-        if opt.name == "Muon" and not takes_muon(name, p.ndim, job.spec.plan):
+        optimizer, decay, lr = opt.name, opt.weight_decay, opt.lr
+        matrix = takes_muon(name, p.ndim, job.spec.plan)
+        if opt.name == "Muon" and not matrix:
             optimizer = "AdamW"
             decay = opt.adamw_weight_decay if opt.adamw_weight_decay is not None else opt.weight_decay
+            lr = opt.adamw_lr if opt.adamw_lr is not None else opt.lr
+        if matrix:
+            lr *= job.optimizer.hidden_lr_scale  # muP's; 1 without it
         if excluded(name, opt.weight_decay_exclude):
             decay = 0.0
-        rows.append(
-            ParamRow(
-                name, tuple(p.shape), p.numel(), optimizer, decay, _float8(modules, name, float8) if float8 else None
-            )
-        )
+        f8 = _float8(modules, name, float8) if float8 else None
+        rows.append(ParamRow(name, tuple(p.shape), p.numel(), optimizer, decay, lr, f8))
     return rows
 
 
@@ -104,11 +108,11 @@ def render_rows(rows: Sequence[ParamRow], title: str) -> str:
     if not rows:
         return f"{title}\n(no parameter)"
     with_float8 = rows[0].float8 is not None
-    table = [("name", "shape", "params", "optimizer", "decay", *(("float8",) if with_float8 else ()))]
+    table = [("name", "shape", "params", "optimizer", "lr", "decay", *(("float8",) if with_float8 else ()))]
     for r in rows:
         shape = " x ".join(str(d) for d in r.shape)
         extra = (r.float8,) if with_float8 else ()
-        table.append((r.name, shape, f"{r.numel:,}", r.optimizer, f"{r.weight_decay:g}", *extra))
+        table.append((r.name, shape, f"{r.numel:,}", r.optimizer, f"{r.lr:.3g}", f"{r.weight_decay:g}", *extra))
     widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
     lines = []
     for row in table:  # the counts (column 2) right-aligned
@@ -117,7 +121,12 @@ def render_rows(rows: Sequence[ParamRow], title: str) -> str:
         lines.append("  ".join(cells).rstrip())
     total = sum(r.numel for r in rows)
     summary = [f"{len(rows)} tensors, {total:,} elements"]
-    for label, key in (("optimizer", lambda r: r.optimizer), ("decay", lambda r: f"{r.weight_decay:g}")):
+    by = (
+        ("optimizer", lambda r: r.optimizer),
+        ("lr", lambda r: f"{r.lr:.3g}"),
+        ("decay", lambda r: f"{r.weight_decay:g}"),
+    )
+    for label, key in by:
         groups: dict[str, int] = {}
         for r in rows:
             groups[key(r)] = groups.get(key(r), 0) + r.numel

@@ -27,15 +27,19 @@ def run_banner(job: Job) -> str:
     if depths := getattr(job.model_args, "n_mtp_layers", 0):
         plural = "s" if depths > 1 else ""
         active += f", {depths} multi-token-prediction depth{plural} (loss weight {cfg.mtp.loss_weight:g})"
+    if mup := getattr(job.model_args, "mup", None):
+        width = mup.width_multiplier(job.model_args.dim)
+        active += f", muP at {width:g}x the width {mup.base_dim} it was tuned at"
     source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
     data = f"data: {source}"
     if cfg.validation.enable and cfg.validation.sets:
         data += f", validation sets {', '.join(validation_set_names(cfg.validation.sets))}"
     elif cfg.validation.enable:
         data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path, held_out=True)}"
+    shape = f" with {', '.join(cfg.model.shape)}" if cfg.model.shape else ""
     tokenizer = f"tokenizer {cfg.model.hf_assets_path}" if cfg.model.hf_assets_path else "byte tokenizer"
     parts = [
-        f"model {cfg.model.name}/{cfg.model.flavor} ({n_params / 1e6:.1f}M params{active})",
+        f"model {cfg.model.name}/{cfg.model.flavor}{shape} ({n_params / 1e6:.1f}M params{active})",
         f"{data}, {tokenizer}",
         _describe_batch(job),
         _describe_compute(job),

@@ -58,6 +58,8 @@ class Model(Section):
     """Swap linears before parallelizing: 'float8' (torchao float8 training, see [float8]) or 'mx' (MXFP8, see [mx])."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """'causal': attend across packed documents; 'block_causal': only within each (FlexAttention on GPUs)."""
+    shape: list[str] = []
+    """Changes to the flavor's shape, 'field=value' of its ModelArgs, e.g. ['dim=512', 'n_heads=8']; [] = as is."""
 
 
 class Optimizer(Section):
@@ -396,6 +398,21 @@ class EMA(Section):
     """Each validation pass also scores the averaged weights: validation_ema/loss (needs validation.enable)."""
 
 
+class MuP(Section):
+    """The maximal update parametrization (muP): settings tuned at base_dim hold when the model is wider."""
+
+    enable: bool = False
+    """Scale init, multipliers and the blocks' Adam learning rates with model width / base_dim (docs/optimizers.md)."""
+    base_dim: PositiveInt = 256
+    """The width (the model's dim) the hyperparameters were tuned at; at dim = base_dim muP is the usual model."""
+    base_head_dim: NonNegativeInt = 0
+    """The head width of the tuned model; 0 = this model's (the usual way to widen: more heads)."""
+    embedding_multiplier: PositiveFloat = 1.0
+    """Factor on the token embeddings in the forward (the muP guide's alpha_input), tuned at base_dim."""
+    output_multiplier: PositiveFloat = 1.0
+    """Factor on the logits, divided by dim / base_dim (the muP guide's alpha_output), tuned at base_dim."""
+
+
 class JobConfig(Section):
     """The whole job: one field per section, each section one TOML table."""
 
@@ -427,6 +444,8 @@ class JobConfig(Section):
     """Multi-token prediction."""
     ema: EMA = Field(default_factory=EMA)
     """A moving average of the weights."""
+    mup: MuP = Field(default_factory=MuP)
+    """The maximal update parametrization (width-transferable hyperparameters)."""
     metrics: Metrics = Field(default_factory=Metrics)
     """Logging and TensorBoard."""
     profiling: Profiling = Field(default_factory=Profiling)

@@ -11,7 +11,7 @@ The float8 / MXFP8 options are built in `titan_core.converters`, with their tabl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from titan_core.config.schema import Checkpoint, JobConfig
 
@@ -132,11 +132,13 @@ def pipeline_config(cfg: JobConfig) -> PipelineConfig:
     )
 
 
-def optimizer_options(cfg: JobConfig) -> OptimizerOptions:
-    """The `optimizer.*` keys, for `build_optimizer` (its errors name the keys themselves)."""
+def optimizer_options(cfg: JobConfig, model_args: Any = None) -> OptimizerOptions:
+    """The `optimizer.*` keys, for `build_optimizer` (its errors name the keys themselves), with muP's learning-rate
+    scale for the blocks' matrices when `model_args` has muP on."""
     from titan_core.optim import MuonOptions, OptimizerOptions
 
     o = cfg.optimizer
+    mup = getattr(model_args, "mup", None)
     return OptimizerOptions(
         lr=o.lr,
         name=o.name,
@@ -154,6 +156,7 @@ def optimizer_options(cfg: JobConfig) -> OptimizerOptions:
             adamw_weight_decay=o.adamw_weight_decay,
         ),
         weight_decay_exclude=tuple(o.weight_decay_exclude),
+        hidden_lr_scale=1.0 / mup.width_multiplier(model_args.dim) if mup is not None else 1.0,
     )
 
 

@@ -125,7 +125,7 @@ def resolve(
         dtype_warning=d.dtype_warning,
         pipeline=d.pipeline,
         converters=d.converters,
-        optimizer=optimizer_options(cfg),
+        optimizer=optimizer_options(cfg, d.model_args),
         checkpoint=checkpoint_options(cfg.checkpoint, Path(cfg.job.dump_folder)),
         weights_reason=d.weights_reason,
         warmup_steps=d.warmup_steps,

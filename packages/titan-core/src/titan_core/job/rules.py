@@ -138,8 +138,10 @@ def _compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str, s
 
 
 def _model_shape(d: Draft) -> None:
-    """The model name and flavor exist; a tokenizer larger than a Hugging Face checkpoint's vocab is refused."""
+    """The model name and flavor exist and `model.shape` changes fields the args have; a tokenizer larger than a
+    Hugging Face checkpoint's vocab is refused."""
     from titan_core.data import build_tokenizer
+    from titan_core.model_shape import apply_shape
     from titan_models import ModelConfigError, get_model_args, get_model_spec
 
     cfg = d.cfg
@@ -159,6 +161,11 @@ def _model_shape(d: Draft) -> None:
                 f"checkpoint.initial_load_in_hf: model.name={cfg.model.name!r} has no Hugging Face adapter; "
                 "load a DCP checkpoint instead"
             )
+        if cfg.model.shape:
+            raise ConfigError(
+                f"model.shape {cfg.model.shape}: the Hugging Face checkpoint in checkpoint.initial_load_path brings "
+                "its own shape; remove model.shape"
+            )
         d.hf_source = str(resolve_hf_source(ckpt.initial_load_path))
         args = d.spec.hf_adapter.args_from_hf_config(read_hf_config(d.hf_source))
         if vocab > args.vocab_size:
@@ -167,7 +174,9 @@ def _model_shape(d: Draft) -> None:
                 f"checkpoint.initial_load_path={ckpt.initial_load_path} only {args.vocab_size}; "
                 "use the checkpoint's own tokenizer"
             )
-    elif vocab > args.vocab_size:
+    else:
+        args = apply_shape(args, cfg.model.shape)
+    if not (ckpt.initial_load_in_hf and ckpt.initial_load_path) and vocab > args.vocab_size:
         # A flavor's vocab is a default: a larger tokenizer (e.g. Llama 3's on a small flavor) widens it.
         d.vocab_widened_from = args.vocab_size
         args = dataclasses.replace(args, vocab_size=vocab)
@@ -191,6 +200,21 @@ def _moe(d: Draft) -> None:
     if given.get("load_balance_coeff") == 0:
         given["load_balance_coeff"] = None  # no expert bias
     d.model_args = dataclasses.replace(d.model_args, moe=dataclasses.replace(moe, **given))  # values checked by [moe]
+
+
+def _mup(d: Draft) -> None:
+    """`[mup]` on a dense Llama 3 or Qwen3 with untied embeddings, trained by Adam or AdamW (Muon's update already
+    scales with each matrix's shape)."""
+    from titan_core.model_shape import apply_mup
+
+    if not d.cfg.mup.enable:
+        return
+    if d.cfg.optimizer.name == "Muon":
+        raise ConfigError(
+            "mup.enable = true with optimizer.name = 'Muon': muP scales Adam's learning rates, and Muon's update "
+            "is already scaled by each matrix's shape; use optimizer.name = 'AdamW' or set mup.enable = false"
+        )
+    d.model_args = apply_mup(d.model_args, d.cfg.mup.model_dump())
 
 
 def _degrees(d: Draft) -> None:
@@ -551,6 +575,7 @@ RULES: tuple[Rule, ...] = (
     Rule("device", _device, _keys(RUN_KEYS, "device")),
     Rule("model_shape", _model_shape),
     Rule("moe", _moe),
+    Rule("mup", _mup),
     Rule("degrees", _degrees, DEGREES_KEYS),
     Rule("mtp", _mtp),
     Rule("batch", _batch),

@@ -17,6 +17,7 @@ import torch
 
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import ModelArgs, RopeScaling
+from titan_models.mup import fold_into_weights
 from titan_models.spec import HFAdapter
 
 # Titan name template -> Hugging Face name template; `{i}` is the layer index.
@@ -86,11 +87,16 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
 
     Returns:
         Hugging Face names; `lm_head.weight` is left out when embeddings are tied, as
-        `save_pretrained` does.
+        `save_pretrained` does. A muP model's multipliers are folded into the weights
+        (`titan_models.mup.fold_into_weights`): `LlamaForCausalLM` has none.
 
     Raises:
         ValueError: a name that is not a Llama 3 parameter.
     """
+    if args.mup is not None:
+        state_dict = fold_into_weights(
+            state_dict, args.mup, dim=args.dim, head_dim=args.attention_head_dim, query_key="attention.wq.weight"
+        )
     hf: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if name == "output.weight" and args.tie_word_embeddings:
@@ -121,7 +127,9 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
 
     Returns:
         Titan names, loadable into `Transformer(args)` with `strict=True`; with tied
-        embeddings `output.weight` is the embedding tensor itself.
+        embeddings `output.weight` is the embedding tensor itself. Into a muP model
+        (`args.mup`) the multipliers are divided out of the weights, so it computes what the
+        checkpoint does.
 
     Raises:
         ModelConfigError: a name that is not a `LlamaForCausalLM` parameter.
@@ -146,6 +154,15 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
         titan[f"layers.{layer}.{_HF_LAYER_NAMES[leaf]}"] = tensor
     if args.tie_word_embeddings and "tok_embeddings.weight" in titan:
         titan["output.weight"] = titan["tok_embeddings.weight"]
+    if args.mup is not None:
+        titan = fold_into_weights(
+            titan,
+            args.mup,
+            dim=args.dim,
+            head_dim=args.attention_head_dim,
+            query_key="attention.wq.weight",
+            unfold=True,
+        )
     return titan
 
 

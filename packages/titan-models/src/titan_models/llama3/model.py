@@ -17,6 +17,7 @@ from torch import nn
 
 from titan_models.document_mask import block_causal_mask, masked_attention
 from titan_models.errors import ModelConfigError
+from titan_models.mup import MuP, check_mup
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -69,6 +70,8 @@ class ModelArgs:
     """Share one weight between `tok_embeddings` and `output` (Llama 3.2 1B/3B)."""
     head_dim: int | None = None
     """Width of one attention head; None means `dim // n_heads`."""
+    mup: MuP | None = None
+    """The maximal update parametrization's base shape and multipliers (`titan_models.mup`); None: standard."""
 
     def __post_init__(self) -> None:
         if self.n_heads % self.kv_heads != 0:
@@ -84,6 +87,8 @@ class ModelArgs:
                 f"ModelArgs head_dim={self.attention_head_dim} must be even for RoPE; "
                 "change head_dim (or dim / n_heads)"
             )
+        if self.mup is not None:
+            check_mup(self.mup, tied=self.tie_word_embeddings, moe=False)
 
     @property
     def kv_heads(self) -> int:
@@ -210,6 +215,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
+        self.query_scale = args.mup.query_scale(self.head_dim) if args.mup is not None else 1.0
+        """muP's factor on the queries (scores as 1 / head_dim); 1 under the standard parametrization."""
 
     def forward(
         self,
@@ -233,17 +240,20 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         xq = apply_rotary_emb(xq, rope_cache, positions)
         xk = apply_rotary_emb(xk, rope_cache, positions)
+        if self.query_scale != 1.0:
+            xq = xq * self.query_scale
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         # The cores that context parallel and the KV cache put in place take no mask: it goes only when set.
         out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # (bs, n_heads, seqlen, head_dim)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
         return self.wo(out)
 
-    def init_weights(self, out_std: float) -> None:
+    def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         """Args:
-        out_std: std of `wo` (depth-scaled by the block); `wq`, `wk`, `wv` use 0.02."""
+        out_std: std of `wo` (depth-scaled by the block).
+        in_std: std of `wq`, `wk`, `wv` (0.02; muP scales it with width)."""
         for linear in (self.wq, self.wk, self.wv):
-            init_trunc_normal_(linear.weight, 0.02)
+            init_trunc_normal_(linear.weight, in_std)
         init_trunc_normal_(self.wo.weight, out_std)
 
 
@@ -261,10 +271,11 @@ class FeedForward(nn.Module):
         x: `(bs, seqlen, dim)`; returns the same shape."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # hidden: (bs, seqlen, hidden_dim)
 
-    def init_weights(self, out_std: float) -> None:
+    def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         """Args:
-        out_std: std of `w2` and `w3` (depth-scaled by the block); `w1` uses 0.02."""
-        init_trunc_normal_(self.w1.weight, 0.02)
+        out_std: std of `w2` and `w3` (depth-scaled by the block).
+        in_std: std of `w1` (0.02; muP scales it with width)."""
+        init_trunc_normal_(self.w1.weight, in_std)
         for linear in (self.w2, self.w3):
             init_trunc_normal_(linear.weight, out_std)
 
@@ -279,6 +290,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.init_scale = args.mup.hidden_init_scale(args.dim) if args.mup is not None else 1.0
+        """Factor on every init std of the block's matrices: muP's 1 / sqrt(width multiplier), else 1."""
 
     def forward(
         self,
@@ -298,12 +311,13 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
-        """Norms to ones; output projections (`wo`, `w2`, `w3`) use std `0.02 / sqrt(2 * (layer_id + 1))`."""
-        out_std = 0.02 / (2 * (self.layer_id + 1)) ** 0.5
+        """Norms to ones; output projections (`wo`, `w2`, `w3`) use std `0.02 / sqrt(2 * (layer_id + 1))`, the
+        others 0.02, each times `init_scale`."""
+        out_std = 0.02 / (2 * (self.layer_id + 1)) ** 0.5 * self.init_scale
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
-        self.attention.init_weights(out_std)
-        self.feed_forward.init_weights(out_std)
+        self.attention.init_weights(out_std, 0.02 * self.init_scale)
+        self.feed_forward.init_weights(out_std, 0.02 * self.init_scale)
 
 
 class Transformer(nn.Module):
@@ -356,12 +370,17 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds ModelArgs.max_seq_len={self.args.max_seq_len}; "
                 "shorten the sequence or raise max_seq_len"
             )
+        mup = self.args.mup
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        if mup is not None and self.tok_embeddings is not None and mup.embedding_multiplier != 1.0:
+            h = h * mup.embedding_multiplier
         mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
+            if mup is not None:  # the readout multiplier, on the output's input so the fused loss applies it too
+                h = h * mup.readout_scale(self.args.dim)
         if self.output is None or self.skip_output:
             return h  # (bs, seqlen, dim): a stage without the output, or the loss applies it
         return self.output(h)  # (bs, seqlen, vocab_size)
@@ -373,7 +392,9 @@ class Transformer(nn.Module):
         Works after `to_empty` from the meta device, on DTensor parameters, and on
         pipeline stages whose modules are partly None. Deterministic given the seed.
         Embeddings and `wq`/`wk`/`wv`/`w1`: std 0.02; `wo`/`w2`/`w3`: std
-        `0.02 / sqrt(2 * (layer_id + 1))`; `output`: std `dim ** -0.5`; norms: ones.
+        `0.02 / sqrt(2 * (layer_id + 1))`; `output`: std `dim ** -0.5`; norms: ones. Under muP
+        (`args.mup`) the blocks' stds are scaled by `1 / sqrt(dim / base_dim)` and `output`'s is
+        `base_dim ** -0.5`.
         A tied weight is re-tied (moving off the meta device unties it) and initialised
         once, as an embedding. Every normal is truncated at +-3 std (torchtitan passes
         nn.init's absolute default of +-2, which truncates nothing at std 0.02).
@@ -397,7 +418,8 @@ class Transformer(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:
-            init_trunc_normal_(self.output.weight, self.args.dim**-0.5)
+            mup = self.args.mup
+            init_trunc_normal_(self.output.weight, self.args.dim**-0.5 if mup is None else mup.output_init_std())
 
 
 def init_trunc_normal_(weight: torch.Tensor, std: float, cutoff: float = 3.0) -> None:

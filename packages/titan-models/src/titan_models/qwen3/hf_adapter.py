@@ -21,6 +21,7 @@ import torch
 
 from titan_models.errors import ModelConfigError
 from titan_models.moe import MoEArgs
+from titan_models.mup import fold_into_weights
 from titan_models.qwen3.model import ModelArgs
 from titan_models.spec import HFAdapter
 
@@ -76,12 +77,17 @@ def to_hf_state_dict(state_dict: StateDict, args: ModelArgs) -> StateDict:
 
     Returns:
         Hugging Face names; `lm_head.weight` is left out when embeddings are tied, as
-        `save_pretrained` does.
+        `save_pretrained` does. A muP model's multipliers are folded into the weights
+        (`titan_models.mup.fold_into_weights`; the query's into `q_norm`): Qwen3 has none.
 
     Raises:
         ValueError: a name that is not a parameter of this family.
         ModelConfigError: a non-zero `moe.expert_bias`, which Hugging Face's Qwen3-MoE cannot hold.
     """
+    if args.mup is not None:
+        state_dict = fold_into_weights(
+            state_dict, args.mup, dim=args.dim, head_dim=args.head_dim, query_key="attention.q_norm.weight"
+        )
     names = _MOE_NAMES if args.moe is not None else _DENSE_NAMES
     hf: StateDict = {}
     for name, tensor in state_dict.items():
@@ -122,7 +128,7 @@ def from_hf_state_dict(hf_state_dict: StateDict, args: ModelArgs) -> StateDict:
     Returns:
         Titan names, loadable into `Transformer(args)` with `strict=True`; with tied
         embeddings `output.weight` is the embedding tensor itself; with `moe`,
-        `moe.expert_bias` zeros.
+        `moe.expert_bias` zeros. Into a muP model the multipliers are divided out of the weights.
 
     Raises:
         ModelConfigError: a name that is not a parameter of the family, or a missing expert.
@@ -174,6 +180,10 @@ def from_hf_state_dict(hf_state_dict: StateDict, args: ModelArgs) -> StateDict:
             titan[f"layers.{layer}.{_EXPERT_BIAS}"] = torch.zeros(args.moe.num_experts)
     if args.tie_word_embeddings and "tok_embeddings.weight" in titan:
         titan["output.weight"] = titan["tok_embeddings.weight"]
+    if args.mup is not None:
+        titan = fold_into_weights(
+            titan, args.mup, dim=args.dim, head_dim=args.head_dim, query_key="attention.q_norm.weight", unfold=True
+        )
     return titan
 
 

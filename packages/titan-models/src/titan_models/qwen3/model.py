@@ -23,6 +23,7 @@ from titan_models.document_mask import block_causal_mask
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, ScaledDotProductAttention, init_trunc_normal_, precompute_rope_cache
 from titan_models.moe import MoE, MoEArgs
+from titan_models.mup import MuP, check_mup
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -56,6 +57,8 @@ class ModelArgs:
     """Share one weight between `tok_embeddings` and `output` (Qwen3 0.6B / 1.7B / 4B)."""
     moe: MoEArgs | None = None
     """Mixture-of-Experts feed-forward in every block (Qwen3-MoE); None = dense SwiGLU of `hidden_dim`."""
+    mup: MuP | None = None
+    """The maximal update parametrization's base shape and multipliers (`titan_models.mup`); None: standard."""
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads != 0:
@@ -64,6 +67,8 @@ class ModelArgs:
             )
         if self.head_dim % 2 != 0:
             raise ModelConfigError(f"ModelArgs.head_dim={self.head_dim} must be even for RoPE; change head_dim")
+        if self.mup is not None:
+            check_mup(self.mup, tied=self.tie_word_embeddings, moe=self.moe is not None)
 
     @property
     def kv_heads(self) -> int:
@@ -115,6 +120,8 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.sdpa = ScaledDotProductAttention()
+        self.query_scale = args.mup.query_scale(self.head_dim) if args.mup is not None else 1.0
+        """muP's factor on the queries (scores as 1 / head_dim); 1 under the standard parametrization."""
 
     def forward(
         self,
@@ -138,17 +145,20 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         xq = apply_rotary_emb(xq, rope_cache, positions)
         xk = apply_rotary_emb(xk, rope_cache, positions)
+        if self.query_scale != 1.0:
+            xq = xq * self.query_scale
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         # The cores that context parallel and the KV cache put in place take no mask: it goes only when set.
         out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask=mask)  # (bs, n_heads, seqlen, head_dim)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)  # (bs, seqlen, n_heads * head_dim)
         return self.wo(out)
 
-    def init_weights(self, out_std: float) -> None:
+    def init_weights(self, out_std: float, in_std: float = 0.02) -> None:
         """Args:
-        out_std: std of `wo` (depth-scaled by the block); `wq`, `wk`, `wv` use 0.02, the QK-norms ones."""
+        out_std: std of `wo` (depth-scaled by the block).
+        in_std: std of `wq`, `wk`, `wv` (0.02; muP scales it with width); the QK-norms get ones."""
         for linear in (self.wq, self.wk, self.wv):
-            init_trunc_normal_(linear.weight, 0.02)
+            init_trunc_normal_(linear.weight, in_std)
         init_trunc_normal_(self.wo.weight, out_std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
@@ -169,6 +179,8 @@ class TransformerBlock(nn.Module):
             self.moe = MoE(args.dim, args.moe)
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.init_scale = args.mup.hidden_init_scale(args.dim) if args.mup is not None else 1.0
+        """Factor on every init std of the block's matrices: muP's 1 / sqrt(width multiplier), else 1."""
 
     def forward(
         self,
@@ -189,19 +201,20 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Norms to ones; output-side weights (`wo`, `w2`, `w3`) use std `0.02 / sqrt(2 * (layer_id + 1))`.
+        """Norms to ones; output-side weights (`wo`, `w2`, `w3`) use std `0.02 / sqrt(2 * (layer_id + 1))`, the
+        others 0.02, each times `init_scale` (muP's; a model with MoE has none).
 
         Args:
             buffer_device: device for the MoE's buffers; None keeps their device.
         """
-        out_std = 0.02 / (2 * (self.layer_id + 1)) ** 0.5
+        out_std = 0.02 / (2 * (self.layer_id + 1)) ** 0.5 * self.init_scale
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
-        self.attention.init_weights(out_std)
+        self.attention.init_weights(out_std, 0.02 * self.init_scale)
         if self.is_moe:
             self.moe.init_weights(out_std, None if buffer_device is None else torch.device(buffer_device))
         else:
-            self.feed_forward.init_weights(out_std)
+            self.feed_forward.init_weights(out_std, 0.02 * self.init_scale)
 
 
 class Transformer(nn.Module):
@@ -253,12 +266,17 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds ModelArgs.max_seq_len={self.args.max_seq_len}; "
                 "shorten the sequence or raise max_seq_len"
             )
+        mup = self.args.mup
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        if mup is not None and self.tok_embeddings is not None and mup.embedding_multiplier != 1.0:
+            h = h * mup.embedding_multiplier
         mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
+            if mup is not None:  # the readout multiplier, on the output's input so the fused loss applies it too
+                h = h * mup.readout_scale(self.args.dim)
         if self.output is None or self.skip_output:
             return h  # (bs, seqlen, dim): a stage without the output, or the loss applies it
         return self.output(h)  # (bs, seqlen, vocab_size)
@@ -271,7 +289,8 @@ class Transformer(nn.Module):
         DTensor parameters and on pipeline stages; embeddings and `wq`/`wk`/`wv`/`w1` (and the
         MoE router) std 0.02, `wo`/`w2`/`w3` std `0.02 / sqrt(2 * (layer_id + 1))`, `output`
         std `dim ** -0.5`, norms (QK-norms included) ones, MoE buffers zeros; normals truncated
-        at +-3 std; a tied weight is re-tied and initialised once, as an embedding.
+        at +-3 std; a tied weight is re-tied and initialised once, as an embedding. Under muP the blocks'
+        stds are scaled by `1 / sqrt(dim / base_dim)` and `output`'s is `base_dim ** -0.5`.
 
         Args:
             buffer_device: device for the RoPE table and MoE buffers; None keeps their device.
@@ -292,4 +311,5 @@ class Transformer(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:
-            init_trunc_normal_(self.output.weight, self.args.dim**-0.5)
+            mup = self.args.mup
+            init_trunc_normal_(self.output.weight, self.args.dim**-0.5 if mup is None else mup.output_init_std())

@@ -1,0 +1,138 @@
+"""A run's model args from its flavor and its config: `model.shape` changes and `[mup]`.
+
+The job check (`titan_core.job`) applies both to the flavor's args; `titan convert` and `titan generate`
+apply them again from a run's saved config.toml, so a checkpoint is always read with the shape it was
+trained with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from titan_core.config.errors import ConfigError
+
+__all__ = ["apply_shape", "apply_mup", "run_args"]
+
+_SCALARS = (bool, int, float, str)
+
+
+def _field_type(annotation: Any) -> type | None:
+    """The scalar type of a field annotated `T` or `T | None`; None for anything else (a nested dataclass)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    if options:
+        kinds = [t for t in options if t is not type(None)]
+        annotation = kinds[0] if len(kinds) == 1 else None
+    return annotation if annotation in _SCALARS else None
+
+
+def _parse(text: str, kind: type, optional: bool) -> Any:
+    """`text` as a value of `kind` ("none" for an optional field's None); ValueError when it is not one."""
+    if optional and text.lower() in ("none", "null"):
+        return None
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError("is not true or false")
+        return text.lower() == "true"
+    if kind is int:
+        return int(text)
+    if kind is float:
+        return float(text)
+    return text
+
+
+def apply_shape(args: Any, entries: Sequence[str], key: str = "model.shape") -> Any:
+    """`args` with each `field=value` of `entries` replaced (the family's own checks run again).
+
+    Args:
+        args: a model family's args dataclass (a flavor's).
+        entries: `["dim=512", "n_heads=8"]`.
+        key: the config key the entries come from, for messages.
+
+    Raises:
+        ConfigError: an entry that is not `field=value`, a field the args do not have or that is not a
+            number, flag or string, a value of the wrong type, or a shape the family refuses.
+    """
+    if not entries:
+        return args
+    hints = typing.get_type_hints(type(args))
+    scalar = {f.name: _field_type(hints[f.name]) for f in dataclasses.fields(args)}
+    settable = sorted(name for name, kind in scalar.items() if kind is not None)
+    changes: dict[str, Any] = {}
+    for entry in entries:
+        field, sep, text = entry.partition("=")
+        field, text = field.strip(), text.strip()
+        if not sep or not field:
+            raise ConfigError(f"{key}: {entry!r} is not 'field=value', e.g. 'dim=512'")
+        kind = scalar.get(field)
+        if kind is None:
+            raise ConfigError(
+                f"{key}: {type(args).__module__.split('.')[1]} has no settable field {field!r}; "
+                f"choose from {', '.join(settable)}"
+            )
+        optional = type(None) in typing.get_args(hints[field])
+        try:
+            changes[field] = _parse(text, kind, optional)
+        except ValueError:
+            raise ConfigError(
+                f"{key}: {field}={text!r} is not {'an' if kind is int else 'a'} {kind.__name__}"
+            ) from None
+    from titan_models import ModelConfigError
+
+    try:
+        return dataclasses.replace(args, **changes)
+    except ModelConfigError as e:
+        raise ConfigError(f"{key} {list(entries)}: {e}") from None
+
+
+def apply_mup(args: Any, section: Mapping[str, Any], key: str = "mup.enable") -> Any:
+    """`args` with muP's base shape and multipliers from a `[mup]` table (unchanged when it is off).
+
+    Args:
+        args: a model family's args (after `apply_shape`).
+        section: the `[mup]` settings (`enable`, `base_dim`, `base_head_dim`, `embedding_multiplier`,
+            `output_multiplier`), missing ones at their defaults.
+        key: the config key named in messages.
+
+    Raises:
+        ConfigError: a family without muP (DeepSeek-V3), or a model it does not cover (tied embeddings, MoE).
+    """
+    if not section.get("enable", False):
+        return args
+    from titan_models import ModelConfigError
+    from titan_models.mup import MuP
+
+    if not any(f.name == "mup" for f in dataclasses.fields(args)):
+        raise ConfigError(
+            f"{key}: {type(args).__module__.split('.')[1]} models have no muP here; use llama3 or qwen3, or "
+            "set mup.enable = false"
+        )
+    if getattr(args, "tie_word_embeddings", False):
+        raise ConfigError(
+            f"{key}: muP needs untied embeddings (the embedding and the output scale differently with width); "
+            "add 'tie_word_embeddings=false' to model.shape (or set mup.enable = false)"
+        )
+    mup = MuP(
+        base_dim=int(section.get("base_dim", 256)),
+        base_head_dim=int(section.get("base_head_dim", 0)) or args.attention_head_dim,
+        embedding_multiplier=float(section.get("embedding_multiplier", 1.0)),
+        output_multiplier=float(section.get("output_multiplier", 1.0)),
+    )
+    try:
+        return dataclasses.replace(args, mup=mup)
+    except ModelConfigError as e:
+        raise ConfigError(f"{key}: {e}; or set mup.enable = false") from None
+
+
+def run_args(args: Any, run_config: Mapping[str, Any]) -> Any:
+    """A flavor's args as a run's saved config.toml changed them: `model.shape`, then `[mup]`.
+
+    Args:
+        args: the flavor's args.
+        run_config: the parsed config.toml.
+    """
+    args = apply_shape(args, run_config.get("model", {}).get("shape", []))
+    return apply_mup(args, run_config.get("mup", {}))
