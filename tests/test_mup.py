@@ -151,11 +151,19 @@ def test_the_job_check_refuses_what_mup_does_not_cover():
     refused(["--model.shape", "dim"], "model.shape: 'dim' is not 'field=value'")
     refused(["--model.shape", "rope_scaling=1"], "no settable field 'rope_scaling'")
     refused(["--model.shape", "dim=500"], r"model.shape \['dim=500'\]: ModelArgs.dim=500 is not divisible by n_heads=16")
+    refused(["--model.shape", "moe.top_k=2"], "model.shape: llama3 has no nested settings 'moe'")
+    deepseek = ["--model.name", "deepseek_v3", "--model.shape"]
+    refused([*deepseek, "moe.topk=2"], "MoEArgs has no settable field 'moe.topk'; choose from .*moe.top_k")
+    refused([*deepseek, "moe.top_k=20"], r"model.shape \['moe.top_k=20'\]: MoEArgs.top_k=20 must be in 1..num_experts=8")
+    moe = resolve(load_config(None, [*deepseek, "moe.num_experts=16,moe.top_k=2,n_layers=3"]), 1).model_args
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.n_layers) == (16, 2, 3)
     job = resolve(load_config(None, ["--model.shape", "n_layers=3,norm_eps=1e-6,n_kv_heads=none"]), 1)
     assert (job.model_args.n_layers, job.model_args.norm_eps, job.model_args.kv_heads) == (3, 1e-6, 16)
     untied = resolve(load_config(None, ["--mup.enable", "true", "--model.flavor", "1B", "--model.shape",
                                         "tie_word_embeddings=false", "--mup.base_dim", "512"]), 1)  # fmt: skip
     assert untied.model_args.mup.width_multiplier(untied.model_args.dim) == 4.0
+    example = resolve(load_config(str(Path(__file__).parents[1] / "examples" / "mup.toml")), 1)  # as README runs it
+    assert (example.model_args.dim, example.optimizer.hidden_lr_scale, example.model_args.n_layers) == (1024, 0.25, 4)
 
 
 RUN = [*TINY, "--training.steps", "4", "--training.global_batch_size", "4", "--model.shape", "dim=512,n_heads=32,n_layers=2",

@@ -45,11 +45,12 @@ def _parse(text: str, kind: type, optional: bool) -> Any:
 
 
 def apply_shape(args: Any, entries: Sequence[str], key: str = "model.shape") -> Any:
-    """`args` with each `field=value` of `entries` replaced (the family's own checks run again).
+    """`args` with each `field=value` of `entries` replaced (the family's own checks run again); a field of a
+    nested dataclass (the MoE layer's `MoEArgs`) is named with a dot: `moe.num_experts=16`.
 
     Args:
         args: a model family's args dataclass (a flavor's).
-        entries: `["dim=512", "n_heads=8"]`.
+        entries: `["dim=512", "n_heads=8", "moe.top_k=2"]`.
         key: the config key the entries come from, for messages.
 
     Raises:
@@ -58,34 +59,51 @@ def apply_shape(args: Any, entries: Sequence[str], key: str = "model.shape") -> 
     """
     if not entries:
         return args
-    hints = typing.get_type_hints(type(args))
-    scalar = {f.name: _field_type(hints[f.name]) for f in dataclasses.fields(args)}
-    settable = sorted(name for name, kind in scalar.items() if kind is not None)
+    from titan_models import ModelConfigError
+
+    try:
+        return _replaced(args, entries, key, type(args).__module__.split(".")[1], "")
+    except ModelConfigError as e:
+        raise ConfigError(f"{key} {list(entries)}: {e}") from None
+
+
+def _replaced(args: Any, entries: Sequence[str], key: str, owner: str, prefix: str) -> Any:
+    """`apply_shape`'s work on one dataclass: `owner` names it in messages, `prefix` its fields ("moe.")."""
     changes: dict[str, Any] = {}
+    nested: dict[str, list[str]] = {}
     for entry in entries:
         field, sep, text = entry.partition("=")
         field, text = field.strip(), text.strip()
         if not sep or not field:
-            raise ConfigError(f"{key}: {entry!r} is not 'field=value', e.g. 'dim=512'")
-        kind = scalar.get(field)
-        if kind is None:
-            raise ConfigError(
-                f"{key}: {type(args).__module__.split('.')[1]} has no settable field {field!r}; "
-                f"choose from {', '.join(settable)}"
-            )
-        optional = type(None) in typing.get_args(hints[field])
-        try:
-            changes[field] = _parse(text, kind, optional)
-        except ValueError:
-            raise ConfigError(
-                f"{key}: {field}={text!r} is not {'an' if kind is int else 'a'} {kind.__name__}"
-            ) from None
-    from titan_models import ModelConfigError
+            raise ConfigError(f"{key}: {prefix + entry!r} is not 'field=value', e.g. 'dim=512'")
+        head, dot, rest = field.partition(".")
+        if dot:
+            if not dataclasses.is_dataclass(getattr(args, head, None)):
+                raise ConfigError(f"{key}: {owner} has no nested settings {prefix + head!r} (in {prefix + entry!r})")
+            nested.setdefault(head, []).append(f"{rest}={text}")
+            continue
+        changes[field] = _value(args, field, text, key, owner, prefix)
+    for head, inner in nested.items():
+        changes[head] = _replaced(
+            getattr(args, head), inner, key, type(getattr(args, head)).__name__, f"{prefix}{head}."
+        )
+    return dataclasses.replace(args, **changes)
 
+
+def _value(args: Any, field: str, text: str, key: str, owner: str, prefix: str) -> Any:
+    """`text` parsed as the type of `args`' scalar field `field`; ConfigError naming `key` otherwise."""
+    hints = typing.get_type_hints(type(args))
+    scalar = {f.name: _field_type(hints[f.name]) for f in dataclasses.fields(args)}
+    kind = scalar.get(field)
+    if kind is None:
+        settable = sorted(name for name, k in scalar.items() if k is not None)
+        choices = ", ".join(prefix + name for name in settable)
+        raise ConfigError(f"{key}: {owner} has no settable field {prefix + field!r}; choose from {choices}")
     try:
-        return dataclasses.replace(args, **changes)
-    except ModelConfigError as e:
-        raise ConfigError(f"{key} {list(entries)}: {e}") from None
+        return _parse(text, kind, type(None) in typing.get_args(hints[field]))
+    except ValueError:
+        article = "an" if kind is int else "a"
+        raise ConfigError(f"{key}: {prefix}{field}={text!r} is not {article} {kind.__name__}") from None
 
 
 def apply_mup(args: Any, section: Mapping[str, Any], key: str = "mup.enable") -> Any:
