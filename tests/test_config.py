@@ -176,6 +176,7 @@ SPEC_DEFAULTS = {
     "metrics.wandb_project": "titan",
     "metrics.wandb_run_name": None,
     "metrics.per_layer_norms": False,
+    "metrics.per_layer_updates": False,
     "metrics.peak_tflops": None,
     "profiling.enable_profiling": False,
     "profiling.save_traces_folder": "profile_traces",

@@ -225,13 +225,14 @@ class Trainer:
             documents=documents if cfg.model.attn_mask_type == "block_causal" else None,
             ema=self.ema,
         )
-        self.layer_norms = None  # metrics.per_layer_norms: each block's gradient and parameter norm
-        if cfg.metrics.per_layer_norms:
+        self.layer_norms = None  # metrics.per_layer_norms / _updates: each block's gradient, weight and update norms
+        if cfg.metrics.per_layer_norms or cfg.metrics.per_layer_updates:
             self.layer_norms = LayerNorms(
                 self.model.parts,
                 [name for name, _ in job.meta_model().named_parameters()],
                 self.spec.plan.blocks,
                 pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None,
+                updates=cfg.metrics.per_layer_updates,
             )
         # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
         self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)

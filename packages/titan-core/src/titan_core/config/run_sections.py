@@ -17,6 +17,8 @@ class Metrics(Section):
     """Print logs without ANSI colours."""
     per_layer_norms: bool = False
     """Also log each block's gradient norm (before clipping) and parameter norm: grad_norm/layers.3, param_norm/..."""
+    per_layer_updates: bool = False
+    """Also log each block's update norm and update / weight norm ratio (a weight copy during log steps)."""
     peak_tflops: PositiveFloat | None = None
     """The device's peak TFLOP/s for MFU; unset = the GPU table, or on CPU a figure measured once and cached."""
     enable_wandb: bool = False

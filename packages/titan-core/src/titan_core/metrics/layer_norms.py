@@ -11,6 +11,12 @@ The gradients' norms are recorded inside the step, after the backward and before
 `grad_observer`, set on log steps only: no cost on the others), as device tensors; the parameters' after the
 update, when the step's values are read. Logged as `grad_norm/<group>` and `param_norm/<group>` (TensorBoard,
 metrics.jsonl, W&B; not on the console line).
+
+With `metrics.per_layer_updates` the weights are also copied where the gradients' norms are taken (this rank's
+shards, on log steps only) and the step's update is measured against them when the step's values are read:
+`update_norm/<group>` (`||w_after - w_before||`) and `update_ratio/<group>` (that over `||w_after||`), the
+quantity muP keeps alike across widths and a quick sign of a layer that has stopped learning or is updated far
+too hard (1e-3 per step is the usual rule of thumb under Adam).
 """
 
 from __future__ import annotations
@@ -47,10 +53,16 @@ class LayerNorms:
         all_names: every parameter name of the whole model, in its order (from a meta-device build).
         blocks: the blocks' container name (`ModelPlan.blocks`).
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
+        updates: also measure each step's update (`metrics.per_layer_updates`).
     """
 
     def __init__(
-        self, parts: Iterable[nn.Module], all_names: Iterable[str], blocks: str, pp_mesh: DeviceMesh | None = None
+        self,
+        parts: Iterable[nn.Module],
+        all_names: Iterable[str],
+        blocks: str,
+        pp_mesh: DeviceMesh | None = None,
+        updates: bool = False,
     ):
         self.groups = list(dict.fromkeys(norm_group(name, blocks) for name in all_names))
         index = {group: i for i, group in enumerate(self.groups)}
@@ -60,11 +72,17 @@ class LayerNorms:
                 self.params[index[norm_group(name, blocks)]].append(param)
         self.pp_mesh = pp_mesh
         self.grad_norms: torch.Tensor | None = None
+        self.updates = updates
+        self.before: list[list[torch.Tensor]] | None = None  # the weights before the step, when updates are measured
 
     def record_grads(self) -> None:
-        """Take the gradients' norms now (a collective on every rank: call it at the same point on all of them)."""
+        """Take the gradients' norms now (a collective on every rank: call it at the same point on all of them), and
+        with `updates` copy the weights the optimizer is about to change."""
         grads = [[p.grad for p in params if p.grad is not None] for params in self.params]
         self.grad_norms = grouped_norms(grads, pp_mesh=self.pp_mesh)
+        if self.updates:
+            with torch.no_grad():
+                self.before = [[p.detach().clone() for p in params] for params in self.params]
 
     def metrics(self) -> dict[str, float]:
         """The parameters' norms now (a collective) and the gradients' last recorded, read on the host (one sync);
@@ -73,6 +91,17 @@ class LayerNorms:
             params: Sequence[Sequence[torch.Tensor]] = [[p.detach() for p in group] for group in self.params]
             param_norms = grouped_norms(params, pp_mesh=self.pp_mesh)
         values = {f"param_norm/{g}": v for g, v in zip(self.groups, param_norms.tolist(), strict=True)}
+        if self.before is not None:
+            with torch.no_grad():
+                deltas = [
+                    [p.detach() - old for p, old in zip(group, before, strict=True)]
+                    for group, before in zip(self.params, self.before, strict=True)
+                ]
+                update_norms = grouped_norms(deltas, pp_mesh=self.pp_mesh).tolist()
+            self.before = None
+            for g, update, weight in zip(self.groups, update_norms, param_norms.tolist(), strict=True):
+                values[f"update_norm/{g}"] = update
+                values[f"update_ratio/{g}"] = update / weight if weight > 0 else 0.0
         if self.grad_norms is not None:
             values |= {f"grad_norm/{g}": v for g, v in zip(self.groups, self.grad_norms.tolist(), strict=True)}
             self.grad_norms = None
