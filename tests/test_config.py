@@ -162,6 +162,7 @@ SPEC_DEFAULTS = {
     "mtp.loss_weight": 0.3,
     "ema.enable": False,
     "ema.decay": 0.999,
+    "ema.warmup": False,
     "ema.validation": False,
     "mup.enable": False,
     "mup.base_dim": 256,

@@ -69,6 +69,7 @@ def runs(tmp_path_factory) -> Path:
     proc = warm_python.run(cmd, env=titan_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_titan(root / "resharded", *RUN, "--training.local_batch_size", "4")
+    run_titan(root / "warmup", *RUN, "--training.local_batch_size", "4", "--ema.warmup", "true", "--ema.decay", "0.9")
     run_titan(root / "late", *RUN, "--training.local_batch_size", "4", "--ema.enable", "false", "--training.steps", "2")
     resumed = run_titan(root / "late", *RUN, "--training.local_batch_size", "4")
     (root / "late.log").write_text(resumed.stdout + resumed.stderr)
@@ -85,6 +86,19 @@ def test_every_checkpoints_average_follows_from_the_weights(runs):
             torch.testing.assert_close(now[name].double(), expected, rtol=0, atol=1e-6)
     first = averages(folder / "step-1", with_weights=True)  # half way between the initial and the trained weights
     assert all(not torch.equal(first[n], first[n[4:]]) for n in first if n.startswith("ema.") and n.endswith("wq.weight"))
+
+
+def test_a_warmed_up_decay_follows_tensorflows_ramp(runs):
+    folder = runs / "warmup" / "checkpoint"
+    decays = {1: 2 / 11, 2: 3 / 12, 3: 4 / 13, 4: 5 / 14}  # min(0.9, (1 + t) / (10 + t)): below 0.9 until step 80
+    assert [WeightEMA([torch.nn.Linear(1, 1)], 0.9, warmup=True).decay_at(t) for t in (1, 4, 80, 1000)] == [
+        decays[1], decays[4], 0.9, 0.9]  # fmt: skip
+    for step in (2, 3, 4):
+        previous, now = averages(folder / f"step-{step - 1}"), averages(folder / f"step-{step}", with_weights=True)
+        for name, value in previous.items():
+            expected = decays[step] * value.double() + (1 - decays[step]) * now[name[4:]].double()
+            torch.testing.assert_close(now[name].double(), expected, rtol=0, atol=1e-6)
+    assert losses(runs / "warmup") == losses(runs / "reference")  # the average never feeds back into training
 
 
 def test_resharded_and_resumed_average_is_one_processs(runs):

@@ -10,8 +10,11 @@ load like the weights).
 
 It starts from the weights training starts from (the initialised model, or the checkpoint's weights when a
 checkpoint without an average is loaded) and skips a step whose update the run guard dropped (`found_inf`, on the
-device: no host sync). `titan convert --ema` exports the average instead of the weights; `swapped()` puts it in the
-model for a while (validation on the averaged weights, `ema.validation`), and the weights back exactly.
+device: no host sync). With `warmup` the decay ramps up as `min(decay, (1 + step) / (10 + step))`
+(TensorFlow's `ExponentialMovingAverage(num_updates=step)`), so the average of a short run is not mostly the
+initial weights (whose share after t steps is the product of the decays: 0.999^t without it).
+`titan convert --ema` exports the average instead of the weights; `swapped()` puts it in the model for a while
+(validation on the averaged weights, `ema.validation`), and the weights back exactly.
 """
 
 from __future__ import annotations
@@ -38,29 +41,44 @@ class WeightEMA:
     Args:
         parts: this rank's model parts (the model, or its pipeline stages), initialised.
         decay: the average's decay per step, in [0, 1).
+        warmup: ramp the decay up with the step number (`decay_at`).
     """
 
-    def __init__(self, parts: Iterable[nn.Module], decay: float):
+    def __init__(self, parts: Iterable[nn.Module], decay: float, warmup: bool = False):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"WeightEMA decay={decay} must be in [0, 1)")
-        self.decay = decay
+        self.decay, self.warmup = decay, warmup
         self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
         with torch.no_grad():  # fp32 whatever the weights' dtype; DTensors keep their placements
             self.average = {name: p.detach().float().clone() for name, p in self.params.items()}
         self.loaded = False  # whether a checkpoint's average was loaded (else it restarts from the weights)
         self._pairs = [(_local(self.average[name]), _local(p)) for name, p in self.params.items()]
 
+    def decay_at(self, step: int) -> float:
+        """The decay applied after step `step` (1-based): `decay`, or with `warmup` `min(decay, (1+step) / (10+step))`.
+
+        Args:
+            step: the training step just taken.
+        """
+        return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
+
     @torch.no_grad()
-    def update(self, found_inf: torch.Tensor | None = None) -> None:
+    def update(self, found_inf: torch.Tensor | None = None, step: int = 0) -> None:
         """Move the average toward the weights just updated; a step whose update was dropped (`found_inf` 1, on the
-        device) leaves it unchanged."""
+        device) leaves it unchanged.
+
+        Args:
+            found_inf: the run guard's verdict on the device (1: the update was dropped), or None.
+            step: the training step just taken (1-based), for the warm-up.
+        """
         averages = [a for a, _ in self._pairs]
         weights = [p if p.dtype == torch.float32 else p.float() for _, p in self._pairs]
+        decay = self.decay_at(step)
         if found_inf is None:
-            torch._foreach_lerp_(averages, weights, 1.0 - self.decay)
+            torch._foreach_lerp_(averages, weights, 1.0 - decay)
         else:
-            step = (1.0 - self.decay) * (1.0 - found_inf.float())  # 0 on a dropped step
-            torch._foreach_lerp_(averages, weights, [step] * len(averages))
+            weight = (1.0 - decay) * (1.0 - found_inf.float())  # 0 on a dropped step
+            torch._foreach_lerp_(averages, weights, [weight] * len(averages))
 
     @torch.no_grad()
     def restart(self) -> None:

@@ -397,11 +397,11 @@ class StepRunner:
         if found_inf is None or self.device_drop:
             self._optimizer_step(found_inf, divisor)  # a bad update is dropped inside the fused kernels
             if self.ema is not None:
-                self.ema.update(found_inf)  # unchanged where the kernels dropped the update
+                self.ema.update(found_inf, step)  # unchanged where the kernels dropped the update
         elif not bool(found_inf.item()):  # foreach / for-loop: the verdict is read on the host (one sync)
             self._optimizer_step(None, divisor)
             if self.ema is not None:
-                self.ema.update()
+                self.ema.update(step=step)
         lr = float(self.lr_schedulers[0].get_last_lr()[0]) if self.lr_schedulers else None  # before it moves on
         self.lr_step()  # the schedule follows the step counter, dropped steps included
         z_terms = self.loss.z_terms  # one per loss call: the step's mean, as `total` is over its micro-batches

@@ -183,7 +183,7 @@ class Trainer:
             for optimizer in self.optimizers
         ]
         self.state = TrainState()
-        self.ema = WeightEMA(self.model.parts, cfg.ema.decay) if cfg.ema.enable else None  # [ema]
+        self.ema = WeightEMA(self.model.parts, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enable else None  # [ema]
         if self.replicas is not None:  # what a restarted group recovers live from a peer
             self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
         # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG

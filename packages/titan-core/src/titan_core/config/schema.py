@@ -394,6 +394,8 @@ class EMA(Section):
     """Keep the average: after every applied step ema = decay * ema + (1 - decay) * weights, fp32, sharded."""
     decay: Annotated[float, Field(ge=0, lt=1)] = 0.999
     """Decay per step: the average spans about 1 / (1 - decay) steps (0.999: ~1000)."""
+    warmup: bool = False
+    """Ramp the decay up as min(decay, (1 + step) / (10 + step)) (TensorFlow's num_updates): less of the init."""
     validation: bool = False
     """Each validation pass also scores the averaged weights: validation_ema/loss (needs validation.enable)."""
 
