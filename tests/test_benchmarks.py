@@ -42,3 +42,13 @@ def test_loader_scaling_times_both_loaders_and_the_data_wait():
     assert "(skipped)" in out  # W=8 is past --packed-max-world
     for label in ("token shards, prefetch off", "token shards, prefetch 2", "text tokenized on the fly"):
         assert f"\n  {label} " in out, out
+
+
+def test_mup_coord_check_prints_both_parametrizations_for_a_config():
+    out = run(sys.executable, "benchmarks/mup_coord_check.py", "--widths", "64,256", "--steps", "2",
+              "--model.name", "qwen3", "--model.shape", "n_layers=1,vocab_size=128")  # fmt: skip
+    usual, mup = out.split("\nusual: ")[1].split("\nmuP: ")
+    growth = {kind: float(text.split("\nblock 0")[1].splitlines()[0].split()[-1].rstrip("x"))
+              for kind, text in (("usual", usual), ("mup", mup))}  # fmt: skip
+    assert growth["usual"] > 5 and 0.5 < growth["mup"] < 2, out  # block 0's change at 4x the width over the base's
+    assert "logits" in mup
