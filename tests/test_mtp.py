@@ -19,8 +19,10 @@ from titan_core.config import ConfigError, load_config
 from titan_core.job import resolve
 from titan_core.step import StepLoss, cross_entropy_loss, shift_labels
 from titan_models import get_model_spec
-from titan_models.deepseek_v3 import Transformer, TransformerBlock, count_params, flops_per_token
+from titan_models.deepseek_v3 import Transformer, count_params, flops_per_token
 from titan_models.deepseek_v3.hf_adapter import from_hf_state_dict, to_hf_state_dict
+from titan_models.mtp import MTPDepth
+from titan_models.mup import MuP
 from typer.testing import CliRunner
 
 from titan_run import losses, read_metrics, run_titan_all
@@ -29,16 +31,31 @@ DEBUG = get_model_spec("deepseek_v3").flavors["debugmodel"]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def small_model(depths: int = 2) -> Transformer:
-    args = dataclasses.replace(DEBUG, n_layers=2, n_mtp_layers=depths, vocab_size=97, max_seq_len=64)
+def small_model(depths: int = 2, family: str = "deepseek_v3", **changes) -> torch.nn.Module:
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=2, n_mtp_layers=depths, vocab_size=97,
+                               max_seq_len=64, **changes)  # fmt: skip
     torch.manual_seed(0)
-    model = Transformer(args)
+    model = spec.build(args)
     model.init_weights()
     return model.double()
 
 
-def test_each_depth_predicts_one_more_token_ahead_as_the_paper_writes_it():
-    model = small_model(depths=2)
+FAMILIES = {  # row -> (family, ModelArgs changes)
+    "deepseek_v3": ("deepseek_v3", {}),
+    "llama3": ("llama3", {}),
+    "qwen3": ("qwen3", {}),
+    # muP's multipliers reach the depths: the embeddings of the tokens ahead and each depth's head input
+    "llama3_mup": ("llama3", {"mup": MuP(base_dim=128, base_head_dim=32, embedding_multiplier=3.0, output_multiplier=2.0)}),
+}
+
+
+@pytest.mark.parametrize("row", FAMILIES)
+def test_each_depth_predicts_one_more_token_ahead_as_the_paper_writes_it(row):
+    family, changes = FAMILIES[row]
+    model = small_model(2, family, **changes)
+    mup = model.args.mup if family != "deepseek_v3" else None
+    emb_mult, readout = (mup.embedding_multiplier, mup.readout_scale(model.args.dim)) if mup else (1.0, 1.0)
     n_layers, seqlen = model.args.n_layers, 24
     tokens = torch.randint(0, 97, (2, seqlen), generator=torch.Generator().manual_seed(3))
     captured = []
@@ -56,10 +73,11 @@ def test_each_depth_predicts_one_more_token_ahead_as_the_paper_writes_it():
         for k in (1, 2):
             block = model.layers[str(n_layers + k - 1)]
             proj, length = block.input_proj, seqlen - k
-            emb = model.tok_embeddings(tokens[:, k:])  # t_{i+k} for i < seqlen - k
+            emb = model.tok_embeddings(tokens[:, k:]) * emb_mult  # t_{i+k} for i < seqlen - k
             x = proj.eh_proj(torch.cat([proj.enorm(emb), proj.hnorm(h[:, :length])], dim=-1))
-            h = TransformerBlock.forward(block, x, model.rope_cache)  # causal over the cut sequence (routing in fp32)
-            torch.testing.assert_close(rows[k][:, :length], model.output(block.head_norm(h)), rtol=1e-6, atol=1e-8)
+            h = super(MTPDepth, block).forward(x, model.rope_cache)  # the family's block, causal over the cut sequence
+            expected = model.output(block.head_norm(h) * readout)
+            torch.testing.assert_close(rows[k][:, :length], expected, rtol=1e-6, atol=1e-8)
 
 
 def test_the_loss_adds_the_weighted_mean_of_the_depths_and_reports_them_apart():
@@ -242,4 +260,68 @@ def test_trained_depths_convert_to_hugging_face_and_back_and_sampling_skips_them
     ours, back = read_dcp_state_dict(step, names), read_dcp_state_dict(tmp_path / "dcp", names)
     assert all(torch.equal(ours[n], back[n]) for n in names)
     result = cli.invoke(app, ["generate", str(runs / "reference"), "--prompt", "def ", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_dense_families_count_their_depths(family):
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_mtp_layers=1)
+    with torch.device("meta"):
+        assert spec.count_params(args) == sum(p.numel() for p in spec.build(args).parameters())
+    # The debug shapes by hand (dim 256, 16 heads, 8 KV heads, vocab 2048): Llama 3's head 16 and feed-forward
+    # 768 (8/3 x 256 rounded up to 256); Qwen3's head 32 with its QK-norms and feed-forward 768.
+    dim, seqlen = 256, 64
+    if family == "llama3":
+        block, head = 256 * 16 * (2 * 16 + 2 * 8) + 3 * 256 * 768 + 2 * 256, 16
+    else:
+        block, head = 256 * 32 * (2 * 16 + 2 * 8) + 2 * 32 + 3 * 256 * 768 + 2 * 256, 32
+    extra = 6 * (block + 2 * dim * dim + 3 * dim + 2048 * dim) + 12 * 16 * head * seqlen
+    assert spec.flops_per_token(args, seqlen) - spec.flops_per_token(spec.flavors["debugmodel"], seqlen) == extra
+
+
+DENSE_RUN = RUN[4:]  # RUN without its model.name and flavor: Llama 3 by default
+DENSE_ROWS = {  # row -> (nproc, arguments)
+    "llama_reference": (1, ["--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "4"]),
+    "llama_fsdp": (2, ["--training.local_batch_size", "2"]),
+    "llama_tp": (2, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    "qwen3_reference": (1, ["--model.name", "qwen3", "--training.local_batch_size", "4"]),
+    "qwen3_tp": (2, ["--model.name", "qwen3", "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree",
+                     "2"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dense_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mtp_dense")
+    for nproc in (1, 2):
+        run_titan_all({root / row: [*DENSE_RUN, *a] for row, (n, a) in DENSE_ROWS.items() if n == nproc}, nproc=nproc)
+    return root
+
+
+def test_llama_and_qwen3_train_depths_on_every_layout_as_one_process(dense_runs):
+    for row in ("llama_fsdp", "llama_tp", "qwen3_tp"):
+        reference = read_metrics(dense_runs / f"{row.split('_')[0]}_reference")
+        records = read_metrics(dense_runs / row)
+        assert len(records) == len(reference) == 4
+        for key in ("loss/global_avg", "loss/mtp"):
+            gap = max(abs(a[key] - b[key]) for a, b in zip(records, reference, strict=True))
+            assert gap < 2e-5, (row, key, gap)
+    first, last = read_metrics(dense_runs / "llama_reference")[0], read_metrics(dense_runs / "llama_reference")[-1]
+    assert last["loss/mtp"] < first["loss/mtp"] - 0.5  # the depths learn
+    assert "2 multi-token-prediction depths" in (dense_runs / "qwen3_reference" / "train.log").read_text()
+
+
+def test_a_llama_run_with_depths_exports_the_language_model_and_generates(dense_runs, tmp_path):
+    step = dense_runs / "llama_reference" / "checkpoint" / "step-4"
+    cli = CliRunner()
+    result = cli.invoke(app, ["convert", str(step), str(tmp_path / "hf"), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    assert "parity:" in result.output and "(ok;" in result.output
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    from titan_ckpt.hf_safetensors import read_hf_state_dict
+
+    names = read_hf_state_dict(tmp_path / "hf").keys()
+    assert config["num_hidden_layers"] == 6 and not any(n.startswith("model.layers.6.") for n in names)
+    result = cli.invoke(app, ["generate", str(dense_runs / "llama_reference"), "--prompt", "def ", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output

@@ -378,8 +378,8 @@ class MoE(Section):
 
 
 class MTP(Section):
-    """Multi-token prediction (DeepSeek-V3's MTP; model.name = "deepseek_v3"): extra depths trained to predict
-    tokens further ahead, through the shared embedding and output."""
+    """Multi-token prediction (DeepSeek-V3's MTP, any built-in model): extra depths trained to predict tokens
+    further ahead, through the shared embedding and output."""
 
     layers: NonNegativeInt = 0
     """Prediction depths (DeepSeek-V3 1); 0 = none. Not with pipeline or context parallel (docs/models.md)."""

@@ -21,6 +21,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from titan_core.config.errors import ConfigError, MissingPackageError
@@ -228,15 +229,17 @@ def _degrees(d: Draft) -> None:
 
 
 def _mtp(d: Draft) -> None:
-    """`mtp.layers` sets the multi-token-prediction depths of a model that has them (DeepSeek-V3; a Hugging Face
-    checkpoint's own depths are loaded only as far as it asks), on a layout that keeps the whole sequence and the
-    embedding, blocks and output on one stage: no pipeline or context parallel."""
+    """`mtp.layers` sets the multi-token-prediction depths of a family that has them (`ModelArgs.n_mtp_layers`:
+    every built-in one), on a layout that keeps the whole sequence and the embedding, blocks and output on one
+    stage (no pipeline or context parallel); a Hugging Face checkpoint to start from must hold that many (its own
+    are loaded only as far as it asks)."""
     layers = d.cfg.mtp.layers
     if not hasattr(d.model_args, "n_mtp_layers"):
         if layers:
             raise ConfigError(
                 f"mtp.layers={layers}: model.name={d.cfg.model.name!r} has no multi-token prediction; "
-                "use model.name = 'deepseek_v3' or set mtp.layers = 0"
+                "use a family whose ModelArgs has n_mtp_layers (llama3, qwen3, qwen3_moe, deepseek_v3) or set "
+                "mtp.layers = 0"
             )
         return
     if layers and d.dims is not None:
@@ -247,6 +250,15 @@ def _mtp(d: Draft) -> None:
                     "embedding, the blocks and the output on one rank's whole sequence; set mtp.layers = 0 or "
                     f"parallelism.{key} = 1"
                 )
+    if layers and d.hf_source is not None:  # the depths are loaded with the model: they must be in the checkpoint
+        from titan_core.convert import hf_mtp_layers
+
+        held = hf_mtp_layers(Path(d.hf_source), d.model_args).n_mtp_layers
+        if layers > held:
+            raise ConfigError(
+                f"mtp.layers={layers}: the Hugging Face checkpoint in checkpoint.initial_load_path holds {held} "
+                f"prediction depths; set mtp.layers = {held} (or start from a Titan checkpoint that has them)"
+            )
     d.model_args = dataclasses.replace(d.model_args, n_mtp_layers=layers)
 
 

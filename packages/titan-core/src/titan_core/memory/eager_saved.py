@@ -265,12 +265,14 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
             _PARTS[head_key] = _head_and_loss(meta, spec, mesh, layout, args.dim, seq)
         rest = _PARTS[head_key]
     per_kind = [kinds[s] for s in signatures]
-    return EagerSaved(_assemble(per_kind, rest, 0), fused, per_call=_assemble(per_kind, rest, 1))
+    # per block where the kinds differ per token or per call (a multi-token-prediction block may differ in one only)
+    split = any(len({tuple(f[i] for f in k.values()) for k in per_kind}) > 1 for i in (0, 1))
+    return EagerSaved(_assemble(per_kind, rest, 0, split), fused, per_call=_assemble(per_kind, rest, 1, split))
 
 
-def _assemble(kinds: list[dict[str, Fit]], rest: dict[str, Fit], i: int) -> ActivationBytes:
-    """The measured figures, `i` = 0 per token, 1 per call; `per_block` where the blocks' kinds differ, each
-    block field then the smallest over the kinds (a lower bound)."""
+def _assemble(kinds: list[dict[str, Fit]], rest: dict[str, Fit], i: int, split: bool) -> ActivationBytes:
+    """The measured figures, `i` = 0 per token, 1 per call; with `split` (the blocks' kinds differ) `per_block`,
+    each block field then the smallest over the kinds (a lower bound)."""
     from titan_core.memory.activations import ActivationBytes
 
     common: dict[str, Any] = {name: fit[i] for name, fit in rest.items()}
@@ -285,7 +287,7 @@ def _assemble(kinds: list[dict[str, Fit]], rest: dict[str, Fit], i: int) -> Acti
         for k in kinds
     ]
     block_fields = ("block", "block_op", "block_input", "block_backward")
-    if len({tuple(getattr(a, f) for f in block_fields) for a in measured}) == 1:
+    if not split:
         return measured[0]
     smallest = {f: min(getattr(a, f) for a in measured) for f in block_fields}
     return ActivationBytes(**smallest, **common, per_block=tuple(measured))

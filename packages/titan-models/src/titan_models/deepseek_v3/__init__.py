@@ -8,7 +8,6 @@ from titan_models.deepseek_v3.model import (
     Attention,
     ModelArgs,
     MTPBlock,
-    MTPInput,
     ScaledDotProductAttention,
     Transformer,
     TransformerBlock,
@@ -17,6 +16,7 @@ from titan_models.deepseek_v3.model import (
     precompute_rope_cache,
 )
 from titan_models.deepseek_v3.plan import deepseek_v3_plan
+from titan_models.mtp import MTPInput
 
 __all__ = [
     "Attention",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from titan_models.deepseek_v3.model import ModelArgs
+from titan_models.mtp import depth_extra_params
 
 
 def _attention_params(args: ModelArgs) -> int:
@@ -28,7 +29,7 @@ def _count(args: ModelArgs, routed_experts: int) -> int:
     n_blocks = args.n_layers + args.n_mtp_layers
     blocks = n_blocks * (_attention_params(args) + 2 * args.dim)  # + attention_norm, ffn_norm
     blocks += args.n_dense_layers * 3 * args.dim * args.ffn_hidden_dim + n_moe * _moe_params(args, routed_experts)
-    blocks += args.n_mtp_layers * (2 * args.dim * args.dim + 3 * args.dim)  # eh_proj; enorm, hnorm, head_norm
+    blocks += args.n_mtp_layers * depth_extra_params(args.dim)  # eh_proj; enorm, hnorm, head_norm
     embedding = args.vocab_size * args.dim
     output = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
     return embedding + blocks + args.dim + output  # + final norm

@@ -12,13 +12,10 @@ Differences from `titan_models.llama3.model`:
   DeepSeek's interleaved pair layout (pairs `(2i, 2i+1)`, as Llama 3's `apply_rotary_emb`).
 - Blocks after the first `n_dense_layers` replace the dense feed-forward with a
   Mixture-of-Experts (`titan_models.moe.MoE`, attribute `moe`).
-- Multi-token prediction (DeepSeek-V3's MTP, `ModelArgs.n_mtp_layers`): depth `k` combines the
-  main model's last hidden state at position `i` (before the final norm), through depth `k - 1`,
-  with the embedding of token `i + k` (`MTPInput`: `eh_proj(cat(enorm(emb), hnorm(h)))`), runs one
-  more block and its own final norm (`head_norm`), and predicts token `i + k + 1` through the shared
-  `output`. Its blocks are entries `n_layers ..` of `layers`, so every parallel wrapping that splits a
-  block splits them too; only `forward(..., mtp=True)` runs them (training), and the output then holds
-  the main rows and each depth's, stacked on the batch dim.
+- Multi-token prediction (DeepSeek-V3's MTP, `ModelArgs.n_mtp_layers`, `titan_models.mtp`): depth `k`
+  combines the main model's last hidden state at position `i` with the embedding of token `i + k`, runs
+  one more (MoE) block and its own final norm, and predicts token `i + k + 1` through the shared `output`;
+  only `forward(..., mtp=True)` runs the depths (training).
 
 Nothing here knows about parallelism (no `torch.distributed` import); titan-parallel
 splits the modules from outside, reading `titan_models.deepseek_v3.plan`. Build on the
@@ -40,6 +37,7 @@ from titan_models.document_mask import block_causal_mask, masked_attention
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, apply_rotary_emb, init_trunc_normal_
 from titan_models.moe import MoE, MoEArgs
+from titan_models.mtp import MTPDepth, check_depth_tokens, embed_with_depths, run_depths
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -431,30 +429,9 @@ class TransformerBlock(nn.Module):
             self.moe.init_weights(out_std, buffer_device)
 
 
-class MTPInput(nn.Module):
-    """A multi-token-prediction depth's input: `eh_proj(cat(enorm(emb), hnorm(h)))`, token by token.
-
-    Args:
-        args: the model's shape (`dim`, `norm_eps`).
-    """
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args:
-        x: `(bs, seqlen, 2 * dim)`: the embeddings of the tokens `k` ahead, then the previous depth's hidden states.
-        """
-        emb, h = x.chunk(2, dim=-1)
-        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-
-
-class MTPBlock(TransformerBlock):
-    """One multi-token-prediction depth (DeepSeek-V3 section 2.2): `input_proj` (`MTPInput`), a block (a
-    Mixture-of-Experts one, as every block after `n_dense_layers`), and `head_norm` before the shared output.
+class MTPBlock(MTPDepth, TransformerBlock):  # type: ignore[misc]  # forward: two outputs, a block's input
+    """One multi-token-prediction depth (DeepSeek-V3 section 2.2, `titan_models.mtp`): `input_proj` (`MTPInput`), a
+    block (a Mixture-of-Experts one, as every block after `n_dense_layers`), and `head_norm` before the shared output.
 
     Args:
         layer_id: its index in `layers` (`n_layers + depth - 1`); depth-scales its output-side init.
@@ -463,26 +440,7 @@ class MTPBlock(TransformerBlock):
 
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__(layer_id, args)
-        self.input_proj = MTPInput(args)
-        self.head_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.input_width = 2 * args.dim  # the last dim of its input (a block's is `dim`), for callers that build one
-
-    def forward(  # type: ignore[override]  # two outputs: the hidden states for the next depth and the head's
-        self,
-        x: torch.Tensor,
-        rope_cache: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | BlockMask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args:
-            x: `(bs, seqlen, 2 * dim)`, see `MTPInput.forward`.
-            rope_cache, positions, mask: as `TransformerBlock.forward`'s.
-
-        Returns:
-            `(h, head_norm(h))`, each `(bs, seqlen, dim)`: `h` feeds the next depth, the other the output.
-        """
-        h = super().forward(self.input_proj(x), rope_cache, positions, mask)
-        return h, self.head_norm(h)
+        self.add_depth_modules(args.dim, args.norm_eps)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """As `TransformerBlock.init_weights`; `eh_proj` std 0.02, the norms ones.
@@ -491,9 +449,7 @@ class MTPBlock(TransformerBlock):
             buffer_device: where the MoE's buffers go; None keeps their device.
         """
         super().init_weights(buffer_device)
-        for norm in (self.input_proj.enorm, self.input_proj.hnorm, self.head_norm):
-            norm.reset_parameters()
-        init_trunc_normal_(self.input_proj.eh_proj.weight, 0.02)
+        self.init_depth_modules()
 
 
 class Transformer(nn.Module):
@@ -556,11 +512,9 @@ class Transformer(nn.Module):
             )
         main_layers = self.args.n_layers
         depths = self.args.n_mtp_layers if mtp else 0
-        if depths and (self.tok_embeddings is None or tokens.dim() != 2):
-            raise ValueError("multi-token prediction needs the token ids and tok_embeddings (no pipeline stage cut)")
         if depths:  # one lookup for the main rows and each depth's tokens k ahead (wrapped: their targets are -100)
-            rolled = [tokens, *(tokens.roll(-k, dims=1) for k in range(1, depths + 1))]
-            embedded = self.tok_embeddings(torch.cat(rolled, dim=0)).chunk(depths + 1, dim=0)  # type: ignore[misc]
+            check_depth_tokens(tokens, self.tok_embeddings)
+            embedded = embed_with_depths(self.tok_embeddings, tokens, depths)  # type: ignore[arg-type]
             h = embedded[0]
         else:
             h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
@@ -570,12 +524,7 @@ class Transformer(nn.Module):
                 h = layer(h, self.rope_cache, positions, mask)
         out = self.norm(h) if self.norm is not None else h
         if depths:
-            heads = [out]
-            for k in range(1, depths + 1):
-                block = self.layers[str(main_layers + k - 1)]
-                h, head_in = block(torch.cat([embedded[k], h], dim=-1), self.rope_cache, positions, mask)
-                heads.append(head_in)
-            out = torch.cat(heads, dim=0)  # (bs * (1 + depths), seqlen, dim)
+            out = run_depths(self.layers, main_layers, embedded, h, out, self.rope_cache, positions, mask)
         if self.output is None or self.skip_output:
             return out  # (bs, seqlen, dim): a stage without the output, or the loss applies it
         return self.output(out)  # (bs, seqlen, vocab_size)

@@ -13,6 +13,7 @@ A multi-token-prediction block (`MTPBlock`) adds its input projection, run token
 shard with its weights replicated (`TOKENWISE`), and its head norm (sequence parallel).
 """
 
+from titan_models.mtp import MTP_TP
 from titan_parallel.plan import ModelPlan, TPStyle
 
 _MLA_SHARED = (
@@ -44,8 +45,7 @@ deepseek_v3_plan = ModelPlan(
         ("feed_forward.w3", TPStyle.COLWISE),
         ("feed_forward.w2", TPStyle.ROWWISE),
         ("moe", TPStyle.MOE_INPUT),
-        ("input_proj", TPStyle.TOKENWISE),
-        ("head_norm", TPStyle.NORM),
+        *MTP_TP,
     ),
     pp_first=("tok_embeddings",),
     pp_last=("norm", "output"),

@@ -88,7 +88,8 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
     Returns:
         Hugging Face names; `lm_head.weight` is left out when embeddings are tied, as
         `save_pretrained` does. A muP model's multipliers are folded into the weights
-        (`titan_models.mup.fold_into_weights`): `LlamaForCausalLM` has none.
+        (`titan_models.mup.fold_into_weights`): `LlamaForCausalLM` has none. Multi-token-prediction depths
+        (layers `n_layers ..`) are left out: the architecture has none.
 
     Raises:
         ValueError: a name that is not a Llama 3 parameter.
@@ -105,6 +106,8 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
             hf[_TOP_NAMES[name]] = tensor
             continue
         match = _TITAN_LAYER.fullmatch(name)
+        if match is not None and int(match.group(1)) >= args.n_layers:
+            continue  # a multi-token-prediction depth: LlamaForCausalLM has no place for it
         if match is None or match.group(2) not in _LAYER_NAMES:
             raise ValueError(
                 f"'{name}' is not a Llama 3 parameter; pass the model's own state dict (Titan names, no prefix)"

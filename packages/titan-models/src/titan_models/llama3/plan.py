@@ -1,5 +1,7 @@
-"""How titan-parallel may split the Llama 3 `Transformer`, as data."""
+"""How titan-parallel may split the Llama 3 `Transformer`, as data. A multi-token-prediction depth (`MTPBlock`)
+adds its input projection and head norm (`titan_models.mtp.MTP_TP`)."""
 
+from titan_models.mtp import MTP_TP
 from titan_parallel.plan import ModelPlan, TPStyle
 
 llama3_plan = ModelPlan(
@@ -21,6 +23,7 @@ llama3_plan = ModelPlan(
         ("feed_forward.w1", TPStyle.COLWISE),
         ("feed_forward.w3", TPStyle.COLWISE),
         ("feed_forward.w2", TPStyle.ROWWISE),
+        *MTP_TP,
     ),
     pp_first=("tok_embeddings",),
     pp_last=("norm", "output"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan_models.mtp import depth_extra_params
 from titan_models.qwen3.model import ModelArgs
 
 
@@ -22,12 +23,13 @@ def _block_params(args: ModelArgs, experts: int) -> int:
 def _total(args: ModelArgs, experts: int) -> int:
     embedding = args.vocab_size * args.dim
     output = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
-    return embedding + args.n_layers * _block_params(args, experts) + args.dim + output  # + final norm
+    depths = args.n_mtp_layers * (_block_params(args, experts) + depth_extra_params(args.dim))
+    return embedding + args.n_layers * _block_params(args, experts) + depths + args.dim + output  # + final norm
 
 
 def count_params(args: ModelArgs) -> int:
     """Number of parameters of `Transformer(args)`; a tied weight counts once, buffers
-    (`expert_bias`) not at all.
+    (`expert_bias`) not at all; each multi-token-prediction depth is a block and its `depth_extra_params`.
 
     Args:
         args: model shape.
@@ -52,8 +54,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     `6 * N + 12 * n_layers * n_heads * head_dim * seq_len`, where N counts the *active*
     parameters (`count_active_params`: a Mixture-of-Experts token runs only its top-k
     experts) except the token-embedding table (a lookup, no matmul); the output
-    projection counts once even when tied. The second term is attention's `q k^T` and
-    `attn v` matmuls (causal masking not discounted).
+    projection counts once even when tied, and once more for each multi-token-prediction depth. The second
+    term is attention's `q k^T` and `attn v` matmuls (causal masking not discounted), the depths' too.
 
     Args:
         args: model shape.
@@ -63,4 +65,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     matmul_params = count_active_params(args) - embedding
     if args.tie_word_embeddings:
         matmul_params += embedding  # the tied weight is also the output projection
-    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    matmul_params += args.n_mtp_layers * embedding  # each depth's output projection
+    blocks = args.n_layers + args.n_mtp_layers
+    return 6 * matmul_params + 12 * blocks * args.n_heads * args.head_dim * seq_len

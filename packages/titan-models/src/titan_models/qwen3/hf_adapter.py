@@ -78,7 +78,8 @@ def to_hf_state_dict(state_dict: StateDict, args: ModelArgs) -> StateDict:
     Returns:
         Hugging Face names; `lm_head.weight` is left out when embeddings are tied, as
         `save_pretrained` does. A muP model's multipliers are folded into the weights
-        (`titan_models.mup.fold_into_weights`; the query's into `q_norm`): Qwen3 has none.
+        (`titan_models.mup.fold_into_weights`; the query's into `q_norm`): Qwen3 has none. Multi-token-prediction
+        depths (layers `n_layers ..`) are left out: the architectures have none.
 
     Raises:
         ValueError: a name that is not a parameter of this family.
@@ -98,6 +99,8 @@ def to_hf_state_dict(state_dict: StateDict, args: ModelArgs) -> StateDict:
             continue
         match = _TITAN_LAYER.fullmatch(name)
         layer, leaf = match.groups() if match is not None else ("", "")
+        if layer and int(layer) >= args.n_layers:
+            continue  # a multi-token-prediction depth: Qwen3ForCausalLM has no place for it
         if leaf in names:
             hf[f"model.layers.{layer}.{names[leaf]}"] = tensor
         elif args.moe is not None and leaf in _EXPERT_PROJ:

@@ -23,6 +23,7 @@ from titan_models.document_mask import block_causal_mask
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, ScaledDotProductAttention, init_trunc_normal_, precompute_rope_cache
 from titan_models.moe import MoE, MoEArgs
+from titan_models.mtp import MTPDepth, check_depth_tokens, embed_with_depths, run_depths
 from titan_models.mup import MuP, check_mup
 
 if TYPE_CHECKING:
@@ -59,8 +60,13 @@ class ModelArgs:
     """Mixture-of-Experts feed-forward in every block (Qwen3-MoE); None = dense SwiGLU of `hidden_dim`."""
     mup: MuP | None = None
     """The maximal update parametrization's base shape and multipliers (`titan_models.mup`); None: standard."""
+    n_mtp_layers: int = 0
+    """Multi-token-prediction depths (`titan_models.mtp`, as Qwen3-Next's): entries `n_layers ..` of `layers`, run
+    only by `forward(..., mtp=True)`."""
 
     def __post_init__(self) -> None:
+        if self.n_mtp_layers < 0:
+            raise ModelConfigError(f"ModelArgs.n_mtp_layers={self.n_mtp_layers} must be >= 0")
         if self.n_heads % self.n_kv_heads != 0:
             raise ModelConfigError(
                 f"ModelArgs.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}; pick a divisor of n_heads"
@@ -217,6 +223,28 @@ class TransformerBlock(nn.Module):
             self.feed_forward.init_weights(out_std, 0.02 * self.init_scale)
 
 
+class MTPBlock(MTPDepth, TransformerBlock):  # type: ignore[misc]  # forward: two outputs, a block's input
+    """One multi-token-prediction depth (`titan_models.mtp`): `input_proj`, a Qwen3 (or Qwen3-MoE) block, `head_norm`.
+
+    Args:
+        layer_id: its index in `layers` (`n_layers + depth - 1`); depth-scales its output-side init.
+        args: the model's shape.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__(layer_id, args)
+        self.add_depth_modules(args.dim, args.norm_eps)
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """As `TransformerBlock.init_weights`; `eh_proj` std 0.02 (times `init_scale`), the norms ones.
+
+        Args:
+            buffer_device: device for the MoE's buffers; None keeps their device.
+        """
+        super().init_weights(buffer_device)
+        self.init_depth_modules(0.02 * self.init_scale)
+
+
 class Transformer(nn.Module):
     """Qwen3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
     and deletes entries of `layers`; the forward then skips them."""
@@ -232,6 +260,8 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        for i in range(args.n_layers, args.n_layers + args.n_mtp_layers):
+            self.layers[str(i)] = MTPBlock(i, args)
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -246,7 +276,11 @@ class Transformer(nn.Module):
         return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        mtp: bool = False,
     ) -> torch.Tensor:
         """Args:
             tokens: `(bs, seqlen)` int64 token ids, or `(bs, seqlen, dim)` hidden states
@@ -255,10 +289,12 @@ class Transformer(nn.Module):
                 (context parallel passes its shard's positions); None means `arange(seqlen)`.
             document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
                 attention stays within each document (block-causal); None: causal over the whole sequence.
+            mtp: also run the multi-token-prediction depths (training; `titan_models.mtp`).
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
-            stage without `output`.
+            stage without `output`. With `mtp` and `n_mtp_layers = D`: `(bs * (1 + D), seqlen, ...)`,
+            the main rows first, then each depth's.
         """
         seqlen = tokens.shape[1]
         if positions is None and seqlen > self.args.max_seq_len:
@@ -266,20 +302,34 @@ class Transformer(nn.Module):
                 f"sequence length {seqlen} exceeds ModelArgs.max_seq_len={self.args.max_seq_len}; "
                 "shorten the sequence or raise max_seq_len"
             )
-        mup = self.args.mup
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        mup, main_layers = self.args.mup, self.args.n_layers
+        depths = self.args.n_mtp_layers if mtp else 0
+        if depths:  # one lookup for the main rows and each depth's tokens k ahead
+            check_depth_tokens(tokens, self.tok_embeddings)
+            embedded = embed_with_depths(self.tok_embeddings, tokens, depths)  # type: ignore[arg-type]
+            h = embedded[0]
+        else:
+            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         if mup is not None and self.tok_embeddings is not None and mup.embedding_multiplier != 1.0:
             h = h * mup.embedding_multiplier
+            embedded = [e * mup.embedding_multiplier for e in embedded] if depths else []
         mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache, positions, mask)
+        for key, layer in self.layers.items():
+            if int(key) < main_layers:
+                h = layer(h, self.rope_cache, positions, mask)
+        out = h
+        readout = mup.readout_scale(self.args.dim) if mup is not None else 1.0
         if self.norm is not None:
-            h = self.norm(h)
+            out = self.norm(h)
             if mup is not None:  # the readout multiplier, on the output's input so the fused loss applies it too
-                h = h * mup.readout_scale(self.args.dim)
+                out = out * readout
+        if depths:
+            out = run_depths(
+                self.layers, main_layers, embedded, h, out, self.rope_cache, positions, mask, readout=readout
+            )
         if self.output is None or self.skip_output:
-            return h  # (bs, seqlen, dim): a stage without the output, or the loss applies it
-        return self.output(h)  # (bs, seqlen, vocab_size)
+            return out  # (bs, seqlen, dim): a stage without the output, or the loss applies it
+        return self.output(out)  # (bs, seqlen, vocab_size)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -305,11 +355,15 @@ class Transformer(nn.Module):
                 init_trunc_normal_(shared.weight, 0.02)
         elif self.tok_embeddings is not None:
             init_trunc_normal_(self.tok_embeddings.weight, 0.02)
-        for layer in self.layers.values():
-            # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
-            layer.init_weights(buffer_device)  # type: ignore[operator]
+        main = {key: int(key) < self.args.n_layers for key in self.layers}
+        for key, layer in self.layers.items():
+            if main[key]:  # Module.__getattr__ is typed Tensor | Module; a block may be wrapped (AC, compile)
+                layer.init_weights(buffer_device)  # type: ignore[operator]
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_word_embeddings:
             mup = self.args.mup
             init_trunc_normal_(self.output.weight, self.args.dim**-0.5 if mup is None else mup.output_init_std())
+        for key, layer in self.layers.items():
+            if not main[key]:  # the multi-token-prediction depths last: a seed's main weights do not change
+                layer.init_weights(buffer_device)  # type: ignore[operator]

@@ -10,6 +10,7 @@ gradients are partial and grad clipping meets plain tensors among DTensors).
 
 import dataclasses
 
+from titan_models.mtp import MTP_TP
 from titan_parallel.plan import ModelPlan, TPStyle
 
 _ATTENTION_TP = (
@@ -37,6 +38,7 @@ qwen3_plan = ModelPlan(
         ("feed_forward.w1", TPStyle.COLWISE),
         ("feed_forward.w3", TPStyle.COLWISE),
         ("feed_forward.w2", TPStyle.ROWWISE),
+        *MTP_TP,
     ),
     pp_first=("tok_embeddings",),
     pp_last=("norm", "output"),
@@ -47,6 +49,8 @@ qwen3_plan = ModelPlan(
 )
 """Dense Qwen3."""
 
-qwen3_moe_plan = dataclasses.replace(qwen3_plan, block_tp=(*_ATTENTION_TP, ("moe", TPStyle.MOE_INPUT)), moe="moe")
+qwen3_moe_plan = dataclasses.replace(
+    qwen3_plan, block_tp=(*_ATTENTION_TP, ("moe", TPStyle.MOE_INPUT), *MTP_TP), moe="moe"
+)
 """Qwen3-MoE: attention as in `qwen3_plan`; tensor parallel splits the `moe` module's experts on their
 hidden dim (`MOE_INPUT`) and expert parallel splits them by expert (`ModelPlan.moe`)."""
