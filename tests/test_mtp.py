@@ -98,7 +98,7 @@ def test_the_loss_adds_the_weighted_mean_of_the_depths_and_reports_them_apart():
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
     grad, expected_grad = torch.autograd.grad(loss, logits)[0], torch.autograd.grad(expected, logits)[0]
     torch.testing.assert_close(grad.double(), expected_grad.double(), rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(loss_fn.mtp_terms[0].double(), (sum(per_depth) / depths).detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss_fn.mtp_terms[0].double(), torch.stack(per_depth).detach(), rtol=1e-6, atol=0)
     assert shift_labels(labels, 2)[0].tolist() == [*labels[0, 2:].tolist(), -100, -100]
     # A forward without the depths' rows (evaluation) is the plain loss; a z-loss term is the main rows' alone.
     plain = F.cross_entropy(main.flatten(0, 1), labels.flatten()) / divisor
@@ -226,9 +226,12 @@ def test_layouts_train_the_depths_as_one_process(runs):
     assert [r["step"] for r in reference] == [1, 2, 3, 4]
     for row in ["plain_loss", "full_ac_compiled", *TWO_PROCESSES]:
         records = read_metrics(runs / row)
-        for key in ("loss/global_avg", "loss/mtp"):
+        for key in ("loss/global_avg", "loss/mtp", "loss/mtp_1", "loss/mtp_2"):
             gap = max(abs(a[key] - b[key]) for a, b in zip(records, reference, strict=True))
             assert gap < 2e-5, (row, key, gap)
+    for record in reference:  # each depth's loss, and their mean
+        assert record["loss/mtp"] == pytest.approx((record["loss/mtp_1"] + record["loss/mtp_2"]) / 2, rel=1e-6)
+    assert reference[-1]["loss/mtp_1"] < reference[-1]["loss/mtp_2"]  # the token after next is easier than the one after
     log = (runs / "reference" / "train.log").read_text()
     assert "2 multi-token-prediction depths (loss weight 0.3)" in log and " mtp " in log
 

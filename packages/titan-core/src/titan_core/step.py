@@ -28,7 +28,8 @@ Mixture-of-Experts auxiliary losses take the same divisor (see `StepLoss.divisor
 With multi-token prediction (`mtp.layers`), the training forward returns the main rows and
 each depth's stacked on the batch dim, and `StepLoss` adds `mtp.loss_weight` times the
 depths' mean cross-entropy (each depth's labels shifted left once more) to the micro-batch's;
-the step's reported loss stays the language-model loss, the depths' mean is `loss/mtp`.
+the step's reported loss stays the language-model loss, the depths' mean is `loss/mtp` (and each depth's
+`loss/mtp_<k>` with several).
 
 The compute dtype is applied once, the same way on every world size: FSDP2's
 mixed-precision policy where the model is FSDP-wrapped (every `dp_mode="fsdp"`
@@ -159,7 +160,7 @@ class StepLoss:
         self.z_terms: list[torch.Tensor] = []  # each training call's z-loss term (`training.z_loss_weight`)
         self.mtp_depths = 0  # multi-token-prediction depths the training forward returns rows for
         self.mtp_weight = 0.0  # `mtp.loss_weight`
-        self.mtp_terms: list[torch.Tensor] = []  # each training call's mean MTP cross-entropy (detached)
+        self.mtp_terms: list[torch.Tensor] = []  # each training call's MTP cross-entropy per depth, (D,) detached
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.mtp_depths and logits.shape[0] == labels.shape[0] * (1 + self.mtp_depths):
@@ -175,7 +176,8 @@ class StepLoss:
         depth_losses = [self.fn(part, shift_labels(labels, k)) for k, part in enumerate(parts[1:], start=1)]
         del self.z_terms[first_z:]
         mtp = sum(depth_losses[1:], depth_losses[0]) / self.mtp_depths
-        self.mtp_terms.append((mtp.full_tensor() if isinstance(mtp, DTensor) else mtp).detach())  # loss parallel
+        full = [d.full_tensor() if isinstance(d, DTensor) else d for d in depth_losses]  # loss parallel
+        self.mtp_terms.append(torch.stack(full).detach())
         return (loss + self.mtp_weight * mtp) / self.divisor
 
     @contextlib.contextmanager
@@ -210,8 +212,8 @@ class StepResult:
         lr: the learning rate this step's update used (the first schedule's, a host float); None without one.
         z_loss: the step's mean z-loss term on this rank (detached, 0-dim; part of `loss`); None without a
             z-loss or off the last pipeline stage.
-        mtp_loss: the step's mean multi-token-prediction cross-entropy on this rank (detached, 0-dim; not part of
-            `loss`, which is the language-model loss); None without MTP.
+        mtp_loss: the step's multi-token-prediction cross-entropy of each depth on this rank (detached, `(D,)`;
+            not part of `loss`, which is the language-model loss); None without MTP.
     """
 
     loss: torch.Tensor | None
@@ -355,7 +357,8 @@ class StepRunner:
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
         total = torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
         if len(mtp_terms) > first_mtp:  # report the language-model loss; the MTP part is `mtp_loss`
-            total = total - self.loss.mtp_weight * torch.stack(mtp_terms[first_mtp:]).sum() / self.loss.divisor
+            depths_mean = torch.stack(mtp_terms[first_mtp:]).mean(dim=-1)  # each call's mean over the depths
+            total = total - self.loss.mtp_weight * depths_mean.sum() / self.loss.divisor
         return total
 
     def step(self, batches: Sequence[Batch], guard: RunGuard | None = None, *, step: int = 0) -> StepResult:
@@ -407,7 +410,7 @@ class StepRunner:
         z_terms = self.loss.z_terms  # one per loss call: the step's mean, as `total` is over its micro-batches
         z_loss = torch.stack(z_terms).sum() / len(z_terms) if z_terms else None
         mtp_terms = self.loss.mtp_terms  # one per micro-batch
-        mtp_loss = torch.stack(mtp_terms).mean() if mtp_terms else None
+        mtp_loss = torch.stack(mtp_terms).mean(dim=0) if mtp_terms else None  # (D,): each depth's over the calls
         return StepResult(total, norm, found_inf, lr=lr, z_loss=z_loss, mtp_loss=mtp_loss)
 
     def _optimizer_step(self, found_inf: torch.Tensor | None, clip_divisor: torch.Tensor | None = None) -> None:

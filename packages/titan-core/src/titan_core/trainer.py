@@ -371,11 +371,20 @@ class Trainer:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
 
+    def _mtp_values(self, per_depth: torch.Tensor) -> dict[str, float]:
+        """`loss/mtp` (the depths' mean cross-entropy) and, with several depths, `loss/mtp_<k>` each, averaged over
+        the data- and context-parallel ranks (the depths refuse pipeline parallel)."""
+        total = per_depth.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
+        depths = (total / self.mesh["dp_cp"].size()).tolist()
+        each = {f"loss/mtp_{k}": v for k, v in enumerate(depths, start=1)} if len(depths) > 1 else {}
+        return {"loss/mtp": sum(depths) / len(depths), **each}
+
     def _step_values(self, result: StepResult, data_wait_s: float, meter: ThroughputMeter) -> dict[str, object]:
         """A log step's figures: the only place the loop reads device values (after the step is queued)."""
         avg, mx = self._reduce_loss(result.loss)
         z_loss = {"loss/z_loss": self._reduce_loss(result.z_loss)[0]} if self.cfg.training.z_loss_weight else {}
-        mtp = {"loss/mtp": self._reduce_loss(result.mtp_loss)[0]} if result.mtp_loss is not None else {}
+        mtp = self._mtp_values(result.mtp_loss) if result.mtp_loss is not None else {}
         return {
             "loss/global_avg": avg,
             "loss/global_max": mx,
