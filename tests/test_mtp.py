@@ -231,7 +231,6 @@ def test_layouts_train_the_depths_as_one_process(runs):
             assert gap < 2e-5, (row, key, gap)
     for record in reference:  # each depth's loss, and their mean
         assert record["loss/mtp"] == pytest.approx((record["loss/mtp_1"] + record["loss/mtp_2"]) / 2, rel=1e-6)
-    assert reference[-1]["loss/mtp_1"] < reference[-1]["loss/mtp_2"]  # the token after next is easier than the one after
     log = (runs / "reference" / "train.log").read_text()
     assert "2 multi-token-prediction depths (loss weight 0.3)" in log and " mtp " in log
 
