@@ -327,3 +327,38 @@ def test_a_llama_run_with_depths_exports_the_language_model_and_generates(dense_
     assert config["num_hidden_layers"] == 6 and not any(n.startswith("model.layers.6.") for n in names)
     result = cli.invoke(app, ["generate", str(dense_runs / "llama_reference"), "--prompt", "def ", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3"])
+def test_speculative_decoding_gives_the_greedy_tokens(family):
+    from titan_core.generation import GREEDY, generate, generate_speculative
+
+    model = small_model(1, family).float().eval()  # untrained: the depth's drafts mostly fail
+    spec = get_model_spec(family)
+    prompt = [5, 17, 3, 42, 8]
+    plain = generate(model, spec.plan, [prompt], 24, GREEDY, static_cache=False).tokens[0]
+    result = generate_speculative(model, spec.plan, prompt, 24)
+    assert result.tokens == plain and len(plain) == 24
+    assert result.drafts > result.accepted  # rejected drafts were rolled back
+    eos = plain[10]
+    stopped = generate_speculative(model, spec.plan, prompt, 24, eos_ids=[eos])
+    assert stopped.tokens == plain[: plain.index(eos) + 1]
+
+
+def test_speculative_decoding_of_a_trained_run_accepts_drafts_and_says_so(dense_runs):
+    from titan_core.generation import GREEDY, generate, generate_speculative, load_model
+
+    loaded = load_model(str(dense_runs / "llama_reference"), keep_mtp=True)
+    assert loaded.args.n_mtp_layers == 2
+    prompt = [100, 101, 102, 32]
+    plain = generate(loaded.model, loaded.spec.plan, [prompt], 30, GREEDY, static_cache=False).tokens[0]
+    result = generate_speculative(loaded.model, loaded.spec.plan, prompt, 30)
+    assert result.tokens == plain and result.accepted > 0 and result.tokens_per_forward > 1
+    cli = CliRunner()
+    out = cli.invoke(app, ["generate", str(dense_runs / "llama_reference"), "-p", "def ", "-n", "8", "--speculative"])
+    assert out.exit_code == 0 and "drafts accepted" in out.output, out.output
+    refused = cli.invoke(app, ["generate", str(dense_runs / "llama_reference"), "-p", "a", "-p", "b", "--speculative"])
+    assert refused.exit_code == 2 and "--speculative decodes one prompt" in refused.output
+    no_depths = load_model(str(dense_runs / "llama_reference"))  # loaded without them: refused in one line
+    with pytest.raises(ConfigError, match="this checkpoint has none; train with mtp.layers = 1"):
+        generate_speculative(no_depths.model, no_depths.spec.plan, prompt, 4)

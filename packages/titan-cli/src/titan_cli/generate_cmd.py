@@ -11,6 +11,30 @@ import time
 import typer
 
 
+def _speculate(loaded, text: str, max_new_tokens: int) -> None:
+    """`--speculative`: decode, print the continuation, then the drafts' acceptance and the speed."""
+    from titan_core.generation import generate_speculative, load_prompt_codec
+
+    codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
+    result = generate_speculative(
+        loaded.model,
+        loaded.spec.plan,
+        codec.encode(text),
+        max_new_tokens,
+        eos_ids=codec.eos_ids,
+        max_seq_len=getattr(loaded.args, "max_seq_len", None),
+    )
+    typer.echo(text + codec.decode(result.tokens))
+    typer.echo("")
+    typer.echo(
+        f"speculative (greedy): {result.accepted} of {result.drafts} drafts accepted ({100 * result.acceptance:.0f}%), "
+        f"{result.tokens_per_forward:.2f} tokens per forward; {len(result.tokens)} tokens in {result.seconds:.2f} s "
+        f"({len(result.tokens) / max(result.seconds, 1e-9):.1f} tokens/s), model {loaded.spec.name} from "
+        f"{loaded.checkpoint}, {loaded.device} {str(loaded.dtype).removeprefix('torch.')}",
+        err=True,
+    )
+
+
 def generate(
     source: str = typer.Argument(
         ...,
@@ -51,6 +75,12 @@ def generate(
         "--compile/--no-compile",
         help="Compile the decode step (CUDA graphs on CUDA). Default: on for CUDA, off on CPU.",
     ),
+    speculative: bool = typer.Option(
+        False,
+        "--speculative",
+        help="Greedy decoding whose drafts come from the model's multi-token-prediction depth (trained with "
+        "mtp.layers), two tokens checked per forward; the same tokens as greedy. One prompt; no sampling options.",
+    ),
     tune: bool | None = typer.Option(
         None,
         "--tune/--no-tune",
@@ -83,7 +113,17 @@ def generate(
             raise ConfigError(f"--dtype {dtype} is not auto, float32 or bfloat16; pass one of them")
         if compile and no_kv_cache:
             raise ConfigError("--compile compiles the KV cache's decode step; drop --compile or --no-kv-cache")
-        loaded = load_model(source, model_name=model_name, flavor=flavor, device=device, dtype=dtype)
+        if speculative and (len(prompts) > 1 or no_kv_cache or compile):
+            raise ConfigError(
+                "--speculative decodes one prompt through the KV cache, eagerly; pass one --prompt, "
+                "without --no-kv-cache or --compile"
+            )
+        loaded = load_model(
+            source, model_name=model_name, flavor=flavor, device=device, dtype=dtype, keep_mtp=speculative
+        )
+        if speculative:
+            _speculate(loaded, prompts[0], max_new_tokens)
+            return
         codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
         compiled, compile_reason = (False, "--no-kv-cache") if no_kv_cache else resolve_compile(compile, loaded.device)
         tuned, tune_reason = resolve_tuning(tune, loaded.device, compiled)

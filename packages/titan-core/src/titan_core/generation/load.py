@@ -64,6 +64,7 @@ def load_model(
     flavor: str | None = None,
     device: str | None = None,
     dtype: str = "auto",
+    keep_mtp: bool = False,
 ) -> LoadedModel:
     """Build a family's model and load a checkpoint's weights into it.
 
@@ -75,6 +76,8 @@ def load_model(
         flavor: named shape of a DCP/torch source (else from config.json beside it or the run's config.toml).
         device: "cpu", "cuda", "cuda:1", ...; None picks cuda when available.
         dtype: "auto" (`resolve_dtype`), "float32" or "bfloat16" (or "float16") for the parameters.
+        keep_mtp: also load the multi-token-prediction depths the checkpoint has (speculative decoding); by
+            default they are left out, as plain decoding never runs them.
 
     Raises:
         ConfigError / CheckpointError / ModelConfigError: bad input, one line naming it and the fix.
@@ -90,7 +93,7 @@ def load_model(
             f"model.name '{name}' has no Hugging Face adapter, so {checkpoint} cannot be read; pass --model-name"
         )
     args, _, _ = resolve_source_args(checkpoint, fmt, spec.hf_adapter, name, flavor)
-    if getattr(args, "n_mtp_layers", 0):  # decoding never runs the multi-token-prediction depths: not loaded
+    if getattr(args, "n_mtp_layers", 0) and not keep_mtp:  # plain decoding never runs the depths: not loaded
         args = dataclasses.replace(args, n_mtp_layers=0)
     expected = expected_shapes(spec.build, args)
     state_dict = load_titan_state_dict(checkpoint, fmt, args, spec.hf_adapter, expected)
