@@ -253,6 +253,11 @@ def test_trained_depths_convert_to_hugging_face_and_back_and_sampling_skips_them
     assert "parity:" in result.output and "(ok;" in result.output  # transformers ignores the MTP layers' names
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 4
+    start = ["--model.name", "deepseek_v3", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+             "--checkpoint.initial_load_in_hf", "true", "--checkpoint.enable", "--mtp.layers"]  # fmt: skip
+    assert resolve(load_config(None, [*start, "2"]), 1).model_args.n_mtp_layers == 2
+    with pytest.raises(ConfigError, match="mtp.layers=3: the Hugging Face checkpoint .* holds 2 prediction depths"):
+        resolve(load_config(None, [*start, "3"]), 1)
     result = cli.invoke(app, ["convert", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--to", "dcp"])
     assert result.exit_code == 0, result.output
     from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes
@@ -325,6 +330,10 @@ def test_a_llama_run_with_depths_exports_the_language_model_and_generates(dense_
 
     names = read_hf_state_dict(tmp_path / "hf").keys()
     assert config["num_hidden_layers"] == 6 and not any(n.startswith("model.layers.6.") for n in names)
+    start = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf", "true",
+             "--checkpoint.enable"]  # fmt: skip
+    with pytest.raises(ConfigError, match="mtp.layers=1: the Hugging Face checkpoint .* holds 0 prediction depths"):
+        resolve(load_config(None, [*start, "--mtp.layers", "1"]), 1)
     result = cli.invoke(app, ["generate", str(dense_runs / "llama_reference"), "--prompt", "def ", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
 

@@ -443,7 +443,7 @@ def resolve_source_args(
     folder = src if src.is_dir() else src.parent
     if src_format == "hf":
         config = read_hf_config(src)
-        return hf_mtp_layers(src, _needs_adapter(adapter, src).args_from_hf_config(config)), config, src
+        return hf_mtp_layers(src, _needs_adapter(adapter, src).args_from_hf_config(config), config), config, src
     if flavor is not None:
         return get_model_args(model_name, flavor), {}, folder
     if (folder / CONFIG_FILE).is_file():
@@ -464,11 +464,12 @@ def resolve_source_args(
     )
 
 
-def hf_mtp_layers(src: Path, args: Any) -> Any:
+def hf_mtp_layers(src: Path, args: Any, config: dict[str, Any]) -> Any:
     """`args` with as many multi-token-prediction depths as the Hugging Face weights in `src` hold (layers
     `n_layers ..` with an `eh_proj`; their config's `num_nextn_predict_layers` is not evidence, see
-    `titan_models.deepseek_v3.hf_adapter`); `args` unchanged for a model without them. Reads shard headers only."""
-    if not hasattr(args, "n_mtp_layers"):
+    `titan_models.deepseek_v3.hf_adapter`); `args` unchanged for an architecture whose config has no such key
+    (Llama, Qwen3: their files hold no depths). Reads shard headers only."""
+    if not hasattr(args, "n_mtp_layers") or "num_nextn_predict_layers" not in config:
         return args
     from safetensors import safe_open
 

@@ -251,9 +251,13 @@ def _mtp(d: Draft) -> None:
                     f"parallelism.{key} = 1"
                 )
     if layers and d.hf_source is not None:  # the depths are loaded with the model: they must be in the checkpoint
+        from titan_ckpt import read_hf_config
         from titan_core.convert import hf_mtp_layers
 
-        held = hf_mtp_layers(Path(d.hf_source), d.model_args).n_mtp_layers
+        source = Path(d.hf_source)
+        held = hf_mtp_layers(
+            source, dataclasses.replace(d.model_args, n_mtp_layers=0), read_hf_config(source)
+        ).n_mtp_layers
         if layers > held:
             raise ConfigError(
                 f"mtp.layers={layers}: the Hugging Face checkpoint in checkpoint.initial_load_path holds {held} "
