@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_models.document_mask import block_causal_mask, masked_attention
+from titan_models.decoder import decoder_forward
+from titan_models.document_mask import masked_attention
 from titan_models.errors import ModelConfigError
 from titan_models.llama3.model import FeedForward, apply_rotary_emb, init_trunc_normal_
 from titan_models.moe import MoE, MoEArgs
-from titan_models.mtp import MTPDepth, check_depth_tokens, embed_with_depths, run_depths
+from titan_models.mtp import MTPDepth
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -504,30 +505,7 @@ class Transformer(nn.Module):
             stage without `output`. With `mtp` and `n_mtp_layers = D`: `(bs * (1 + D), seqlen, ...)`,
             the main rows first, then each depth's.
         """
-        seqlen = tokens.shape[1]
-        if positions is None and seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {seqlen} exceeds ModelArgs.max_seq_len={self.args.max_seq_len}; "
-                "shorten the sequence or raise max_seq_len"
-            )
-        main_layers = self.args.n_layers
-        depths = self.args.n_mtp_layers if mtp else 0
-        if depths:  # one lookup for the main rows and each depth's tokens k ahead (wrapped: their targets are -100)
-            check_depth_tokens(tokens, self.tok_embeddings)
-            embedded = embed_with_depths(self.tok_embeddings, tokens, depths)  # type: ignore[arg-type]
-            h = embedded[0]
-        else:
-            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
-        mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
-        for key, layer in self.layers.items():
-            if int(key) < main_layers:
-                h = layer(h, self.rope_cache, positions, mask)
-        out = self.norm(h) if self.norm is not None else h
-        if depths:
-            out = run_depths(self.layers, main_layers, embedded, h, out, self.rope_cache, positions, mask)
-        if self.output is None or self.skip_output:
-            return out  # (bs, seqlen, dim): a stage without the output, or the loss applies it
-        return self.output(out)  # (bs, seqlen, vocab_size)
+        return decoder_forward(self, tokens, positions, document_ids, mtp)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_models.document_mask import block_causal_mask, masked_attention
+from titan_models.decoder import decoder_forward
+from titan_models.document_mask import masked_attention
 from titan_models.errors import ModelConfigError
-from titan_models.mtp import MTPDepth, check_depth_tokens, embed_with_depths, run_depths
+from titan_models.mtp import MTPDepth
 from titan_models.mup import MuP, check_mup
 
 if TYPE_CHECKING:
@@ -396,40 +397,7 @@ class Transformer(nn.Module):
             stage without `output`. With `mtp` and `n_mtp_layers = D`: `(bs * (1 + D), seqlen, ...)`,
             the main rows first, then each depth's.
         """
-        seqlen = tokens.shape[1]
-        if positions is None and seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {seqlen} exceeds ModelArgs.max_seq_len={self.args.max_seq_len}; "
-                "shorten the sequence or raise max_seq_len"
-            )
-        mup, main_layers = self.args.mup, self.args.n_layers
-        depths = self.args.n_mtp_layers if mtp else 0
-        if depths:  # one lookup for the main rows and each depth's tokens k ahead
-            check_depth_tokens(tokens, self.tok_embeddings)
-            embedded = embed_with_depths(self.tok_embeddings, tokens, depths)  # type: ignore[arg-type]
-            h = embedded[0]
-        else:
-            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
-        if mup is not None and self.tok_embeddings is not None and mup.embedding_multiplier != 1.0:
-            h = h * mup.embedding_multiplier
-            embedded = [e * mup.embedding_multiplier for e in embedded] if depths else []
-        mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
-        for key, layer in self.layers.items():
-            if int(key) < main_layers:
-                h = layer(h, self.rope_cache, positions, mask)
-        out = h
-        readout = mup.readout_scale(self.args.dim) if mup is not None else 1.0
-        if self.norm is not None:
-            out = self.norm(h)
-            if mup is not None:  # the readout multiplier, on the output's input so the fused loss applies it too
-                out = out * readout
-        if depths:
-            out = run_depths(
-                self.layers, main_layers, embedded, h, out, self.rope_cache, positions, mask, readout=readout
-            )
-        if self.output is None or self.skip_output:
-            return out  # (bs, seqlen, dim): a stage without the output, or the loss applies it
-        return self.output(out)  # (bs, seqlen, vocab_size)
+        return decoder_forward(self, tokens, positions, document_ids, mtp)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
