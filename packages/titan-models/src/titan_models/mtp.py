@@ -71,23 +71,24 @@ class MTPInput(nn.Module):
 
 class MTPDepth:
     """Turns a family's block into one multi-token-prediction depth: put it first in the bases
-    (`class MTPBlock(MTPDepth, TransformerBlock)`) and call `add_depth_modules` in `__init__`."""
+    (`class MTPBlock(MTPDepth, TransformerBlock)`); the block is built and initialised as the family's, then
+    `input_proj` and `head_norm` are added (`eh_proj` at std 0.02 times the block's `init_scale`, muP's, if any).
+
+    Args:
+        layer_id: its index in `layers` (`n_layers + depth - 1`); depth-scales the block's output-side init.
+        args: the model's shape (`dim`, `norm_eps` and what the block reads).
+    """
 
     input_proj: MTPInput
     head_norm: nn.RMSNorm
     input_width: int
     """The last dim of its input (a block's is `dim`), for callers that build one (the memory estimator)."""
 
-    def add_depth_modules(self, dim: int, norm_eps: float) -> None:
-        """Create `input_proj` and `head_norm` (after the block's own modules).
-
-        Args:
-            dim: the model's width.
-            norm_eps: epsilon of its RMSNorms.
-        """
-        self.input_proj = MTPInput(dim, norm_eps)
-        self.head_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.input_width = 2 * dim
+    def __init__(self, layer_id: int, args: Any):
+        super().__init__(layer_id, args)  # type: ignore[call-arg]  # the family's block
+        self.input_proj = MTPInput(args.dim, args.norm_eps)
+        self.head_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.input_width = 2 * args.dim
 
     def forward(
         self,
@@ -106,16 +107,14 @@ class MTPDepth:
         h = super().forward(self.input_proj(x), rope_cache, positions, mask)  # type: ignore[misc]
         return h, self.head_norm(h)
 
-    def init_depth_modules(self, eh_std: float = 0.02) -> None:
-        """The depth's own parameters (call after the block's `init_weights`): norms ones, `eh_proj` truncated normal.
-
-        Args:
-            eh_std: std of `eh_proj`.
-        """
+    def init_weights(self, *args: Any) -> None:
+        """The block's `init_weights` (with its arguments, e.g. the MoE buffers' device), then the depth's own:
+        norms ones, `eh_proj` truncated normal at std 0.02 times the block's `init_scale`."""
+        super().init_weights(*args)  # type: ignore[misc]
         for norm in (self.input_proj.enorm, self.input_proj.hnorm, self.head_norm):
             norm.reset_parameters()
-        weight = self.input_proj.eh_proj.weight
-        nn.init.trunc_normal_(weight, mean=0.0, std=eh_std, a=-3 * eh_std, b=3 * eh_std)
+        std = 0.02 * getattr(self, "init_scale", 1.0)
+        nn.init.trunc_normal_(self.input_proj.eh_proj.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def check_depth_tokens(tokens: torch.Tensor, tok_embeddings: nn.Module | None) -> None:

@@ -439,19 +439,6 @@ class MTPBlock(MTPDepth, TransformerBlock):  # type: ignore[misc]  # forward: tw
         args: the model's shape.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__(layer_id, args)
-        self.add_depth_modules(args.dim, args.norm_eps)
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """As `TransformerBlock.init_weights`; `eh_proj` std 0.02, the norms ones.
-
-        Args:
-            buffer_device: where the MoE's buffers go; None keeps their device.
-        """
-        super().init_weights(buffer_device)
-        self.init_depth_modules()
-
 
 class Transformer(nn.Module):
     """DeepSeek-V3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None

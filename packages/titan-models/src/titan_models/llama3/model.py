@@ -335,15 +335,6 @@ class MTPBlock(MTPDepth, TransformerBlock):  # type: ignore[misc]  # forward: tw
         args: the model's shape.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__(layer_id, args)
-        self.add_depth_modules(args.dim, args.norm_eps)
-
-    def init_weights(self) -> None:
-        """As `TransformerBlock.init_weights`; `eh_proj` std 0.02 (times `init_scale`), the norms ones."""
-        super().init_weights()
-        self.init_depth_modules(0.02 * self.init_scale)
-
 
 class Transformer(nn.Module):
     """Llama 3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None

@@ -231,19 +231,6 @@ class MTPBlock(MTPDepth, TransformerBlock):  # type: ignore[misc]  # forward: tw
         args: the model's shape.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__(layer_id, args)
-        self.add_depth_modules(args.dim, args.norm_eps)
-
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """As `TransformerBlock.init_weights`; `eh_proj` std 0.02 (times `init_scale`), the norms ones.
-
-        Args:
-            buffer_device: device for the MoE's buffers; None keeps their device.
-        """
-        super().init_weights(buffer_device)
-        self.init_depth_modules(0.02 * self.init_scale)
-
 
 class Transformer(nn.Module):
     """Qwen3 decoder. A pipeline stage sets `tok_embeddings`, `norm` or `output` to None
