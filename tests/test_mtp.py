@@ -186,9 +186,18 @@ def test_the_job_check_refuses_what_cannot_run_it():
     assert resolve(load_config(None, base), 2).model_args.n_mtp_layers == 1
     example = resolve(load_config(str(Path(__file__).parents[1] / "examples" / "mtp.toml")), 2)  # as README runs it
     assert example.model_args.n_mtp_layers == 1 and example.cfg.mtp.loss_weight == 0.3
-    for key in ("pipeline_parallel_degree", "context_parallel_degree"):
-        with pytest.raises(ConfigError, match=f"mtp.layers=1 with parallelism.{key}=2.*set mtp.layers = 0"):
-            resolve(load_config(None, [*base, f"--parallelism.{key}", "2"]), 2)
+    with pytest.raises(ConfigError, match="mtp.layers=1 with parallelism.context_parallel_degree=2.*set mtp.layers = 0"):
+        resolve(load_config(None, [*base, "--parallelism.context_parallel_degree", "2"]), 2)
+    pp = [*base, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):  # they split the weight gradients
+        with pytest.raises(ConfigError, match=f"mtp.layers=1 with .*schedule='{schedule}'.*use 1F1B, GPipe or Inter"):
+            resolve(load_config(None, [*pp, schedule]), 2)
+    # Under pipeline parallel the last stage holds the depths and a copy of the embedding; the depths weigh on
+    # the cut as blocks. DeepSeek-V3's debug model: 4 blocks + the embedding (1 unit) + norm and output (1) + the
+    # depth (1) = 7 units over 2 stages: 4 (the embedding and 3 blocks), then 3 (1 block, the output, the depth).
+    job = resolve(load_config(None, [*pp, "1F1B"]), 2)
+    assert job.names_per_stage == [["tok_embeddings", "layers.0", "layers.1", "layers.2"],
+                                   ["layers.3", "norm", "output", "layers.4", "tok_embeddings"]]  # fmt: skip
 
 
 RUN = [
@@ -210,6 +219,8 @@ TWO_PROCESSES = {
     "tp_plain_loss": ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                       "--training.fused_loss", "false"],
     "ep": ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"],
+    "pp": ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2", "--checkpoint.enable",
+           "--checkpoint.interval", "4"],
 }  # fmt: skip
 
 
@@ -233,6 +244,21 @@ def test_layouts_train_the_depths_as_one_process(runs):
         assert record["loss/mtp"] == pytest.approx((record["loss/mtp_1"] + record["loss/mtp_2"]) / 2, rel=1e-6)
     log = (runs / "reference" / "train.log").read_text()
     assert "2 multi-token-prediction depths (loss weight 0.3)" in log and " mtp " in log
+    assert " mtp " in (runs / "pp" / "train.log").read_text()  # the last stage's depth losses reach rank 0's line
+
+
+def test_pipeline_parallel_writes_the_weights_of_one_process(runs):
+    # The last stage held the depths and a copy of the embedding: the checkpoint (DCP writes the copy once) has
+    # the reference's weights, the embedding's among them.
+    from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes
+
+    ours, theirs = runs / "pp" / "checkpoint" / "step-4", runs / "reference" / "checkpoint" / "step-4"
+    names = [n for n in read_dcp_tensor_shapes(theirs) if n.startswith(("tok_embeddings.", "layers.4.", "layers.5."))]
+    assert "tok_embeddings.weight" in names and "layers.5.input_proj.eh_proj.weight" in names
+    assert sorted(read_dcp_tensor_shapes(ours)) == sorted(read_dcp_tensor_shapes(theirs))
+    a, b = read_dcp_state_dict(ours, names), read_dcp_state_dict(theirs, names)
+    gap = max((a[n] - b[n]).abs().max().item() for n in names)
+    assert gap < 1e-5, gap
 
 
 def test_the_depths_learn_and_a_zero_weight_leaves_the_language_model_alone(runs):
@@ -288,6 +314,7 @@ def test_dense_families_count_their_depths(family):
 
 
 DENSE_RUN = RUN[4:]  # RUN without its model.name and flavor: Llama 3 by default
+QWEN3_TIED = ["--model.name", "qwen3", "--model.shape", "tie_word_embeddings=true", "--training.local_batch_size", "4"]
 DENSE_ROWS = {  # row -> (nproc, arguments)
     "llama_reference": (1, ["--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "4"]),
     "llama_fsdp": (2, ["--training.local_batch_size", "2"]),
@@ -295,6 +322,12 @@ DENSE_ROWS = {  # row -> (nproc, arguments)
     "qwen3_reference": (1, ["--model.name", "qwen3", "--training.local_batch_size", "4"]),
     "qwen3_tp": (2, ["--model.name", "qwen3", "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree",
                      "2"]),
+    "llama_pp": (2, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    # Tied embeddings: the last stage's embedding copy (for the depths) is also its output
+    "qwen3tied_reference": (1, [*QWEN3_TIED, "--checkpoint.enable", "--checkpoint.interval", "4"]),
+    "qwen3tied_pp": (2, [*QWEN3_TIED, "--parallelism.pipeline_parallel_degree", "2", "--checkpoint.enable",
+                         "--checkpoint.interval", "4"]),
 }  # fmt: skip
 
 
@@ -307,7 +340,7 @@ def dense_runs(tmp_path_factory) -> Path:
 
 
 def test_llama_and_qwen3_train_depths_on_every_layout_as_one_process(dense_runs):
-    for row in ("llama_fsdp", "llama_tp", "qwen3_tp"):
+    for row in ("llama_fsdp", "llama_tp", "qwen3_tp", "llama_pp", "qwen3tied_pp"):
         reference = read_metrics(dense_runs / f"{row.split('_')[0]}_reference")
         records = read_metrics(dense_runs / row)
         assert len(records) == len(reference) == 4
@@ -317,6 +350,20 @@ def test_llama_and_qwen3_train_depths_on_every_layout_as_one_process(dense_runs)
     first, last = read_metrics(dense_runs / "llama_reference")[0], read_metrics(dense_runs / "llama_reference")[-1]
     assert last["loss/mtp"] < first["loss/mtp"] - 0.5  # the depths learn
     assert "2 multi-token-prediction depths" in (dense_runs / "qwen3_reference" / "train.log").read_text()
+
+
+def test_a_tied_embedding_stays_one_weight_in_one_process_and_across_stages(dense_runs):
+    # One process used to train a tied embedding and output as two weights on a CPU (`to_empty` unties them and
+    # the CPU init copied values without re-tying): 4 steps later they must still be one. Under pipeline parallel
+    # the first stage's embedding, the last stage's copy and its output are three copies of that weight.
+    from titan_ckpt.dcp_files import read_dcp_state_dict
+
+    names = ["tok_embeddings.weight", "output.weight"]
+    one = read_dcp_state_dict(dense_runs / "qwen3tied_reference" / "checkpoint" / "step-4", names)
+    two = read_dcp_state_dict(dense_runs / "qwen3tied_pp" / "checkpoint" / "step-4", names)
+    assert torch.equal(one["tok_embeddings.weight"], one["output.weight"])
+    assert torch.equal(two["tok_embeddings.weight"], two["output.weight"])
+    assert (one["output.weight"] - two["output.weight"]).abs().max().item() < 1e-5
 
 
 def test_a_llama_run_with_depths_exports_the_language_model_and_generates(dense_runs, tmp_path):

@@ -333,6 +333,23 @@ def test_weight_tied_across_stages_is_refused(runs):
     assert "'tok_embeddings.weight' and 'output.weight'" in message and "stages 0 and 1" in message and "module_names_per_stage" in message
 
 
+@pytest.mark.parametrize(
+    "name", ["tied-pp2-1F1B", "tied-pp2-ZBVZeroBubble", "tied-pp2xfsdp2-Interleaved1F1B", "tied-pp4-1F1B"]
+)
+def test_a_weight_tied_across_stages_trains_as_the_one_weight(runs, name):
+    # split_model(shared=True) keeps the embedding on the first stage and the output on the last; SharedWeights
+    # gives the output's copy (zeroed on purpose) the embedding's values and sums the two gradients each step:
+    # losses, weights and gradients as the tied single-process model's.
+    ranks = runs["cases"][name]
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, errors[0]
+    for r in ranks:
+        assert r["loss_diff"] < TOL and r["param_diff"] < TOL and r["grad_diff"] < TOL, (name, r)
+    held = [n for r in ranks for n in r["held"]]
+    pp = int(name.split("-")[1][2])  # each stage on world / pp ranks (pipeline replicas or FSDP shards)
+    assert held.count("tok_embeddings.weight") == held.count("output.weight") == len(ranks) // pp
+
+
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_pp4_matches_single_process(runs, schedule):
     check_case(runs, f"pp4-{schedule}", schedule, pp=4)

@@ -30,6 +30,8 @@ from rank_exit import leave
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import (
     ParallelDims,
+    SharedWeights,
+    find_shared_weights,
     ParallelOptions,
     PipelineConfig,
     build_pipeline,
@@ -44,6 +46,7 @@ from titan_parallel.pipeline import build_schedule, build_stages
 from titan_parallel.pipeline_layout import available_schedules, stage_module_names
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=64)
+TIED = dataclasses.replace(ARGS, tie_word_embeddings=True)
 GLOBAL_BS, SEQ, STEPS, LR = 8, 32, 3, 0.5
 
 
@@ -60,15 +63,15 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())  # mean over the microbatch's tokens
 
 
-def full_init_state() -> dict[str, torch.Tensor]:
+def full_init_state(args=ARGS) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Transformer(args)
     model.init_weights()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_reference(state: dict[str, torch.Tensor], batches) -> dict:
-    model = Transformer(ARGS)
+def train_reference(state: dict[str, torch.Tensor], batches, args=ARGS) -> dict:
+    model = Transformer(args)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -78,8 +81,9 @@ def train_reference(state: dict[str, torch.Tensor], batches) -> dict:
         loss.backward()
         losses.append(loss.item())
         opt.step()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    named = list(model.named_parameters(remove_duplicate=False))  # a tied weight under both names
+    params = {n: p.detach().clone() for n, p in named}
+    grads = {n: p.grad.detach().clone() for n, p in named}
     return {"losses": losses, "params": params, "grads": grads}
 
 
@@ -105,8 +109,9 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
         dataclasses.replace(config, schedule_csv=None), pp=pp, n_layers=ARGS.n_layers, local_batch_size=local_bs, plan=llama3_plan
     )
     with torch.device("meta"):
-        whole = Transformer(ARGS)
-    parts = split_model(whole, llama3_plan, names, pp_mesh, schedule_name)
+        whole = Transformer(TIED if case.get("tied") else ARGS)
+    weights = find_shared_weights(whole, llama3_plan, names)  # the tied embedding and output: stages 0 and last
+    parts = split_model(whole, llama3_plan, names, pp_mesh, schedule_name, shared=bool(weights))
     for part in parts:
         if dp_shard > 1:
             parallelize(part.module, llama3_plan, mesh, ParallelOptions(pipeline_parallel=True))
@@ -128,6 +133,12 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
         copy_full_state(part.module, state)
     if not case.get("stages_on_meta"):
         pipe = build()
+    shared = SharedWeights(weights, parts, pp_mesh, schedule_name, len(names))
+    for part in parts:  # the output's copy starts wrong: sync_weights gives it the embedding's values
+        if part.index == len(names) - 1 and weights:
+            with torch.no_grad():
+                part.module.output.weight.zero_()
+    shared.sync_weights()
     schedule, stages = pipe.schedule, pipe.stages
     params = [p for part in parts for p in part.module.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
@@ -141,6 +152,7 @@ def run_case(case: dict, state, batches, ref, csv_dir: str) -> dict:
             dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
             loss = loss / dp_shard
         losses.append(loss)
+        shared.reduce_grads()  # the tied copies' gradients summed, as the one weight's in the reference
         opt.step()
     has_loss = losses[0] is not None
     loss_diff = max(abs(l.item() - r) for l, r in zip(losses, ref["losses"])) if has_loss else 0.0
@@ -182,6 +194,12 @@ CASES = [
     {"name": "pp2xfsdp2-1F1B", "pp": 2, "dp_shard": 2, "schedule": "1F1B"},
     {"name": "pp2xfsdp2-Interleaved1F1B", "pp": 2, "dp_shard": 2, "schedule": "Interleaved1F1B"},
     {"name": "pp2xfsdp2-DualPipeV", "pp": 2, "dp_shard": 2, "schedule": "DualPipeV", "stages_on_meta": True},
+    # A weight tied across the cut (SharedWeights): ranks 0 and 1 of each of two pipelines; both stages on rank 0
+    # (a V schedule); the last stage on rank 1 of each of two FSDP-sharded pipelines; ranks 0 and 3 of one.
+    {"name": "tied-pp2-1F1B", "pp": 2, "schedule": "1F1B", "tied": True},
+    {"name": "tied-pp2-ZBVZeroBubble", "pp": 2, "schedule": "ZBVZeroBubble", "tied": True},
+    {"name": "tied-pp2xfsdp2-Interleaved1F1B", "pp": 2, "dp_shard": 2, "schedule": "Interleaved1F1B", "tied": True},
+    {"name": "tied-pp4-1F1B", "pp": 4, "schedule": "1F1B", "tied": True},  # ranks 1 and 2 hold no copy
 ]
 
 
@@ -192,12 +210,15 @@ def main() -> None:
     state = full_init_state()
     batches = make_batches()
     ref = train_reference(state, batches)
+    tied_state = full_init_state(TIED)
+    tied_ref = train_reference(tied_state, batches, TIED)
     results: dict = {"ref_params": sorted(ref["params"]), "ref_losses": ref["losses"], "cases": {}}
     csv_dir = os.path.dirname(os.path.abspath(out_path))
     for case in [c for c in CASES if c["schedule"] in available_schedules()]:
         start = time.perf_counter()
         try:
-            local = run_case(case, state, batches, ref, csv_dir)
+            tied = case.get("tied")
+            local = run_case(case, tied_state if tied else state, batches, tied_ref if tied else ref, csv_dir)
             local["seconds"] = round(time.perf_counter() - start, 2)
         except Exception:  # report, and keep the other ranks from hanging on this case
             local = {"error": traceback.format_exc()}

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     from titan_core.job import Job
-    from titan_parallel import ComputeCopies
+    from titan_parallel import ComputeCopies, SharedWeights
 
 logger = logging.getLogger("titan")
 
@@ -59,6 +59,9 @@ class ModelParts:
     n_microbatches: int = 1
     copies: ComputeCopies | None = None
     """The compute copies the optimizer writes (`ParallelOptions.master_weights`), else None."""
+    shared: SharedWeights | None = None
+    """Weights several pipeline stages hold (a tie across the cut, the embedding the last stage's
+    multi-token-prediction depths read): their gradients are summed before clipping; None without any."""
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
@@ -179,8 +182,11 @@ def assemble_model(
 
         if names_per_stage is None or pipeline is None or loss_fn is None:
             raise ValueError("pipeline parallel needs names_per_stage, pipeline and loss_fn (the job has them)")
+        from titan_parallel import find_shared_weights
+
         names = names_per_stage
-        stage_modules = split_model(model, plan, names, mesh["pp"], pipeline.schedule)
+        shared_weights = find_shared_weights(model, plan, names)
+        stage_modules = split_model(model, plan, names, mesh["pp"], pipeline.schedule, shared=True)
     else:
         stage_modules = [StageModule(0, model)]
     head = None
@@ -214,6 +220,12 @@ def assemble_model(
     head_owner = next((p for p in parts if any(m is head for m in p.modules())), None) if head is not None else None
     if dims.pp == 1 or pipeline is None or loss_fn is None:
         return ModelParts(parts, fsdp, head, head_owner, copies=copies)
+    shared = None
+    if shared_weights:
+        from titan_parallel import SharedWeights
+
+        shared = SharedWeights(shared_weights, stage_modules, mesh["pp"], pipeline.schedule, len(names))
+        shared.sync_weights()  # CUDA initialises each stage's copy from its own RNG offsets
     pipe = build_pipeline(
         stage_modules,
         pipeline,
@@ -224,7 +236,7 @@ def assemble_model(
         loss_fn=loss_fn,
         scale_loss=False,  # the step runner's `StepLoss` normalises, in one place
     )
-    return ModelParts(parts, fsdp, head, head_owner, pipe.schedule, pipe.stages, pipe.n_microbatches, copies)
+    return ModelParts(parts, fsdp, head, head_owner, pipe.schedule, pipe.stages, pipe.n_microbatches, copies, shared)
 
 
 @torch.no_grad()
@@ -237,7 +249,9 @@ def init_weights(parts: list[nn.Module], spec: ModelSpec, model_args: Any, devic
     the parts' own init would run its random ops on DTensors first, which all-gather.
     """
     for part in parts:
+        ties = tied_names(part)
         part.to_empty(device=device)
+        retie(part, ties)  # `to_empty` gives each name its own tensor: a tied weight would train as two
         if device.type == "cuda":
             torch.manual_seed(seed)
             part.init_weights(buffer_device=device)  # type: ignore[operator]  # the model's own method
@@ -253,3 +267,20 @@ def init_weights(parts: list[nn.Module], spec: ModelSpec, model_args: Any, devic
                 warnings.simplefilter("ignore", UserWarning)
                 part.init_weights(buffer_device=device)  # type: ignore[operator]  # the model's own method
         copy_full_state(part, full)
+
+
+def tied_names(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter `module` holds under more than one name (a tied embedding and output)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(module: nn.Module, ties: list[list[str]]) -> None:
+    """Make each group of `tied_names` one parameter again: the first name's."""
+    for first, *others in ties:
+        param = module.get_parameter(first)
+        for name in others:
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, leaf, param)

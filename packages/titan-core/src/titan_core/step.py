@@ -346,14 +346,17 @@ class StepRunner:
             if backward:
                 if self.loss.mtp_depths:  # the prediction depths run in training only
                     extra = {**extra, "mtp": True}
+                    if self.pp_mesh is not None:  # the last stage embeds the tokens ahead from the batch's ids
+                        extra["mtp_tokens"] = inputs
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)
             else:
                 schedule.eval(*args, target=target, losses=losses, **extra)
         if losses is None:
             return None
-        # The micro-batches' z-loss terms are the last ones: torch's first pipeline step calls the loss once more
-        # to infer the backward's shapes (torch 2.15).
+        # The micro-batches' z-loss and MTP terms are the last ones: torch's first pipeline step calls the loss
+        # once more, on uninitialised inputs, to infer the backward's shapes (torch 2.15).
         del z_terms[first : max(first, len(z_terms) - len(losses))]
+        del mtp_terms[first_mtp : max(first_mtp, len(mtp_terms) - len(losses))]
         losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]  # loss parallel
         total = torch.stack([loss.detach() for loss in losses]).sum()  # each already divided by StepLoss
         if len(mtp_terms) > first_mtp:  # report the language-model loss; the MTP part is `mtp_loss`
@@ -385,13 +388,18 @@ class StepRunner:
                 total = loss if total is None else total + loss
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
             self.replicas.average_gradients(self.model.parameters())
+        shared = self.model.shared
+        if shared is not None:  # weights on several pipeline stages: each copy gets the sum of their gradients
+            shared.reduce_grads()
+        copies = shared.copies if shared is not None else ()  # counted once in the norm
         if self.grad_observer is not None:  # e.g. each block's gradient norm, before clipping
             self.grad_observer()
         if self.clip_in_optimizer:
-            norm = grad_norm(self.model.parameters(), pp_mesh=self.pp_mesh)
+            norm = grad_norm(self.model.parameters(), pp_mesh=self.pp_mesh, copies=copies)
             divisor: torch.Tensor | None = clip_divisor(norm, self.max_norm)
         else:
-            norm, divisor = clip_grad_norm_(self.model.parameters(), self.max_norm, pp_mesh=self.pp_mesh), None
+            params = self.model.parameters()
+            norm, divisor = clip_grad_norm_(params, self.max_norm, pp_mesh=self.pp_mesh, copies=copies), None
         found_inf = guard.observe(total, norm, step) if guard is not None else None
         if self.replicas is not None and not self.replicas.commit():  # a host round trip, as torchft's own
             return StepResult(total, norm, found_inf, committed=False)

@@ -233,6 +233,7 @@ class Trainer:
                 self.spec.plan.blocks,
                 pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None,
                 updates=cfg.metrics.per_layer_updates,
+                copies=self.model.shared.copies if self.model.shared is not None else (),
             )
         # training.on_nonfinite, applied at each poll of the run's guard that found dropped updates
         self.nonfinite = NonFinitePolicy(t.on_nonfinite, t.max_nonfinite_in_a_row, self.checkpointer, rank=self.rank)
@@ -371,20 +372,23 @@ class Trainer:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
 
-    def _mtp_values(self, per_depth: torch.Tensor) -> dict[str, float]:
+    def _mtp_values(self, per_depth: torch.Tensor | None) -> dict[str, float]:
         """`loss/mtp` (the depths' mean cross-entropy) and, with several depths, `loss/mtp_<k>` each, averaged over
-        the data- and context-parallel ranks (the depths refuse pipeline parallel)."""
-        total = per_depth.detach().clone()
+        the data- and context-parallel ranks, from the last pipeline stage (the others hold None)."""
+        depths = self.cfg.mtp.layers
+        total = per_depth.detach().clone() if per_depth is not None else torch.zeros(depths, device=self.device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
-        depths = (total / self.mesh["dp_cp"].size()).tolist()
-        each = {f"loss/mtp_{k}": v for k, v in enumerate(depths, start=1)} if len(depths) > 1 else {}
-        return {"loss/mtp": sum(depths) / len(depths), **each}
+        if self.dims.pp > 1:  # only the last stage's ranks hold them; the others contribute 0
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
+        means = (total / self.mesh["dp_cp"].size()).tolist()
+        each = {f"loss/mtp_{k}": v for k, v in enumerate(means, start=1)} if len(means) > 1 else {}
+        return {"loss/mtp": sum(means) / len(means), **each}
 
     def _step_values(self, result: StepResult, data_wait_s: float, meter: ThroughputMeter) -> dict[str, object]:
         """A log step's figures: the only place the loop reads device values (after the step is queued)."""
         avg, mx = self._reduce_loss(result.loss)
         z_loss = {"loss/z_loss": self._reduce_loss(result.z_loss)[0]} if self.cfg.training.z_loss_weight else {}
-        mtp = self._mtp_values(result.mtp_loss) if result.mtp_loss is not None else {}
+        mtp = self._mtp_values(result.mtp_loss) if self.cfg.mtp.layers else {}
         return {
             "loss/global_avg": avg,
             "loss/global_max": mx,

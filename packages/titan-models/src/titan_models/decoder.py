@@ -2,7 +2,9 @@
 depths when asked, output. One function, so Llama 3, Qwen3 and DeepSeek-V3 stay the same model around their blocks.
 
 A pipeline stage holds only some of the modules (`tok_embeddings`, `norm` or `output` None, entries of `layers`
-deleted): the forward skips what is missing. muP's embedding and readout multipliers (`ModelArgs.mup`, where a
+deleted): the forward skips what is missing. With multi-token prediction the last stage holds the depths and a
+copy of `tok_embeddings` (`titan_parallel.SharedWeights` keeps it equal to the first stage's) and embeds the
+tokens ahead from `mtp_tokens`. muP's embedding and readout multipliers (`ModelArgs.mup`, where a
 family has it) are applied here, the readout on the output's input so a fused loss applies it too.
 """
 
@@ -24,16 +26,19 @@ def decoder_forward(
     positions: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     mtp: bool = False,
+    mtp_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A family's `Transformer.forward` (see there for the arguments and the result).
 
     Args:
         model: the `Transformer` (its `args`, `tok_embeddings`, `layers`, `norm`, `output`, `rope_cache`,
             `skip_output`).
-        tokens: `(bs, seqlen)` token ids, or `(bs, seqlen, dim)` hidden states on a stage without the embedding.
+        tokens: `(bs, seqlen)` token ids, or `(bs, seqlen, dim)` hidden states on a stage after the first.
         positions: absolute positions for RoPE; None means `arange(seqlen)`.
         document_ids: `(bs, seqlen)` document of each position (block-causal attention); None: causal.
         mtp: also run the multi-token-prediction depths (`titan_models.mtp`).
+        mtp_tokens: the token ids where `tokens` are hidden states (the last pipeline stage, which holds the
+            depths and a copy of `tok_embeddings`).
     """
     args = model.args
     seqlen = tokens.shape[1]
@@ -43,17 +48,20 @@ def decoder_forward(
             "shorten the sequence or raise max_seq_len"
         )
     mup, main_layers = getattr(args, "mup", None), args.n_layers
-    depths = args.n_mtp_layers if mtp else 0
+    depths = args.n_mtp_layers if mtp and str(main_layers) in model.layers else 0  # the stage holding the depths
+    ids = not tokens.is_floating_point()  # token ids (the first stage), else hidden states from the previous one
     embedded: Any = ()
     if depths:  # one lookup for the main rows and each depth's tokens k ahead (wrapped: their targets are -100)
-        check_depth_tokens(tokens, model.tok_embeddings)
-        embedded = embed_with_depths(model.tok_embeddings, tokens, depths)
-        h = embedded[0]
+        depth_ids = check_depth_tokens(tokens if ids else mtp_tokens, model.tok_embeddings)
+        embedded = embed_with_depths(model.tok_embeddings, depth_ids, depths, main=ids)
+    if ids:
+        h = embedded[0] if depths else model.tok_embeddings(tokens)  # (bs, seqlen, dim)
+        if mup is not None and mup.embedding_multiplier != 1.0:
+            h = h * mup.embedding_multiplier
     else:
-        h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
-    if mup is not None and model.tok_embeddings is not None and mup.embedding_multiplier != 1.0:
-        h = h * mup.embedding_multiplier
-        embedded = [e * mup.embedding_multiplier for e in embedded]
+        h = tokens
+    if mup is not None and mup.embedding_multiplier != 1.0:
+        embedded = [e * mup.embedding_multiplier if e is not None else None for e in embedded]
     mask = block_causal_mask(document_ids) if document_ids is not None else None  # shared by every block
     for key, layer in model.layers.items():
         if int(key) < main_layers:

@@ -117,13 +117,20 @@ class MTPDepth:
         nn.init.trunc_normal_(self.input_proj.eh_proj.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
-def check_depth_tokens(tokens: torch.Tensor, tok_embeddings: nn.Module | None) -> None:
-    """Refuse multi-token prediction on a pipeline stage cut (hidden states in, or no embedding)."""
-    if tok_embeddings is None or tokens.dim() != 2:
-        raise ValueError("multi-token prediction needs the token ids and tok_embeddings (no pipeline stage cut)")
+def check_depth_tokens(tokens: torch.Tensor | None, tok_embeddings: nn.Module | None) -> torch.Tensor:
+    """`tokens`, or refuse multi-token prediction without the token ids or the embedding (a pipeline stage cut
+    without them)."""
+    if tok_embeddings is None or tokens is None or tokens.dim() != 2:
+        raise ValueError(
+            "multi-token prediction needs the token ids and tok_embeddings: on a pipeline stage after the first, "
+            "pass mtp_tokens and give the stage a copy of tok_embeddings (module_names_per_stage)"
+        )
+    return tokens
 
 
-def embed_with_depths(tok_embeddings: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, depths: int):
+def embed_with_depths(
+    tok_embeddings: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, depths: int, *, main: bool = True
+):
     """The embeddings of the main rows and of each depth's tokens `k` ahead, in one lookup (wrapped around at the
     end: those positions' targets are -100).
 
@@ -131,12 +138,14 @@ def embed_with_depths(tok_embeddings: Callable[[torch.Tensor], torch.Tensor], to
         tok_embeddings: the model's embedding.
         tokens: `(bs, seqlen)` token ids.
         depths: the depths run.
+        main: also the main rows' (False on the last pipeline stage, whose main rows come from the one before).
 
     Returns:
-        `1 + depths` tensors `(bs, seqlen, dim)`: the main rows' first.
+        `1 + depths` tensors `(bs, seqlen, dim)`, the main rows' first (None without `main`).
     """
-    rolled = [tokens, *(tokens.roll(-k, dims=1) for k in range(1, depths + 1))]
-    return tok_embeddings(torch.cat(rolled, dim=0)).chunk(depths + 1, dim=0)
+    rolled = [tokens.roll(-k, dims=1) if k else tokens for k in range(0 if main else 1, depths + 1)]
+    embedded = tok_embeddings(torch.cat(rolled, dim=0)).chunk(len(rolled), dim=0)
+    return embedded if main else (None, *embedded)
 
 
 def run_depths(

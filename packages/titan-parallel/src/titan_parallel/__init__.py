@@ -61,6 +61,8 @@ __all__ = [
     "check_pipeline",
     "pipeline_step",
     "split_model",
+    "SharedWeights",
+    "find_shared_weights",
     # context parallel: the batch's sequence shards
     "shard_sequence",
     "unshard_sequence",
@@ -110,6 +112,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "fsdp": ("apply_fsdp", "apply_ddp"),
     "float8": ("Float8Options", "MXOptions", "apply_float8", "apply_mx", "check_float8", "check_mx"),
     "pipeline_layout": ("SCHEDULE_NAMES",),
+    "pipeline_shared": ("SharedWeights", "find_shared_weights"),
     "pipeline": (
         "Pipeline",
         "PipelineConfig",
@@ -178,6 +181,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily a
         split_model,
     )
     from titan_parallel.pipeline_layout import SCHEDULE_NAMES
+    from titan_parallel.pipeline_shared import SharedWeights, find_shared_weights
     from titan_parallel.plan import ModelPlan, TPStyle
     from titan_parallel.precision import mixed_precision_context, native_bf16, resolve_param_dtype
     from titan_parallel.tensor_parallel import apply_tp, check_tp

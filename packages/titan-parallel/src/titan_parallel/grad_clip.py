@@ -41,6 +41,7 @@ def clip_grad_norm_(
     *,
     pp_mesh: DeviceMesh | None = None,
     foreach: bool | None = None,
+    copies: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most `max_norm`; returns that norm.
 
@@ -49,18 +50,25 @@ def clip_grad_norm_(
         max_norm: the largest allowed norm; <= 0 measures only.
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         foreach: use the multi-tensor kernels (None = torch's choice).
+        copies: those of `parameters` that copy a weight counted elsewhere (`SharedWeights.copies`, after its
+            `reduce_grads`): scaled, not counted in the norm.
     """
-    by_layout = _by_layout(parameters)
-    total = _total_norm(by_layout, pp_mesh, foreach)
+    parameters = list(parameters)
+    skip = {id(p) for p in copies}
+    total = _total_norm(_by_layout(p for p in parameters if id(p) not in skip), pp_mesh, foreach)
     if max_norm > 0:
-        for group in by_layout.values():  # DTensors of different meshes do not mix in one foreach op
+        for group in _by_layout(parameters).values():  # DTensors of different meshes do not mix in one foreach op
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
 
 
 @torch.no_grad()
 def grad_norm(
-    parameters: Iterable[torch.nn.Parameter], *, pp_mesh: DeviceMesh | None = None, foreach: bool | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    pp_mesh: DeviceMesh | None = None,
+    foreach: bool | None = None,
+    copies: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """The global L2 norm of the gradients, as `clip_grad_norm_` takes it, without scaling them.
 
@@ -68,8 +76,10 @@ def grad_norm(
         parameters: the parameters of this rank's model (or pipeline stages).
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         foreach: use the multi-tensor kernels (None = torch's choice).
+        copies: those of `parameters` not counted (see `clip_grad_norm_`).
     """
-    return _total_norm(_by_layout(parameters), pp_mesh, foreach)
+    skip = {id(p) for p in copies}
+    return _total_norm(_by_layout(p for p in parameters if id(p) not in skip), pp_mesh, foreach)
 
 
 def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

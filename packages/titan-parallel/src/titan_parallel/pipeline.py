@@ -61,6 +61,7 @@ from titan_parallel.pipeline_layout import (
     stage_module_names,
     stages_per_rank,
 )
+from titan_parallel.pipeline_shared import check_unshared, find_shared_weights
 from titan_parallel.plan import ModelPlan
 
 if TYPE_CHECKING:
@@ -185,10 +186,14 @@ def split_model(
     module_names_per_stage: Sequence[Sequence[str]],
     pp_mesh: DeviceMesh,
     schedule: str,
+    *,
+    shared: bool = False,
 ) -> list[StageModule]:
     """Copy `model` once per stage this rank owns and remove from each copy what the stage does not own.
 
-    Call it on the meta-device model, before `parallelize` and materialisation.
+    Call it on the meta-device model, before `parallelize` and materialisation. A weight several stages hold
+    (tied across the cut, or a `pp_first` / `pp_last` module listed on several stages) is refused unless
+    `shared`: then each holding stage keeps a copy, which `titan_parallel.SharedWeights` keeps equal.
 
     Args:
         model: the whole model (meta device is best: copies cost nothing).
@@ -196,6 +201,8 @@ def split_model(
         module_names_per_stage: module names per stage, e.g. from `check_pipeline`.
         pp_mesh: the 1-D `pp` mesh (`mesh["pp"]`); its local rank picks the stages.
         schedule: a name of `SCHEDULE_NAMES`; decides which stages this rank runs.
+        shared: allow weights on several stages; the caller builds `SharedWeights` from
+            `find_shared_weights(model, plan, module_names_per_stage)` and keeps the copies equal with it.
 
     Returns:
         A `StageModule` for each stage this rank runs, in stage order.
@@ -207,7 +214,9 @@ def split_model(
         )
     names = [list(stage) for stage in module_names_per_stage]
     check_module_names(plan, len(container), names)
-    _check_untied_across_stages(model, names)
+    weights = find_shared_weights(model, plan, names)  # also: every parameter is in some unit
+    if not shared:
+        check_unshared(weights)
     indices = stage_indices(pp_mesh.get_local_rank(), pp_mesh.size(), len(names), schedule)
     return [StageModule(i, _prune_to_stage(model, plan, set(names[i]))) for i in sorted(indices)]
 
@@ -224,26 +233,6 @@ def _prune_to_stage(model: nn.Module, plan: ModelPlan, keep: set[str]) -> nn.Mod
             parent_path, _, leaf = path.rpartition(".")
             setattr(stage.get_submodule(parent_path) if parent_path else stage, leaf, None)
     return stage
-
-
-def _check_untied_across_stages(model: nn.Module, names_per_stage: list[list[str]]) -> None:
-    """Every parameter must belong to exactly one unit, and a shared (tied) one to a single stage."""
-    stage_of = {name: stage for stage, names in enumerate(names_per_stage) for name in names}
-    owners: dict[int, tuple[str, int]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        unit = next((u for u in stage_of if name.startswith(u + ".")), None)
-        if unit is None:
-            raise ValueError(
-                f"parameter '{name}' belongs to no pipeline unit; "
-                "add its module to ModelPlan.pp_first or pp_last (or to the blocks)"
-            )
-        first = owners.setdefault(id(param), (name, stage_of[unit]))
-        if first[1] != stage_of[unit]:
-            raise ParallelConfigError(
-                f"'{first[0]}' and '{name}' share one weight but sit on stages {first[1]} and {stage_of[unit]}; "
-                "untie them in the model or put both on one stage with module_names_per_stage",
-                arguments=("module_names_per_stage",),
-            )
 
 
 def build_stages(

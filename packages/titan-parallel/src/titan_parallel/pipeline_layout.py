@@ -251,7 +251,11 @@ def stage_module_names(
 
 
 def check_module_names(plan: ModelPlan, n_layers: int, module_names_per_stage: Sequence[Sequence[str]]) -> None:
-    """Raise unless explicit stages hold every unit once, in forward order.
+    """Raise unless explicit stages hold every unit, in forward order, each block once.
+
+    A `pp_first` / `pp_last` module may be listed on more than one stage: each of those stages holds a copy
+    (`split_model(..., shared=True)` with `titan_parallel.SharedWeights` keeping them equal), e.g. the
+    embedding on the last stage for multi-token-prediction depths. Its first listing places it in forward order.
 
     Args:
         plan: the model's plan (defines the units, see `pipeline_units`).
@@ -260,6 +264,7 @@ def check_module_names(plan: ModelPlan, n_layers: int, module_names_per_stage: S
     """
     units = pipeline_units(plan, n_layers)
     position = {name: i for i, name in enumerate(units)}
+    copyable = {*plan.pp_first, *plan.pp_last}
     seen: dict[str, int] = {}
     previous_end = -1
 
@@ -269,20 +274,26 @@ def check_module_names(plan: ModelPlan, n_layers: int, module_names_per_stage: S
     for stage, names in enumerate(module_names_per_stage):
         if not names:
             raise refuse(f"stage {stage} is empty; give every stage at least one module")
+        placed = []  # the names this stage is the first to hold
         for name in names:
             if name not in position:
                 valid = [*plan.pp_first, f"{plan.blocks}.0 .. {plan.blocks}.{n_layers - 1}", *plan.pp_last]
                 raise refuse(f"unknown module '{name}' in stage {stage}; valid names: {', '.join(valid)}")
             if name in seen:
-                raise refuse(f"module '{name}' is in stage {seen[name]} and stage {stage}; list it once")
+                if name not in copyable or seen[name] == stage:
+                    raise refuse(f"module '{name}' is in stage {seen[name]} and stage {stage}; list it once")
+                continue  # a copy (kept equal with SharedWeights)
             seen[name] = stage
-        start = min(position[n] for n in names)
+            placed.append(name)
+        if not placed:
+            continue
+        start = min(position[n] for n in placed)
         if start < previous_end:
             raise refuse(
                 f"stage {stage} holds '{units[start]}', which runs before modules of stage {stage - 1}; "
                 "stages must cut the model in forward order"
             )
-        previous_end = max(position[n] for n in names)
+        previous_end = max(position[n] for n in placed)
     missing = [name for name in units if name not in seen]
     if missing:
         raise refuse(f"modules {missing} are in no stage; add each to one stage")

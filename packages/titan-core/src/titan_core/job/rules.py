@@ -21,6 +21,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -228,11 +229,15 @@ def _degrees(d: Draft) -> None:
     check_data_parallel(d.dims, d.parallel.dp_mode)
 
 
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Pipeline schedules that split each stage's backward into input and weight gradients."""
+
+
 def _mtp(d: Draft) -> None:
     """`mtp.layers` sets the multi-token-prediction depths of a family that has them (`ModelArgs.n_mtp_layers`:
-    every built-in one), on a layout that keeps the whole sequence and the embedding, blocks and output on one
-    stage (no pipeline or context parallel); a Hugging Face checkpoint to start from must hold that many (its own
-    are loaded only as far as it asks)."""
+    every built-in one), on a layout that keeps each sequence whole (no context parallel; under pipeline parallel
+    the last stage runs the depths, with a copy of the embedding); a Hugging Face checkpoint to start from must
+    hold that many (its own are loaded only as far as it asks)."""
     layers = d.cfg.mtp.layers
     if not hasattr(d.model_args, "n_mtp_layers"):
         if layers:
@@ -242,14 +247,20 @@ def _mtp(d: Draft) -> None:
                 "mtp.layers = 0"
             )
         return
-    if layers and d.dims is not None:
-        for degree, key in ((d.dims.pp, "pipeline_parallel_degree"), (d.dims.cp, "context_parallel_degree")):
-            if degree > 1:
-                raise ConfigError(
-                    f"mtp.layers={layers} with parallelism.{key}={degree}: the prediction depths need the "
-                    "embedding, the blocks and the output on one rank's whole sequence; set mtp.layers = 0 or "
-                    f"parallelism.{key} = 1"
-                )
+    if layers and d.dims is not None and d.dims.cp > 1:
+        raise ConfigError(
+            f"mtp.layers={layers} with parallelism.context_parallel_degree={d.dims.cp}: the prediction depths "
+            "read the tokens ahead of each position, across the sequence shards; set mtp.layers = 0 or "
+            "parallelism.context_parallel_degree = 1"
+        )
+    schedule = d.cfg.parallelism.pipeline_parallel_schedule
+    if layers and d.dims is not None and d.dims.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        # measured (torch 2.15): "Trying to backward through the graph a second time" in stage_backward_weight
+        raise ConfigError(
+            f"mtp.layers={layers} with parallelism.pipeline_parallel_schedule='{schedule}': torch's zero-bubble "
+            "schedules take a stage's weight gradients from its input's graph, and the depths' embedding is not on "
+            "it; use 1F1B, GPipe or Interleaved1F1B, or set mtp.layers = 0"
+        )
     if layers and d.hf_source is not None:  # the depths are loaded with the model: they must be in the checkpoint
         from titan_ckpt import read_hf_config
         from titan_core.convert import hf_mtp_layers
@@ -344,19 +355,31 @@ NO_EVAL_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 def _pipeline(d: Draft) -> None:
     """A known schedule; stages that divide over the ranks as the schedule places them; enough micro-batches.
     The module names of each stage are kept for the model setup (pipeline parallel only)."""
-    from titan_parallel import check_pipeline
+    from titan_parallel import ParallelConfigError, check_pipeline
 
     d.pipeline = pipeline_config(d.cfg)
     pp = d.cfg.parallelism.pipeline_parallel_degree
-    names_per_stage = check_pipeline(
-        d.pipeline,
-        pp=pp,
-        n_layers=len(cast("nn.ModuleDict", d.meta_model().get_submodule(d.spec.plan.blocks))),
-        local_batch_size=d.cfg.training.local_batch_size,
-        plan=d.spec.plan,
+    plan = d.spec.plan
+    depths = getattr(d.model_args, "n_mtp_layers", 0)  # the last entries of the blocks, all on the last stage
+    n_blocks = len(cast("nn.ModuleDict", d.meta_model().get_submodule(plan.blocks)))
+    cut = partial(
+        check_pipeline, pp=pp, n_layers=n_blocks - depths, local_batch_size=d.cfg.training.local_batch_size, plan=plan
     )
+    names_per_stage = None
+    if depths and pp > 1 and d.pipeline.module_names_per_stage is None:  # the depths weigh on the last stage
+        try:
+            last = d.pipeline.last_stage_less_layers + depths
+            names_per_stage = cut(dataclasses.replace(d.pipeline, last_stage_less_layers=last))
+        except ParallelConfigError:  # too few blocks per stage to lighten the last one: the plain cut
+            pass
+    if names_per_stage is None:
+        names_per_stage = cut(d.pipeline)
     if pp == 1:
         return  # one stage: the schedule's name was checked, there is nothing to cut
+    if depths:  # the last stage runs the depths, which read the embedding: it holds a copy (SharedWeights)
+        last_stage = names_per_stage[-1]
+        extra = [f"{plan.blocks}.{i}" for i in range(n_blocks - depths, n_blocks)] + list(plan.pp_first)
+        last_stage += [name for name in extra if name not in last_stage]
     d.names_per_stage = names_per_stage
     v, t = d.cfg.validation, d.cfg.training
     schedule = d.cfg.parallelism.pipeline_parallel_schedule

@@ -54,6 +54,7 @@ class LayerNorms:
         blocks: the blocks' container name (`ModelPlan.blocks`).
         pp_mesh: the pipeline mesh when the model is pipelined, else None.
         updates: also measure each step's update (`metrics.per_layer_updates`).
+        copies: parameters copying a weight another stage counts (`SharedWeights.copies`): skipped.
     """
 
     def __init__(
@@ -63,12 +64,16 @@ class LayerNorms:
         blocks: str,
         pp_mesh: DeviceMesh | None = None,
         updates: bool = False,
+        copies: Iterable[nn.Parameter] = (),
     ):
         self.groups = list(dict.fromkeys(norm_group(name, blocks) for name in all_names))
         index = {group: i for i, group in enumerate(self.groups)}
         self.params: list[list[nn.Parameter]] = [[] for _ in self.groups]
+        skip = {id(p) for p in copies}
         for part in parts:
             for name, param in part.named_parameters():
+                if id(param) in skip:
+                    continue
                 self.params[index[norm_group(name, blocks)]].append(param)
         self.pp_mesh = pp_mesh
         self.grad_norms: torch.Tensor | None = None

@@ -373,6 +373,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         mtp: bool = False,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
             tokens: `(bs, seqlen)` int64 token ids, or `(bs, seqlen, dim)` hidden states
@@ -382,13 +383,15 @@ class Transformer(nn.Module):
             document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
                 attention stays within each document (block-causal); None: causal over the whole sequence.
             mtp: also run the multi-token-prediction depths (training; `titan_models.mtp`).
+            mtp_tokens: `(bs, seqlen)` token ids on a pipeline stage after the first (`tokens` are hidden
+                states there): the depths embed the tokens ahead from them.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
             stage without `output`. With `mtp` and `n_mtp_layers = D`: `(bs * (1 + D), seqlen, ...)`,
             the main rows first, then each depth's.
         """
-        return decoder_forward(self, tokens, positions, document_ids, mtp)
+        return decoder_forward(self, tokens, positions, document_ids, mtp, mtp_tokens)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
