@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titan_models.document_mask import document_ids
+from titan_models.mtp import tokens_ahead
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
 from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
@@ -161,6 +162,7 @@ class StepLoss:
         self.mtp_depths = 0  # multi-token-prediction depths the training forward returns rows for
         self.mtp_weight = 0.0  # `mtp.loss_weight`
         self.mtp_terms: list[torch.Tensor] = []  # each training call's MTP cross-entropy per depth, (D,) detached
+        self.depth_weights: torch.Tensor | None = None  # (D,) each depth's loss factor on a CP rank (`place`)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.mtp_depths and logits.shape[0] == labels.shape[0] * (1 + self.mtp_depths):
@@ -171,9 +173,15 @@ class StepLoss:
         """The main rows' loss plus `mtp_weight` x the mean of the depths' (depth k's targets: `labels` shifted left
         k places, -100 at the end). The z-loss terms the depths add stay in the loss, not in `z_terms`."""
         parts = output.chunk(1 + self.mtp_depths, dim=0)
+        if labels.dim() == 3:  # (bs, 1 + D, seqlen): each depth's targets taken on whole sequences (CP shards)
+            labels, *each = labels.unbind(1)
+        else:
+            each = [shift_labels(labels, k) for k in range(1, self.mtp_depths + 1)]
         loss = self.fn(parts[0], labels)
         first_z = len(self.z_terms)
-        depth_losses = [self.fn(part, shift_labels(labels, k)) for k, part in enumerate(parts[1:], start=1)]
+        depth_losses = [self.fn(part, depth_labels) for part, depth_labels in zip(parts[1:], each, strict=True)]
+        if self.depth_weights is not None:  # CP: each rank's share of the whole sequences' targets
+            depth_losses = [d * w for d, w in zip(depth_losses, self.depth_weights.unbind(), strict=True)]
         del self.z_terms[first_z:]
         mtp = sum(depth_losses[1:], depth_losses[0]) / self.mtp_depths
         full = [d.full_tensor() if isinstance(d, DTensor) else d for d in depth_losses]  # loss parallel
@@ -316,9 +324,13 @@ class StepRunner:
                 stack.enter_context(loss_parallel())
             yield
 
-    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def place(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, mtp: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """A batch on the device (without waiting for the copy), its sequence sharded under CP, and the model's
-        keyword inputs besides the tokens: each position's document under block-causal attention."""
+        keyword inputs besides the tokens: each position's document under block-causal attention; with `mtp` (a
+        training batch) under pipeline or context parallel, each prediction depth's tokens, and under CP its
+        targets, taken on the whole sequences."""
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         extra: dict[str, torch.Tensor] = {}
@@ -327,8 +339,23 @@ class StepRunner:
             # rank holds the batch: each stage gets its micro-batch's slice (torch's schedules split keyword
             # inputs along dim 0 and pass them to every stage's forward), and builds the mask from it.
             extra["document_ids"] = document_ids(inputs, *self.documents)  # (bs, seqlen)
+        depths = self.loss.mtp_depths if mtp else 0
+        if depths and (self.cp_mesh is not None or self.pp_mesh is not None):
+            extra["mtp_tokens"] = tokens_ahead(inputs, depths)  # (bs, D, seqlen): the last stage and CP shards'
         if self.cp_mesh is not None:
-            inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.cp_mesh)
+            if depths:  # each depth's targets beside the main ones, (bs, 1 + D, seqlen), sharded as the tokens
+                labels = torch.stack([labels, *(shift_labels(labels, k) for k in range(1, depths + 1))], dim=1)
+                whole = (labels[:, 1:] != -100).sum(dim=(0, 2))  # (D,)
+                extra["mtp_tokens"], labels = shard_sequence(
+                    extra["mtp_tokens"], labels, cp_mesh=self.cp_mesh, seq_dim=2
+                )
+                # Depth k's last k positions have no target, all on one CP rank: weigh each rank's mean so that
+                # the average over the CP ranks is the mean over the whole sequences' targets.
+                here = (labels[:, 1:] != -100).sum(dim=(0, 2))
+                self.loss.depth_weights = here * self.cp_mesh.size() / whole.clamp(min=1)
+                (inputs,) = shard_sequence(inputs, cp_mesh=self.cp_mesh)
+            else:
+                inputs, labels = shard_sequence(inputs, labels, cp_mesh=self.cp_mesh)
         return inputs, labels, extra
 
     def _forward_backward(
@@ -346,8 +373,6 @@ class StepRunner:
             if backward:
                 if self.loss.mtp_depths:  # the prediction depths run in training only
                     extra = {**extra, "mtp": True}
-                    if self.pp_mesh is not None:  # the last stage embeds the tokens ahead from the batch's ids
-                        extra["mtp_tokens"] = inputs
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)
             else:
                 schedule.eval(*args, target=target, losses=losses, **extra)
@@ -383,7 +408,7 @@ class StepRunner:
             self.replicas.begin_step()  # torchft's quorum, in the background during forward
         total: torch.Tensor | None = None
         for inputs, labels in batches:
-            loss = self._forward_backward(*self.place(inputs, labels), backward=True)
+            loss = self._forward_backward(*self.place(inputs, labels, mtp=True), backward=True)
             if loss is not None:
                 total = loss if total is None else total + loss
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups

@@ -4,8 +4,9 @@ depths when asked, output. One function, so Llama 3, Qwen3 and DeepSeek-V3 stay 
 A pipeline stage holds only some of the modules (`tok_embeddings`, `norm` or `output` None, entries of `layers`
 deleted): the forward skips what is missing. With multi-token prediction the last stage holds the depths and a
 copy of `tok_embeddings` (`titan_parallel.SharedWeights` keeps it equal to the first stage's) and embeds the
-tokens ahead from `mtp_tokens`. muP's embedding and readout multipliers (`ModelArgs.mup`, where a
-family has it) are applied here, the readout on the output's input so a fused loss applies it too.
+tokens ahead from `mtp_tokens`, as a context-parallel shard does. muP's embedding and readout multipliers
+(`ModelArgs.mup`, where a family has it) are applied here, the readout on the output's input so a fused loss
+applies it too.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def decoder_forward(
         positions: absolute positions for RoPE; None means `arange(seqlen)`.
         document_ids: `(bs, seqlen)` document of each position (block-causal attention); None: causal.
         mtp: also run the multi-token-prediction depths (`titan_models.mtp`).
-        mtp_tokens: the token ids where `tokens` are hidden states (the last pipeline stage, which holds the
-            depths and a copy of `tok_embeddings`).
+        mtp_tokens: `(bs, n_mtp_layers, seqlen)` each depth's input tokens (`titan_models.mtp.tokens_ahead` of the
+            whole sequences), where the forward cannot take them from `tokens`: the last pipeline stage (hidden
+            states in; it holds the depths and a copy of `tok_embeddings`), a context-parallel shard.
     """
     args = model.args
     seqlen = tokens.shape[1]
@@ -52,8 +54,8 @@ def decoder_forward(
     ids = not tokens.is_floating_point()  # token ids (the first stage), else hidden states from the previous one
     embedded: Any = ()
     if depths:  # one lookup for the main rows and each depth's tokens k ahead (wrapped: their targets are -100)
-        depth_ids = check_depth_tokens(tokens if ids else mtp_tokens, model.tok_embeddings)
-        embedded = embed_with_depths(model.tok_embeddings, depth_ids, depths, main=ids)
+        check_depth_tokens(tokens if ids else None, mtp_tokens, model.tok_embeddings)
+        embedded = embed_with_depths(model.tok_embeddings, tokens if ids else None, depths, mtp_tokens)
     if ids:
         h = embedded[0] if depths else model.tok_embeddings(tokens)  # (bs, seqlen, dim)
         if mup is not None and mup.embedding_multiplier != 1.0:

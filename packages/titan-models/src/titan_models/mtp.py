@@ -13,7 +13,7 @@ Qwen3-Next do).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ __all__ = [
     "embed_with_depths",
     "run_depths",
     "check_depth_tokens",
+    "tokens_ahead",
 ]
 
 MTP_TP = (("input_proj", TPStyle.TOKENWISE), ("head_norm", TPStyle.NORM))
@@ -117,35 +118,54 @@ class MTPDepth:
         nn.init.trunc_normal_(self.input_proj.eh_proj.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
-def check_depth_tokens(tokens: torch.Tensor | None, tok_embeddings: nn.Module | None) -> torch.Tensor:
-    """`tokens`, or refuse multi-token prediction without the token ids or the embedding (a pipeline stage cut
-    without them)."""
-    if tok_embeddings is None or tokens is None or tokens.dim() != 2:
+def check_depth_tokens(tokens: torch.Tensor | None, ahead: torch.Tensor | None, tok_embeddings: nn.Module | None):
+    """Refuse multi-token prediction without the embedding, or without token ids to take each depth's from."""
+    if tok_embeddings is None or (ahead is None and (tokens is None or tokens.dim() != 2)):
         raise ValueError(
-            "multi-token prediction needs the token ids and tok_embeddings: on a pipeline stage after the first, "
-            "pass mtp_tokens and give the stage a copy of tok_embeddings (module_names_per_stage)"
+            "multi-token prediction needs tok_embeddings and the token ids: on a pipeline stage after the first or a "
+            "context-parallel shard, pass mtp_tokens and give the stage a copy of tok_embeddings "
+            "(module_names_per_stage)"
         )
-    return tokens
+
+
+def tokens_ahead(tokens: torch.Tensor, depths: int) -> torch.Tensor:
+    """Each depth's input tokens: depth `k`'s are the ids `k` ahead (wrapped around at the end: those positions'
+    targets are -100). Take them on whole sequences, before anything cuts them.
+
+    Args:
+        tokens: `(bs, seqlen)` token ids.
+        depths: the depths run.
+
+    Returns:
+        `(bs, depths, seqlen)`.
+    """
+    return torch.stack([tokens.roll(-k, dims=1) for k in range(1, depths + 1)], dim=1)
 
 
 def embed_with_depths(
-    tok_embeddings: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, depths: int, *, main: bool = True
+    tok_embeddings: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor | None,
+    depths: int,
+    ahead: torch.Tensor | None = None,
 ):
-    """The embeddings of the main rows and of each depth's tokens `k` ahead, in one lookup (wrapped around at the
-    end: those positions' targets are -100).
+    """The embeddings of the main rows and of each depth's tokens, in one lookup.
 
     Args:
         tok_embeddings: the model's embedding.
-        tokens: `(bs, seqlen)` token ids.
+        tokens: `(bs, seqlen)` token ids of the main rows; None where the main rows are hidden states already (the
+            last pipeline stage).
         depths: the depths run.
-        main: also the main rows' (False on the last pipeline stage, whose main rows come from the one before).
+        ahead: `tokens_ahead` of the whole sequences, `(bs, depths, seqlen)` (the shard's positions under context
+            parallel); None: taken from `tokens`.
 
     Returns:
-        `1 + depths` tensors `(bs, seqlen, dim)`, the main rows' first (None without `main`).
+        `1 + depths` tensors `(bs, seqlen, dim)`, the main rows' first (None without `tokens`).
     """
-    rolled = [tokens.roll(-k, dims=1) if k else tokens for k in range(0 if main else 1, depths + 1)]
-    embedded = tok_embeddings(torch.cat(rolled, dim=0)).chunk(len(rolled), dim=0)
-    return embedded if main else (None, *embedded)
+    rows = list((ahead if ahead is not None else tokens_ahead(cast(torch.Tensor, tokens), depths)).unbind(1))
+    if tokens is not None:
+        rows.insert(0, tokens)
+    embedded = tok_embeddings(torch.cat(rows, dim=0)).chunk(len(rows), dim=0)
+    return embedded if tokens is not None else (None, *embedded)
 
 
 def run_depths(

@@ -235,9 +235,9 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 
 def _mtp(d: Draft) -> None:
     """`mtp.layers` sets the multi-token-prediction depths of a family that has them (`ModelArgs.n_mtp_layers`:
-    every built-in one), on a layout that keeps each sequence whole (no context parallel; under pipeline parallel
-    the last stage runs the depths, with a copy of the embedding); a Hugging Face checkpoint to start from must
-    hold that many (its own are loaded only as far as it asks)."""
+    every built-in one; under pipeline parallel the last stage runs them, with a copy of the embedding, on a
+    schedule that does not split the weight gradients); a Hugging Face checkpoint to start from must hold that
+    many (its own are loaded only as far as it asks)."""
     layers = d.cfg.mtp.layers
     if not hasattr(d.model_args, "n_mtp_layers"):
         if layers:
@@ -247,12 +247,6 @@ def _mtp(d: Draft) -> None:
                 "mtp.layers = 0"
             )
         return
-    if layers and d.dims is not None and d.dims.cp > 1:
-        raise ConfigError(
-            f"mtp.layers={layers} with parallelism.context_parallel_degree={d.dims.cp}: the prediction depths "
-            "read the tokens ahead of each position, across the sequence shards; set mtp.layers = 0 or "
-            "parallelism.context_parallel_degree = 1"
-        )
     schedule = d.cfg.parallelism.pipeline_parallel_schedule
     if layers and d.dims is not None and d.dims.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
         # measured (torch 2.15): "Trying to backward through the graph a second time" in stage_backward_weight

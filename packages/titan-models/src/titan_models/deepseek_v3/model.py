@@ -487,8 +487,8 @@ class Transformer(nn.Module):
             mtp: also run the multi-token-prediction depths (training; needs the whole sequence of token ids).
                 Depth `k`'s row `i` predicts token `i + k + 1`: its targets are the labels shifted left by `k`
                 (the last `k` positions have none). Without MTP layers this changes nothing.
-            mtp_tokens: `(bs, seqlen)` token ids on a pipeline stage after the first (`tokens` are hidden
-                states there): the depths embed the tokens ahead from them.
+            mtp_tokens: `(bs, n_mtp_layers, seqlen)` each depth's input tokens, taken on the whole sequences
+                (`titan_models.mtp.tokens_ahead`): on a pipeline stage after the first or a context-parallel shard.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a

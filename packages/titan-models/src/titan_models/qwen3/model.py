@@ -278,8 +278,8 @@ class Transformer(nn.Module):
             document_ids: `(bs, seqlen)` int64 document of each position (`titan_models.document_mask.document_ids`):
                 attention stays within each document (block-causal); None: causal over the whole sequence.
             mtp: also run the multi-token-prediction depths (training; `titan_models.mtp`).
-            mtp_tokens: `(bs, seqlen)` token ids on a pipeline stage after the first (`tokens` are hidden
-                states there): the depths embed the tokens ahead from them.
+            mtp_tokens: `(bs, n_mtp_layers, seqlen)` each depth's input tokens, taken on the whole sequences
+                (`titan_models.mtp.tokens_ahead`): on a pipeline stage after the first or a context-parallel shard.
 
         Returns:
             `(bs, seqlen, vocab_size)` logits, or `(bs, seqlen, dim)` hidden states on a
