@@ -85,6 +85,7 @@ SPEC_DEFAULTS = {
     "training.dataset_path": None,
     "training.dataset_text_field": "text",
     "training.dataset_mix": [],
+    "training.dataset_mix_phases": [],
     "training.shuffle": True,
     "training.shuffle_seed": 0,
     "training.local_batch_size": 8,

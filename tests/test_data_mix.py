@@ -40,7 +40,7 @@ def two(tmp_path):
     return folder(tmp_path, "web", "w", 40), folder(tmp_path, "code", "c", 15)
 
 
-def mix_loader(paths, weights, *, batch, rank=0, world=1, seq_len=7, shuffle=True, seed=0, prefetch=0):
+def mix_loader(paths, weights, *, batch, rank=0, world=1, seq_len=7, shuffle=True, seed=0, prefetch=0, phases=()):
     mix = [DatasetSource(path=str(p), weight=w) for p, w in zip(paths, weights, strict=True)]
     return build_loader(
         "stdlib",
@@ -55,6 +55,7 @@ def mix_loader(paths, weights, *, batch, rank=0, world=1, seq_len=7, shuffle=Tru
         shuffle=shuffle,
         shuffle_seed=seed,
         mix=mix,
+        mix_phases=phases,
     )
 
 
@@ -247,3 +248,84 @@ def test_a_changed_mix_seed_or_order_is_refused_in_one_line(two):
         ConfigError, match=r"read in file order \(training.shuffle = false\).*resume with the checkpoint's"
     ):
         one_folder.load_state_dict(plain.state_dict())
+
+
+# ---------------------------------------------------------------- phases (training.dataset_mix_phases)
+
+
+def test_phases_change_the_weights_and_each_source_reads_on_where_it_stopped():
+    from titan_core.data.mix_schedule import PhasedMixSchedule, phase_shares
+
+    one = MixSchedule([7, 3])
+    alone = PhasedMixSchedule([(0, [7, 3])])
+    g = np.arange(500)
+    assert all((a == b).all() for a, b in zip(one.locate(g), alone.locate(g), strict=True))
+    # 70/30 for 105 samples, 50/50 for 195, then only the second source (the first sits it out)
+    assert phase_shares([0.5, 0.5], "k") == [1, 1] and phase_shares([0, 2], "k") == [0, 1]
+    phased = PhasedMixSchedule([(0, [7, 3]), (105, [1, 1]), (300, [0, 1])])
+    source, index = phased.locate(g)
+    for s in (0, 1):  # every source's samples are its next ones, in order, across the phase changes
+        assert index[source == s].tolist() == list(range(int((source == s).sum())))
+    # 105 samples at 7/3: 10 periods and 5 slots (the first 5 of the 7/3 round-robin take 4 and 1): 74 and 31
+    assert phased.consumed(105).tolist() == [74, 31]
+    assert (phased.consumed(300) - phased.consumed(105)).tolist() == [98, 97]  # 195 at 1:1, the first goes first
+    assert (phased.consumed(500) - phased.consumed(300)).tolist() == [0, 200]
+    for n in (0, 1, 104, 105, 106, 299, 300, 377):
+        assert phased.consumed(n).tolist() == [int((source[:n] == s).sum()) for s in (0, 1)]
+    with pytest.raises(ConfigError, match="k: weights must be numbers >= 0, one of them > 0"):
+        phase_shares([0, 0], "k")
+
+
+def test_a_phase_starts_at_its_sample_and_a_resume_may_change_only_later_phases(two):
+    phases = [(40, {"code": 1.0})]  # after 40 samples (4 steps of 10): code alone
+    reference = mix_loader(two, [0.7, 0.3], batch=10, phases=phases)
+    batches = [rows(next(reference)) for _ in range(7)]
+    web_rows = [sum(ord("w") in row for row in batch) for batch in batches]
+    assert web_rows == [7, 7, 7, 7, 0, 0, 0]
+    assert reference.metrics()["data/web/tokens"] == 28 * 7 and reference.metrics()["data/code/tokens"] == 42 * 7
+    for at in (2, 5):  # a checkpoint before the phase and one inside it
+        loader = mix_loader(two, [0.7, 0.3], batch=10, phases=phases)
+        for _ in range(at):
+            next(loader)
+        state = json.loads(json.dumps(loader.state_dict()))
+        assert state["phases"] == [[40, [0, 1]]]
+        resumed = [mix_loader(two, [0.7, 0.3], batch=5, rank=r, world=2, phases=phases) for r in range(2)]
+        for loader in resumed:  # two ranks of 5 go on as the one of 10
+            loader.load_state_dict(state)
+        assert [rows(next(resumed[0])) + rows(next(resumed[1])) for _ in range(7 - at)] == batches[at:]
+    # Decided late: a run whose checkpoint (step 3, sample 30) had no phase may add one from step 5 on ...
+    plain = mix_loader(two, [0.7, 0.3], batch=10)
+    for _ in range(3):
+        next(plain)
+    later = mix_loader(two, [0.7, 0.3], batch=10, phases=phases)
+    later.load_state_dict(plain.state_dict())
+    assert [rows(next(later)) for _ in range(4)] == batches[3:]
+    # ... but not change one that the checkpoint's data already followed.
+    inside = mix_loader(two, [0.7, 0.3], batch=10, phases=phases)
+    for _ in range(5):
+        next(inside)
+    for other in ([(40, {"web": 1.0})], [(30, {"code": 1.0})], []):
+        changed = mix_loader(two, [0.7, 0.3], batch=10, phases=other)
+        with pytest.raises(ConfigError, match=r"mixture phases \[\(40, \[0, 1\]\)\] \(first global sample, shares\) before its position .*change only"):
+            changed.load_state_dict(inside.state_dict())
+
+
+def test_bad_phases_are_one_line_naming_the_key(tmp_path, two):
+    mix = json.dumps([{"path": str(two[0]), "weight": 0.7}, {"path": str(two[1]), "weight": 0.3}])
+    base = ["--training.steps", "10", "--training.dataset_mix", mix, "--training.dataset_mix_phases"]
+    cases = {
+        '[{"step": 5, "weights": {"code": 1}}, {"step": 5, "weights": {"web": 1}}]':
+            "training.dataset_mix_phases[1].step=5: phases start at increasing steps after step 5",
+        '[{"step": 11, "weights": {"code": 1}}]': "at most training.steps=10",
+        '[{"step": 5, "weights": {"math": 1}}]':
+            "training.dataset_mix_phases[0].weights names 'math', not a source of training.dataset_mix (its names: web, code)",
+        '[{"step": 5, "weights": {"code": 0}}]': "training.dataset_mix_phases[0].weights: weights must be numbers >= 0",
+    }  # fmt: skip
+    for phases, expected in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            resolve(load_config(None, [*base, phases]), 1)
+        assert expected in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+    with pytest.raises(ConfigError, match="training.dataset_mix_phases needs training.dataset_mix"):
+        resolve(load_config(None, ["--training.dataset_mix_phases", '[{"step": 5, "weights": {"a": 1}}]']), 1)
+    with pytest.raises(ConfigError, match=r"phases\[0\].step=1: phases start at increasing steps after step 1"):
+        resolve(load_config(None, [*base, '[{"step": 1, "weights": {"code": 1}}]']), 1)  # step 1: the mix's own

@@ -63,3 +63,33 @@ def test_a_70_30_shuffled_mix_resumes_from_2_ranks_on_1_with_the_same_batches(tm
     saved = json.loads((resumed / "checkpoint" / "step-6" / "dataloader.json").read_text())
     assert saved == json.loads((reference / "checkpoint" / "step-6" / "dataloader.json").read_text())
     assert saved["samples_consumed"] == STEPS * GLOBAL_BATCH and saved["shuffle_seed"] == 0
+
+
+def test_an_annealing_phase_decided_at_a_checkpoint_trains_as_one_planned_from_the_start(tmp_path):
+    # A batch ramp (4, 4, then 8 sequences) puts step 4's first sample at 16; from step 4 the mix reads docs only.
+    # Planned: one process with the phase from the start. Decided late: 2 ranks without it to step 3, then the
+    # phase added on resuming its step-3 checkpoint on 1 process: steps 4-6 the same losses and per-source tokens.
+    mix = two_corpora(tmp_path / "data")
+    run = [*TINY, "--training.steps", str(STEPS), "--training.dataset_mix", mix,
+           "--training.global_batch_size", "8", "--training.batch_size_rampup_start", "4",
+           "--training.batch_size_rampup_steps", "2", "--checkpoint.enable", "--checkpoint.interval", "3"]  # fmt: skip
+    phase = ["--training.dataset_mix_phases", '[{"step": 4, "weights": {"docs": 1}}]']
+    planned, early, late = tmp_path / "planned", tmp_path / "early", tmp_path / "late"
+    proc = run_titan(planned, *run, *phase, "--training.local_batch_size", "4")
+    assert "mix of code 70% + docs 30%, from step 4 docs 100% (token shards shuffled)" in proc.stdout + proc.stderr
+    run_titan(early, *run, "--training.local_batch_size", "2", nproc=2)  # its step-3 checkpoint is taken
+    shutil.copytree(early / "checkpoint" / "step-3", late / "checkpoint" / "step-3")
+    run_titan(late, *run, *phase, "--training.local_batch_size", "4")
+    ref, before, after = by_step(planned), by_step(early), by_step(late)
+    assert sorted(after) == [4, 5, 6]
+    for step, other in [*((s, before) for s in (1, 2, 3)), *((s, after) for s in (4, 5, 6))]:
+        assert abs(other[step]["loss/global_avg"] - ref[step]["loss/global_avg"]) < 1e-5, (step, other[step])
+        assert {k: v for k, v in other[step].items() if k.startswith("data/")} == {
+            k: v for k, v in ref[step].items() if k.startswith("data/")
+        }
+    tokens = [(ref[s]["data/code/tokens"], ref[s]["data/docs/tokens"]) for s in range(1, STEPS + 1)]
+    assert sum(tokens[2]) == 16 * 32 and tokens[2][0] > tokens[2][1] > 0  # 16 samples, about 70/30
+    for s in (3, 4, 5):  # 8 samples a step, all docs
+        assert tokens[s] == (tokens[s - 1][0], tokens[s - 1][1] + 8 * 32)
+    saved = json.loads((late / "checkpoint" / "step-6" / "dataloader.json").read_text())
+    assert saved["phases"] == [[16, [0, 1]]] and saved["samples_consumed"] == 40

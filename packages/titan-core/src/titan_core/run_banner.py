@@ -6,6 +6,8 @@ asked for; `job.description`, a line the user writes, follows it when set.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from titan_core.data.corpus import looks_like_path
 from titan_core.job import Job
 from titan_core.job.rules import validation_set_names
@@ -30,7 +32,11 @@ def run_banner(job: Job) -> str:
     if mup := getattr(job.model_args, "mup", None):
         width = mup.width_multiplier(job.model_args.dim)
         active += f", muP at {width:g}x the width {mup.base_dim} it was tuned at"
-    source = describe_mix(t.dataset_mix, t.shuffle) if t.dataset_mix else describe_dataset(t.dataset, t.dataset_path)
+    source = (
+        describe_mix(t.dataset_mix, t.shuffle, t.dataset_mix_phases)
+        if t.dataset_mix
+        else describe_dataset(t.dataset, t.dataset_path)
+    )
     data = f"data: {source}"
     if cfg.validation.enable and cfg.validation.sets:
         data += f", validation sets {', '.join(validation_set_names(cfg.validation.sets))}"
@@ -65,18 +71,26 @@ def describe_dataset(dataset: str, dataset_path: str | None, held_out: bool = Fa
     return dataset if looks_like_path(dataset) else f"{dataset} (Hugging Face)"
 
 
-def describe_mix(mix: list, shuffle: bool) -> str:
-    """`mix of web 70% + code 30% (token shards shuffled)`.
+def describe_mix(mix: list, shuffle: bool, phases: Sequence = ()) -> str:
+    """`mix of web 70% + code 30%, from step 800 web 50% + math 50% (token shards shuffled)`.
 
     Args:
         mix: `training.dataset_mix`'s entries.
         shuffle: `training.shuffle`.
+        phases: `training.dataset_mix_phases`' entries.
     """
     from titan_core.data.mix_sources import default_name
 
-    total = sum(entry.weight for entry in mix)
-    parts = [f"{entry.name or default_name(entry.path)} {100 * entry.weight / total:.0f}%" for entry in mix]
-    return f"mix of {' + '.join(parts)} (token shards {'shuffled' if shuffle else 'in file order'})"
+    names = [entry.name or default_name(entry.path) for entry in mix]
+
+    def weighted(weights: list[float]) -> str:
+        total = sum(weights)
+        return " + ".join(f"{n} {100 * w / total:.0f}%" for n, w in zip(names, weights, strict=True) if w > 0)
+
+    text = f"mix of {weighted([entry.weight for entry in mix])}"
+    for phase in phases:
+        text += f", from step {phase.step} {weighted([phase.weights.get(n, 0.0) for n in names])}"
+    return f"{text} (token shards {'shuffled' if shuffle else 'in file order'})"
 
 
 def _describe_batch(job: Job) -> str:

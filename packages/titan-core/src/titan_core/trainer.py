@@ -115,6 +115,16 @@ class Trainer:
             shuffle=t.shuffle,
             shuffle_seed=t.shuffle_seed,
             mix=t.dataset_mix,
+            mix_phases=[  # each phase from its step's first sample: micro-batch rounds before it x samples per round
+                (
+                    self.batch_ramp.samples_through(p.step - 1)
+                    // self.batch_ramp.per_round
+                    * dp_world
+                    * t.local_batch_size,
+                    p.weights,
+                )
+                for p in t.dataset_mix_phases
+            ],  # fmt: skip
         )
         if self.rank == 0 and job.vocab_widened_from:
             logger.info(
@@ -371,6 +381,12 @@ class Trainer:
             dist.all_reduce(avg, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
         return avg.item() / self.mesh["dp_cp"].size(), mx.item()
+
+    def _first_sample(self, step: int, dp_world: int) -> int:
+        """The global sample the loader reads first at `step`: the micro-batch rounds before it (a batch ramp
+        grows them) x the samples one round takes from the loader."""
+        rounds = self.batch_ramp.samples_through(step - 1) // self.batch_ramp.per_round
+        return rounds * dp_world * self.cfg.training.local_batch_size
 
     def _mtp_values(self, per_depth: torch.Tensor | None) -> dict[str, float]:
         """`loss/mtp` (the depths' mean cross-entropy) and, with several depths, `loss/mtp_<k>` each, averaged over

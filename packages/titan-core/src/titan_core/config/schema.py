@@ -125,6 +125,15 @@ class DatasetSource(Section):
     """JSON field / parquet column of the text (text sources); unset = training.dataset_text_field."""
 
 
+class MixPhase(Section):
+    """One entry of `training.dataset_mix_phases`: `{step = 800, weights = {web = 0.5, math = 0.5}}`."""
+
+    step: int
+    """First step trained on these weights, >= 2 (the mix's own weights before the first phase)."""
+    weights: dict[str, float]
+    """Source name -> weight from that step on; a source not named sits the phase out (weight 0)."""
+
+
 def _check_dataset_mix(value: object) -> object:
     """One line naming `training.dataset_mix[i].<key>` and the fix, before pydantic's own checks.
 
@@ -169,6 +178,8 @@ class Training(Section):
     """Column holding the text, for Hugging Face datasets."""
     dataset_mix: list[DatasetSource] = []
     """Weighted sources instead of dataset/dataset_path: [{path = "...", weight = 0.7}, ...]; see docs/data.md."""
+    dataset_mix_phases: list[MixPhase] = []
+    """Other weights from a step on, e.g. [{step = 800, weights = {web = 0.5, math = 0.5}}]: an annealing mix."""
     shuffle: bool = True
     """Token-shard data in a seeded permutation of seq_len+1 windows per epoch; text read on the fly stays in order."""
     shuffle_seed: NonNegativeInt = 0

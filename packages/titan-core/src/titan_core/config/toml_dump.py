@@ -8,6 +8,7 @@ rather than adding a dependency. An unset (None) key becomes a comment, or
 
 import json
 import math
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -66,5 +67,11 @@ def format_toml_value(value: Any) -> str:
         return "[" + ", ".join(format_toml_value(item) for item in value) + "]"
     if isinstance(value, BaseModel):  # a table inside a list (`training.dataset_mix`): inline, unset keys left out
         items = [f"{key} = {format_toml_value(v)}" for key, v in value if v is not None]
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, dict):  # `training.dataset_mix_phases`' weights: an inline table, keys quoted when needed
+        items = [
+            f"{k if re.fullmatch(r'[A-Za-z0-9_-]+', k) else format_toml_value(k)} = {format_toml_value(v)}"
+            for k, v in value.items()
+        ]
         return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {type(value).__name__} value {value!r} as TOML")

@@ -12,11 +12,11 @@ else (`"stdlib"`, local text files, a hub dataset) is tokenized on the fly, in o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from titan_core.data.corpus import Split, build_source, looks_like_path
 from titan_core.data.loader import PackedLoader
-from titan_core.data.mix_schedule import shares_of
+from titan_core.data.mix_schedule import phase_shares, shares_of
 from titan_core.data.mix_sources import MixEntry, MixSource, default_name, open_sources
 from titan_core.data.mixture import MixtureLoader
 from titan_core.data.permutation import mix_key
@@ -52,6 +52,7 @@ def loader_factory(
     mix: Sequence[MixEntry] = (),
     dataset_key: str | None = None,
     field_key: str = "training.dataset_text_field",
+    mix_phases: Sequence[tuple[int, Mapping[str, float]]] = (),
 ) -> Callable[[], Loader]:
     """A function that returns a fresh loader at the data's start (e.g. for each validation pass):
     a `MixtureLoader` for a mix or a shuffled token-shard folder, a `TokenShardLoader` for a
@@ -78,6 +79,8 @@ def loader_factory(
         mix: `<section>.dataset_mix`: weighted sources; when given, `dataset` and `dataset_path` are unused.
         dataset_key: the config key `dataset` comes from, for messages; None = `<section>.dataset`.
         field_key: the config key `text_field` comes from, for messages.
+        mix_phases: the mix's later weights, `(first global sample, {source name: weight})` each, increasing
+            (`training.dataset_mix_phases`, its steps turned into samples).
     """
     seed = shuffle_seed if shuffle else None
     if mix:
@@ -85,6 +88,11 @@ def loader_factory(
         sources = open_sources(
             mix, tokenizer, seq_len=seq_len, text_field=text_field, shuffle_seed=seed, section=section
         )
+        names = [source.name for source in sources]
+        phases = [
+            (start, phase_shares([weights.get(n, 0.0) for n in names], f"{section}.dataset_mix_phases[{i}].weights"))
+            for i, (start, weights) in enumerate(mix_phases)
+        ]
         return functools.partial(
             MixtureLoader,
             sources,
@@ -96,6 +104,7 @@ def loader_factory(
             prefetch=prefetch,
             shuffle_seed=seed,
             key=f"{section}.dataset_mix",
+            phases=phases,
         )
     if dataset_path:
         folder, key = dataset_path, f"{section}.dataset_path"

@@ -11,6 +11,11 @@ integer slots allow (`max_window_error` measures how far any window strays).
 
 Global sample `g` is slot `g mod P` of cycle `g // P`, so its source and its index
 within that source are table look-ups: O(1) to compute and to resume, for any `g`.
+
+`PhasedMixSchedule` runs several such schedules one after another (`training.dataset_mix_phases`:
+other weights from a step on, e.g. more of the best data while the learning rate decays): phase `p`
+covers global samples `[start_p, start_p+1)` and a source's index goes on from where the earlier
+phases left it, so each source is still read in one order, and any `g` is still O(1) to place.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 
 from titan_core.config.errors import ConfigError
 
-__all__ = ["MAX_PERIOD", "MixSchedule", "shares_of"]
+__all__ = ["MAX_PERIOD", "MixSchedule", "PhasedMixSchedule", "phase_shares", "shares_of"]
 
 MAX_PERIOD = 10_000
 
@@ -60,6 +65,21 @@ def shares_of(weights: Sequence[float], key: str = "training.dataset_mix") -> li
             )
     divisor = math.gcd(*shares)
     return [share // divisor for share in shares]
+
+
+def phase_shares(weights: Sequence[float], key: str) -> list[int]:
+    """`shares_of` where a weight may be 0 (the source sits the phase out); at least one must be positive.
+
+    Args:
+        weights: one weight >= 0 per source.
+        key: the config key of the weights, for error messages.
+    """
+    bad = [w for w in weights if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)]
+    if bad or not any(w > 0 for w in weights):
+        raise ConfigError(f"{key}: weights must be numbers >= 0, one of them > 0, got {list(weights)}")
+    positive = [i for i, w in enumerate(weights) if w > 0]
+    shares = dict(zip(positive, shares_of([weights[i] for i in positive], key), strict=True))
+    return [shares.get(i, 0) for i in range(len(weights))]
 
 
 class MixSchedule:
@@ -122,3 +142,51 @@ class MixSchedule:
         """`consumed` for an array of counts: `(len(samples), S)` int64."""
         cycle, slot = np.divmod(np.asarray(samples, dtype=np.int64), self.period)
         return cycle[:, None] * self.shares[None, :] + self.before[slot]
+
+
+class PhasedMixSchedule:
+    """`MixSchedule`s one after another: global sample -> (source, index within the source), O(1).
+
+    Args:
+        phases: `(first global sample, shares)` of each phase, starting at 0, increasing; the shares of every
+            phase list the same sources (0 for one that sits a phase out).
+    """
+
+    def __init__(self, phases: Sequence[tuple[int, Sequence[int]]]):
+        if not phases or phases[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(phases, phases[1:], strict=False)):
+            raise ValueError(f"phases must start at sample 0 and increase, got starts {[p[0] for p in phases]}")
+        self.starts = np.asarray([start for start, _ in phases], dtype=np.int64)  # (F,)
+        self.phases = [MixSchedule(shares) for _, shares in phases]
+        self.shares = self.phases[0].shares  # the first phase's (the sources' identity in a saved position)
+        offsets = [np.zeros(len(self.shares), dtype=np.int64)]  # each source's samples before each phase
+        for p in range(len(phases) - 1):
+            offsets.append(offsets[-1] + self.phases[p].consumed(int(self.starts[p + 1] - self.starts[p])))
+        self.offsets = np.stack(offsets)  # (F, S)
+
+    def phase_of(self, samples: np.ndarray | int) -> np.ndarray:
+        """The phase each global sample (or count of samples) falls in."""
+        return np.searchsorted(self.starts, samples, side="right") - 1
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As `MixSchedule.locate`, over the phases.
+
+        Args:
+            samples: global sample indices (int64, any shape).
+        """
+        samples = np.asarray(samples, dtype=np.int64)
+        phase = self.phase_of(samples)
+        source, index = np.empty_like(samples), np.empty_like(samples)
+        for p in np.unique(phase).tolist():
+            mine = phase == p
+            s, i = self.phases[p].locate(samples[mine] - self.starts[p])
+            source[mine], index[mine] = s, i + self.offsets[p][s]
+        return source, index
+
+    def consumed(self, samples: int) -> np.ndarray:
+        """How many of the first `samples` global samples each source gave, `(S,)` int64.
+
+        Args:
+            samples: a count of global samples.
+        """
+        p = int(self.phase_of(int(samples)))
+        return self.offsets[p] + self.phases[p].consumed(int(samples) - int(self.starts[p]))

@@ -28,7 +28,7 @@ import torch
 
 from titan_core.config.errors import ConfigError
 from titan_core.data.loader import SKIP
-from titan_core.data.mix_schedule import MixSchedule
+from titan_core.data.mix_schedule import PhasedMixSchedule
 from titan_core.data.mix_sources import MixSource
 from titan_core.data.token_loader import _Prefetcher
 
@@ -46,7 +46,7 @@ def _as_batch(samples: np.ndarray) -> Batch:
 
 
 def read_window_batch(
-    schedule: MixSchedule, sources: Sequence[MixSource], first: int, local_batch_size: int, width: int
+    schedule: PhasedMixSchedule, sources: Sequence[MixSource], first: int, local_batch_size: int, width: int
 ) -> Batch:
     """Global samples `[first, first + B)` of a mixture whose sources are all token-shard folders.
 
@@ -81,6 +81,7 @@ class MixtureLoader:
         shuffle_seed: `training.shuffle_seed` when the token sources are shuffled, else None
             (recorded in the state, so that a resume reads the same order).
         key: the config key of the sources, for error messages.
+        phases: later phases, `(first global sample, shares)` each, increasing (`training.dataset_mix_phases`).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class MixtureLoader:
         prefetch: int = 2,
         shuffle_seed: int | None = None,
         key: str = "training.dataset_mix",
+        phases: Sequence[tuple[int, Sequence[int]]] = (),
     ):
         if seq_len < 1 or local_batch_size < 1:
             raise ConfigError(
@@ -107,7 +109,9 @@ class MixtureLoader:
             raise ConfigError(f"training.prefetch_batches must be >= 0, got {prefetch}")
         if len(sources) != len(shares):
             raise ValueError(f"{len(sources)} sources but {len(shares)} shares")
-        self.sources, self.schedule = [s.fresh() for s in sources], MixSchedule(shares)
+        self.phases = [(int(start), [int(x) for x in later]) for start, later in phases]  # JSON-able, saved
+        self.sources = [s.fresh() for s in sources]
+        self.schedule = PhasedMixSchedule([(0, shares), *self.phases])
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world, self.shuffle_seed, self.key = dp_rank, dp_world, shuffle_seed, key
         self.prefetch = prefetch if all(s.windows is not None for s in self.sources) else 0
@@ -204,6 +208,7 @@ class MixtureLoader:
             "seq_len": self.seq_len,
             "shuffle_seed": self.shuffle_seed,
             "sources": sources,
+            **({"phases": [[start, shares] for start, shares in self.phases]} if self.phases else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -237,11 +242,20 @@ class MixtureLoader:
                 f"the checkpoint read {_describe_sources(theirs)}, this run's {self.key} gives "
                 f"{_describe_sources(ours)}; resume with the same sources, weights and data, {SKIP}"
             )
+        position = int(state["samples_consumed"])
+        theirs_before = [(int(a), list(b)) for a, b in state.get("phases", []) if a < position]
+        ours_before = [(a, b) for a, b in self.phases if a < position]
+        if ours_before != theirs_before:  # later phases may change: a run can decide on its annealing mix late
+            raise ConfigError(
+                f"the checkpoint's data had mixture phases {theirs_before or 'none'} (first global sample, shares) "
+                f"before its position (global sample {position}), this run's training.dataset_mix_phases give "
+                f"{ours_before or 'none'}; change only the phases that start after the checkpoint's step, {SKIP}"
+            )
         self.close()
         for source, saved in zip(self.sources, state["sources"], strict=True):
             if source.stream is not None:
                 source.stream.load_state_dict(saved["stream"])
-        self.samples_consumed = int(state["samples_consumed"])
+        self.samples_consumed = position
 
     def __repr__(self) -> str:
         shares = self.schedule.shares.tolist()

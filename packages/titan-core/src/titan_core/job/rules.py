@@ -530,8 +530,8 @@ def _weight_decay(d: Draft) -> None:
 
 
 def _data(d: Draft) -> None:
-    """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults.
-    `eval.enable` needs `eval.tasks`."""
+    """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults;
+    its phases name its sources. `eval.enable` needs `eval.tasks`."""
     t = d.cfg.training
     if d.cfg.eval.enable and not d.cfg.eval.tasks:
         raise ConfigError(
@@ -557,6 +557,39 @@ def _data(d: Draft) -> None:
             f"training.dataset_mix and {given} are both set; the mix names its sources: "
             f"add that data to training.dataset_mix as {{path = ..., weight = ...}} and unset {given.split('=')[0]}"
         )
+    _mix_phases(t)
+
+
+def _mix_phases(t: Any) -> None:
+    """`training.dataset_mix_phases`: with a mix, at increasing steps within the run, naming its sources."""
+    phases = t.dataset_mix_phases
+    if not phases:
+        return
+    if not t.dataset_mix:
+        raise ConfigError(
+            "training.dataset_mix_phases needs training.dataset_mix: the phases give its sources other weights; "
+            "list the sources in training.dataset_mix or unset training.dataset_mix_phases"
+        )
+    from titan_core.data.mix_schedule import phase_shares
+    from titan_core.data.mix_sources import default_name
+
+    names = [entry.name or default_name(entry.path) for entry in t.dataset_mix]
+    previous = 1
+    for i, phase in enumerate(phases):
+        key = f"training.dataset_mix_phases[{i}]"
+        if not previous < phase.step <= t.steps:
+            raise ConfigError(
+                f"{key}.step={phase.step}: phases start at increasing steps after step {previous} and at most "
+                f"training.steps={t.steps}; fix the step or drop the phase"
+            )
+        previous = phase.step
+        unknown = sorted(set(phase.weights) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"{key}.weights names {', '.join(repr(n) for n in unknown)}, not a source of training.dataset_mix "
+                f"(its names: {', '.join(names)}); use those names (or set name = '...' on a source)"
+            )
+        phase_shares([phase.weights.get(name, 0.0) for name in names], f"{key}.weights")
 
 
 def validation_set_names(sets: Sequence[Any]) -> list[str]:
