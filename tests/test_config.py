@@ -112,6 +112,7 @@ SPEC_DEFAULTS = {
     "parallelism.data_parallel_replicate_degree": 1,
     "parallelism.data_parallel_shard_degree": -1,
     "parallelism.fsdp_reshard_after_forward": "default",
+    "parallelism.fsdp_reduce_every_microbatch": True,
     "parallelism.dp_mode": "fsdp",
     "parallelism.tensor_parallel_degree": 1,
     "parallelism.enable_async_tensor_parallel": False,

@@ -64,6 +64,7 @@ from titan_models.document_mask import document_ids
 from titan_models.mtp import tokens_ahead
 from titan_parallel.attention_backend import sdpa_context
 from titan_parallel.context_parallel import shard_sequence
+from titan_parallel.fsdp import set_gradient_sync
 from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm
 from titan_parallel.linear_cross_entropy import hidden_states_out
 from titan_parallel.precision import mixed_precision_context
@@ -256,6 +257,8 @@ class StepRunner:
             `model.attn_mask_type`), the model given each batch's `document_ids`; None: causal attention.
         ema: the moving average of the weights (`titan_core.ema.WeightEMA`), updated after each optimizer step
             with the guard's verdict (a dropped update leaves it unchanged); None without one.
+        reduce_every_microbatch: FSDP reduce-scatters each accumulated micro-batch's gradients; False: once per
+            step (`titan_parallel.set_gradient_sync`). DDP's and HSDP's all-reduces run once per step either way.
     """
 
     def __init__(
@@ -276,7 +279,9 @@ class StepRunner:
         replicas: ReplicaGroups | None = None,
         documents: tuple[int, int] | None = None,
         ema: WeightEMA | None = None,
+        reduce_every_microbatch: bool = True,
     ):
+        self.reduce_every_microbatch = reduce_every_microbatch
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
         # FSDP or the compute copies cast to the compute dtype, else autocast
@@ -407,7 +412,10 @@ class StepRunner:
         if self.replicas is not None:
             self.replicas.begin_step()  # torchft's quorum, in the background during forward
         total: torch.Tensor | None = None
-        for inputs, labels in batches:
+        accumulate = len(batches) > 1 and self.pp_mesh is None  # torch's schedules do it over pipeline micro-batches
+        for i, (inputs, labels) in enumerate(batches):
+            if accumulate:  # data parallel synchronises gradients in the last micro-batch's backward
+                set_gradient_sync(self.model.parts, i == len(batches) - 1, reduce_scatter=self.reduce_every_microbatch)
             loss = self._forward_backward(*self.place(inputs, labels, mtp=True), backward=True)
             if loss is not None:
                 total = loss if total is None else total + loss

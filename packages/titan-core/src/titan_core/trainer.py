@@ -234,6 +234,7 @@ class Trainer:
             replicas=self.replicas,
             documents=documents if cfg.model.attn_mask_type == "block_causal" else None,
             ema=self.ema,
+            reduce_every_microbatch=cfg.parallelism.fsdp_reduce_every_microbatch,
         )
         self.layer_norms = None  # metrics.per_layer_norms / _updates: each block's gradient, weight and update norms
         if cfg.metrics.per_layer_norms or cfg.metrics.per_layer_updates:

@@ -45,6 +45,7 @@ __all__ = [
     "apply_compile",
     "apply_fsdp",
     "apply_ddp",
+    "set_gradient_sync",
     # float8 / MXFP8 linears (torchao, optional), before all of the above
     "Float8Options",
     "MXOptions",
@@ -109,7 +110,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "context_parallel": ("apply_cp", "shard_sequence", "unshard_sequence"),
     "activation_checkpoint": ("apply_ac",),
     "compile": ("apply_compile",),
-    "fsdp": ("apply_fsdp", "apply_ddp"),
+    "fsdp": ("apply_fsdp", "apply_ddp", "set_gradient_sync"),
     "float8": ("Float8Options", "MXOptions", "apply_float8", "apply_mx", "check_float8", "check_mx"),
     "pipeline_layout": ("SCHEDULE_NAMES",),
     "pipeline_shared": ("SharedWeights", "find_shared_weights"),
@@ -155,7 +156,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load lazily a
     from titan_parallel.context_parallel import apply_cp, shard_sequence, unshard_sequence
     from titan_parallel.distributed import init_distributed, resolve_device, shutdown_distributed
     from titan_parallel.float8 import Float8Options, MXOptions, apply_float8, apply_mx, check_float8, check_mx
-    from titan_parallel.fsdp import apply_ddp, apply_fsdp
+    from titan_parallel.fsdp import apply_ddp, apply_fsdp, set_gradient_sync
     from titan_parallel.grad_clip import clip_divisor, clip_grad_norm_, grad_norm, grouped_norms
     from titan_parallel.layout import (
         ParallelConfigError,

@@ -8,6 +8,7 @@ just before it runs and freed after; the modules in `plan.fsdp_root_units`
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -132,3 +133,29 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         )
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
     return model
+
+
+def set_gradient_sync(modules: Iterable[nn.Module], sync: bool, *, reduce_scatter: bool = True) -> None:
+    """Whether the next backward synchronises gradients over data parallel (gradient accumulation): False before
+    each micro-batch of a step but its last, True before the last.
+
+    What is skipped costs no memory by default: DDP's all-reduce (its gradients are whole anyway) and, under HSDP,
+    the all-reduce over the replicas (each replica's reduce-scattered shards accumulate locally; FSDP2 adds them
+    into the last micro-batch's before its one all-reduce). FSDP's reduce-scatter is skipped only with
+    `reduce_scatter=False`: each rank then keeps its blocks' unsharded gradients until the last micro-batch (the
+    parameters' full size in the reduce dtype), for one reduce-scatter per step instead of one per micro-batch.
+
+    Args:
+        modules: the model (or each pipeline stage) after `apply_fsdp` / `apply_ddp`; other modules are ignored.
+        sync: synchronise in the next backward.
+        reduce_scatter: with `sync=False`, also skip FSDP's reduce-scatter.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(sync or reduce_scatter, recurse=False)  # sets both flags
+                module.set_requires_all_reduce(sync, recurse=False)
+            elif callable(getattr(module, "set_requires_gradient_sync", None)):  # composable DDP (`apply_ddp`)
+                module.set_requires_gradient_sync(sync)

@@ -247,6 +247,8 @@ class Parallelism(Section):
     """FSDP shards; -1 = the rest of the world after the other degrees."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered params after forward: 'default' = yes, except under pipeline parallel or on one shard rank."""
+    fsdp_reduce_every_microbatch: bool = True
+    """Reduce-scatter each accumulated micro-batch's gradients; false: once per step, unsharded gradients kept."""
     dp_mode: str = "fsdp"
     """Data parallelism flavour: 'fsdp' (FSDP2 sharding, HSDP with replicas) or 'ddp' (replication)."""
     tensor_parallel_degree: Degree = 1

@@ -366,9 +366,11 @@ def _rank_memory(
     offload = t.enable_cpu_offload  # parameters, gradients and optimizer state live in host memory
     # Gradients of earlier micro-batches (accumulation steps, or pipeline micro-batches) live through a backward.
     grads_during_bwd = grad_bytes if (accum_steps > 1 or n_micro > 1) and not offload else 0
-    if fsdp and dims.pp > 1:
-        # Under pipeline parallel FSDP reduces once, after the last micro-batch: until then it keeps the
-        # stage's unsharded gradients, in the reduce dtype (torch.distributed.pipelining turns the sync off).
+    reduce_once = accum_steps > 1 and not job.cfg.parallelism.fsdp_reduce_every_microbatch
+    if fsdp and (dims.pp > 1 or reduce_once):
+        # Under pipeline parallel (torch.distributed.pipelining turns the sync off) or with
+        # `parallelism.fsdp_reduce_every_microbatch = false`, FSDP reduces once, after the last micro-batch: until
+        # then it keeps the stage's unsharded gradients, in the reduce dtype.
         grads_during_bwd += max(b, reduce_b) * (sum(blocks) + sum(root.values()))
     if gpipe and accum_steps == 1:
         # GPipe runs every micro-batch's forward before the first backward: while all are kept no gradient exists
