@@ -157,5 +157,5 @@ def set_gradient_sync(modules: Iterable[nn.Module], sync: bool, *, reduce_scatte
             if isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(sync or reduce_scatter, recurse=False)  # sets both flags
                 module.set_requires_all_reduce(sync, recurse=False)
-            elif callable(getattr(module, "set_requires_gradient_sync", None)):  # composable DDP (`apply_ddp`)
-                module.set_requires_gradient_sync(sync)
+            elif callable(setter := getattr(module, "set_requires_gradient_sync", None)):  # composable DDP
+                setter(sync)
