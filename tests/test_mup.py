@@ -157,6 +157,16 @@ def test_the_job_check_refuses_what_mup_does_not_cover():
     refused([*deepseek, "moe.top_k=20"], r"model.shape \['moe.top_k=20'\]: MoEArgs.top_k=20 must be in 1..num_experts=8")
     moe = resolve(load_config(None, [*deepseek, "moe.num_experts=16,moe.top_k=2,n_layers=3"]), 1).model_args
     assert (moe.moe.num_experts, moe.moe.top_k, moe.n_layers) == (16, 2, 3)
+    # Long-context extension: Llama 3.1's RoPE scaling on a flavor without it (from its defaults), or off on 1B
+    longer = ["rope_scaling.factor=16,rope_scaling.original_max_position_embeddings=256,max_seq_len=4096"]
+    extended = resolve(load_config(None, ["--model.shape", *longer]), 1).model_args
+    assert (extended.rope_scaling.factor, extended.rope_scaling.low_freq_factor, extended.max_seq_len) == (16, 1, 4096)
+    assert extended.rope_scaling.original_max_position_embeddings == 256
+    one_b = ["--model.flavor", "1B", "--model.shape"]
+    assert resolve(load_config(None, [*one_b, "rope_scaling=none"]), 1).model_args.rope_scaling is None
+    assert resolve(load_config(None, [*one_b, "rope_scaling.factor=4"]), 1).model_args.rope_scaling.factor == 4
+    assert resolve(load_config(None, one_b[:2]), 1).model_args.rope_scaling.factor == 32  # 1B's own (Llama 3.2)
+    refused(["--model.shape", "rope_scaling.factr=2"], "RopeScaling has no settable field 'rope_scaling.factr'")
     job = resolve(load_config(None, ["--model.shape", "n_layers=3,norm_eps=1e-6,n_kv_heads=none"]), 1)
     assert (job.model_args.n_layers, job.model_args.norm_eps, job.model_args.kv_heads) == (3, 1e-6, 16)
     untied = resolve(load_config(None, ["--mup.enable", "true", "--model.flavor", "1B", "--model.shape",

@@ -46,7 +46,9 @@ def _parse(text: str, kind: type, optional: bool) -> Any:
 
 def apply_shape(args: Any, entries: Sequence[str], key: str = "model.shape") -> Any:
     """`args` with each `field=value` of `entries` replaced (the family's own checks run again); a field of a
-    nested dataclass (the MoE layer's `MoEArgs`) is named with a dot: `moe.num_experts=16`.
+    nested dataclass (the MoE layer's `MoEArgs`, Llama 3.1's `RopeScaling`) is named with a dot:
+    `moe.num_experts=16`, `rope_scaling.factor=16` (an unset optional one starts from its defaults; `rope_scaling=none`
+    unsets it).
 
     Args:
         args: a model family's args dataclass (a flavor's).
@@ -78,16 +80,40 @@ def _replaced(args: Any, entries: Sequence[str], key: str, owner: str, prefix: s
             raise ConfigError(f"{key}: {prefix + entry!r} is not 'field=value', e.g. 'dim=512'")
         head, dot, rest = field.partition(".")
         if dot:
-            if not dataclasses.is_dataclass(getattr(args, head, None)):
+            if _nested_type(args, head) is None:
                 raise ConfigError(f"{key}: {owner} has no nested settings {prefix + head!r} (in {prefix + entry!r})")
             nested.setdefault(head, []).append(f"{rest}={text}")
             continue
+        if text.lower() in ("none", "null") and _nested_type(args, field) is not None and _optional(args, field):
+            changes[field] = None  # e.g. `rope_scaling=none`: no long-context scaling
+            continue
         changes[field] = _value(args, field, text, key, owner, prefix)
     for head, inner in nested.items():
-        changes[head] = _replaced(
-            getattr(args, head), inner, key, type(getattr(args, head)).__name__, f"{prefix}{head}."
-        )
+        current = changes.get(head, getattr(args, head))
+        if current is None:  # an unset optional table (`rope_scaling`): its defaults, then the entries
+            kind = _nested_type(args, head)
+            try:
+                current = kind()  # type: ignore[misc]
+            except TypeError:
+                raise ConfigError(f"{key}: {prefix}{head} has fields without defaults; set each of them") from None
+        changes[head] = _replaced(current, inner, key, type(current).__name__, f"{prefix}{head}.")
     return dataclasses.replace(args, **changes)
+
+
+def _nested_type(args: Any, field: str) -> type | None:
+    """The dataclass a field of `args` holds (annotated `D` or `D | None`), else None."""
+    hints = typing.get_type_hints(type(args))
+    if field not in hints:
+        return None
+    annotation = hints[field]
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = [t for t in options if t is not type(None)] if options else [annotation]
+    return kinds[0] if len(kinds) == 1 and dataclasses.is_dataclass(kinds[0]) else None
+
+
+def _optional(args: Any, field: str) -> bool:
+    """`field` of `args` may be None."""
+    return type(None) in typing.get_args(typing.get_type_hints(type(args))[field])
 
 
 def _value(args: Any, field: str, text: str, key: str, owner: str, prefix: str) -> Any:
