@@ -108,7 +108,8 @@ def _nested_type(args: Any, field: str) -> type | None:
     annotation = hints[field]
     options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
     kinds = [t for t in options if t is not type(None)] if options else [annotation]
-    return kinds[0] if len(kinds) == 1 and dataclasses.is_dataclass(kinds[0]) else None
+    kind = kinds[0] if len(kinds) == 1 else None
+    return kind if isinstance(kind, type) and dataclasses.is_dataclass(kind) else None
 
 
 def _optional(args: Any, field: str) -> bool:
