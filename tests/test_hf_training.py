@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,3 +53,74 @@ def test_train_from_hf_and_export_to_hf(tmp_path):
     # Step 2's loss uses the weights after step 1: exactly what was exported.
     assert abs(losses(two)[1] - hf_loss(exported.float().eval(), *second)) < 1e-5
     assert abs(losses(two)[1] - losses(two)[0]) > 1e-3  # the update did change the weights
+
+
+def test_a_run_from_hf_weights_changes_rope_converts_and_samples_from_its_folder(tmp_path):
+    # Continuing a Hugging Face model at a longer context: model.shape may change what leaves every weight's shape
+    # (RoPE theta and scaling); the run keeps the source's config.json, so convert and generate read its shape
+    # (not model.flavor's: the debug model would not hold these weights) even after the source is gone.
+    from typer.testing import CliRunner
+
+    from titan_cli.main import app
+
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper attention, so the loss depends on RoPE (at init it barely does: 4e-6)
+        for name, param in source.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                param.mul_(20)
+    src = tmp_path / "hf-src"
+    source.save_pretrained(src, safe_serialization=True)
+    run = tmp_path / "longer"
+    rope = "rope_theta=1000000,rope_scaling.factor=4,rope_scaling.original_max_position_embeddings=16"
+    run_titan(run, *COMMON, "--training.steps", "2", "--checkpoint.interval", "2",
+              "--checkpoint.initial_load_path", str(src), "--model.shape", rope)  # fmt: skip
+    # Step 1 is transformers' loss with the same RoPE settings on the source's weights (4.8e-3 from the source's own).
+    scaled = json.loads((src / "config.json").read_text())
+    scaled.pop("rope_parameters", None)  # newer transformers write RoPE here; its older keys are still read
+    scaled |= {"rope_theta": 1e6, "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        src, config=transformers.LlamaConfig(**scaled), local_files_only=True
+    ).float().eval()
+    first = next(iter(PackedLoader(StdlibSource(), ByteTokenizer(), seq_len=SEQ, local_batch_size=BATCH)))
+    assert abs(losses(run)[0] - hf_loss(hf, *first)) < 1e-5
+    assert (run / "hf_config.json").read_text() == (src / "config.json").read_text()
+
+    import shutil
+
+    shutil.rmtree(src)
+    cli = CliRunner()
+    result = cli.invoke(app, ["convert", str(run / "checkpoint" / "step-2"), str(tmp_path / "out"), "--to", "hf"])
+    assert result.exit_code == 0 and "(ok;" in result.output, result.output
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    rope = exported.get("rope_parameters") or exported.get("rope_scaling")
+    assert (exported.get("rope_theta", rope.get("rope_theta")), rope["factor"], exported["num_hidden_layers"]) == (
+        1e6, 4.0, 2
+    )
+    result = cli.invoke(app, ["generate", str(run), "--prompt", "def ", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    (run / "hf_config.json").unlink()  # neither kept nor at the source: one line naming the file to put back
+    result = cli.invoke(app, ["convert", str(run / "checkpoint" / "step-2"), str(tmp_path / "out2"), "--to", "hf"])
+    assert result.exit_code != 0 and "put it in the run folder as hf_config.json, or pass --flavor" in result.output
+    assert not (tmp_path / "out2").exists()
+
+
+def test_a_shape_change_that_reshapes_hf_weights_is_refused_in_one_line(tmp_path):
+    from titan_core.config import ConfigError, load_config
+    from titan_core.job import resolve
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "src", safe_serialization=True)
+    start = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path / "src")]
+    with pytest.raises(ConfigError) as caught:
+        resolve(load_config(None, [*start, "--model.shape", "n_layers=1"]), 1)
+    message = str(caught.value)
+    assert "model.shape ['n_layers=1']: the Hugging Face checkpoint" in message and "layers.1." in message
+    assert "\n" not in message
+    assert resolve(load_config(None, [*start, "--model.shape", "norm_eps=1e-6"]), 1).model_args.norm_eps == 1e-6

@@ -18,6 +18,7 @@ once the parity check passed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import tomllib
 from collections.abc import Callable, Sequence
@@ -78,6 +79,8 @@ class ConversionResult:
 
 
 RUN_CONFIG = "config.toml"
+HF_RUN_CONFIG = "hf_config.json"
+"""A run started from Hugging Face weights keeps their config.json under this name: the shape it trained."""
 """The config a `titan train` run writes into its folder."""
 
 
@@ -454,14 +457,38 @@ def resolve_source_args(
         toml_path, model = run[0], run[1].get("model", {})
         if model.get("name", model_name) != model_name:
             raise ConfigError(f"{toml_path} trains model.name '{model['name']}'; pass --model-name {model['name']}")
-        if "flavor" in model:
-            args = run_args(get_model_args(model_name, model["flavor"]), run[1])  # model.shape, [mup]
+        hf_config = _run_hf_config(toml_path, run[1])
+        if hf_config is not None or "flavor" in model:
+            if hf_config is not None:  # started from Hugging Face weights: their shape, not model.flavor
+                args = _needs_adapter(adapter, toml_path.parent).args_from_hf_config(hf_config)
+            else:
+                args = get_model_args(model_name, model["flavor"])
+            args = run_args(args, run[1])  # model.shape, [mup]
             if mtp_layers := run[1].get("mtp", {}).get("layers"):  # the run's prediction depths are in its weights
                 args = dataclasses.replace(args, n_mtp_layers=int(mtp_layers))
-            return args, {}, folder
+            return args, hf_config or {}, folder
     raise ConfigError(
         f"cannot tell the model shape of {src}; pass --flavor NAME or put the model's config.json beside it"
     )
+
+
+def _run_hf_config(toml_path: Path, run: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json of the Hugging Face weights a run started from (its `hf_config.json`, else the source's
+    own), or None for a run that did not start from Hugging Face weights."""
+    ckpt = run.get("checkpoint", {})
+    source = ckpt.get("initial_load_path")
+    if not (ckpt.get("initial_load_in_hf") and source):
+        return None
+    kept = toml_path.parent / HF_RUN_CONFIG
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    try:  # a run from before hf_config.json was kept
+        return read_hf_config(resolve_hf_source(source))
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{toml_path} started from the Hugging Face weights in {source}, whose config.json cannot be read "
+            f"({err}); put it in the run folder as {HF_RUN_CONFIG}, or pass --flavor NAME"
+        ) from None
 
 
 def hf_mtp_layers(src: Path, args: Any, config: dict[str, Any]) -> Any:

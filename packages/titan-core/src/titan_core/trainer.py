@@ -28,6 +28,7 @@ from titan_core.checkpointing import (
     hf_checkpoint_hooks,
 )
 from titan_core.config import JobConfig, dump_toml
+from titan_core.convert import HF_RUN_CONFIG
 from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
 from titan_core.ema import WeightEMA
@@ -441,11 +442,18 @@ class Trainer:
             )
 
     def _write_config(self) -> None:
-        """Rank 0 writes the resolved config as the run folder's `config.toml`, whole or not at all."""
-        if self.rank == 0:
-            staged = self.run_folder / "config.toml.tmp"
-            staged.write_text(dump_toml(self.cfg))
-            staged.replace(self.run_folder / "config.toml")
+        """Rank 0 writes the resolved config as the run folder's `config.toml`, whole or not at all; a run started
+        from Hugging Face weights also keeps their `config.json` (as `hf_config.json`): its shape is the model's,
+        which `titan convert` and `titan generate` read from the run folder."""
+        if self.rank != 0:
+            return
+        files = {"config.toml": dump_toml(self.cfg)}
+        if self.job.hf_source is not None:
+            files[HF_RUN_CONFIG] = (Path(self.job.hf_source) / "config.json").read_text()
+        for name, text in files.items():
+            staged = self.run_folder / f"{name}.tmp"
+            staged.write_text(text)
+            staged.replace(self.run_folder / name)
 
     def train(self) -> list[float]:
         """Run `training.steps` steps; returns the global-average loss of each logged step."""

@@ -163,13 +163,10 @@ def _model_shape(d: Draft) -> None:
                 f"checkpoint.initial_load_in_hf: model.name={cfg.model.name!r} has no Hugging Face adapter; "
                 "load a DCP checkpoint instead"
             )
-        if cfg.model.shape:
-            raise ConfigError(
-                f"model.shape {cfg.model.shape}: the Hugging Face checkpoint in checkpoint.initial_load_path brings "
-                "its own shape; remove model.shape"
-            )
         d.hf_source = str(resolve_hf_source(ckpt.initial_load_path))
         args = d.spec.hf_adapter.args_from_hf_config(read_hf_config(d.hf_source))
+        if cfg.model.shape:  # settings that keep every weight's shape: RoPE, norm eps (a longer context)
+            args = _same_weights(d.spec, args, apply_shape(args, cfg.model.shape), cfg.model.shape)
         if vocab > args.vocab_size:
             raise ConfigError(
                 f"the tokenizer in model.hf_assets_path has {vocab} tokens but the checkpoint "
@@ -184,6 +181,23 @@ def _model_shape(d: Draft) -> None:
         args = dataclasses.replace(args, vocab_size=vocab)
     d.tokenizer_vocab_size = vocab
     d.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
+
+
+def _same_weights(spec: Any, args: Any, changed: Any, shape: list[str]) -> Any:
+    """`changed`, refused in one line where it changes a weight's shape from `args`' (a Hugging Face checkpoint's)."""
+    import torch
+
+    with torch.device("meta"):
+        before = {n: tuple(p.shape) for n, p in spec.build(args).state_dict().items()}
+        after = {n: tuple(p.shape) for n, p in spec.build(changed).state_dict().items()}
+    if before != after:
+        name = next((n for n in sorted(before.keys() | after.keys()) if before.get(n) != after.get(n)), "")
+        raise ConfigError(
+            f"model.shape {shape}: the Hugging Face checkpoint in checkpoint.initial_load_path brings its weights' "
+            f"shapes, which this changes ({name}: {before.get(name)} -> {after.get(name)}); keep to settings that "
+            "leave every weight as it is (rope_theta, rope_scaling.*, norm_eps, max_seq_len)"
+        )
+    return changed
 
 
 def _moe(d: Draft) -> None:
