@@ -77,8 +77,9 @@ def test_a_run_from_hf_weights_changes_rope_converts_and_samples_from_its_folder
     source.save_pretrained(src, safe_serialization=True)
     run = tmp_path / "longer"
     rope = "rope_theta=1000000,rope_scaling.factor=4,rope_scaling.original_max_position_embeddings=16"
-    run_titan(run, *COMMON, "--training.steps", "2", "--checkpoint.interval", "2",
-              "--checkpoint.initial_load_path", str(src), "--model.shape", rope)  # fmt: skip
+    proc = run_titan(run, *COMMON, "--training.steps", "2", "--checkpoint.interval", "2",
+                     "--checkpoint.initial_load_path", str(src), "--model.shape", rope)  # fmt: skip
+    assert f"model llama3 from the Hugging Face weights in {src} with rope_theta=1000000," in proc.stdout + proc.stderr
     # Step 1 is transformers' loss with the same RoPE settings on the source's weights (4.8e-3 from the source's own).
     scaled = json.loads((src / "config.json").read_text())
     scaled.pop("rope_parameters", None)  # newer transformers write RoPE here; its older keys are still read

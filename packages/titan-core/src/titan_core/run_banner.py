@@ -43,9 +43,11 @@ def run_banner(job: Job) -> str:
     elif cfg.validation.enable:
         data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path, held_out=True)}"
     shape = f" with {', '.join(cfg.model.shape)}" if cfg.model.shape else ""
+    # A checkpoint in Hugging Face format brings its own shape (model.flavor is not used)
+    origin = f" from the Hugging Face weights in {job.hf_source}" if job.hf_source else f"/{cfg.model.flavor}"
     tokenizer = f"tokenizer {cfg.model.hf_assets_path}" if cfg.model.hf_assets_path else "byte tokenizer"
     parts = [
-        f"model {cfg.model.name}/{cfg.model.flavor}{shape} ({n_params / 1e6:.1f}M params{active})",
+        f"model {cfg.model.name}{origin}{shape} ({n_params / 1e6:.1f}M params{active})",
         f"{data}, {tokenizer}",
         _describe_batch(job),
         _describe_compute(job),
