@@ -55,6 +55,8 @@ def test_moe_matches_a_token_by_token_reference(score_func):
         out = moe(x)
         ref = _reference(moe, x.view(-1, 16)).view(2, 9, 16)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    assert moe.tokens_per_expert.sum().item() == 0  # a forward under no_grad is not training load
+    moe(x)
     assert moe.tokens_per_expert.sum().item() == 2 * 9 * ARGS.top_k  # dropless: every slot counted
 
 

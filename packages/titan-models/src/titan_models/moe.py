@@ -303,7 +303,8 @@ class MoE(nn.Module):
     `tokens_per_expert` `(experts,)`, the token slots each expert received since the trainer
     last read it, and `aux_losses` `(2,)`, the weighted balance loss and router z-loss of the training
     forwards since then, each times `aux_loss_scale` (so over one step, the step's mean); neither persistent.
-    An activation-checkpointing recompute (a forward run again inside the backward) adds to neither.
+    Only training forwards count: a forward under `no_grad` adds to neither, nor does an activation-checkpointing
+    recompute (a forward run again inside the backward).
 
     `aux_loss_scale` multiplies the auxiliary losses' gradient (the balance loss and the router z-loss): the
     trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
@@ -346,7 +347,9 @@ class MoE(nn.Module):
         counts = slots.new_zeros(self.args.num_experts).scatter_add_(
             0, slots, torch.ones_like(slots)
         )  # (experts,) int64
-        first_run = not _recomputing()  # an activation-checkpointing recompute: its tokens were counted already
+        # A training forward's first run: not under no_grad (validation, decoding, the shape inference torch 2.11's
+        # pipeline stages run on zeros at their first step), not activation checkpointing's recompute.
+        first_run = torch.is_grad_enabled() and not _recomputing()
         if first_run:
             with torch.no_grad():
                 self.tokens_per_expert += counts
