@@ -325,6 +325,9 @@ DENSE_ROWS = {  # row -> (nproc, arguments)
                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     "llama_cp": (2, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
                      "--parallelism.context_parallel_method", "ulysses"]),
+    # 2 stages x FSDP 2: the embedding's copies kept equal per FSDP shard (two pairs of ranks)
+    "llama_ppfsdp": (4, ["--training.local_batch_size", "2", "--parallelism.pipeline_parallel_degree", "2",
+                         "--parallelism.data_parallel_shard_degree", "2"]),
     # Tied embeddings: the last stage's embedding copy (for the depths) is also its output
     "qwen3tied_reference": (1, [*QWEN3_TIED, "--checkpoint.enable", "--checkpoint.interval", "4"]),
     "qwen3tied_pp": (2, [*QWEN3_TIED, "--parallelism.pipeline_parallel_degree", "2", "--checkpoint.enable",
@@ -335,13 +338,13 @@ DENSE_ROWS = {  # row -> (nproc, arguments)
 @pytest.fixture(scope="module")
 def dense_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mtp_dense")
-    for nproc in (1, 2):
+    for nproc in (1, 2, 4):
         run_titan_all({root / row: [*DENSE_RUN, *a] for row, (n, a) in DENSE_ROWS.items() if n == nproc}, nproc=nproc)
     return root
 
 
 def test_llama_and_qwen3_train_depths_on_every_layout_as_one_process(dense_runs):
-    for row in ("llama_fsdp", "llama_tp", "qwen3_tp", "llama_pp", "llama_cp", "qwen3tied_pp"):
+    for row in ("llama_fsdp", "llama_tp", "qwen3_tp", "llama_pp", "llama_cp", "llama_ppfsdp", "qwen3tied_pp"):
         reference = read_metrics(dense_runs / f"{row.split('_')[0]}_reference")
         records = read_metrics(dense_runs / row)
         assert len(records) == len(reference) == 4
