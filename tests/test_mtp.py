@@ -181,6 +181,22 @@ def test_the_memory_estimate_measures_a_depth_as_autograd_runs_it():
         assert gap == pytest.approx(2 * args.dim * 4, abs=0.02 * figures.block_backward), (bs, gap)
 
 
+def test_the_traced_and_measured_estimates_run_the_depths_and_agree():
+    # Both used to fail on a job with depths: MemTracker refused the fused loss's head, called once per depth
+    # ("multiple iterative calls"); then the measured tier extrapolated its runs' blocks, depths included, to the
+    # main blocks only (2 depths: 95 MiB instead of 282 MiB). Now the 8-block line meets the traced figure.
+    from titan_core.memory.measured import estimate_measured
+    from titan_core.memory.traced import estimate_traced
+
+    cfg = load_config(None, ["--mtp.layers", "2", "--training.local_batch_size", "2", "--training.seq_len", "128",
+                             "--training.mixed_precision_param", "float32"])  # fmt: skip
+    traced, measured = estimate_traced(cfg, 1, device_type="cpu"), estimate_measured(cfg, 1)
+    assert measured.peak == pytest.approx(traced.peak, rel=0.01), (measured.peak, traced.peak)
+    no_depths = estimate_traced(load_config(None, ["--training.local_batch_size", "2", "--training.seq_len", "128",
+                                                   "--training.mixed_precision_param", "float32"]), 1, device_type="cpu")
+    assert traced.peak > no_depths.peak  # fmt: skip
+
+
 def test_the_job_check_refuses_what_cannot_run_it():
     base = ["--model.name", "deepseek_v3", "--mtp.layers", "1"]
     assert resolve(load_config(None, base), 2).model_args.n_mtp_layers == 1

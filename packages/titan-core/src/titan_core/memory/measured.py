@@ -81,12 +81,13 @@ def host_device(cfg: JobConfig) -> str:
 
 
 def blocks_per_pp_rank(job: Job) -> list[int]:
-    """The blocks each pipeline rank holds in `job` (one entry without pipeline parallel)."""
+    """The blocks each pipeline rank holds in `job` (one entry without pipeline parallel), multi-token-prediction
+    depths included: a measured run counts the entries of its blocks container, depths among them."""
     from titan_parallel.pipeline_layout import stage_indices
 
     assert job.dims is not None, "a job resolved for a world size has its degrees"
     if job.names_per_stage is None:
-        return [job.model_args.n_layers]
+        return [job.model_args.n_layers + getattr(job.model_args, "n_mtp_layers", 0)]
     prefix = job.spec.plan.blocks + "."
     per_stage = [sum(name.startswith(prefix) for name in names) for names in job.names_per_stage]
     schedule, pp = job.cfg.parallelism.pipeline_parallel_schedule, job.dims.pp

@@ -189,16 +189,22 @@ def peak_tracker():
 def allow_repeated_forwards(tracker, roots) -> None:
     """Let `tracker` see a model part's forward more than once per step (gradient-accumulation micro-batches).
 
-    `MemTracker` keeps per-module statistics and refuses a second forward of a root module
+    `MemTracker` keeps per-module statistics and refuses a second forward of a top-level module
     ("multiple iterative calls"); the trace needs only its global peak, so the module
-    statistics are cleared whenever a root module starts its forward again.
+    statistics are cleared whenever a root module starts its forward again, and a top-level module's
+    own when it is called again within a step (the fused loss's head, per multi-token-prediction depth).
     """
     roots = {id(module) for module in roots}
     track = tracker._pre_fw_hook
 
     def pre_forward(module, inputs):
-        if id(module) in roots and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
-            tracker.reset_mod_stats()
+        if module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            if id(module) in roots:
+                tracker.reset_mod_stats()
+            elif set(tracker._mod_tracker.parents) - {tracker._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                # Another top-level module called again in the step: the fused loss's output projection, once for
+                # the main rows and once per multi-token-prediction depth. Its own statistics start over.
+                del tracker.memory_tracking[module]
         track(module, inputs)
 
     tracker._pre_fw_hook = pre_forward  # read when the tracker is entered and registers its hooks
