@@ -20,12 +20,18 @@ __all__ = ["apply_shape", "apply_mup", "run_args"]
 _SCALARS = (bool, int, float, str)
 
 
+def _single_type(annotation: Any) -> Any:
+    """`T` of an annotation `T` or `T | None`; None for a union of several types."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    if not options:
+        return annotation
+    kinds = [t for t in options if t is not type(None)]
+    return kinds[0] if len(kinds) == 1 else None
+
+
 def _field_type(annotation: Any) -> type | None:
     """The scalar type of a field annotated `T` or `T | None`; None for anything else (a nested dataclass)."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
-    if options:
-        kinds = [t for t in options if t is not type(None)]
-        annotation = kinds[0] if len(kinds) == 1 else None
+    annotation = _single_type(annotation)
     return annotation if annotation in _SCALARS else None
 
 
@@ -105,10 +111,7 @@ def _nested_type(args: Any, field: str) -> type | None:
     hints = typing.get_type_hints(type(args))
     if field not in hints:
         return None
-    annotation = hints[field]
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
-    kinds = [t for t in options if t is not type(None)] if options else [annotation]
-    kind = kinds[0] if len(kinds) == 1 else None
+    kind = _single_type(hints[field])
     return kind if isinstance(kind, type) and dataclasses.is_dataclass(kind) else None
 
 
