@@ -5,13 +5,9 @@ HSDP against one process."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
-from titan_run import FORK_RUN, REPO, TINY, losses, run_titan_all, titan_env
-import warm_python
+from titan_run import REPO, TINY, losses, run_json_worker, run_titan_all
 
 WORKER = REPO / "tests" / "workers" / "grad_sync_worker.py"
 TOL = 1e-5
@@ -19,11 +15,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("grad_sync") / "result.json"
-    cmd = [sys.executable, str(FORK_RUN), "4", str(WORKER), str(out)]
-    proc = warm_python.run(cmd, cwd=REPO, env=titan_env(debug_detail=False), timeout=600)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return run_json_worker(WORKER, 4, tmp_path_factory.mktemp("grad_sync") / "result.json")
 
 
 def check(ranks: list[dict]) -> list[dict]:

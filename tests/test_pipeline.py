@@ -8,9 +8,6 @@ pipeline replicas of 2 ranks each), pp=4 for three schedules, pp=2 x FSDP 2 for 
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 import torch
 
@@ -26,8 +23,7 @@ from titan_parallel.pipeline_layout import (
     stage_module_names,
 )
 
-from titan_run import FORK_RUN, REPO, titan_env
-import warm_python
+from titan_run import REPO, run_json_worker
 
 WORKER = REPO / "tests" / "workers" / "pp_worker.py"
 TOL = 1e-5
@@ -279,11 +275,7 @@ def test_a_plain_loss_is_left_as_it_is():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Launch the worker once on 4 processes; its per-case, per-rank results."""
-    out = tmp_path_factory.mktemp("pp") / "result.json"
-    cmd = [sys.executable, str(FORK_RUN), "4", str(WORKER), str(out)]
-    proc = warm_python.run(cmd, cwd=REPO, env=titan_env(debug_detail=False), timeout=600)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return run_json_worker(WORKER, 4, tmp_path_factory.mktemp("pp") / "result.json")
 
 
 def expected_stages(schedule: str, pp: int, pp_rank: int) -> list[int]:

@@ -148,3 +148,12 @@ def autograd_saved_bytes(model, run) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return sum(saved.values())
+
+
+def run_json_worker(worker: Path, nproc: int, out: Path, timeout: float = 600) -> dict:
+    """Launch `worker OUT` on `nproc` forked ranks (gloo, no DETAIL: DDP segfaults under it) and return the JSON it
+    wrote to `out` (rank 0's results); fails the test with the ranks' output when it does not finish."""
+    cmd = [sys.executable, str(FORK_RUN), str(nproc), str(worker), str(out)]
+    proc = warm_python.run(cmd, cwd=REPO, env=titan_env(debug_detail=False), timeout=timeout)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
