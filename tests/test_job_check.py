@@ -164,6 +164,9 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
         (FT_ON + ["--model.name", "deepseek_v3"], ["MoE expert biases", "fault_tolerance.enable"]),
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
+        (["--fault_tolerance.semi_sync_method", "diloco"], ["semi_sync_method = 'diloco'", "fault_tolerance.enable"]),
+        (FT_ON + ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.outer_momentum", "0.5"],
+         ["fault_tolerance.outer_momentum is DiLoCo's", "semi_sync_method = 'diloco'"]),
         # The TP ranks joining expert parallel (etp=1) need an ep that spans them.
         (["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"],

@@ -230,6 +230,23 @@ def test_torchft_replica_groups_add_the_flat_gradient_copy():
     assert traced.tier == "analytic" and "fault_tolerance.enable" in traced.notes[0]
 
 
+def test_diloco_adds_its_anchors_and_outer_momentum_and_no_gradient_copy():
+    """DiLoCo (`fault_tolerance.semi_sync_method`) keeps the last sync's weights and the outer momentum, two fp32
+    copies of the rank's parameters (local SGD: one, no momentum), and averages no gradients each step: its sync
+    writes the pseudo-gradients into one flat buffer after the inner gradients are freed (titan_core.diloco)."""
+    base = ["--model.flavor", "debugmodel", "--training.local_batch_size", "1", "--training.seq_len", "64"]
+    ft = [*base, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+    ft += ["--fault_tolerance.lighthouse", "http://localhost:29510"]
+    plain = estimate_analytic(load_config(None, base), 1, device_type="cpu").ranks[0]
+    for method, copies in (("diloco", 2), ("local_sgd", 1)):
+        cfg = load_config(None, [*ft, "--fault_tolerance.semi_sync_method", method])
+        rank = estimate_analytic(cfg, 1, device_type="cpu").ranks[0]
+        weights = plain.gradients  # fp32 gradients: 4 bytes per parameter, as the copies (buffers aside)
+        assert rank.parameters == plain.parameters + copies * weights, method
+        assert rank.total == plain.total + copies * weights, method  # the step's peak moment is unchanged
+        assert "peak_moment_replica_all-reduce" not in rank.detail
+
+
 def test_the_table_says_which_moment_of_the_step_holds_the_peak():
     """A long sequence on FSDP 8 peaks in the backward, before FSDP's gradient shards exist (the table's 0 gradients
     is that moment's, not a missing term); 16 tokens on one rank peak at the optimizer step, every gradient alive;

@@ -48,14 +48,14 @@ def wait_for(condition, what: str, timeout: float = 90, poll: float = 0.02):
 class Group:
     """One replica group: `titan train` on one process, and its metrics.jsonl records with arrival times."""
 
-    def __init__(self, tmp: Path, name: str, replica_id: int, lighthouse: str):
+    def __init__(self, tmp: Path, name: str, replica_id: int, lighthouse: str, *extra: str):
         self.folder, self.log = tmp / name, tmp / f"{name}.log"
         self.proc = start([sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(self.folder), *TINY,
                            "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", str(INTERVAL),
                            "--checkpoint.keep_latest_k", "0", "--fault_tolerance.enable", "true",
                            "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica_id),
                            "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_seconds", "5",
-                           "--fault_tolerance.quorum_timeout_seconds", "30"], self.log)
+                           "--fault_tolerance.quorum_timeout_seconds", "30", *extra], self.log)
         self.records: list[tuple[float, dict]] = []  # (time.monotonic() when seen, record)
 
     def poll(self) -> list[tuple[float, dict]]:

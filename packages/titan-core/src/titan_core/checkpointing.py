@@ -269,6 +269,7 @@ def build_checkpointer(
     load_model_fn: LoadModelFn | None = None,
     save_model_fn: SaveModelFn | None = None,
     ema: TensorStateful | None = None,
+    diloco: TensorStateful | None = None,
 ) -> RunCheckpointer:
     """Build the run's checkpoint manager (disabled: it does nothing); each load puts the config's optimizer
     settings back (`RunCheckpointer`).
@@ -287,6 +288,8 @@ def build_checkpointer(
             see `hf_checkpoint_hooks`).
         save_model_fn: writes the last save in Hugging Face format (`checkpoint.last_save_in_hf`).
         ema: the moving average of the weights (`[ema]`), saved as the tensor state "ema"; None without one.
+        diloco: DiLoCo's anchors and outer momentum (`fault_tolerance.semi_sync_method`), the tensor state
+            "diloco"; None without it.
 
     The rules across the `checkpoint` keys are checked with the whole job (`titan_core.job`).
     """
@@ -304,7 +307,7 @@ def build_checkpointer(
         model_parts=model_parts,
         optimizers=optimizers,
         states={"lr_scheduler": SchedulersState(lr_schedulers), "dataloader": dataloader, "train_state": train_state},
-        tensor_states={"ema": ema} if ema is not None else None,
+        tensor_states={name: s for name, s in (("ema", ema), ("diloco", diloco)) if s is not None},
         device=device,
         options=options,
         load_model_fn=load_model_fn,

@@ -18,6 +18,10 @@ all-reduce hook): the step runner owns zero_grad and the optimizer step for ever
 (`titan_core.step`), and the commit vote must also gate the LR schedule and float8's
 after-step; one flat all-reduce of the local gradient shards after backward works the
 same under FSDP, DDP and one process. `docs/fault_tolerance.md` has the how-to.
+
+With `semi_sync_method` (DiLoCo, local SGD: `titan_core.diloco`) the groups meet every `sync_steps` steps instead:
+a synchronous quorum (`quorum`, where a group behind heals), one all-reduce of the weights' change (`average`) and
+the same commit vote.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class FaultToleranceOptions:
         lighthouse: the lighthouse's address; "" reads $TORCHFT_LIGHTHOUSE.
         timeout_s: cross-group all-reduce, commit vote and recovery timeout.
         quorum_timeout_s: how long the quorum waits for min_replica_size groups.
+        semi_sync: the groups meet every few steps (DiLoCo), not every step: synchronous quorums.
     """
 
     replica_id: int
@@ -73,6 +78,7 @@ class FaultToleranceOptions:
     lighthouse: str
     timeout_s: float
     quorum_timeout_s: float
+    semi_sync: bool = False
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,7 +119,7 @@ class ReplicaGroups:
             load_state_dict=None,
             state_dict=None,
             min_replica_size=options.min_replica_size,
-            use_async_quorum=True,
+            use_async_quorum=not options.semi_sync,  # DiLoCo heals at the quorum, before it reads the weights
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
             rank=rank,
@@ -231,29 +237,68 @@ class ReplicaGroups:
         """Start this step's quorum (in torchft's background thread; recovery, if due, starts there too)."""
         self.manager.start_quorum()
 
+    def add_state(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Send `tensors` (live, updated in place) to a recovering group too, which copies them into its own.
+
+        Args:
+            name: the state's name, the same in every group.
+            tensors: local tensors by key, the same keys and shapes in every group.
+        """
+
+        def load_state_dict(state: dict[str, torch.Tensor]) -> None:
+            with torch.no_grad():
+                for key, tensor in tensors.items():
+                    tensor.copy_(state[key])
+
+        self.manager.register_state_dict_fn(name, load_state_dict, lambda: tensors)
+
+    def quorum(self, done_steps: int) -> None:
+        """A synchronous quorum (`semi_sync`) after `done_steps` steps: a group behind its peers heals here.
+
+        Args:
+            done_steps: the steps this group has finished; torchft heals the groups whose count is below the
+                highest in the quorum.
+        """
+        self.manager.load_state_dict({"step": done_steps, "batches_committed": self.manager.batches_committed()})
+        self.manager.start_quorum()
+
     @torch.no_grad()
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
         """Average this rank's gradients (its local shards) across the live groups, in place.
 
-        One all-reduce per dtype and device. A group that is recovering sends zeros and receives the
-        others' average; after an error the gradients may be garbage, and `commit` then votes no.
+        A group that is recovering sends zeros and receives the others' average; after an error the
+        gradients may be garbage, and `commit` then votes no.
 
         Args:
             params: the model's parameters; those without a gradient are skipped (the same on every group).
         """
+        self.average([_local(p.grad) for p in params if p.grad is not None])
+
+    @torch.no_grad()
+    def average(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Average local tensors across the live groups, in place: one all-reduce per dtype and device.
+
+        Args:
+            tensors: the same list, in the same order, in every group.
+        """
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                grad = _local(p.grad)
-                buckets.setdefault((grad.dtype, grad.device), []).append(grad)
-        pending = []
-        for grads in buckets.values():
-            flat = _flatten_dense_tensors(grads)
-            pending.append((grads, flat, self.manager.allreduce(flat)))
-        for grads, flat, work in pending:
-            work.wait()
+        for tensor in tensors:
+            buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        flats = [_flatten_dense_tensors(grads) for grads in buckets.values()]
+        self.average_flat(flats)
+        for grads, flat in zip(buckets.values(), flats, strict=True):
             for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(averaged)
+
+    @torch.no_grad()
+    def average_flat(self, flats: Sequence[torch.Tensor]) -> None:
+        """Average flat buffers across the live groups, in place: all-reduces started together, then waited for.
+
+        Args:
+            flats: the same buffers (dtype, length, order) in every group.
+        """
+        for work in [self.manager.allreduce(flat) for flat in flats]:
+            work.wait()
 
     def commit(self) -> bool:
         """torchft's commit vote for this step (a peer's recovered state is applied first); True: step the optimizer.
@@ -270,11 +315,21 @@ class ReplicaGroups:
                     "LR schedule, step): no checkpoint read",
                     self.recovered_step,
                 )
-            if not committed:
+            if not committed and self.options.semi_sync:
+                logger.warning(
+                    "fault tolerance: the sync after step %d was dropped by the commit vote; the weights go back to "
+                    "the last sync's",
+                    step,
+                )
+            elif not committed:
                 logger.warning("fault tolerance: step %d dropped by the commit vote; it runs again", step)
             elif groups != self._groups_seen:
                 logger.info(
-                    "fault tolerance: step %d trains on %d of %d replica groups", step, groups, self.options.group_size
+                    "fault tolerance: step %d %s %d of %d replica groups",
+                    step,
+                    "syncs" if self.options.semi_sync else "trains on",
+                    groups,
+                    self.options.group_size,
                 )
         self.recovered_step = None
         if committed:
@@ -284,8 +339,10 @@ class ReplicaGroups:
         return committed
 
     def metrics(self) -> dict[str, int]:
-        """`ft/replica_groups` (in the last quorum) and `ft/dropped_steps` (so far), host ints."""
-        return {"ft/replica_groups": self.manager.num_participants(), "ft/dropped_steps": self.dropped_steps}
+        """`ft/replica_groups` (in the last quorum; 0 before a semi-sync run's first sync) and `ft/dropped_steps`
+        (`ft/dropped_syncs` with `semi_sync`) so far, host ints."""
+        dropped = "ft/dropped_syncs" if self.options.semi_sync else "ft/dropped_steps"
+        return {"ft/replica_groups": self.manager.num_participants(), dropped: self.dropped_steps}
 
     def close(self) -> None:
         """Leave the quorum: stop torchft's manager server and checkpoint server."""
@@ -309,5 +366,6 @@ def build_replica_groups(section: Any, *, rank: int, world_size: int) -> Replica
         lighthouse=section.lighthouse,
         timeout_s=section.timeout_seconds,
         quorum_timeout_s=section.quorum_timeout_seconds,
+        semi_sync=section.semi_sync_method != "none",
     )
     return ReplicaGroups(options, rank=rank, world_size=world_size)

@@ -16,6 +16,8 @@ process and for TP x PP x FSDP x CP on many GPUs:
     [fault_tolerance] torchft's commit vote: a dropped step ends here (no update, no LR step)
     the optimizer step, dropped on the device when `found_inf` is set; the LR schedule;
     the MoE expert biases; float8's gathered-weight scales
+    [fault_tolerance] with `semi_sync_method` (DiLoCo), every `sync_steps` steps instead of the per-step
+        average and vote: the groups' outer step on their weights (`titan_core.diloco`)
 
 The loss is normalised in exactly one place, `StepLoss`: each micro-batch's mean
 token loss is divided by the number of equal micro-batches this rank runs in the
@@ -70,6 +72,7 @@ from titan_parallel.linear_cross_entropy import hidden_states_out
 from titan_parallel.precision import mixed_precision_context
 
 if TYPE_CHECKING:
+    from titan_core.diloco import DiLoCo
     from titan_core.ema import WeightEMA
     from titan_core.fault_tolerance import ReplicaGroups
     from titan_core.model_setup import ModelParts
@@ -259,6 +262,8 @@ class StepRunner:
             with the guard's verdict (a dropped update leaves it unchanged); None without one.
         reduce_every_microbatch: FSDP reduce-scatters each accumulated micro-batch's gradients; False: once per
             step (`titan_parallel.set_gradient_sync`). DDP's and HSDP's all-reduces run once per step either way.
+        outer: DiLoCo's outer loop across the replica groups (`titan_core.diloco.DiLoCo`), run after the inner
+            optimizer step of every `sync_steps`-th step; None otherwise (then `replicas` syncs every step).
     """
 
     def __init__(
@@ -280,8 +285,10 @@ class StepRunner:
         documents: tuple[int, int] | None = None,
         ema: WeightEMA | None = None,
         reduce_every_microbatch: bool = True,
+        outer: DiLoCo | None = None,
     ):
         self.reduce_every_microbatch = reduce_every_microbatch
+        self.outer = outer
         self.model, self.optimizers, self.lr_schedulers = model, list(optimizers), list(lr_schedulers)
         self.loss, self.mesh, self.device = loss, mesh, device
         # FSDP or the compute copies cast to the compute dtype, else autocast
@@ -446,6 +453,12 @@ class StepRunner:
             self._optimizer_step(None, divisor)
             if self.ema is not None:
                 self.ema.update(step=step)
+        if self.outer is not None and self.outer.due(step):  # DiLoCo: the groups' outer step on the weights
+            for optimizer in self.optimizers:  # the inner gradients are spent: their memory holds the sync's
+                optimizer.zero_grad(set_to_none=True)
+            self.outer.sync(step)
+            if self.after_step is not None:  # float8's scales follow the new weights
+                self.after_step()
         lr = float(self.lr_schedulers[0].get_last_lr()[0]) if self.lr_schedulers else None  # before it moves on
         self.lr_step()  # the schedule follows the step counter, dropped steps included
         z_terms = self.loss.z_terms  # one per loss call: the step's mean, as `total` is over its micro-batches

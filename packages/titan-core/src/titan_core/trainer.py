@@ -30,6 +30,7 @@ from titan_core.checkpointing import (
 from titan_core.config import JobConfig, dump_toml
 from titan_core.convert import HF_RUN_CONFIG
 from titan_core.data import build_loader, build_tokenizer, loader_factory
+from titan_core.diloco import build_diloco
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
 from titan_core.ema import WeightEMA
 from titan_core.fault_tolerance import build_replica_groups
@@ -197,6 +198,7 @@ class Trainer:
         self.ema = WeightEMA(self.model.parts, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enable else None  # [ema]
         if self.replicas is not None:  # what a restarted group recovers live from a peer
             self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
+        self.outer = build_diloco(cfg.fault_tolerance, self.model.parts, self.replicas)  # semi_sync_method
         # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
         # (titan_core.checkpointing)
         self.checkpointer = build_checkpointer(
@@ -209,6 +211,7 @@ class Trainer:
             device=self.device,
             **hf_checkpoint_hooks(cfg.checkpoint, cfg.model, self.model_args, job.hf_source, rank=self.rank),
             ema=self.ema,
+            diloco=self.outer,
         )
         # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
         self.balancer = ExpertLoadBalancer(
@@ -232,7 +235,8 @@ class Trainer:
             attention_backends=attention,
             balancer=self.balancer,
             after_step=self._float8_after_step(),
-            replicas=self.replicas,
+            replicas=self.replicas if self.outer is None else None,  # DiLoCo syncs every sync_steps instead
+            outer=self.outer,
             documents=documents if cfg.model.attn_mask_type == "block_causal" else None,
             ema=self.ema,
             reduce_every_microbatch=cfg.parallelism.fsdp_reduce_every_microbatch,
@@ -477,6 +481,8 @@ class Trainer:
             raise told from e
         if self.ema is not None and not self.ema.loaded:  # [ema] from the weights training starts from
             self.ema.restart()
+        if self.outer is not None and not self.outer.loaded:  # DiLoCo anchors at the weights training starts from
+            self.outer.restart()
         self._write_config()  # after the load: a start that cannot resume this folder leaves its run's config
         if resumed and self.state.step >= t.steps and self.rank == 0:
             logger.warning(

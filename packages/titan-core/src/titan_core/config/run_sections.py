@@ -1,7 +1,9 @@
 """The config sections of what runs beside the training step: metrics, profiling, the comm watch, debug
 switches, validation, downstream evals and torchft fault tolerance. `JobConfig` (`schema.py`) holds them."""
 
-from titan_core.config.section import NonNegativeInt, PositiveFloat, PositiveInt, Section
+from typing import Literal
+
+from titan_core.config.section import NonNegativeInt, PositiveFloat, PositiveInt, Section, UnitFraction
 
 
 class Metrics(Section):
@@ -113,7 +115,7 @@ class FaultTolerance(Section):
     """torchft replica groups: data parallel across jobs that fail and rejoin alone (docs/fault_tolerance.md)."""
 
     enable: bool = False
-    """This job is one torchft replica group; its gradients are averaged with the other groups' each step."""
+    """This job is one torchft replica group; it trains with the other groups (semi_sync_method says how)."""
     replica_id: NonNegativeInt = 0
     """This group's number, 0 .. group_size - 1: its slice of the data and its name at the lighthouse."""
     group_size: PositiveInt = 1
@@ -126,3 +128,11 @@ class FaultTolerance(Section):
     """Cross-group all-reduce, commit vote and live recovery give up after this; the step is then retried."""
     quorum_timeout_seconds: PositiveFloat = 60.0
     """How long a group waits at the quorum for min_replica_size groups before it fails."""
+    semi_sync_method: Literal["none", "diloco", "local_sgd"] = "none"
+    """'none': gradients averaged each step; 'diloco': an outer Nesterov step each sync_steps; 'local_sgd': mean."""
+    sync_steps: PositiveInt = 100
+    """With semi_sync_method: inner steps each group takes alone between two synchronisations (DiLoCo's H)."""
+    outer_lr: PositiveFloat = 0.7
+    """DiLoCo's outer learning rate: the outer SGD's step on the groups' mean weight change (the paper's 0.7)."""
+    outer_momentum: UnitFraction = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9); 0 for plain SGD."""

@@ -26,7 +26,18 @@ def fault_tolerance(d: Draft) -> None:
     average of the weights)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
+        if ft.semi_sync_method != "none":
+            raise ConfigError(
+                f"fault_tolerance.semi_sync_method = '{ft.semi_sync_method}' synchronises torchft replica groups: "
+                "set fault_tolerance.enable = true (with its group_size, replica_id and lighthouse)"
+            )
         return
+    if ft.semi_sync_method == "local_sgd":
+        for key in sorted({"outer_lr", "outer_momentum"} & ft.model_fields_set):
+            raise ConfigError(
+                f"fault_tolerance.{key} is DiLoCo's; semi_sync_method = 'local_sgd' averages the weights (outer lr 1, "
+                "no momentum): set semi_sync_method = 'diloco' or leave it unset"
+            )
     from titan_core.fault_tolerance import MISSING_TORCHFT
 
     if importlib.util.find_spec("torchft") is None:

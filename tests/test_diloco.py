@@ -1,0 +1,161 @@
+"""DiLoCo across torchft replica groups on gloo, with real processes (docs/fault_tolerance.md, "DiLoCo").
+
+Two replica groups of one process each train through `titan lighthouse` with `semi_sync_method = 'diloco'`,
+syncing every 2 steps. Against the paper's outer step computed here from the groups' own weights:
+
+    delta = mean over groups (anchor - weights after 2 inner steps)     (a run that never syncs gives the weights)
+    anchor' = anchor - outer_lr * (delta + momentum * delta)           (torch's Nesterov SGD, first step)
+
+and bit-exact resume from a checkpoint between two syncs (anchors and outer momentum are in it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_loss_spike import dcp_tensors
+from test_torchft import INTERVAL, Group, start, wait_for
+from titan_run import TINY
+
+pytest.importorskip("torchft")
+
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def train_groups(tmp: Path, names: tuple[str, str], lighthouse: str, *args: str) -> list[Path]:
+    """Both replica groups of one run, side by side (2 groups, both needed for a sync); their folders."""
+    procs = []
+    for replica_id, name in enumerate(names):
+        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name), *TINY,
+               "--checkpoint.enable", "--checkpoint.keep_latest_k", "0", "--fault_tolerance.enable", "true",
+               "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
+               "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", lighthouse,
+               "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.outer_lr", str(OUTER_LR),
+               "--fault_tolerance.outer_momentum", str(OUTER_MOMENTUM), *args]
+        procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
+    try:
+        for proc, log in procs:
+            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [tmp / name for name in names]
+
+
+def split(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` ("model." names the weights: the checkpoint's unprefixed keys)."""
+    if prefix == "model.":
+        return {k: v for k, v in tensors.items() if not k.startswith(("optimizer.", "diloco."))}
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        address = found.group(1)
+        synced = train_groups(tmp_path, ("a0", "a1"), address, "--fault_tolerance.sync_steps", "2",
+                              "--training.steps", "4", "--checkpoint.interval", "1")
+        alone = train_groups(tmp_path, ("b0", "b1"), address, "--fault_tolerance.sync_steps", "100",
+                             "--training.steps", "2", "--checkpoint.interval", "2")
+        logs = (tmp_path / "a0.log").read_text()
+        assert "step 2 syncs 2 of 2 replica groups" in logs, logs[-3000:]
+
+        saved = {(g, step): dcp_tensors(folder / f"checkpoint/step-{step}")
+                 for g, folder in enumerate(synced) for step in (1, 2, 3, 4)}
+        for step in (1, 2, 3, 4):  # the groups hold the same weights right after each sync, their own in between
+            ours, theirs = split(saved[0, step], "model."), split(saved[1, step], "model.")
+            assert ours.keys() == theirs.keys() and ours
+            same = all(torch.equal(ours[k], theirs[k]) for k in ours)
+            assert same == (step % 2 == 0), step
+            state = [split(saved[g, step], "diloco.") for g in (0, 1)]
+            assert all(torch.equal(state[0][k], state[1][k]) for k in state[0])  # anchors and momentum
+
+        start_weights = split(split(saved[0, 1], "diloco."), "anchor.")  # no sync yet: the initial weights
+        inner = [split(dcp_tensors(folder / "checkpoint/step-2"), "model.") for folder in alone]
+        model, state = split(saved[0, 2], "model."), split(saved[0, 2], "diloco.")
+        worst = 0.0
+        for name, start_weight in start_weights.items():
+            delta = ((start_weight - inner[0][name]) + (start_weight - inner[1][name])) / 2
+            expected = start_weight - OUTER_LR * (delta + OUTER_MOMENTUM * delta)
+            assert not torch.equal(inner[0][name], inner[1][name])  # each group trained on its own data
+            torch.testing.assert_close(state[f"momentum.{name}"], delta, rtol=0, atol=1e-7)
+            torch.testing.assert_close(model[name], expected, rtol=0, atol=1e-6)
+            assert torch.equal(state[f"anchor.{name}"], model[name])
+            worst = max(worst, (model[name] - expected).abs().max().item())
+        print(f"\nafter the first sync: max |weights - the paper's outer step| = {worst:.2e}")
+
+        # Resume both groups from step 3 (between syncs: weights apart from the anchors, momentum set).
+        resumed = []
+        for g, folder in enumerate(synced):
+            copy = tmp_path / f"r{g}"
+            shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("step-4", "metrics.jsonl"))
+            resumed.append(copy.name)
+        resumed_folders = train_groups(tmp_path, (resumed[0], resumed[1]), address, "--fault_tolerance.sync_steps",
+                                       "2", "--training.steps", "4", "--checkpoint.interval", "1")
+        for g, folder in enumerate(resumed_folders):
+            again = dcp_tensors(folder / "checkpoint/step-4")
+            assert again.keys() == saved[g, 4].keys()
+            different = [k for k in again if not torch.equal(again[k], saved[g, 4][k])]
+            assert not different, different
+            assert re.search(r"loaded \S+step-3 \(.*diloco", (tmp_path / f"r{g}.log").read_text())
+    finally:
+        if lighthouse.poll() is None:
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+            lighthouse.wait()
+
+
+def test_a_diloco_group_started_late_heals_from_its_peer_at_a_sync(tmp_path):
+    """Group 0 trains alone (syncing with itself every INTERVAL steps); group 1, started later in a fresh folder,
+    trains its first INTERVAL steps alone, then at its first sync takes group 0's weights, inner optimizer, anchors,
+    outer momentum and step live, and from then on both hold the same weights and DiLoCo state after each sync."""
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "1",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    groups: list[Group] = []
+    diloco = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(INTERVAL)]
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        address = found.group(1)
+        first = Group(tmp_path, "g0", 0, address, *diloco)
+        groups.append(first)
+        wait_for(lambda: len(first.poll()) >= 2 * INTERVAL, f"{2 * INTERVAL} steps of group 0 alone")
+        late = Group(tmp_path, "g1", 1, address, *diloco)
+        groups.append(late)
+        healed = wait_for(lambda: re.search(r"recovered step (\d+) live", late.log.read_text()), "the late group healed")
+        joined = int(healed.group(1)) + 1  # the sync it healed at
+        # Both save every INTERVAL steps (each a sync step): one both saved after the sync they took together.
+        common = wait_for(lambda: sorted(s for s in first.saved() & late.saved() if s > joined), "a common checkpoint")
+        for group in groups:
+            group.proc.send_signal(signal.SIGTERM)
+        for group in groups:
+            assert group.proc.wait(timeout=60) == 0, group.log.read_text()[-3000:]
+        assert "syncs 2 of 2 replica groups" in first.log.read_text()
+        late_steps = [json.loads(line)["step"] for line in (late.folder / "metrics.jsonl").read_text().splitlines()]
+        # its first INTERVAL - 1 steps alone; its first sync step is numbered as its peer's
+        assert late_steps[:INTERVAL] == [*range(1, INTERVAL), joined] and joined > INTERVAL
+
+        ours = dcp_tensors(first.folder / f"checkpoint/step-{common[0]}")
+        theirs = dcp_tensors(late.folder / f"checkpoint/step-{common[0]}")
+        compared = [k for k in ours if not k.startswith("optimizer.")]  # the inner optimizers are each group's own
+        assert ours.keys() == theirs.keys() and any(k.startswith("diloco.momentum.") for k in compared)
+        different = [k for k in compared if not torch.equal(ours[k], theirs[k])]
+        assert not different, different
+        print(f"\nthe late group healed at step {joined}; compared at step {common[0]}")
+    finally:
+        for proc in [g.proc for g in groups] + [lighthouse]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
