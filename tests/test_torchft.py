@@ -3,7 +3,8 @@
 Two replica groups of one process each train through `titan lighthouse`. Group 1 is SIGKILLed
 mid-run; group 0 goes on stepping alone without a restart. Group 1 starts again in a fresh
 folder (no checkpoint to read), recovers live from group 0, and from then on both groups
-hold the same weights and optimizer state, bit for bit (their checkpoints at a common step).
+hold the same weights, optimizer state and moving average (`[ema]`), bit for bit (their checkpoints at a common
+step).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def test_a_killed_replica_group_rejoins_live_and_matches_the_survivor(tmp_path):
         found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
                          "lighthouse address")
         address = found.group(1)
-        survivor, victim = Group(tmp_path, "g0", 0, address), Group(tmp_path, "g1", 1, address)
+        ema = ("--ema.enable", "true")  # a rejoining group recovers the moving average with the weights
+        survivor, victim = Group(tmp_path, "g0", 0, address, *ema), Group(tmp_path, "g1", 1, address, *ema)
         groups += [survivor, victim]
         wait_for(lambda: len([r for _, r in survivor.poll() if r["ft/replica_groups"] == 2]) >= 4, "4 steps of 2 groups")
         victim.poll()
@@ -96,7 +98,7 @@ def test_a_killed_replica_group_rejoins_live_and_matches_the_survivor(tmp_path):
         victim.proc.wait()
         fewer, _ = wait_for(lambda: survivor.first(1, after=killed), "a step with 1 group")
 
-        rejoiner = Group(tmp_path, "g1-restarted", 1, address)  # a fresh folder: there is no checkpoint to read
+        rejoiner = Group(tmp_path, "g1-restarted", 1, address, *ema)  # a fresh folder: there is no checkpoint to read
         groups.append(rejoiner)
         relaunched = time.monotonic()
         joined = wait_for(lambda: "joins the lighthouse" in rejoiner.log.read_text() and time.monotonic(),
@@ -122,6 +124,7 @@ def test_a_killed_replica_group_rejoins_live_and_matches_the_survivor(tmp_path):
         saved_dir = f"checkpoint/step-{step}"
         ours, theirs = dcp_tensors(survivor.folder / saved_dir), dcp_tensors(rejoiner.folder / saved_dir)
         assert ours.keys() == theirs.keys() and any(k.startswith("optimizer.") for k in ours)
+        assert any(k.startswith("ema.") for k in ours)
         different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
         assert not different, different
 

@@ -78,7 +78,7 @@ class DiLoCo:
                 self.outer.state[anchor]["momentum_buffer"] = _local(self.momentum[name])
         self.loaded = False  # whether a checkpoint's anchors were loaded (else they restart from the weights)
         # A group that heals from a peer takes its anchors and momentum too (local shards, as the weights).
-        replicas.add_state("diloco", {key: _local(value) for key, value in self.state_dict().items()})
+        replicas.add_state("diloco", self.state_dict())
 
     def due(self, step: int) -> bool:
         """Whether step `step` (1-based) ends with a synchronisation.

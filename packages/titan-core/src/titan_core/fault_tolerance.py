@@ -242,8 +242,9 @@ class ReplicaGroups:
 
         Args:
             name: the state's name, the same in every group.
-            tensors: local tensors by key, the same keys and shapes in every group.
+            tensors: tensors by key (DTensors: their local shards are sent), the same in every group.
         """
+        tensors = {key: _local(tensor) for key, tensor in tensors.items()}
 
         def load_state_dict(state: dict[str, torch.Tensor]) -> None:
             with torch.no_grad():

@@ -22,8 +22,7 @@ __all__ = ["fault_tolerance", "master_weights", "master_weights_config_blockers"
 
 def fault_tolerance(d: Draft) -> None:
     """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; no layout or policy that
-    would set one replica group apart from the others (pipeline stages, a rollback, MoE expert biases, a moving
-    average of the weights)."""
+    would set one replica group apart from the others (pipeline stages, a rollback, MoE expert biases)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
         if ft.semi_sync_method != "none":
@@ -61,11 +60,6 @@ def fault_tolerance(d: Draft) -> None:
         raise ConfigError(
             "fault_tolerance.enable does not support pipeline parallel (one commit vote over the stages' optimizers "
             "is not built); set parallelism.pipeline_parallel_degree = 1"
-        )
-    if d.cfg.ema.enable:
-        raise ConfigError(
-            "ema.enable with fault_tolerance.enable: a replica group that rejoins recovers the weights from a peer "
-            "but not their moving average; set ema.enable = false"
         )
     for key, skip in (("on_nonfinite", "skip_step"), ("on_loss_spike", "skip")):
         if getattr(d.cfg.training, key) == "rollback":
