@@ -197,6 +197,26 @@ def test_the_traced_and_measured_estimates_run_the_depths_and_agree():
     assert traced.peak > no_depths.peak  # fmt: skip
 
 
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_the_analytic_estimate_counts_each_depths_head_rows_as_the_trace_does(fused):
+    """Each depth's rows go through the output and the loss, whose saved bytes (the fused loss's hidden-state
+    gradients, or the plain loss's logits) stay until backward: what one depth adds per token, analytic against
+    traced (CPU kernels, so the analytic tier estimates for CPU too). It used to count the head once: 11% (fused)
+    and 20% (plain) below the trace."""
+    from titan_core.memory.analytic import estimate_analytic
+    from titan_core.memory.traced import estimate_traced
+
+    tokens, added = 8 * 128, {}
+    for depths in (0, 1):
+        cfg = load_config(None, ["--mtp.layers", str(depths), "--training.local_batch_size", "8",
+                                 "--training.seq_len", "128", "--training.mixed_precision_param", "float32",
+                                 "--training.fused_loss", fused])  # fmt: skip
+        analytic = estimate_analytic(cfg, 1, device_type="cpu").ranks[0].total
+        added[depths] = (analytic, estimate_traced(cfg, 1, device_type="cpu").peak)
+    per_token = [(added[1][i] - added[0][i]) / tokens for i in (0, 1)]
+    assert per_token[0] == pytest.approx(per_token[1], rel=0.04), per_token
+
+
 def test_the_job_check_refuses_what_cannot_run_it():
     base = ["--model.name", "deepseek_v3", "--mtp.layers", "1"]
     assert resolve(load_config(None, base), 2).model_args.n_mtp_layers == 1

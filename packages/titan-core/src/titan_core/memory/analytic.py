@@ -342,8 +342,11 @@ def _rank_memory(
     fused = fused_loss_applies(job)
     # The fused loss keeps the gradients it took in forward (hidden states, output weight), no logits: measured.
     fused_fixed = fused_saved.fixed
-    saved_loss = tokens * fused_saved.per_token + fused_fixed if fused else tokens * act.logits_saved
-    saved_head = tokens * act.head + saved_loss if has_head else 0
+    # Multi-token prediction: each depth's rows go through the head and the loss (once per depth), their saved
+    # bytes kept together until backward.
+    head_tokens = tokens * (1 + getattr(job.model_args, "n_mtp_layers", 0))
+    saved_loss = head_tokens * fused_saved.per_token + fused_fixed if fused else head_tokens * act.logits_saved
+    saved_head = head_tokens * act.head + saved_loss if has_head else 0
     gpipe = dims.pp > 1 and p.pipeline_parallel_schedule == "GPipe"
     # GPipe's last stage runs every micro-batch's loss before the first backward; the 1F1B family's, one at a time.
     activations = inflight * saved_blocks + saved_head * (n_micro if gpipe else 1)
@@ -414,7 +417,7 @@ def _rank_memory(
     if fused:  # one chunk of logits at a time; backward only scales the kept gradients (one copy of each)
         from titan_parallel.linear_cross_entropy import default_chunk_rows
 
-        chunk = min(tokens, default_chunk_rows(job.model_args.vocab_size))
+        chunk = min(tokens, default_chunk_rows(job.model_args.vocab_size))  # the loss runs once per depth
         logits_now = chunk * (act.logits + act.logits_saved) if has_head else 0  # a chunk's loss, saved and freed
         grad_logits = saved_loss if has_head else 0
         if has_head and float8_loss_applies(job):  # float8 W, h and a chunk's logit gradient, each in two layouts
@@ -422,7 +425,7 @@ def _rank_memory(
             logits_now += 2 * (local_vocab * job.model_args.dim + tokens * job.model_args.dim + chunk * local_vocab)
     elif plain_loss_compiled(job):  # Inductor's backward writes the logits' gradient in the compute dtype, fused
         logits_now = grad_logits = tokens * b * job.model_args.vocab_size if has_head else 0
-    else:
+    else:  # one depth's rows at a time: the loss runs once per depth
         logits_now = tokens * act.logits if has_head else 0
         grad_logits = tokens * act.logits_grad if has_head else 0
 
