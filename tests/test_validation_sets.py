@@ -70,7 +70,7 @@ def test_a_broken_set_list_is_one_line(args, expected):
 
 
 def test_the_example_config_resolves():
-    from titan_core.job.rules import validation_set_names
+    from titan_core.job.run_rules import validation_set_names
     from titan_run import REPO
 
     cfg = load_config(str(REPO / "examples" / "validation_sets.toml"))

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from titan_core.data.corpus import looks_like_path
 from titan_core.job import Job
-from titan_core.job.rules import validation_set_names
+from titan_core.job.run_rules import validation_set_names
 
 
 def run_banner(job: Job) -> str:

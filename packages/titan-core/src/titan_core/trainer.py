@@ -36,7 +36,7 @@ from titan_core.ema import WeightEMA
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
-from titan_core.job.rules import validation_set_names
+from titan_core.job.run_rules import validation_set_names
 from titan_core.kernel_lines import log_kernels
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler

@@ -11,23 +11,25 @@ written here and names its keys itself.
 
 Each rule reads what the rules before it established from the `Draft` and adds
 its own; `resolve` freezes the draft into the `Job` once every rule passed.
+This file holds the device and layout rules and the table; the model's rules are
+in `model_rules.py`, how the run trains (checkpoints, data, torchft, ...) in
+`run_rules.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from titan_core.config.errors import ConfigError, MissingPackageError
 from titan_core.config.schema import JobConfig
 from titan_core.job.meta_model import build_meta_model
+from titan_core.job.model_rules import model_shape, moe, mtp, mup
 from titan_core.job.naming import RUN_KEYS, naming
 from titan_core.job.options import (
     DEVICE_KEY,
@@ -38,7 +40,19 @@ from titan_core.job.options import (
     parallel_options,
     pipeline_config,
 )
-from titan_core.job.run_rules import fault_tolerance, master_weights
+from titan_core.job.run_rules import (
+    attention_mask,
+    checkpoint,
+    data,
+    ema,
+    fault_tolerance,
+    lr_schedule,
+    master_weights,
+    metrics,
+    profiling,
+    weight_decay,
+    z_loss,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -139,100 +153,6 @@ def _compute_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str, s
     return dtype, reason, "; ".join(str(w.message) for w in caught) or None
 
 
-def _model_shape(d: Draft) -> None:
-    """The model name and flavor exist and `model.shape` changes fields the args have; a tokenizer larger than a
-    Hugging Face checkpoint's vocab is refused."""
-    from titan_core.data import build_tokenizer
-    from titan_core.model_shape import apply_shape
-    from titan_models import ModelConfigError, get_model_args, get_model_spec
-
-    cfg = d.cfg
-    try:
-        d.spec = get_model_spec(cfg.model.name)
-        args = get_model_args(cfg.model.name, cfg.model.flavor)
-    except ModelConfigError as e:  # unknown name or flavor: the message names model.name / model.flavor
-        raise ConfigError(str(e)) from None
-    vocab = d.tokenizer_vocab_size or build_tokenizer(cfg.model.hf_assets_path).vocab_size
-    ckpt = cfg.checkpoint
-    if ckpt.initial_load_in_hf and ckpt.initial_load_path:
-        # Any checkpoint of the family: the shape comes from its own config.json, not model.flavor.
-        from titan_ckpt import read_hf_config, resolve_hf_source
-
-        if d.spec.hf_adapter is None:
-            raise ConfigError(
-                f"checkpoint.initial_load_in_hf: model.name={cfg.model.name!r} has no Hugging Face adapter; "
-                "load a DCP checkpoint instead"
-            )
-        d.hf_source = str(resolve_hf_source(ckpt.initial_load_path))
-        args = d.spec.hf_adapter.args_from_hf_config(read_hf_config(d.hf_source))
-        if cfg.model.shape:  # settings that keep every weight's shape: RoPE, norm eps (a longer context)
-            args = _same_weights(d.spec, args, apply_shape(args, cfg.model.shape), cfg.model.shape)
-        if vocab > args.vocab_size:
-            raise ConfigError(
-                f"the tokenizer in model.hf_assets_path has {vocab} tokens but the checkpoint "
-                f"checkpoint.initial_load_path={ckpt.initial_load_path} only {args.vocab_size}; "
-                "use the checkpoint's own tokenizer"
-            )
-    else:
-        args = apply_shape(args, cfg.model.shape)
-    if not (ckpt.initial_load_in_hf and ckpt.initial_load_path) and vocab > args.vocab_size:
-        # A flavor's vocab is a default: a larger tokenizer (e.g. Llama 3's on a small flavor) widens it.
-        d.vocab_widened_from = args.vocab_size
-        args = dataclasses.replace(args, vocab_size=vocab)
-    d.tokenizer_vocab_size = vocab
-    d.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
-
-
-def _same_weights(spec: Any, args: Any, changed: Any, shape: list[str]) -> Any:
-    """`changed`, refused in one line where it changes a weight's shape from `args`' (a Hugging Face checkpoint's)."""
-    import torch
-
-    with torch.device("meta"):
-        before = {n: tuple(p.shape) for n, p in spec.build(args).state_dict().items()}
-        after = {n: tuple(p.shape) for n, p in spec.build(changed).state_dict().items()}
-    if before != after:
-        name = next((n for n in sorted(before.keys() | after.keys()) if before.get(n) != after.get(n)), "")
-        raise ConfigError(
-            f"model.shape {shape}: the Hugging Face checkpoint in checkpoint.initial_load_path brings its weights' "
-            f"shapes, which this changes ({name}: {before.get(name)} -> {after.get(name)}); keep to settings that "
-            "leave every weight as it is (rope_theta, rope_scaling.*, norm_eps, max_seq_len)"
-        )
-    return changed
-
-
-def _moe(d: Draft) -> None:
-    """`[moe]`'s coefficients replace the flavor's (or the Hugging Face config's) in every MoE layer; a dense model
-    has none to replace."""
-    given = {key: value for key, value in d.cfg.moe.model_dump().items() if value is not None}
-    if not given:
-        return
-    moe = getattr(d.model_args, "moe", None)
-    if moe is None:
-        keys = ", ".join(f"moe.{key}" for key in given)
-        raise ConfigError(
-            f"{keys}: model.name={d.cfg.model.name!r} flavor {d.cfg.model.flavor!r} has no Mixture-of-Experts "
-            "layers; remove the [moe] settings or choose an MoE flavor"
-        )
-    if given.get("load_balance_coeff") == 0:
-        given["load_balance_coeff"] = None  # no expert bias
-    d.model_args = dataclasses.replace(d.model_args, moe=dataclasses.replace(moe, **given))  # values checked by [moe]
-
-
-def _mup(d: Draft) -> None:
-    """`[mup]` on a dense Llama 3 or Qwen3 with untied embeddings, trained by Adam or AdamW (Muon's update already
-    scales with each matrix's shape)."""
-    from titan_core.model_shape import apply_mup
-
-    if not d.cfg.mup.enable:
-        return
-    if d.cfg.optimizer.name == "Muon":
-        raise ConfigError(
-            "mup.enable = true with optimizer.name = 'Muon': muP scales Adam's learning rates, and Muon's update "
-            "is already scaled by each matrix's shape; use optimizer.name = 'AdamW' or set mup.enable = false"
-        )
-    d.model_args = apply_mup(d.model_args, d.cfg.mup.model_dump())
-
-
 def _degrees(d: Draft) -> None:
     """The parallel degrees multiply to the world size; DDP replicates whole models only."""
     from titan_parallel import check_data_parallel
@@ -241,48 +161,6 @@ def _degrees(d: Draft) -> None:
         return
     d.dims = parallel_dims(d.cfg, d.world_size)
     check_data_parallel(d.dims, d.parallel.dp_mode)
-
-
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Pipeline schedules that split each stage's backward into input and weight gradients."""
-
-
-def _mtp(d: Draft) -> None:
-    """`mtp.layers` sets the multi-token-prediction depths of a family that has them (`ModelArgs.n_mtp_layers`:
-    every built-in one; under pipeline parallel the last stage runs them, with a copy of the embedding, on a
-    schedule that does not split the weight gradients); a Hugging Face checkpoint to start from must hold that
-    many (its own are loaded only as far as it asks)."""
-    layers = d.cfg.mtp.layers
-    if not hasattr(d.model_args, "n_mtp_layers"):
-        if layers:
-            raise ConfigError(
-                f"mtp.layers={layers}: model.name={d.cfg.model.name!r} has no multi-token prediction; "
-                "use a family whose ModelArgs has n_mtp_layers (llama3, qwen3, qwen3_moe, deepseek_v3) or set "
-                "mtp.layers = 0"
-            )
-        return
-    schedule = d.cfg.parallelism.pipeline_parallel_schedule
-    if layers and d.dims is not None and d.dims.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
-        # measured (torch 2.15): "Trying to backward through the graph a second time" in stage_backward_weight
-        raise ConfigError(
-            f"mtp.layers={layers} with parallelism.pipeline_parallel_schedule='{schedule}': torch's zero-bubble "
-            "schedules take a stage's weight gradients from its input's graph, and the depths' embedding is not on "
-            "it; use 1F1B, GPipe or Interleaved1F1B, or set mtp.layers = 0"
-        )
-    if layers and d.hf_source is not None:  # the depths are loaded with the model: they must be in the checkpoint
-        from titan_ckpt import read_hf_config
-        from titan_core.convert import hf_mtp_layers
-
-        source = Path(d.hf_source)
-        held = hf_mtp_layers(
-            source, dataclasses.replace(d.model_args, n_mtp_layers=0), read_hf_config(source)
-        ).n_mtp_layers
-        if layers > held:
-            raise ConfigError(
-                f"mtp.layers={layers}: the Hugging Face checkpoint in checkpoint.initial_load_path holds {held} "
-                f"prediction depths; set mtp.layers = {held} (or start from a Titan checkpoint that has them)"
-            )
-    d.model_args = dataclasses.replace(d.model_args, n_mtp_layers=layers)
 
 
 def _batch(d: Draft) -> None:
@@ -434,198 +312,6 @@ def _converters(d: Draft) -> None:
         )
 
 
-def _checkpoint(d: Draft) -> None:
-    """[checkpoint] keys (and 'rollback' of training.on_nonfinite / on_loss_spike) that need checkpoint.enable;
-    a seed checkpoint on one process; a Hugging Face export of the model only, from an unpipelined model;
-    milestones at saved steps."""
-    ckpt = d.cfg.checkpoint
-    if ckpt.keep_interval % ckpt.interval:
-        raise ConfigError(
-            f"checkpoint.keep_interval={ckpt.keep_interval} is not a multiple of checkpoint.interval={ckpt.interval}: "
-            "only those steps are saved; make it one (or 0 for no milestones)"
-        )
-    if not ckpt.enable:
-        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
-            if getattr(ckpt, key):
-                raise ConfigError(f"checkpoint.{key} is set but checkpoint.enable is false; add --checkpoint.enable")
-    if ckpt.create_seed_checkpoint and d.world_size not in (None, 1):
-        raise ConfigError(
-            f"checkpoint.create_seed_checkpoint runs on one process, not {d.world_size}; "
-            "launch it with --nproc-per-node 1"
-        )
-    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
-        raise ConfigError(
-            "checkpoint.last_save_in_hf saves model weights only; also set checkpoint.last_save_model_only = true"
-        )
-    if d.cfg.training.on_nonfinite == "rollback" and not ckpt.enable:
-        raise ConfigError(
-            "training.on_nonfinite = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true"
-        )
-    if d.cfg.training.on_loss_spike == "rollback" and not ckpt.enable:
-        raise ConfigError(
-            "training.on_loss_spike = 'rollback' reloads the newest checkpoint; add --checkpoint.enable true"
-        )
-    if ckpt.last_save_in_hf and d.cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            "checkpoint.last_save_in_hf does not gather pipeline stages yet; save in DCP and run "
-            "`titan convert <run>/checkpoint/step-N OUT --to hf`"
-        )
-
-
-def _profiling(d: Draft) -> None:
-    """A profiled step has a warm-up step before it; memory snapshots record CUDA's allocator."""
-    from titan_core.profiling import MIN_FREQ
-
-    pr = d.cfg.profiling
-    if (pr.enable_profiling or pr.enable_memory_snapshot) and pr.profile_freq < MIN_FREQ:
-        raise ConfigError(f"profiling.profile_freq must be >= {MIN_FREQ}, got {pr.profile_freq}")
-    if pr.enable_memory_snapshot and d.device_type != "cuda":
-        raise ConfigError(
-            "profiling.enable_memory_snapshot records the CUDA caching allocator and needs a CUDA device; "
-            "set it to false on CPU"
-        )
-
-
-def _metrics(d: Draft) -> None:
-    """`metrics.enable_wandb` needs the optional wandb package (`titan-core[wandb]`)."""
-    if d.cfg.metrics.enable_wandb:
-        from titan_core.metrics.wandb_sink import require_wandb
-
-        require_wandb()
-
-
-def _lr_schedule(d: Draft) -> None:
-    """A set `lr_scheduler.warmup_steps` fits in `training.steps`; unset, it is 10 or the whole of a shorter run."""
-    from titan_core.lr_schedule import resolve_warmup
-
-    d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, d.cfg.training.steps)
-
-
-def _ema(d: Draft) -> None:
-    """`ema.validation` scores the moving average of the weights in the validation passes: it needs both."""
-    e = d.cfg.ema
-    if e.validation and not (e.enable and d.cfg.validation.enable):
-        missing = " and ".join(
-            k for k, on in (("ema.enable", e.enable), ("validation.enable", d.cfg.validation.enable)) if not on
-        )
-        raise ConfigError(
-            f"ema.validation = true scores the averaged weights in the validation passes; set {missing} = true"
-        )
-
-
-def _z_loss(d: Draft) -> None:
-    """`training.z_loss_weight` under tensor parallel's loss parallel needs the fused loss: the plain loss there is
-    torch's `loss_parallel` cross-entropy on vocab-sharded logits, which has no z-loss."""
-    t = d.cfg.training
-    if t.z_loss_weight and d.dims is not None and d.dims.tp > 1 and d.parallel.loss_parallel and not t.fused_loss:
-        raise ConfigError(
-            "training.z_loss_weight under tensor parallel needs training.fused_loss = true (the plain loss is torch's "
-            "loss-parallel cross-entropy, without a z-loss), or parallelism.disable_loss_parallel = true"
-        )
-
-
-def _weight_decay(d: Draft) -> None:
-    """Each pattern of `optimizer.weight_decay_exclude` matches a parameter of the model (a typo would leave
-    decaying what it meant to exempt)."""
-    from titan_core.weight_decay import unmatched
-
-    patterns = d.cfg.optimizer.weight_decay_exclude
-    if not patterns:
-        return
-    names = [name for name, _ in d.meta_model().named_parameters()]
-    missing = unmatched(names, patterns)
-    if missing:
-        examples = ", ".join(dict.fromkeys([names[0], *(n for n in names if "norm" in n)][:3]))
-        verb = "matches" if len(missing) == 1 else "match"
-        raise ConfigError(
-            f"optimizer.weight_decay_exclude: {', '.join(repr(p) for p in missing)} {verb} no parameter of "
-            f"{d.cfg.model.name} {d.cfg.model.flavor} (its names look like {examples}); fix or remove the pattern"
-        )
-
-
-def _data(d: Draft) -> None:
-    """`training.dataset_mix` names every source itself: `training.dataset` / `dataset_path` stay at their defaults;
-    its phases name its sources. `eval.enable` needs `eval.tasks`."""
-    t = d.cfg.training
-    if d.cfg.eval.enable and not d.cfg.eval.tasks:
-        raise ConfigError(
-            "eval.enable is set but eval.tasks is empty; list JSONL files of multiple-choice examples "
-            "(docs/evaluation.md) or set eval.enable to false"
-        )
-    v = d.cfg.validation
-    if v.sets and (v.dataset_path or v.dataset != "stdlib"):
-        given = f"validation.dataset_path={v.dataset_path}" if v.dataset_path else f"validation.dataset={v.dataset}"
-        raise ConfigError(
-            f"validation.sets and {given} are both set; add that data to validation.sets as {{path = ...}} and "
-            f"unset {given.split('=')[0]}"
-        )
-    names = validation_set_names(v.sets)
-    if len(set(names)) < len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise ConfigError(
-            f"validation.sets: the name {twice[0]!r} labels two sets; give each set a name of its own (name = ...)"
-        )
-    if t.dataset_mix and (t.dataset_path or t.dataset != "stdlib"):
-        given = f"training.dataset_path={t.dataset_path}" if t.dataset_path else f"training.dataset={t.dataset}"
-        raise ConfigError(
-            f"training.dataset_mix and {given} are both set; the mix names its sources: "
-            f"add that data to training.dataset_mix as {{path = ..., weight = ...}} and unset {given.split('=')[0]}"
-        )
-    _mix_phases(t)
-
-
-def _mix_phases(t: Any) -> None:
-    """`training.dataset_mix_phases`: with a mix, at increasing steps within the run, naming its sources."""
-    phases = t.dataset_mix_phases
-    if not phases:
-        return
-    if not t.dataset_mix:
-        raise ConfigError(
-            "training.dataset_mix_phases needs training.dataset_mix: the phases give its sources other weights; "
-            "list the sources in training.dataset_mix or unset training.dataset_mix_phases"
-        )
-    from titan_core.data.mix_schedule import phase_shares
-    from titan_core.data.mix_sources import default_name
-
-    names = [entry.name or default_name(entry.path) for entry in t.dataset_mix]
-    previous = 1
-    for i, phase in enumerate(phases):
-        key = f"training.dataset_mix_phases[{i}]"
-        if not previous < phase.step <= t.steps:
-            raise ConfigError(
-                f"{key}.step={phase.step}: phases start at increasing steps after step {previous} and at most "
-                f"training.steps={t.steps}; fix the step or drop the phase"
-            )
-        previous = phase.step
-        unknown = sorted(set(phase.weights) - set(names))
-        if unknown:
-            raise ConfigError(
-                f"{key}.weights names {', '.join(repr(n) for n in unknown)}, not a source of training.dataset_mix "
-                f"(its names: {', '.join(names)}); use those names (or set name = '...' on a source)"
-            )
-        phase_shares([phase.weights.get(name, 0.0) for name in names], f"{key}.weights")
-
-
-def validation_set_names(sets: Sequence[Any]) -> list[str]:
-    """Each `validation.sets` entry's label: its `name`, else its folder or file name."""
-    from titan_core.data.mix_sources import default_name
-
-    return [entry.name or default_name(entry.path) for entry in sets]
-
-
-def _attention_mask(d: Draft) -> None:
-    """`model.attn_mask_type = 'block_causal'` needs a model whose forward takes `document_ids`."""
-    if d.cfg.model.attn_mask_type != "block_causal":
-        return
-    forward = type(d.meta_model()).forward
-    if "document_ids" not in inspect.signature(forward).parameters:
-        raise ConfigError(
-            f"model.attn_mask_type = 'block_causal': model.name '{d.cfg.model.name}' ({forward.__qualname__}) takes "
-            "no document_ids; set attn_mask_type to 'causal' or give its forward a document_ids argument "
-            "(titan_models.document_mask)"
-        )
-
-
 def _keys(table: Mapping[str, str], *fields: str) -> dict[str, str]:
     """The entries of `table` for `fields`."""
     return {name: table[name] for name in fields}
@@ -653,11 +339,11 @@ PIPELINE_RULE_KEYS = {**PIPELINE_KEYS, **_keys(DIMS_KEYS, "pp"), **_keys(RUN_KEY
 
 RULES: tuple[Rule, ...] = (
     Rule("device", _device, _keys(RUN_KEYS, "device")),
-    Rule("model_shape", _model_shape),
-    Rule("moe", _moe),
-    Rule("mup", _mup),
+    Rule("model_shape", model_shape),
+    Rule("moe", moe),
+    Rule("mup", mup),
     Rule("degrees", _degrees, DEGREES_KEYS),
-    Rule("mtp", _mtp),
+    Rule("mtp", mtp),
     Rule("batch", _batch),
     Rule("tensor_parallel", _tensor_parallel, TENSOR_PARALLEL_KEYS),
     Rule("expert_parallel", _expert_parallel, _keys(DIMS_KEYS, "ep")),
@@ -665,16 +351,16 @@ RULES: tuple[Rule, ...] = (
     Rule("activation_checkpoint", _activation_checkpoint, AC_KEYS),
     Rule("pipeline", _pipeline, PIPELINE_RULE_KEYS),
     Rule("converters", _converters),  # two library calls, each with its own table
-    Rule("checkpoint", _checkpoint),
-    Rule("profiling", _profiling),
-    Rule("metrics", _metrics),
-    Rule("lr_schedule", _lr_schedule),
-    Rule("data", _data),
-    Rule("attention_mask", _attention_mask),
+    Rule("checkpoint", checkpoint),
+    Rule("profiling", profiling),
+    Rule("metrics", metrics),
+    Rule("lr_schedule", lr_schedule),
+    Rule("data", data),
+    Rule("attention_mask", attention_mask),
     Rule("fault_tolerance", fault_tolerance),
     Rule("master_weights", master_weights),
-    Rule("weight_decay", _weight_decay),
-    Rule("z_loss", _z_loss),
-    Rule("ema", _ema),
+    Rule("weight_decay", weight_decay),
+    Rule("z_loss", z_loss),
+    Rule("ema", ema),
 )
 """Every rule of a valid job, in the order `resolve` runs them (later rules use earlier results)."""
