@@ -28,7 +28,6 @@ from titan_core.checkpointing import (
     hf_checkpoint_hooks,
 )
 from titan_core.config import JobConfig, dump_toml
-from titan_core.convert import HF_RUN_CONFIG
 from titan_core.data import build_loader, build_tokenizer, loader_factory
 from titan_core.diloco import build_diloco
 from titan_core.downstream_eval import DownstreamEvaluator, load_task
@@ -45,6 +44,7 @@ from titan_core.metrics.layer_norms import LayerNorms
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
 from titan_core.model_setup import build_model_parts, loss_compiled_for
+from titan_core.model_source import HF_RUN_CONFIG
 from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.optim import build_optimizer, resolve_implementation
 from titan_core.profiling import Profiler

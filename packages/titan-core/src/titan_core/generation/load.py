@@ -22,7 +22,7 @@ from titan_ckpt.formats import detect_format
 from titan_ckpt.hf_hub import resolve_hf_source
 from titan_ckpt.step_folders import list_complete_steps, step_folder
 from titan_core.config.errors import ConfigError
-from titan_core.convert import (
+from titan_core.model_source import (
     check_state_dict,
     expected_shapes,
     find_run_config,
@@ -71,7 +71,7 @@ def load_model(
     Args:
         source: a run folder (its newest complete step is read), its checkpoint folder, a
             `step-N` DCP folder, a Hugging Face folder or Hub repo id, or a torch state-dict file.
-        model_name: the family; None infers it (`titan_core.convert.infer_model_name`): from
+        model_name: the family; None infers it (`titan_core.model_source.infer_model_name`): from
             config.json's `architectures`, else the run's config.toml, else Llama 3.
         flavor: named shape of a DCP/torch source (else from config.json beside it or the run's config.toml).
         device: "cpu", "cuda", "cuda:1", ...; None picks cuda when available.

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_core.config.errors import ConfigError, MissingFileError
-from titan_core.convert import run_tokenizer_assets
 from titan_core.data.hf_tokenizer import read_tokenizer_config
 from titan_core.data.tokenizer import Tokenizer, build_tokenizer, find_tokenizer_file
+from titan_core.model_source import run_tokenizer_assets
 
 GENERATION_CONFIG = "generation_config.json"
 """Hugging Face file whose `eos_token_id` (an id or a list) lists the tokens that end generation."""

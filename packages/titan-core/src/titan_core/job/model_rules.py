@@ -139,7 +139,7 @@ def mtp(d: Draft) -> None:
         )
     if layers and d.hf_source is not None:  # the depths are loaded with the model: they must be in the checkpoint
         from titan_ckpt import read_hf_config
-        from titan_core.convert import hf_mtp_layers
+        from titan_core.model_source import hf_mtp_layers
 
         source = Path(d.hf_source)
         held = hf_mtp_layers(
