@@ -87,9 +87,9 @@ def test_the_z_loss_equals_its_definition_with_gradients(chunk_rows):
 
 
 def test_the_plain_loss_adds_the_z_loss_in_training_only():
-    """`titan_core.step.cross_entropy_loss` (the unfused path) and the fused head: the z-loss while autograd
+    """`titan_core.step_loss.cross_entropy_loss` (the unfused path) and the fused head: the z-loss while autograd
     records; forward-only evaluation (validation, downstream evals) gets the cross-entropy alone."""
-    from titan_core.step import cross_entropy_loss
+    from titan_core.step_loss import cross_entropy_loss
 
     from titan_models import get_model_spec
 

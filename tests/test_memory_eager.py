@@ -11,7 +11,7 @@ import torch
 from titan_core.memory.eager_saved import measure_eager
 from titan_core.memory.activations import ActivationLayout
 from titan_core.memory.fake_run import LiveBytes
-from titan_core.step import cross_entropy_loss
+from titan_core.step_loss import cross_entropy_loss
 from titan_models import get_model_args, get_model_spec
 from titan_run import autograd_saved_bytes
 

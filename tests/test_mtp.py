@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from titan_cli.main import app
 from titan_core.config import ConfigError, load_config
 from titan_core.job import resolve
-from titan_core.step import StepLoss, cross_entropy_loss, shift_labels
+from titan_core.step_loss import StepLoss, cross_entropy_loss, shift_labels
 from titan_models import get_model_spec
 from titan_models.deepseek_v3 import Transformer, count_params, flops_per_token
 from titan_models.deepseek_v3.hf_adapter import from_hf_state_dict, to_hf_state_dict

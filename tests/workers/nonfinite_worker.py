@@ -52,7 +52,7 @@ def install(bad_step: int, bad_rank: int) -> None:
     def init_with_poison(self, cfg, **kwargs):
         init(self, cfg, **kwargs)
         trainers.append(self)
-        loss_fn = self.loss.fn  # the step's loss before its normalisation (`titan_core.step.StepLoss`)
+        loss_fn = self.loss.fn  # the step's loss before its normalisation (`titan_core.step_loss.StepLoss`)
 
         def poisoned(logits, labels):
             loss = loss_fn(logits, labels)

@@ -13,7 +13,7 @@ data-parallel rank):
 so the micro-batch each rank runs keeps its shape (no recompile, the same memory) and only
 the number of accumulated micro-batches grows: Megatron-LM's `--rampup-batch-size` does the
 same in samples, with an explicit increment. The step's loss stays the mean over its
-tokens (`titan_core.step.StepLoss` divides by the step's own micro-batches). The learning-rate
+tokens (`titan_core.step_loss.StepLoss` divides by the step's own micro-batches). The learning-rate
 schedule still counts steps. A resumed run continues the ramp where the step counter is,
 and the data where the loader left it.
 """

@@ -76,7 +76,7 @@ def build_model_parts(job: Job, mesh: ParallelMesh, device: torch.device, seed: 
         device: where parameters live.
         seed: the init seed, the same on every rank.
         loss_fn: `(logits, labels) -> loss` for the pipeline's last stage, already normalised
-            (`titan_core.step.StepLoss`): the schedule backpropagates it unchanged.
+            (`titan_core.step_loss.StepLoss`): the schedule backpropagates it unchanged.
     """
     return assemble_model(
         job.spec,
@@ -114,8 +114,8 @@ def precasts_float8_weights(master_weights: bool, converters: Converters) -> boo
 
 
 def loss_compiled_for(job: Job) -> bool:
-    """Whether `job` runs the plain loss compiled (`titan_core.step.loss_is_compiled`)."""
-    from titan_core.step import loss_is_compiled
+    """Whether `job` runs the plain loss compiled (`titan_core.step_loss.loss_is_compiled`)."""
+    from titan_core.step_loss import loss_is_compiled
 
     assert job.dims is not None, "a job resolved for a world size has its degrees"
     compile_loss = job.cfg.compile.enable and "loss" in job.cfg.compile.components

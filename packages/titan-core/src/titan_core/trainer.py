@@ -50,14 +50,8 @@ from titan_core.optim import build_optimizer, resolve_implementation
 from titan_core.profiling import Profiler
 from titan_core.run_banner import run_banner
 from titan_core.run_guard import NonFinitePolicy, RunGuard
-from titan_core.step import (
-    Batch,
-    HeadLoss,
-    StepLoss,
-    StepResult,
-    StepRunner,
-    cross_entropy_loss,
-)
+from titan_core.step import Batch, StepResult, StepRunner
+from titan_core.step_loss import HeadLoss, StepLoss, cross_entropy_loss
 from titan_core.train_state import TrainState, set_determinism
 from titan_core.validation import Validator, training_overlap
 from titan_parallel.attention_backend import choose_sdpa_backends

@@ -307,7 +307,7 @@ class MoE(nn.Module):
     recompute (a forward run again inside the backward).
 
     `aux_loss_scale` multiplies the auxiliary losses' gradient (the balance loss and the router z-loss): the
-    trainer's step (`titan_core.step.StepLoss`) sets it to one over what it divides the language-model
+    trainer's step (`titan_core.step_loss.StepLoss`) sets it to one over what it divides the language-model
     loss by (gradient-accumulation steps x pipeline microbatches). `sequence_group`, set by context
     parallel, is the ranks holding the rest of this rank's sequences: the balance loss counts the
     token slots of whole sequences over them. `grad_share`, set by tensor parallel (`TPStyle.MOE_INPUT`,

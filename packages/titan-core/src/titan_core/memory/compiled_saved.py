@@ -213,7 +213,7 @@ def _trace(
 
 
 def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
-    """Bytes per token that the compiled plain loss (`titan_core.step.cross_entropy_loss` under
+    """Bytes per token that the compiled plain loss (`titan_core.step_loss.cross_entropy_loss` under
     `torch.compile`) keeps for backward, from logits of `vocab` columns in `dtype` (cached).
 
     Args:
@@ -225,7 +225,7 @@ def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
     if key not in _CACHE:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from titan_core.step import cross_entropy_loss
+        from titan_core.step_loss import cross_entropy_loss
 
         # Decomposing the cross-entropy makes a real scalar constant (aten.where's 0): let the mode take it.
         with FakeTensorMode(allow_non_fake_inputs=True):

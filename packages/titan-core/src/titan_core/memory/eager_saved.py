@@ -382,7 +382,7 @@ def _head_and_loss(
     """What the final norm and output projection keep (`head`), and the plain loss (`cross_entropy_loss`): what
     it keeps (`logits_saved`), its peak beyond that from the logits on through its backward (`logits`), and the
     gradient of the logits it ends with (`logits_grad`)."""
-    from titan_core.step import cross_entropy_loss
+    from titan_core.step_loss import cross_entropy_loss
 
     names = [n for n in spec.plan.pp_last if n != spec.plan.blocks]  # e.g. the final norm, the output projection
     dtype, device = _dtype(layout), layout.device_type
