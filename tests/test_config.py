@@ -214,6 +214,7 @@ SPEC_DEFAULTS = {
     "fault_tolerance.sync_steps": 100,
     "fault_tolerance.outer_lr": 0.7,
     "fault_tolerance.outer_momentum": 0.9,
+    "fault_tolerance.num_fragments": 1,
 }
 
 

@@ -25,6 +25,8 @@ from test_loss_spike import dcp_tensors
 from test_torchft import INTERVAL, Group, start, wait_for
 from titan_run import TINY
 
+from titan_core.diloco import model_fragments
+
 pytest.importorskip("torchft")
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -69,7 +71,10 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
         synced = train_groups(tmp_path, ("a0", "a1"), address, "--fault_tolerance.sync_steps", "2",
                               "--training.steps", "4", "--checkpoint.interval", "1")
         alone = train_groups(tmp_path, ("b0", "b1"), address, "--fault_tolerance.sync_steps", "100",
-                             "--training.steps", "2", "--checkpoint.interval", "2")
+                             "--training.steps", "2", "--checkpoint.interval", "1")
+        streamed = train_groups(tmp_path, ("c0", "c1"), address, "--fault_tolerance.sync_steps", "2",
+                                "--fault_tolerance.num_fragments", "2", "--training.steps", "2",
+                                "--checkpoint.interval", "1")
         logs = (tmp_path / "a0.log").read_text()
         assert "step 2 syncs 2 of 2 replica groups" in logs, logs[-3000:]
 
@@ -96,6 +101,24 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
             assert torch.equal(state[f"anchor.{name}"], model[name])
             worst = max(worst, (model[name] - expected).abs().max().item())
         print(f"\nafter the first sync: max |weights - the paper's outer step| = {worst:.2e}")
+
+        # Streaming DiLoCo, 2 fragments, sync_steps 2: the first (the embedding, the first half of the blocks) syncs
+        # after step 1, the second (the other blocks, the final norm, the output) after step 2.
+        first = set(model_fragments(list(start_weights), "layers", 2)[0])
+        assert "tok_embeddings.weight" in first and "output.weight" not in first
+        one_step = [split(dcp_tensors(folder / "checkpoint/step-1"), "model.") for folder in alone]
+        for step, synced_now in ((1, first), (2, set(start_weights) - first)):
+            groups = [dcp_tensors(folder / f"checkpoint/step-{step}") for folder in streamed]
+            for name in start_weights:  # (Adam's first update is +-lr: a vector's signs may agree by chance)
+                same = torch.equal(groups[0][name], groups[1][name])
+                assert same if name in synced_now else (not same or groups[0][name].dim() == 1), (step, name)
+            if step == 1:  # the first fragment's outer step on each group's weights after one inner step
+                for name in first:
+                    delta = ((start_weights[name] - one_step[0][name]) + (start_weights[name] - one_step[1][name])) / 2
+                    expected = start_weights[name] - OUTER_LR * (delta + OUTER_MOMENTUM * delta)
+                    torch.testing.assert_close(groups[0][name], expected, rtol=0, atol=1e-6)
+                    assert not groups[0][f"diloco.momentum.{name}"].eq(0).all()
+                assert all(groups[0][f"diloco.momentum.{n}"].eq(0).all() for n in set(start_weights) - first)
 
         # Resume both groups from step 3 (between syncs: weights apart from the anchors, momentum set).
         resumed = []
@@ -159,3 +182,16 @@ def test_a_diloco_group_started_late_heals_from_its_peer_at_a_sync(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_fragments_cut_the_blocks_in_order_with_the_embedding_first_and_the_output_last():
+    names = ["tok_embeddings.weight", *(f"layers.{i}.{w}.weight" for i in range(5) for w in ("wq", "wo")),
+             "norm.weight", "output.weight"]
+    fragments = model_fragments(names, "layers", 3)
+    blocks = [sorted({int(n.split(".")[1]) for n in f if n.startswith("layers.")}) for f in fragments]
+    assert blocks == [[0, 1], [2, 3], [4]]
+    assert fragments[0][0] == "tok_embeddings.weight" and fragments[2][-2:] == ["norm.weight", "output.weight"]
+    assert sorted(n for f in fragments for n in f) == sorted(names)
+    assert model_fragments(names, "layers", 1) == [names]
+    with pytest.raises(ValueError, match="6 DiLoCo fragments for a model of 5 blocks"):
+        model_fragments(names, "layers", 6)

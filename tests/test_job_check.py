@@ -167,6 +167,13 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (["--fault_tolerance.semi_sync_method", "diloco"], ["semi_sync_method = 'diloco'", "fault_tolerance.enable"]),
         (FT_ON + ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.outer_momentum", "0.5"],
          ["fault_tolerance.outer_momentum is DiLoCo's", "semi_sync_method = 'diloco'"]),
+        (FT_ON + ["--fault_tolerance.num_fragments", "2"], ["fault_tolerance.num_fragments=2", "'diloco'"]),
+        (FT_ON + ["--fault_tolerance.semi_sync_method", "diloco", "--debug.seed", "none"],
+         ["averages the groups' weight changes from one start", "set debug.seed"]),
+        (FT_ON + ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments", "3",
+                  "--fault_tolerance.sync_steps", "10"], ["sync_steps=10 is not a multiple of", "num_fragments=3"]),
+        (FT_ON + ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments", "12",
+                  "--fault_tolerance.sync_steps", "12"], ["num_fragments=12 exceeds the model's 6 blocks"]),
         # The TP ranks joining expert parallel (etp=1) need an ep that spans them.
         (["--model.name", "deepseek_v3", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_tensor_parallel_degree", "1"],

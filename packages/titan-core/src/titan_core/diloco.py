@@ -4,6 +4,10 @@ then the groups average their weights' change since the last synchronisation (th
 Nesterov SGD steps from the last synchronised weights, which every group then starts from again (Douillard et al.
 2023, arXiv:2311.08105). `local_sgd` averages the weights themselves (outer lr 1, no momentum; Lin et al. 2018).
 The groups exchange one all-reduce of the weights every `sync_steps` steps instead of the gradients every step.
+With `fragments` (Streaming DiLoCo, Douillard et al. 2025, arXiv:2501.18512) the blocks are cut into that many
+contiguous fragments (the embedding with the first, the final norm and output with the last), each synced every
+`sync_steps` steps at its own offset (`(f + 1) * sync_steps / fragments`): each sync sends one fragment, so the peak
+bandwidth drops by that factor.
 
     sync at step s (s % sync_steps == 0), after the inner optimizer's step:
         quorum          torchft's, synchronous: a group behind (fresh or restarted) heals from a peer here
@@ -23,7 +27,7 @@ the per-step mode (`titan_core.fault_tolerance`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from titan_core.fault_tolerance import ReplicaGroups
 from titan_parallel import canonical_name
 
-__all__ = ["DiLoCo", "build_diloco"]
+__all__ = ["DiLoCo", "build_diloco", "model_fragments"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,6 +53,8 @@ class DiLoCo:
         sync_steps: inner steps between two synchronisations.
         outer_lr: the outer SGD's learning rate.
         outer_momentum: its Nesterov momentum; 0 for plain SGD (`local_sgd`: lr 1, momentum 0).
+        fragments: the parameter names of each fragment, in sync order (`model_fragments`); None: one, the whole
+            model.
     """
 
     def __init__(
@@ -59,11 +65,17 @@ class DiLoCo:
         sync_steps: int,
         outer_lr: float,
         outer_momentum: float,
+        fragments: Sequence[Sequence[str]] | None = None,
     ):
-        if sync_steps < 1:
-            raise ValueError(f"DiLoCo sync_steps={sync_steps} must be at least 1")
-        self.replicas, self.sync_steps = replicas, sync_steps
         self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
+        fragments = [list(self.params)] if fragments is None else [list(f) for f in fragments]
+        if sync_steps < 1 or sync_steps % len(fragments):
+            raise ValueError(
+                f"DiLoCo sync_steps={sync_steps} must be a positive multiple of its {len(fragments)} fragments"
+            )
+        if sorted(n for f in fragments for n in f) != sorted(self.params):
+            raise ValueError("DiLoCo fragments must hold every parameter of the parts once")
+        self.replicas, self.sync_steps = replicas, sync_steps
         with torch.no_grad():  # the weights of the last synchronisation; DTensors keep their placements
             self.anchors = {name: p.detach().clone() for name, p in self.params.items()}
             self.momentum = {name: torch.zeros_like(a) for name, a in self.anchors.items()} if outer_momentum else {}
@@ -76,32 +88,50 @@ class DiLoCo:
         for (anchor, _), name in zip(self._pairs, self.params, strict=True):
             if name in self.momentum:
                 self.outer.state[anchor]["momentum_buffer"] = _local(self.momentum[name])
+        position = {name: i for i, name in enumerate(self.params)}
+        self._fragments = [[self._pairs[position[name]] for name in names] for names in fragments]
         self.loaded = False  # whether a checkpoint's anchors were loaded (else they restart from the weights)
         # A group that heals from a peer takes its anchors and momentum too (local shards, as the weights).
         replicas.add_state("diloco", self.state_dict())
 
-    def due(self, step: int) -> bool:
-        """Whether step `step` (1-based) ends with a synchronisation.
+    def fragment_at(self, step: int) -> int | None:
+        """The fragment step `step` (1-based) syncs after its inner update, or None.
 
         Args:
             step: the training step just taken.
         """
-        return step % self.sync_steps == 0
+        every = self.sync_steps // len(self._fragments)
+        if step % every:
+            return None
+        return (step // every - 1) % len(self._fragments)
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (1-based) ends with a synchronisation (of one fragment).
+
+        Args:
+            step: the training step just taken.
+        """
+        return self.fragment_at(step) is not None
 
     @torch.no_grad()
     def sync(self, step: int) -> bool:
-        """Synchronise the groups after step `step`'s inner update; True if the outer step was committed.
+        """Synchronise the groups' fragment due after step `step`'s inner update; True if its outer step was
+        committed.
 
-        Dropped by the commit vote (a group died mid-all-reduce), the weights go back to the last anchors: the
-        inner steps since then are lost, as in torchft's DiLoCo.
+        Dropped by the commit vote (a group died mid-all-reduce), the fragment's weights go back to its last
+        anchors: its inner steps since then are lost, as in torchft's DiLoCo.
 
         Args:
             step: the training step just taken (1-based).
         """
+        fragment = self.fragment_at(step)
+        if fragment is None:
+            raise ValueError(f"DiLoCo: no fragment syncs after step {step}")
+        pairs_now = self._fragments[fragment]
         self.replicas.quorum(step - 1)  # may load a peer's weights, optimizer, anchors and step (healing)
         # The pseudo-gradients, written straight into one flat buffer per dtype (the all-reduce's), viewed as .grad.
         buckets: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for anchor, weight in self._pairs:
+        for anchor, weight in pairs_now:
             buckets.setdefault((anchor.dtype, anchor.device), []).append((anchor, weight))
         flats = []
         for (dtype, device), pairs in buckets.items():
@@ -114,9 +144,9 @@ class DiLoCo:
         self.replicas.average_flat(flats)
         committed = self.replicas.commit()
         if committed:
-            self.outer.step()
+            self.outer.step()  # torch's SGD skips the anchors without a gradient: the other fragments'
         self.outer.zero_grad(set_to_none=True)
-        torch._foreach_copy_([w for _, w in self._pairs], [a for a, _ in self._pairs])
+        torch._foreach_copy_([w for _, w in pairs_now], [a for a, _ in pairs_now])
         return committed
 
     @torch.no_grad()
@@ -142,21 +172,52 @@ class DiLoCo:
         self.loaded = True
 
 
-def build_diloco(section: Any, parts: Iterable[nn.Module], replicas: ReplicaGroups | None) -> DiLoCo | None:
+def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[str]]:
+    """`names` (in the model's order) cut into `count` fragments of contiguous blocks, their sizes apart by one at
+    most: the parameters before the first block (the embedding) join the first fragment, those after it (the final
+    norm, the output) the last.
+
+    Args:
+        names: the model's parameter names, as `named_parameters` gives them.
+        blocks: the block container's name (`layers`): blocks are `<blocks>.<i>.`.
+        count: fragments.
+    """
+    prefix = blocks + "."
+    block_ids = list(dict.fromkeys(n.split(".")[len(prefix.split(".")) - 1] for n in names if n.startswith(prefix)))
+    if not 1 <= count <= max(len(block_ids), 1):
+        raise ValueError(f"{count} DiLoCo fragments for a model of {len(block_ids)} blocks: use 1 to {len(block_ids)}")
+    fragment_of = {block: i * count // len(block_ids) for i, block in enumerate(block_ids)}
+    out: list[list[str]] = [[] for _ in range(count)]
+    after_blocks = False
+    for name in names:
+        if name.startswith(prefix):
+            out[fragment_of[name.split(".")[len(prefix.split(".")) - 1]]].append(name)
+            after_blocks = True
+        else:
+            out[count - 1 if after_blocks else 0].append(name)
+    return out
+
+
+def build_diloco(
+    section: Any, parts: Sequence[nn.Module], replicas: ReplicaGroups | None, blocks: str
+) -> DiLoCo | None:
     """The run's `DiLoCo` from the [fault_tolerance] section; None without `semi_sync_method` (or replica groups).
 
     Args:
         section: the config's `fault_tolerance` section.
         parts: this rank's model parts, initialised.
         replicas: this job's replica groups (`build_replica_groups`).
+        blocks: the model's block container (`ModelPlan.blocks`), which `num_fragments` cuts.
     """
     if replicas is None or section.semi_sync_method == "none":
         return None
     averaging = section.semi_sync_method == "local_sgd"  # the mean of the weights: outer lr 1, no momentum
+    names = [canonical_name(name) for part in parts for name, _ in part.named_parameters()]
     return DiLoCo(
         parts,
         replicas,
         sync_steps=section.sync_steps,
         outer_lr=1.0 if averaging else section.outer_lr,
         outer_momentum=0.0 if averaging else section.outer_momentum,
+        fragments=model_fragments(names, blocks, section.num_fragments),
     )

@@ -120,6 +120,10 @@ class ReplicaGroups:
             state_dict=None,
             min_replica_size=options.min_replica_size,
             use_async_quorum=not options.semi_sync,  # DiLoCo heals at the quorum, before it reads the weights
+            # Per step: the groups' first quorum (step 0) gives every group group 0's initial weights. DiLoCo's first
+            # quorum comes after its first inner steps, whose weights it must not replace: its groups start from the
+            # same seed instead (the job check asks for debug.seed).
+            init_sync=not options.semi_sync,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
             rank=rank,

@@ -136,3 +136,5 @@ class FaultTolerance(Section):
     """DiLoCo's outer learning rate: the outer SGD's step on the groups' mean weight change (the paper's 0.7)."""
     outer_momentum: UnitFraction = 0.9
     """DiLoCo's outer Nesterov momentum (the paper's 0.9); 0 for plain SGD."""
+    num_fragments: PositiveInt = 1
+    """With semi_sync_method: the blocks cut into this many fragments, each synced in turn (streaming DiLoCo)."""

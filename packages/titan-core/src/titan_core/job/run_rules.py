@@ -49,6 +49,26 @@ def fault_tolerance(d: Draft) -> None:
                 "set fault_tolerance.enable = true (with its group_size, replica_id and lighthouse)"
             )
         return
+    if ft.num_fragments > 1 and ft.semi_sync_method == "none":
+        raise ConfigError(
+            f"fault_tolerance.num_fragments={ft.num_fragments} cuts the model for semi_sync_method 'diloco' or "
+            "'local_sgd'; set one, or num_fragments = 1"
+        )
+    if ft.sync_steps % ft.num_fragments:
+        raise ConfigError(
+            f"fault_tolerance.sync_steps={ft.sync_steps} is not a multiple of fault_tolerance.num_fragments="
+            f"{ft.num_fragments}: each fragment syncs every sync_steps steps, one every sync_steps / num_fragments"
+        )
+    if ft.num_fragments > d.model_args.n_layers:
+        raise ConfigError(
+            f"fault_tolerance.num_fragments={ft.num_fragments} exceeds the model's {d.model_args.n_layers} blocks; "
+            "a fragment holds one block at least"
+        )
+    if ft.semi_sync_method != "none" and d.cfg.debug.seed is None:
+        raise ConfigError(
+            f"fault_tolerance.semi_sync_method = '{ft.semi_sync_method}' averages the groups' weight changes from one "
+            "start: every group must initialise the same weights; set debug.seed (the same in every group)"
+        )
     if ft.semi_sync_method == "local_sgd":
         for key in sorted({"outer_lr", "outer_momentum"} & ft.model_fields_set):
             raise ConfigError(
