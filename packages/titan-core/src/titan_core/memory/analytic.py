@@ -443,10 +443,12 @@ def _rank_memory(
         "optimizer step": (0, 0) if offload else (opt_temp, grad_bytes),  # offloaded: the step runs on the host
     }
     semi_sync = cfg.fault_tolerance.enable and cfg.fault_tolerance.semi_sync_method != "none"
+    sync_buffer = 0
     if semi_sync:
         # DiLoCo's sync after the step: the inner gradients freed, the pseudo-gradients in one flat fp32 buffer
         # (`titan_core.diloco`); the anchors and outer momentum are counted with the parameters.
-        moments["diloco sync"] = (4 * params.sharded, 0)
+        sync_buffer = 4 * params.sharded // cfg.fault_tolerance.num_fragments  # one fragment per sync (about)
+        moments["diloco sync"] = (sync_buffer, 0)
     elif cfg.fault_tolerance.enable:
         # torchft replica groups average the local gradient shards across groups through one flat copy per dtype
         # (`titan_core.fault_tolerance`): every gradient and its flat copy, between backward and the step.
@@ -458,7 +460,7 @@ def _rank_memory(
         "block backward": block_comm_bwd,
         "optimizer step": 0,
         "replica all-reduce": grad_bytes if cfg.fault_tolerance.enable else 0,
-        "diloco sync": 4 * params.sharded,  # the flat buffer is what the all-reduce sends
+        "diloco sync": sync_buffer,  # the flat buffer is what the all-reduce sends
     }[name]
     after_backward = name in ("optimizer step", "replica all-reduce", "diloco sync")  # every activation freed
     act_at_peak = 0 if after_backward else (activations - (saved_head if name == "block backward" else 0))
