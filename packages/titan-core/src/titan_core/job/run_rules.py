@@ -143,7 +143,7 @@ def master_weights_config_blockers(cfg: JobConfig) -> list[str]:
         blockers.append(f"optimizer.name = {cfg.optimizer.name!r} has no master-weight step (Adam and AdamW do)")
     if cfg.parallelism.dp_mode == "ddp":
         blockers.append("parallelism.dp_mode = 'ddp' computes in bf16 through autocast")
-    if cfg.fault_tolerance.enable:
+    if cfg.fault_tolerance.enable and cfg.fault_tolerance.semi_sync_method == "none":  # DiLoCo averages weights
         blockers.append("fault_tolerance.enable averages gradients over replica groups")
     return blockers
 
