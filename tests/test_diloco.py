@@ -195,3 +195,18 @@ def test_fragments_cut_the_blocks_in_order_with_the_embedding_first_and_the_outp
     assert model_fragments(names, "layers", 1) == [names]
     with pytest.raises(ValueError, match="6 DiLoCo fragments for a model of 5 blocks"):
         model_fragments(names, "layers", 6)
+
+
+def test_bf16_master_weights_train_diloco_groups_not_per_step_ones():
+    """DiLoCo averages the groups' fp32 weights, so a group of one bf16 rank keeps its master weights; the per-step
+    mode would average the bf16 gradients the optimizer reads, and the job check refuses it."""
+    from titan_core.config import ConfigError, load_config
+    from titan_core.job import resolve
+
+    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+          "--fault_tolerance.lighthouse", "http://localhost:29510", "--training.mixed_precision_param", "bfloat16",
+          "--optimizer.master_weights", "on"]  # fmt: skip
+    job = resolve(load_config(None, [*ft, "--fault_tolerance.semi_sync_method", "diloco"]), 1)
+    assert job.parallel.master_weights
+    with pytest.raises(ConfigError, match="fault_tolerance.enable averages gradients over replica groups"):
+        resolve(load_config(None, ft), 1)
