@@ -3,7 +3,7 @@
 Two replica groups of one process each train through `titan lighthouse` with `semi_sync_method = 'diloco'`,
 syncing every 2 steps. Against the paper's outer step computed here from the groups' own weights:
 
-    delta = mean over groups (anchor - weights after 2 inner steps)     (a run that never syncs gives the weights)
+    delta = mean over groups (anchor - weights after the inner steps)  (streaming: after step 1, a fragment's)
     anchor' = anchor - outer_lr * (delta + momentum * delta)           (torch's Nesterov SGD, first step)
 
 and bit-exact resume from a checkpoint between two syncs (anchors and outer momentum are in it).
@@ -69,17 +69,21 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
                          "lighthouse address")
         address = found.group(1)
         synced = train_groups(tmp_path, ("a0", "a1"), address, "--fault_tolerance.sync_steps", "2",
-                              "--training.steps", "4", "--checkpoint.interval", "1")
-        alone = train_groups(tmp_path, ("b0", "b1"), address, "--fault_tolerance.sync_steps", "100",
-                             "--training.steps", "2", "--checkpoint.interval", "1")
+                              "--training.steps", "5", "--checkpoint.interval", "1")
         streamed = train_groups(tmp_path, ("c0", "c1"), address, "--fault_tolerance.sync_steps", "2",
                                 "--fault_tolerance.num_fragments", "2", "--training.steps", "2",
                                 "--checkpoint.interval", "1")
         logs = (tmp_path / "a0.log").read_text()
         assert "step 2 syncs 2 of 2 replica groups" in logs, logs[-3000:]
+        assert "DiLoCo, a sync every 2 steps; outer SGD lr 0.7, Nesterov momentum 0.9" in logs
+        assert "training.steps=5 ends 1 steps after the last sync" in logs
+        assert "in 2 fragments, one every 1 steps" in (tmp_path / "c0.log").read_text()
+        records = [json.loads(line) for line in (synced[0] / "metrics.jsonl").read_text().splitlines()]
+        assert [r.get("ft/replica_groups") for r in records] == [None, 2, 2, 2, 2]  # from the first sync on
+        assert all(r["ft/dropped_syncs"] == 0 for r in records)
 
         saved = {(g, step): dcp_tensors(folder / f"checkpoint/step-{step}")
-                 for g, folder in enumerate(synced) for step in (1, 2, 3, 4)}
+                 for g, folder in enumerate(synced) for step in (1, 2, 3, 4, 5)}
         for step in (1, 2, 3, 4):  # the groups hold the same weights right after each sync, their own in between
             ours, theirs = split(saved[0, step], "model."), split(saved[1, step], "model.")
             assert ours.keys() == theirs.keys() and ours
@@ -88,51 +92,52 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
             state = [split(saved[g, step], "diloco.") for g in (0, 1)]
             assert all(torch.equal(state[0][k], state[1][k]) for k in state[0])  # anchors and momentum
 
+        # The first fragment (the embedding, the first half of the blocks) syncs after step 1, the second (the other
+        # blocks, the final norm, the output) after step 2. After step 1 the first fragment's weights are the
+        # paper's outer step from each group's weights after one inner step: the unsynced run's step 1.
         start_weights = split(split(saved[0, 1], "diloco."), "anchor.")  # no sync yet: the initial weights
-        inner = [split(dcp_tensors(folder / "checkpoint/step-2"), "model.") for folder in alone]
-        model, state = split(saved[0, 2], "model."), split(saved[0, 2], "diloco.")
-        worst = 0.0
-        for name, start_weight in start_weights.items():
-            delta = ((start_weight - inner[0][name]) + (start_weight - inner[1][name])) / 2
-            expected = start_weight - OUTER_LR * (delta + OUTER_MOMENTUM * delta)
-            assert not torch.equal(inner[0][name], inner[1][name])  # each group trained on its own data
-            torch.testing.assert_close(state[f"momentum.{name}"], delta, rtol=0, atol=1e-7)
-            torch.testing.assert_close(model[name], expected, rtol=0, atol=1e-6)
-            assert torch.equal(state[f"anchor.{name}"], model[name])
-            worst = max(worst, (model[name] - expected).abs().max().item())
-        print(f"\nafter the first sync: max |weights - the paper's outer step| = {worst:.2e}")
-
-        # Streaming DiLoCo, 2 fragments, sync_steps 2: the first (the embedding, the first half of the blocks) syncs
-        # after step 1, the second (the other blocks, the final norm, the output) after step 2.
+        one_step = [split(saved[g, 1], "model.") for g in (0, 1)]
         first = set(model_fragments(list(start_weights), "layers", 2)[0])
         assert "tok_embeddings.weight" in first and "output.weight" not in first
-        one_step = [split(dcp_tensors(folder / "checkpoint/step-1"), "model.") for folder in alone]
+        worst = 0.0
         for step, synced_now in ((1, first), (2, set(start_weights) - first)):
             groups = [dcp_tensors(folder / f"checkpoint/step-{step}") for folder in streamed]
             for name in start_weights:  # (Adam's first update is +-lr: a vector's signs may agree by chance)
                 same = torch.equal(groups[0][name], groups[1][name])
                 assert same if name in synced_now else (not same or groups[0][name].dim() == 1), (step, name)
-            if step == 1:  # the first fragment's outer step on each group's weights after one inner step
+            if step == 1:
                 for name in first:
+                    assert not torch.equal(one_step[0][name], one_step[1][name])  # each group on its own data
                     delta = ((start_weights[name] - one_step[0][name]) + (start_weights[name] - one_step[1][name])) / 2
                     expected = start_weights[name] - OUTER_LR * (delta + OUTER_MOMENTUM * delta)
+                    torch.testing.assert_close(groups[0][f"diloco.momentum.{name}"], delta, rtol=0, atol=1e-7)
                     torch.testing.assert_close(groups[0][name], expected, rtol=0, atol=1e-6)
-                    assert not groups[0][f"diloco.momentum.{name}"].eq(0).all()
+                    worst = max(worst, (groups[0][name] - expected).abs().max().item())
                 assert all(groups[0][f"diloco.momentum.{n}"].eq(0).all() for n in set(start_weights) - first)
+        print(f"\nafter the first sync: max |weights - the paper's outer step| = {worst:.2e}")
+        # The whole model's sync: the step-2 weights are the anchors, one outer step from the start on the momentum.
+        model, state = split(saved[0, 2], "model."), split(saved[0, 2], "diloco.")
+        for name, start_weight in start_weights.items():
+            momentum = state[f"momentum.{name}"]
+            assert not momentum.eq(0).all()
+            torch.testing.assert_close(model[name], start_weight - OUTER_LR * (1 + OUTER_MOMENTUM) * momentum,
+                                       rtol=0, atol=1e-6)
+            assert torch.equal(state[f"anchor.{name}"], model[name])
 
         # Resume both groups from step 3 (between syncs: weights apart from the anchors, momentum set).
         resumed = []
         for g, folder in enumerate(synced):
             copy = tmp_path / f"r{g}"
-            shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("step-4", "metrics.jsonl"))
+            shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("step-4", "step-5", "metrics.jsonl"))
             resumed.append(copy.name)
         resumed_folders = train_groups(tmp_path, (resumed[0], resumed[1]), address, "--fault_tolerance.sync_steps",
-                                       "2", "--training.steps", "4", "--checkpoint.interval", "1")
+                                       "2", "--training.steps", "5", "--checkpoint.interval", "1")
         for g, folder in enumerate(resumed_folders):
-            again = dcp_tensors(folder / "checkpoint/step-4")
-            assert again.keys() == saved[g, 4].keys()
-            different = [k for k in again if not torch.equal(again[k], saved[g, 4][k])]
-            assert not different, different
+            for step in (4, 5):  # a sync, and a step after it
+                again = dcp_tensors(folder / f"checkpoint/step-{step}")
+                assert again.keys() == saved[g, step].keys()
+                different = [k for k in again if not torch.equal(again[k], saved[g, step][k])]
+                assert not different, (step, different)
             assert re.search(r"loaded \S+step-3 \(.*diloco", (tmp_path / f"r{g}.log").read_text())
     finally:
         if lighthouse.poll() is None:

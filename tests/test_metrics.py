@@ -6,6 +6,7 @@ import fcntl
 import io
 import json
 import logging
+import mmap
 import os
 import pty
 import re
@@ -99,11 +100,15 @@ def test_cpu_memory_stats_track_rss():
     before = memory_stats(torch.device("cpu"))
     assert set(before) == {"memory/rss_gib", "memory/max_rss_gib"}
     assert before["memory/rss_gib"] > 0
-    block = torch.ones(64 << 20)  # 64 Mi float32 = 0.25 GiB, touched by the fill
+    # 0.25 GiB of fresh pages, each touched: an anonymous mapping of its own, not memory the allocator kept from
+    # earlier tests in this process (a torch.ones of that size reused it once: RSS did not move)
+    block = mmap.mmap(-1, 256 << 20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     after = memory_stats("cpu")
     assert after["memory/rss_gib"] - before["memory/rss_gib"] > 0.2
     assert after["memory/max_rss_gib"] >= after["memory/rss_gib"] - 0.01
-    del block
+    block.close()
 
 
 # ---------------------------------------------------------------- throughput

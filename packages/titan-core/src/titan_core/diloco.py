@@ -27,6 +27,7 @@ the per-step mode (`titan_core.fault_tolerance`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ from titan_core.fault_tolerance import ReplicaGroups
 from titan_parallel import canonical_name
 
 __all__ = ["DiLoCo", "build_diloco", "model_fragments"]
+
+logger = logging.getLogger("titan")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -199,25 +202,47 @@ def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[
 
 
 def build_diloco(
-    section: Any, parts: Sequence[nn.Module], replicas: ReplicaGroups | None, blocks: str
+    section: Any, parts: Sequence[nn.Module], replicas: ReplicaGroups | None, blocks: str, steps: int
 ) -> DiLoCo | None:
     """The run's `DiLoCo` from the [fault_tolerance] section; None without `semi_sync_method` (or replica groups).
+    Rank 0 says how it syncs, and when the run's last step leaves the groups apart.
 
     Args:
         section: the config's `fault_tolerance` section.
         parts: this rank's model parts, initialised.
         replicas: this job's replica groups (`build_replica_groups`).
         blocks: the model's block container (`ModelPlan.blocks`), which `num_fragments` cuts.
+        steps: the run's `training.steps`.
     """
     if replicas is None or section.semi_sync_method == "none":
         return None
     averaging = section.semi_sync_method == "local_sgd"  # the mean of the weights: outer lr 1, no momentum
+    lr, momentum = (1.0, 0.0) if averaging else (section.outer_lr, section.outer_momentum)
     names = [canonical_name(name) for part in parts for name, _ in part.named_parameters()]
+    count, every = section.num_fragments, section.sync_steps
+    if replicas.rank == 0:
+        fragments = f" in {count} fragments, one every {every // count} steps" if count > 1 else ""
+        logger.info(
+            "fault tolerance: %s, a sync every %d steps%s; outer SGD lr %g, Nesterov momentum %g",
+            "local SGD" if averaging else "DiLoCo",
+            every,
+            fragments,
+            lr,
+            momentum,
+        )
+        if count == 1 and steps % every:
+            logger.warning(
+                "fault tolerance: training.steps=%d ends %d steps after the last sync, each group on its own weights; "
+                "make it a multiple of fault_tolerance.sync_steps=%d to end on weights the groups share",
+                steps,
+                steps % every,
+                every,
+            )
     return DiLoCo(
         parts,
         replicas,
-        sync_steps=section.sync_steps,
-        outer_lr=1.0 if averaging else section.outer_lr,
-        outer_momentum=0.0 if averaging else section.outer_momentum,
-        fragments=model_fragments(names, blocks, section.num_fragments),
+        sync_steps=every,
+        outer_lr=lr,
+        outer_momentum=momentum,
+        fragments=model_fragments(names, blocks, count),
     )

@@ -145,6 +145,7 @@ class ReplicaGroups:
         self._groups_seen = 0  # groups in the last committed step, for the log line when it changes
         self.recovered_step: int | None = None  # set when a peer's state was loaded, until it is logged
         self.dropped_steps = 0
+        self._quorums = 0  # synchronous quorums so far (`quorum`)
 
     def data_slice(self, dp_rank: int, dp_world: int) -> tuple[int, int]:
         """This rank's data-parallel rank and world across all the groups: each group reads its own slice.
@@ -266,6 +267,7 @@ class ReplicaGroups:
         """
         self.manager.load_state_dict({"step": done_steps, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
+        self._quorums += 1
 
     @torch.no_grad()
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
@@ -344,10 +346,12 @@ class ReplicaGroups:
         return committed
 
     def metrics(self) -> dict[str, int]:
-        """`ft/replica_groups` (in the last quorum; 0 before a semi-sync run's first sync) and `ft/dropped_steps`
+        """`ft/replica_groups` (in the last quorum; not before a semi-sync run's first sync) and `ft/dropped_steps`
         (`ft/dropped_syncs` with `semi_sync`) so far, host ints."""
-        dropped = "ft/dropped_syncs" if self.options.semi_sync else "ft/dropped_steps"
-        return {"ft/replica_groups": self.manager.num_participants(), dropped: self.dropped_steps}
+        if self.options.semi_sync:
+            groups = {"ft/replica_groups": self.manager.num_participants()} if self._quorums else {}
+            return {**groups, "ft/dropped_syncs": self.dropped_steps}
+        return {"ft/replica_groups": self.manager.num_participants(), "ft/dropped_steps": self.dropped_steps}
 
     def close(self) -> None:
         """Leave the quorum: stop torchft's manager server and checkpoint server."""
