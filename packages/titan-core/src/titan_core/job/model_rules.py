@@ -1,6 +1,6 @@
 """The rules about the model a job trains: its name, flavor and `model.shape`, `[moe]`'s and `[mup]`'s settings,
 and its multi-token-prediction depths. Part of `titan_core.job.rules.RULES`, which runs them before the layout rules
-(whose checks read the model's final shape).
+(whose checks read the model's final shape), the depths' right after the parallel degrees (it reads the pipeline's).
 """
 
 from __future__ import annotations
