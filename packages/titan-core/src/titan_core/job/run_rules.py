@@ -39,8 +39,9 @@ __all__ = [
 
 
 def fault_tolerance(d: Draft) -> None:
-    """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; no layout or policy that
-    would set one replica group apart from the others (pipeline stages, a rollback, MoE expert biases)."""
+    """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; DiLoCo's fragments that divide
+    `sync_steps` and the blocks, one seed for every group, no outer settings with local SGD; no layout or policy
+    that would set one replica group apart from the others (pipeline stages, a rollback, MoE expert biases)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
         if ft.semi_sync_method != "none":
