@@ -124,6 +124,21 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
                                        rtol=0, atol=1e-6)
             assert torch.equal(state[f"anchor.{name}"], model[name])
 
+        # `titan convert --anchors` writes the weights the groups last synced, not this group's own since then.
+        from typer.testing import CliRunner
+
+        from titan_cli.main import app
+
+        step3, exported = synced[0] / "checkpoint/step-3", tmp_path / "anchors.pt"
+        result = CliRunner().invoke(app, ["convert", str(step3), str(exported), "--to", "torch", "--anchors"])
+        assert result.exit_code == 0, result.output
+        written, anchors = torch.load(exported, weights_only=True), split(saved[0, 3], "diloco.anchor.")
+        assert written.keys() == anchors.keys() and all(torch.equal(written[k], anchors[k]) for k in anchors)
+        assert all(torch.equal(anchors[k], split(saved[1, 2], "model.")[k]) for k in anchors)  # step 2's sync
+        result = CliRunner().invoke(app, ["convert", str(exported), str(tmp_path / "x.pt"), "--to", "torch",
+                                          "--flavor", "debugmodel", "--anchors"])  # fmt: skip
+        assert result.exit_code == 2 and "is a torch checkpoint" in result.output
+
         # Resume both groups from step 3 (between syncs: weights apart from the anchors, momentum set).
         resumed = []
         for g, folder in enumerate(synced):

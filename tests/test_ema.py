@@ -136,6 +136,10 @@ def test_convert_writes_the_average_and_refuses_where_there_is_none(runs, tmp_pa
                               "--to", "torch", "--ema"])  # fmt: skip
     assert result.exit_code == 2 and "holds no moving average of the weights" in result.output
     assert not (tmp_path / "x.pt").exists()
+    result = cli.invoke(app, ["convert", str(step), str(tmp_path / "y.pt"), "--to", "torch", "--anchors"])
+    assert result.exit_code == 2 and "holds no DiLoCo anchors" in result.output  # a run without DiLoCo
+    result = cli.invoke(app, ["convert", str(step), str(tmp_path / "z.pt"), "--to", "torch", "--ema", "--anchors"])
+    assert result.exit_code == 2 and "--ema and --anchors each choose the weights to write" in result.output
 
 
 VALIDATED = [*TINY, "--training.steps", "4", "--training.global_batch_size", "4", "--ema.enable", "true",

@@ -48,6 +48,12 @@ def convert(
         help="Write the moving average of the weights a trainer checkpoint holds (ema.enable = true) instead of "
         "its weights.",
     ),
+    anchors: bool = typer.Option(
+        False,
+        "--anchors",
+        help="Write the DiLoCo anchors a replica group's checkpoint holds (the weights the groups last synced; "
+        "fault_tolerance.semi_sync_method) instead of its own weights.",
+    ),
 ) -> None:
     """Convert model weights between Hugging Face safetensors, DCP and torch files, or average several checkpoints.
 
@@ -64,6 +70,9 @@ def convert(
     def log(message: str) -> None:
         typer.echo(message, err=True)
 
+    if ema and anchors:
+        typer.echo("titan convert: error: --ema and --anchors each choose the weights to write; give one", err=True)
+        raise typer.Exit(2)
     try:
         weight_list = [float(w) for w in weights.split(",")] if weights is not None else None
     except ValueError:
@@ -84,7 +93,7 @@ def convert(
             log=log,
             average_with=average_with,
             weights=weight_list,
-            ema=ema,
+            weight_set="ema" if ema else "anchors" if anchors else "model",
         )
     except ParityError as err:
         typer.echo(f"titan convert: error: {err}", err=True)

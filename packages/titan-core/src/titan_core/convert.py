@@ -89,7 +89,7 @@ def convert_checkpoint(
     log: Callable[[str], None] = lambda message: None,
     average_with: Sequence[str] = (),
     weights: Sequence[float] | None = None,
-    ema: bool = False,
+    weight_set: str = "model",
 ) -> ConversionResult:
     """Convert model weights between "hf", "dcp" and "torch" (source format detected), or write the average of
     several checkpoints of one model (`average_with`).
@@ -108,8 +108,8 @@ def convert_checkpoint(
         average_with: more checkpoints of the same model (any format): the output holds the weighted mean of
             `src` and these, each floating-point tensor averaged in fp32 (checkpoint averaging, "model soups").
         weights: one weight per checkpoint (`src` first), normalised to sum 1; None = equal weights.
-        ema: read each DCP checkpoint's moving average of the weights (`[ema]`, keys `ema.<name>`) instead of its
-            weights.
+        weight_set: which weights of each DCP checkpoint (`titan_core.model_source.WEIGHT_SETS`): "model", "ema"
+            (the moving average, `[ema]`, keys `ema.<name>`) or "anchors" (DiLoCo's, `diloco.anchor.<name>`).
 
     Raises:
         ValueError / FileNotFoundError / FileExistsError: bad input, one line naming the path and the fix.
@@ -130,11 +130,11 @@ def convert_checkpoint(
     log(f"reading {src_format} checkpoint {src_path}")
     args, base_config, extras_dir = resolve_source_args(src_path, src_format, adapter, model_name, flavor)
     expected = expected_shapes(spec.build, args)
-    state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected, ema=ema)
+    state_dict = load_titan_state_dict(src_path, src_format, args, adapter, expected, weight_set=weight_set)
     check_state_dict(state_dict, expected, src_path)
     if average_with:
         state_dict = _average(
-            state_dict, src_path, average_with, weights, args, adapter, model_name, flavor, expected, log, ema
+            state_dict, src_path, average_with, weights, args, adapter, model_name, flavor, expected, log, weight_set
         )
     elif weights is not None:
         raise ConfigError("--weights weigh the checkpoints of an average; add them with --average-with")
@@ -186,7 +186,7 @@ def _average(
     flavor: str | None,
     expected: dict[str, torch.Size],
     log: Callable[[str], None],
-    ema: bool = False,
+    weight_set: str = "model",
 ) -> dict[str, torch.Tensor]:
     """The weighted mean of `first` and the checkpoints at `others` (read one at a time): floating-point tensors
     accumulated in fp32 and returned in `first`'s dtypes; any other tensor must be equal in all of them."""
@@ -211,7 +211,7 @@ def _average(
                 "; average checkpoints of one model only"
             )
         log(f"reading {fmt} checkpoint {path}")
-        state_dict = load_titan_state_dict(path, fmt, args, adapter, expected, ema=ema)
+        state_dict = load_titan_state_dict(path, fmt, args, adapter, expected, weight_set=weight_set)
         check_state_dict(state_dict, expected, path)
         for key, tensor in state_dict.items():
             if tensor.is_floating_point():

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import shutil
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,18 @@ from titan_core.data.tokenizer import find_tokenizer_file
 from titan_core.model_shape import run_args
 from titan_models import HFAdapter, get_model_args, get_model_spec
 
+WEIGHT_SETS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    "model": ("", "model weights", ("", "model."), "any trainer checkpoint"),
+    "ema": ("--ema", "moving average of the weights", ("ema.",), "runs with ema.enable = true"),
+    "anchors": (
+        "--anchors",
+        "DiLoCo anchors (the weights the replica groups last synced)",
+        ("diloco.anchor.",),
+        "runs with fault_tolerance.semi_sync_method = 'diloco' or 'local_sgd'",
+    ),
+}
+"""A trainer checkpoint's sets of model weights: name -> (the `titan convert` flag, what it is, DCP key prefixes,
+which runs save it)."""
 RUN_CONFIG = "config.toml"
 """The config a `titan train` run writes into its folder."""
 HF_RUN_CONFIG = "hf_config.json"
@@ -280,7 +292,7 @@ def load_titan_state_dict(
     adapter: HFAdapter[Any] | None,
     expected: dict[str, torch.Size],
     *,
-    ema: bool = False,
+    weight_set: str = "model",
 ) -> dict[str, torch.Tensor]:
     """Read a checkpoint of any format as a Titan-named full state dict on CPU.
 
@@ -290,17 +302,18 @@ def load_titan_state_dict(
         args: the model's args (for the RoPE permutation and tied embeddings).
         adapter: the model's Hugging Face adapter (None: it has none; Hugging Face weights cannot be read).
         expected: the model's names and shapes (`expected_shapes`); a DCP folder is read for these only.
-        ema: read a trainer checkpoint's moving average of the weights (DCP only) instead of its weights.
+        weight_set: which of a trainer checkpoint's sets of weights (`WEIGHT_SETS`; DCP only but "model").
     """
-    if ema and fmt != "dcp":
+    if weight_set != "model" and fmt != "dcp":
+        flag, what, _, saved_by = WEIGHT_SETS[weight_set]
         raise ConfigError(
-            f"--ema: {path} is a {fmt} checkpoint; the moving average of the weights is in a trainer's DCP "
-            "checkpoints (ema.enable = true): point to a step-N folder"
+            f"{flag}: {path} is a {fmt} checkpoint; {what} is in a trainer's DCP checkpoints ({saved_by}): point to "
+            "a step-N folder"
         )
     if fmt == "hf":
         return needs_adapter(adapter, path).from_hf(read_hf_state_dict(path), args)
     if fmt == "dcp":
-        return read_dcp_model(path, args, expected, prefixes=("ema.",) if ema else ("", "model."))
+        return read_dcp_model(path, args, expected, weight_set)
     raw = read_torch_state_dict(torch_file_of(path))
     if "model.embed_tokens.weight" in raw or "lm_head.weight" in raw:  # a Hugging Face pytorch_model.bin
         return needs_adapter(adapter, path).from_hf(raw, args)
@@ -308,19 +321,17 @@ def load_titan_state_dict(
 
 
 def read_dcp_model(
-    folder: Path, args: Any, expected: dict[str, torch.Size], prefixes: Sequence[str] = ("", "model.")
+    folder: Path, args: Any, expected: dict[str, torch.Size], weight_set: str = "model"
 ) -> dict[str, torch.Tensor]:
-    """The model's tensors from a DCP folder whose keys have one of `prefixes` (no prefix or `model.`; `ema.` for
-    the moving average of the weights): the prefix that holds the most expected names wins. Optimizer, data
-    loader and train state entries are not read."""
+    """The model's tensors from a DCP folder, of one of its sets of weights (`WEIGHT_SETS`: the weights, under no
+    prefix or `model.`, whichever holds more expected names; their moving average; DiLoCo's anchors). Optimizer,
+    data loader and train state entries are not read."""
+    flag, what, prefixes, saved_by = WEIGHT_SETS[weight_set]
     stored = read_dcp_tensor_shapes(folder)
     prefix = max(prefixes, key=lambda p: sum(p + k in stored for k in expected))
     names = [prefix + k for k in expected if prefix + k in stored]
-    if not names and prefix == "ema.":
-        raise ConfigError(
-            f"--ema: {folder} holds no moving average of the weights (no 'ema.*' tensors); it is saved by runs with "
-            "ema.enable = true"
-        )
+    if not names and weight_set != "model":
+        raise ConfigError(f"{flag}: {folder} holds no {what} (no '{prefix}*' tensors); it is saved by {saved_by}")
     if not names:
         raise ConfigError(
             f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); "
