@@ -33,11 +33,11 @@ from titan_core.model_shape import run_args
 from titan_models import HFAdapter, get_model_args, get_model_spec
 
 WEIGHT_SETS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
-    "model": ("", "model weights", ("", "model."), "any trainer checkpoint"),
+    "model": ("", "model's weights", ("", "model."), "every run"),
     "ema": ("--ema", "moving average of the weights", ("ema.",), "runs with ema.enable = true"),
     "anchors": (
         "--anchors",
-        "DiLoCo anchors (the weights the replica groups last synced)",
+        "DiLoCo anchors, the weights the replica groups last synced",
         ("diloco.anchor.",),
         "runs with fault_tolerance.semi_sync_method = 'diloco' or 'local_sgd'",
     ),
@@ -307,8 +307,8 @@ def load_titan_state_dict(
     if weight_set != "model" and fmt != "dcp":
         flag, what, _, saved_by = WEIGHT_SETS[weight_set]
         raise ConfigError(
-            f"{flag}: {path} is a {fmt} checkpoint; {what} is in a trainer's DCP checkpoints ({saved_by}): point to "
-            "a step-N folder"
+            f"{flag}: {path} is a {fmt} checkpoint; only a trainer's DCP checkpoints hold the {what} ({saved_by}): "
+            "point to a step-N folder"
         )
     if fmt == "hf":
         return needs_adapter(adapter, path).from_hf(read_hf_state_dict(path), args)
@@ -331,7 +331,7 @@ def read_dcp_model(
     prefix = max(prefixes, key=lambda p: sum(p + k in stored for k in expected))
     names = [prefix + k for k in expected if prefix + k in stored]
     if not names and weight_set != "model":
-        raise ConfigError(f"{flag}: {folder} holds no {what} (no '{prefix}*' tensors); it is saved by {saved_by}")
+        raise ConfigError(f"{flag}: {folder} holds no {what} (no '{prefix}*' tensors); {saved_by} save them")
     if not names:
         raise ConfigError(
             f"{folder} holds none of the model's weights (e.g. 'tok_embeddings.weight'); "
