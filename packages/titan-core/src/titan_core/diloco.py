@@ -33,18 +33,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from titan_core.fault_tolerance import ReplicaGroups
+from titan_core.fault_tolerance import ReplicaGroups, local_shard
 from titan_parallel import canonical_name
 
 __all__ = ["DiLoCo", "build_diloco", "model_fragments"]
 
 logger = logging.getLogger("titan")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class DiLoCo:
@@ -84,13 +79,13 @@ class DiLoCo:
             self.momentum = {name: torch.zeros_like(a) for name, a in self.anchors.items()} if outer_momentum else {}
         # torch's SGD over the anchors' local shards (elementwise: no DTensor dispatch); its momentum buffers are
         # given up front (a zero buffer's first step is torch's own first step) so that they are checkpointed.
-        self._pairs = [(_local(self.anchors[name]), _local(p)) for name, p in self.params.items()]
+        self._pairs = [(local_shard(self.anchors[name]), local_shard(p)) for name, p in self.params.items()]
         self.outer = torch.optim.SGD(
             [a for a, _ in self._pairs], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
         )
         for (anchor, _), name in zip(self._pairs, self.params, strict=True):
             if name in self.momentum:
-                self.outer.state[anchor]["momentum_buffer"] = _local(self.momentum[name])
+                self.outer.state[anchor]["momentum_buffer"] = local_shard(self.momentum[name])
         position = {name: i for i, name in enumerate(self.params)}
         self._fragments = [[self._pairs[position[name]] for name in names] for names in fragments]
         self.loaded = False  # whether a checkpoint's anchors were loaded (else they restart from the weights)
@@ -185,8 +180,8 @@ def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[
         blocks: the block container's name (`layers`): blocks are `<blocks>.<i>.`.
         count: fragments.
     """
-    prefix = blocks + "."
-    block_ids = list(dict.fromkeys(n.split(".")[len(prefix.split(".")) - 1] for n in names if n.startswith(prefix)))
+    prefix, depth = blocks + ".", blocks.count(".") + 1  # `<blocks>.<i>.`: the block id is part `depth`
+    block_ids = list(dict.fromkeys(n.split(".")[depth] for n in names if n.startswith(prefix)))
     if not 1 <= count <= max(len(block_ids), 1):
         raise ValueError(f"{count} DiLoCo fragments for a model of {len(block_ids)} blocks: use 1 to {len(block_ids)}")
     fragment_of = {block: i * count // len(block_ids) for i, block in enumerate(block_ids)}
@@ -194,7 +189,7 @@ def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[
     after_blocks = False
     for name in names:
         if name.startswith(prefix):
-            out[fragment_of[name.split(".")[len(prefix.split(".")) - 1]]].append(name)
+            out[fragment_of[name.split(".")[depth]]].append(name)
             after_blocks = True
         else:
             out[count - 1 if after_blocks else 0].append(name)

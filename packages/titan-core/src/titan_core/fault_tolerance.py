@@ -20,7 +20,7 @@ after-step; one flat all-reduce of the local gradient shards after backward work
 same under FSDP, DDP and one process. `docs/fault_tolerance.md` has the how-to.
 
 With `semi_sync_method` (DiLoCo, local SGD: `titan_core.diloco`) the groups meet every `sync_steps` steps instead:
-a synchronous quorum (`quorum`, where a group behind heals), one all-reduce of the weights' change (`average`) and
+a synchronous quorum (`quorum`, where a group behind heals), one all-reduce of the weights' change (`average_flat`) and
 the same commit vote.
 """
 
@@ -45,7 +45,7 @@ from titan_core.config.errors import MissingPackageError
 if TYPE_CHECKING:
     import torchft
 
-__all__ = ["FaultToleranceOptions", "MISSING_TORCHFT", "ReplicaGroups", "build_replica_groups"]
+__all__ = ["FaultToleranceOptions", "MISSING_TORCHFT", "ReplicaGroups", "build_replica_groups", "local_shard"]
 
 logger = logging.getLogger("titan")
 
@@ -81,7 +81,7 @@ class FaultToleranceOptions:
     semi_sync: bool = False
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (sharing its storage), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -145,7 +145,6 @@ class ReplicaGroups:
         self._groups_seen = 0  # groups in the last committed step, for the log line when it changes
         self.recovered_step: int | None = None  # set when a peer's state was loaded, until it is logged
         self.dropped_steps = 0
-        self._quorums = 0  # synchronous quorums so far (`quorum`)
 
     def data_slice(self, dp_rank: int, dp_world: int) -> tuple[int, int]:
         """This rank's data-parallel rank and world across all the groups: each group reads its own slice.
@@ -223,9 +222,11 @@ class ReplicaGroups:
         optim_states = get_optimizer_states(self._parts, self._optims)
         self._tensors: dict[str, dict[str, torch.Tensor]] = {
             "model": {
-                f"{i}.{k}": _local(v) for i, state in enumerate(get_part_states(self._parts)) for k, v in state.items()
+                f"{i}.{k}": local_shard(v)
+                for i, state in enumerate(get_part_states(self._parts))
+                for k, v in state.items()
             },
-            "optimizer": {k: _local(v) for k, v in flatten_optimizer_tensors(optim_states).items()},
+            "optimizer": {k: local_shard(v) for k, v in flatten_optimizer_tensors(optim_states).items()},
         }
 
     def resume_at(self, step: int) -> None:
@@ -249,7 +250,7 @@ class ReplicaGroups:
             name: the state's name, the same in every group.
             tensors: tensors by key (DTensors: their local shards are sent), the same in every group.
         """
-        tensors = {key: _local(tensor) for key, tensor in tensors.items()}
+        tensors = {key: local_shard(tensor) for key, tensor in tensors.items()}
 
         def load_state_dict(state: dict[str, torch.Tensor]) -> None:
             with torch.no_grad():
@@ -267,7 +268,6 @@ class ReplicaGroups:
         """
         self.manager.load_state_dict({"step": done_steps, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
-        self._quorums += 1
 
     @torch.no_grad()
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
@@ -279,18 +279,11 @@ class ReplicaGroups:
         Args:
             params: the model's parameters; those without a gradient are skipped (the same on every group).
         """
-        self.average([_local(p.grad) for p in params if p.grad is not None])
-
-    @torch.no_grad()
-    def average(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Average local tensors across the live groups, in place: one all-reduce per dtype and device.
-
-        Args:
-            tensors: the same list, in the same order, in every group.
-        """
-        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for tensor in tensors:
-            buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # one all-reduce per dtype
+        for p in params:
+            if p.grad is not None:
+                grad = local_shard(p.grad)
+                buckets.setdefault((grad.dtype, grad.device), []).append(grad)
         flats = [_flatten_dense_tensors(grads) for grads in buckets.values()]
         self.average_flat(flats)
         for grads, flat in zip(buckets.values(), flats, strict=True):
@@ -349,8 +342,8 @@ class ReplicaGroups:
         """`ft/replica_groups` (in the last quorum; not before a semi-sync run's first sync) and `ft/dropped_steps`
         (`ft/dropped_syncs` with `semi_sync`) so far, host ints."""
         if self.options.semi_sync:
-            groups = {"ft/replica_groups": self.manager.num_participants()} if self._quorums else {}
-            return {**groups, "ft/dropped_syncs": self.dropped_steps}
+            groups = self.manager.num_participants()  # 0 before the first quorum
+            return {**({"ft/replica_groups": groups} if groups else {}), "ft/dropped_syncs": self.dropped_steps}
         return {"ft/replica_groups": self.manager.num_participants(), "ft/dropped_steps": self.dropped_steps}
 
     def close(self) -> None:

@@ -327,7 +327,8 @@ def _rank_memory(
     if job.cfg.ema.enable:  # the moving average of the weights: one more fp32 copy of the shards (titan_core.ema)
         param_bytes += 4 * params.sharded
     ft = job.cfg.fault_tolerance
-    if ft.enable and ft.semi_sync_method != "none":  # DiLoCo's anchors (+ outer momentum) beside the weights
+    semi_sync = ft.enable and ft.semi_sync_method != "none"
+    if semi_sync:  # DiLoCo's anchors (+ outer momentum) beside the weights
         param_bytes += 4 * params.sharded * (1 if ft.semi_sync_method == "local_sgd" or not ft.outer_momentum else 2)
     grad_bytes = (b if master else 4) * params.sharded
     opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
@@ -442,14 +443,13 @@ def _rank_memory(
         # The optimizer step: every gradient, the optimizer's temporaries.
         "optimizer step": (0, 0) if offload else (opt_temp, grad_bytes),  # offloaded: the step runs on the host
     }
-    semi_sync = cfg.fault_tolerance.enable and cfg.fault_tolerance.semi_sync_method != "none"
     sync_buffer = 0
     if semi_sync:
         # DiLoCo's sync after the step: the inner gradients freed, the pseudo-gradients in one flat fp32 buffer
         # (`titan_core.diloco`); the anchors and outer momentum are counted with the parameters.
-        sync_buffer = 4 * params.sharded // cfg.fault_tolerance.num_fragments  # one fragment per sync (about)
+        sync_buffer = 4 * params.sharded // ft.num_fragments  # one fragment per sync (about)
         moments["diloco sync"] = (sync_buffer, 0)
-    elif cfg.fault_tolerance.enable:
+    elif ft.enable:
         # torchft replica groups average the local gradient shards across groups through one flat copy per dtype
         # (`titan_core.fault_tolerance`): every gradient and its flat copy, between backward and the step.
         moments["replica all-reduce"] = (grad_bytes, grad_bytes)
@@ -459,7 +459,7 @@ def _rank_memory(
         "output backward": output_comm_bwd,
         "block backward": block_comm_bwd,
         "optimizer step": 0,
-        "replica all-reduce": grad_bytes if cfg.fault_tolerance.enable else 0,
+        "replica all-reduce": grad_bytes if ft.enable else 0,
         "diloco sync": sync_buffer,  # the flat buffer is what the all-reduce sends
     }[name]
     after_backward = name in ("optimizer step", "replica all-reduce", "diloco sync")  # every activation freed
