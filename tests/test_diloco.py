@@ -154,6 +154,43 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
                 different = [k for k in again if not torch.equal(again[k], saved[g, step][k])]
                 assert not different, (step, different)
             assert re.search(r"loaded \S+step-3 \(.*diloco", (tmp_path / f"r{g}.log").read_text())
+
+        # Overlapped (fragment_sync_delay 1): the all-reduce starts after step 1 from its weights, the outer step is
+        # taken after step 2 (here early, in the step-1 checkpoint, which saves inside the window), the weights then
+        # half the anchors, half the group's own; both groups resumed from step 1 end as the uninterrupted run.
+        overlap = ["--fault_tolerance.sync_steps", "2", "--fault_tolerance.fragment_sync_delay", "1",
+                   "--fault_tolerance.fragment_update_alpha", "0.5", "--training.steps", "4",
+                   "--checkpoint.interval", "1"]  # fmt: skip
+        delayed = train_groups(tmp_path, ("d0", "d1"), address, *overlap)
+        assert "each all-reduce behind 1 inner steps" in (tmp_path / "d0.log").read_text()
+        after = {(g, step): dcp_tensors(folder / f"checkpoint/step-{step}")
+                 for g, folder in enumerate(delayed) for step in (1, 2, 3, 4)}
+        one_step = [split(after[g, 1], "model.") for g in (0, 1)]
+        worst = 0.0
+        for name, start_weight in start_weights.items():
+            delta = ((start_weight - one_step[0][name]) + (start_weight - one_step[1][name])) / 2
+            expected = start_weight - OUTER_LR * (delta + OUTER_MOMENTUM * delta)
+            for g in (0, 1):
+                torch.testing.assert_close(after[g, 1][f"diloco.momentum.{name}"], delta, rtol=0, atol=1e-7)
+                torch.testing.assert_close(after[g, 1][f"diloco.anchor.{name}"], expected, rtol=0, atol=1e-6)
+                assert torch.equal(after[g, 2][f"diloco.anchor.{name}"], after[g, 1][f"diloco.anchor.{name}"])
+            worst = max(worst, (after[0, 1][f"diloco.anchor.{name}"] - expected).abs().max().item())
+        print(f"overlapped: max |anchors - the paper's outer step on the step-1 weights| = {worst:.2e}")
+        weights_at_2 = [split(after[g, 2], "model.") for g in (0, 1)]  # half each group's own: still apart
+        assert all(not torch.equal(weights_at_2[0][k], weights_at_2[1][k]) for k in weights_at_2[0] if "norm" not in k)
+        for step, sync_end in ((1, 2), (2, 0), (3, 4), (4, 0)):
+            saved_window = json.loads((delayed[0] / f"checkpoint/step-{step}/diloco_sync.json").read_text())
+            assert saved_window == {"stepped_sync_end": sync_end}, step
+        for g, folder in enumerate(delayed):
+            shutil.copytree(folder, tmp_path / f"e{g}",
+                            ignore=shutil.ignore_patterns("step-2", "step-3", "step-4", "metrics.jsonl"))
+        again = train_groups(tmp_path, ("e0", "e1"), address, *overlap)
+        for g, folder in enumerate(again):
+            for step in (2, 3, 4):
+                resumed_step = dcp_tensors(folder / f"checkpoint/step-{step}")
+                assert resumed_step.keys() == after[g, step].keys()
+                different = [k for k in resumed_step if not torch.equal(resumed_step[k], after[g, step][k])]
+                assert not different, (g, step, different)
     finally:
         if lighthouse.poll() is None:
             os.killpg(lighthouse.pid, signal.SIGKILL)
@@ -230,3 +267,156 @@ def test_bf16_master_weights_train_diloco_groups_not_per_step_ones():
     assert job.parallel.master_weights
     with pytest.raises(ConfigError, match="fault_tolerance.enable averages gradients over replica groups"):
         resolve(load_config(None, ft), 1)
+
+
+class FakeGroups:
+    """torchft's replica groups for one in-process DiLoCo: the all-reduce averages this group's pseudo-gradient with
+    a peer's that stayed at the anchors (zero), i.e. halves it; the vote says `votes.pop(0)` (True when empty)."""
+
+    def __init__(self, votes: list[bool] | None = None):
+        self.votes, self.quorums, self.commits = list(votes or []), [], 0
+        self.in_flight: list[torch.Tensor] = []
+
+    def add_state(self, name, tensors):
+        pass
+
+    def quorum(self, done_steps):
+        self.quorums.append(done_steps)
+
+    def start_average(self, flats):
+        self.in_flight = list(flats)
+        return [object()]
+
+    def wait(self, works):
+        for flat in self.in_flight:  # (a second wait finds nothing left to halve)
+            flat.div_(2)
+        self.in_flight = []
+
+    def errored(self):
+        return False
+
+    def commit(self):
+        self.commits += 1
+        return self.votes.pop(0) if self.votes else True
+
+
+def tiny_blocks() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    model.out = torch.nn.Linear(4, 2)
+    return model
+
+
+def inner_step(model: torch.nn.Module, step: int) -> None:
+    """A stand-in for the inner optimizer's step: a seeded move of every weight."""
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+
+
+def overlapped(model: torch.nn.Module, groups: FakeGroups, alpha: float = 0.25):
+    from titan_core.diloco import DiLoCo
+
+    names = [n for n, _ in model.named_parameters()]
+    return DiLoCo([model], groups, sync_steps=4, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                  fragments=model_fragments(names, "layers", 2), delay=1, alpha=alpha, last_step=8)
+
+
+def test_a_delayed_sync_takes_its_outer_step_later_and_merges_the_groups_own_progress():
+    """Streaming DiLoCo's overlap: 2 fragments synced every 4 steps (fragment 0 after steps 2, 6; fragment 1 after
+    4, 8), each all-reduce started one step before (after 1, 3, 5, 7) from the weights then, the outer step on the
+    average taken a step later, the weights then (1 - alpha) x anchors + alpha x the group's own after that step."""
+    model = tiny_blocks()
+    groups = FakeGroups()
+    outer = overlapped(model, groups)
+    params = dict(model.named_parameters())
+    fragment_of = {n: f for f, names in enumerate(model_fragments(list(params), "layers", 2)) for n in names}
+    anchor = {n: p.detach().clone() for n, p in params.items()}
+    momentum = {n: torch.zeros_like(p) for n, p in params.items()}
+    delta: dict[str, torch.Tensor] = {}
+    for step in range(1, 9):
+        inner_step(model, step)
+        changed = outer.advance(step)
+        assert changed == (step % 2 == 0)
+        for name, p in params.items():
+            fragment = fragment_of[name]
+            if step % 4 == 2 * fragment + 1:  # this fragment's all-reduce starts from the weights after this step
+                delta[name] = (anchor[name] - p.detach()) / 2  # (the average with a peer that did not move)
+            if step % 4 == (2 * fragment + 2) % 4:  # its outer step, a step later: torch's Nesterov SGD
+                momentum[name] = OUTER_MOMENTUM * momentum[name] + delta[name]
+                anchor[name] = anchor[name] - OUTER_LR * (delta[name] + OUTER_MOMENTUM * momentum[name])
+                # the weights here are merged already: compare the anchors, then the merge below
+                torch.testing.assert_close(outer.anchors[name], anchor[name], rtol=0, atol=1e-6)
+                torch.testing.assert_close(outer.momentum[name], momentum[name], rtol=0, atol=1e-6)
+    assert groups.quorums == [0, 2, 4, 6] and groups.commits == 4  # a quorum at each start, a vote at each end
+
+    # The merge, against a group that took the same steps with alpha 0 (its weights become the anchors).
+    merging, plain = tiny_blocks(), tiny_blocks()
+    mixed, whole = overlapped(merging, FakeGroups()), overlapped(plain, FakeGroups(), alpha=0.0)
+    for step in (1, 2):
+        for model, outer in ((merging, mixed), (plain, whole)):
+            inner_step(model, step)
+            local = {n: p.detach().clone() for n, p in model.named_parameters()}  # before the sync's merge
+            outer.advance(step)
+    first = set(model_fragments(list(params), "layers", 2)[0])
+    for name, weight in merging.named_parameters():
+        if name in first:
+            assert torch.equal(mixed.anchors[name], whole.anchors[name])
+            assert torch.equal(dict(plain.named_parameters())[name], whole.anchors[name])
+            torch.testing.assert_close(weight.detach(), 0.75 * whole.anchors[name] + 0.25 * local[name],
+                                       rtol=0, atol=1e-7)
+        else:  # not synced yet
+            assert torch.equal(weight, local[name])
+
+
+def test_a_checkpoint_inside_the_window_holds_the_outer_step_and_resumes_bit_exactly():
+    """A save between a sync's start and its outer step takes the step then (the anchors a resumed run merges
+    with); the run that saved ends the window as one that did not save, a run resumed from the save merges without
+    a vote, and a vote that drops the sync takes the early step back."""
+    import copy
+
+    saving, plain = tiny_blocks(), tiny_blocks()
+    groups = FakeGroups()
+    a, b = overlapped(saving, groups), overlapped(plain, FakeGroups())
+    for model, outer in ((saving, a), (plain, b)):
+        inner_step(model, 1)
+        outer.advance(1)  # fragment 0's all-reduce in flight
+    saved_weights = copy.deepcopy(saving.state_dict())
+    saved = {k: v.clone() for k, v in a.state_dict().items()}  # the checkpoint's tensor state, then its JSON one
+    window = a.window.state_dict()
+    assert window == {"stepped_sync_end": 2}
+    first = model_fragments([n for n, _ in saving.named_parameters()], "layers", 2)[0]
+    assert not torch.equal(saved[f"anchor.{first[0]}"], b.anchors[first[0]])  # stepped already, b not yet
+
+    resumed_model = tiny_blocks()
+    resumed_model.load_state_dict(saved_weights)
+    resumed_groups = FakeGroups()
+    resumed = overlapped(resumed_model, resumed_groups)
+    resumed.load_state_dict(saved)
+    resumed.window.load_state_dict(window)
+    for step in range(2, 9):
+        for model, outer in ((saving, a), (plain, b), (resumed_model, resumed)):
+            inner_step(model, step)
+            outer.advance(step)
+        for other in (plain, resumed_model):
+            for (name, x), y in zip(saving.state_dict().items(), other.state_dict().values(), strict=True):
+                assert torch.equal(x, y), (step, name)
+        assert all(torch.equal(a.anchors[n], resumed.anchors[n]) for n in a.anchors)
+    assert groups.commits == 4 and resumed_groups.commits == 3  # the resumed run's first window: no vote
+    assert a.window.state_dict() == {"stepped_sync_end": 0}  # no sync in flight after step 8
+
+    # Dropped by the vote: the early step is taken back and fragment 0's weights return to the last anchors.
+    dropped_model = tiny_blocks()
+    start = {n: p.detach().clone() for n, p in dropped_model.named_parameters()}
+    dropped = overlapped(dropped_model, FakeGroups(votes=[False]))
+    inner_step(dropped_model, 1)
+    dropped.advance(1)
+    dropped.state_dict()  # a checkpoint inside the window: the early step
+    inner_step(dropped_model, 2)
+    dropped.advance(2)
+    weights = dict(dropped_model.named_parameters())
+    for name in weights:
+        assert torch.equal(dropped.anchors[name], start[name]) and dropped.momentum[name].eq(0).all()
+        assert torch.equal(weights[name], start[name]) == (name in first), name

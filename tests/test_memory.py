@@ -245,6 +245,11 @@ def test_diloco_adds_its_anchors_and_outer_momentum_and_no_gradient_copy():
         assert rank.parameters == plain.parameters + copies * weights, method
         assert rank.total == plain.total + copies * weights, method  # the step's peak moment is unchanged
         assert "peak_moment_replica_all-reduce" not in rank.detail
+    # Overlapped (fragment_sync_delay): a fragment's flat buffer lives through the next steps' peaks too.
+    cfg = load_config(None, [*ft, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments",
+                             "2", "--fault_tolerance.sync_steps", "4", "--fault_tolerance.fragment_sync_delay", "1"])
+    rank = estimate_analytic(cfg, 1, device_type="cpu").ranks[0]
+    assert rank.total == plain.total + 2 * plain.gradients + plain.gradients // 2
 
 
 def test_the_table_says_which_moment_of_the_step_holds_the_peak():

@@ -270,6 +270,7 @@ def build_checkpointer(
     save_model_fn: SaveModelFn | None = None,
     ema: TensorStateful | None = None,
     diloco: TensorStateful | None = None,
+    diloco_window: Any = None,
 ) -> RunCheckpointer:
     """Build the run's checkpoint manager (disabled: it does nothing); each load puts the config's optimizer
     settings back (`RunCheckpointer`).
@@ -290,6 +291,8 @@ def build_checkpointer(
         ema: the moving average of the weights (`[ema]`), saved as the tensor state "ema"; None without one.
         diloco: DiLoCo's anchors and outer momentum (`fault_tolerance.semi_sync_method`), the tensor state
             "diloco"; None without it.
+        diloco_window: the JSON state "diloco_sync" (`DiLoCo.window`): which sync a checkpoint saved inside its
+            window holds the outer step of; None without DiLoCo.
 
     The rules across the `checkpoint` keys are checked with the whole job (`titan_core.job`).
     """
@@ -306,7 +309,12 @@ def build_checkpointer(
         lr_schedulers=lr_schedulers,
         model_parts=model_parts,
         optimizers=optimizers,
-        states={"lr_scheduler": SchedulersState(lr_schedulers), "dataloader": dataloader, "train_state": train_state},
+        states={
+            "lr_scheduler": SchedulersState(lr_schedulers),
+            "dataloader": dataloader,
+            "train_state": train_state,
+            **({"diloco_sync": diloco_window} if diloco_window is not None else {}),
+        },
         tensor_states={name: s for name, s in (("ema", ema), ("diloco", diloco)) if s is not None},
         device=device,
         options=options,

@@ -7,14 +7,22 @@ The groups exchange one all-reduce of the weights every `sync_steps` steps inste
 With `fragments` (Streaming DiLoCo, Douillard et al. 2025, arXiv:2501.18512) the blocks are cut into that many
 contiguous fragments (the embedding with the first, the final norm and output with the last), each synced every
 `sync_steps` steps at its own offset (`(f + 1) * sync_steps / fragments`): each sync sends one fragment, so the peak
-bandwidth drops by that factor.
+bandwidth drops by that factor. With a `delay` of tau steps the fragment's all-reduce starts tau steps before its
+outer step and runs behind those steps' compute (the paper's overlapping communication); with `alpha` the synced
+weights keep that share of the group's own (the paper's mixing, `(1 - alpha) anchor + alpha weights`).
 
-    sync at step s (s % sync_steps == 0), after the inner optimizer's step:
+    after step s - tau (the sync of step s, s % (sync_steps / fragments) == 0), after the inner optimizer's step:
         quorum          torchft's, synchronous: a group behind (fresh or restarted) heals from a peer here
         delta = anchor - weights        (this rank's shards; the same shards in every group)
-        delta = mean over the groups    one all-reduce per dtype (torchft's Manager)
-        commit vote     torchft's `should_commit`; dropped: the weights go back to `anchor`
-        anchor = outer_sgd(anchor, delta); weights = anchor
+        delta = mean over the groups    one all-reduce per dtype (torchft's Manager), started, not waited for
+    after step s (the same call when tau = 0):
+        wait; commit vote               torchft's `should_commit`; dropped: the weights go back to `anchor`
+        anchor = outer_sgd(anchor, delta); weights = anchor.lerp(weights, alpha)
+
+A checkpoint saved inside the window (after step s - tau, before s) waits for the all-reduce and takes the outer step
+then, so that it holds the anchors step s merges with: a run resumed from it merges at step s without the vote (its
+all-reduce finished before the save), bit for bit as the run that saved it; that run keeps the anchors of before
+the step until its vote, and takes them back if the vote drops the sync.
 
 Why not torchft's `DiLoCo`: it keeps the synchronised weights as local shards in a name-keyed dict on the host,
 which a checkpoint cannot reshard, and counts its own steps in a hook on the optimizer, which a resumed run or a
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +49,19 @@ from titan_parallel import canonical_name
 __all__ = ["DiLoCo", "build_diloco", "model_fragments"]
 
 logger = logging.getLogger("titan")
+
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (anchor, weight) local shards
+
+
+@dataclass
+class _Sync:
+    """One fragment's synchronisation in flight: its all-reduce started after step `end - delay`."""
+
+    fragment: int
+    end: int  # the step after whose inner update the outer step is taken
+    pairs: _Pairs
+    works: list[Any]  # the all-reduces (torchft's)
+    before: list[torch.Tensor] | None = None  # anchors and momentum before an early outer step (a checkpoint's)
 
 
 class DiLoCo:
@@ -53,6 +75,10 @@ class DiLoCo:
         outer_momentum: its Nesterov momentum; 0 for plain SGD (`local_sgd`: lr 1, momentum 0).
         fragments: the parameter names of each fragment, in sync order (`model_fragments`); None: one, the whole
             model.
+        delay: inner steps a fragment's all-reduce runs behind, below `sync_steps / len(fragments)`; 0: none.
+        alpha: the share of the group's own weights a sync keeps, 0 to 1: the weights become
+            `(1 - alpha) anchor + alpha weights`.
+        last_step: no sync starts whose outer step would come after this step (None: no end).
     """
 
     def __init__(
@@ -64,6 +90,9 @@ class DiLoCo:
         outer_lr: float,
         outer_momentum: float,
         fragments: Sequence[Sequence[str]] | None = None,
+        delay: int = 0,
+        alpha: float = 0.0,
+        last_step: int | None = None,
     ):
         self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
         fragments = [list(self.params)] if fragments is None else [list(f) for f in fragments]
@@ -73,7 +102,14 @@ class DiLoCo:
             )
         if sorted(n for f in fragments for n in f) != sorted(self.params):
             raise ValueError("DiLoCo fragments must hold every parameter of the parts once")
+        if not 0 <= delay < sync_steps // len(fragments):
+            raise ValueError(
+                f"DiLoCo delay={delay} must be from 0 to below sync_steps / fragments = {sync_steps // len(fragments)}"
+            )
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"DiLoCo alpha={alpha} must be from 0 to 1")
         self.replicas, self.sync_steps = replicas, sync_steps
+        self.delay, self.alpha, self.last_step = delay, alpha, last_step
         with torch.no_grad():  # the weights of the last synchronisation; DTensors keep their placements
             self.anchors = {name: p.detach().clone() for name, p in self.params.items()}
             self.momentum = {name: torch.zeros_like(a) for name, a in self.anchors.items()} if outer_momentum else {}
@@ -89,8 +125,16 @@ class DiLoCo:
         position = {name: i for i, name in enumerate(self.params)}
         self._fragments = [[self._pairs[position[name]] for name in names] for names in fragments]
         self.loaded = False  # whether a checkpoint's anchors were loaded (else they restart from the weights)
-        # A group that heals from a peer takes its anchors and momentum too (local shards, as the weights).
-        replicas.add_state("diloco", self.state_dict())
+        self._live = {
+            **{f"anchor.{name}": a for name, a in self.anchors.items()},
+            **{f"momentum.{name}": m for name, m in self.momentum.items()},
+        }
+        self._sync: _Sync | None = None
+        self._resumed_end: int | None = None  # a checkpoint saved inside this sync's window was loaded: merge only
+        self.window = _Window(self)  # the checkpoint's JSON state "diloco_sync"
+        # A group that heals from a peer takes its anchors and momentum too (local shards, as the weights). Quorums
+        # come only where no sync is in flight (windows do not overlap), so these are never half-stepped.
+        replicas.add_state("diloco", self._live)
 
     def fragment_at(self, step: int) -> int | None:
         """The fragment step `step` (1-based) syncs after its inner update, or None.
@@ -103,33 +147,50 @@ class DiLoCo:
             return None
         return (step // every - 1) % len(self._fragments)
 
-    def due(self, step: int) -> bool:
-        """Whether step `step` (1-based) ends with a synchronisation (of one fragment).
-
-        Args:
-            step: the training step just taken.
-        """
-        return self.fragment_at(step) is not None
-
-    @torch.no_grad()
-    def sync(self, step: int) -> bool:
-        """Synchronise the groups' fragment due after step `step`'s inner update; True if its outer step was
-        committed.
-
-        Dropped by the commit vote (a group died mid-all-reduce), the fragment's weights go back to its last
-        anchors: its inner steps since then are lost, as in torchft's DiLoCo.
+    def starts_at(self, step: int) -> bool:
+        """Whether a fragment's all-reduce starts after step `step`'s inner update (its outer step `delay` later).
 
         Args:
             step: the training step just taken (1-based).
         """
-        fragment = self.fragment_at(step)
-        if fragment is None:
-            raise ValueError(f"DiLoCo: no fragment syncs after step {step}")
-        pairs_now = self._fragments[fragment]
+        end = step + self.delay
+        return self.fragment_at(end) is not None and (self.last_step is None or end <= self.last_step)
+
+    @torch.no_grad()
+    def advance(self, step: int) -> bool:
+        """What is due after step `step`'s inner update: the outer step of the sync in flight (or the merge of one a
+        loaded checkpoint was saved in), then the start of the next; True if the weights changed.
+
+        Args:
+            step: the training step just taken (1-based).
+        """
+        changed = False
+        if self._sync is not None and self._sync.end == step:
+            self._finish(self._sync)
+            changed = True
+        elif self._resumed_end == step and self.loaded:  # its outer step is in the loaded anchors
+            fragment = self.fragment_at(step)
+            if fragment is not None:  # (unless the schedule changed since)
+                self._merge(self._fragments[fragment])
+                changed = True
+        if self._resumed_end is not None and step >= self._resumed_end:
+            self._resumed_end = None
+        if self.starts_at(step):
+            self._start(step, step + self.delay)
+            if self.delay == 0:
+                assert self._sync is not None
+                self._finish(self._sync)
+                changed = True
+        return changed
+
+    def _start(self, step: int, end: int) -> None:
+        """The quorum, then the fragment's pseudo-gradients averaged across the groups: started, not waited for."""
+        fragment = self.fragment_at(end)
+        assert fragment is not None and self._sync is None
         self.replicas.quorum(step - 1)  # may load a peer's weights, optimizer, anchors and step (healing)
         # The pseudo-gradients, written straight into one flat buffer per dtype (the all-reduce's), viewed as .grad.
-        buckets: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for anchor, weight in pairs_now:
+        buckets: dict[tuple[torch.dtype, torch.device], _Pairs] = {}
+        for anchor, weight in self._fragments[fragment]:
             buckets.setdefault((anchor.dtype, anchor.device), []).append((anchor, weight))
         flats = []
         for (dtype, device), pairs in buckets.items():
@@ -139,13 +200,42 @@ class DiLoCo:
                 anchor.grad = torch.sub(anchor, weight, out=flat[offset : offset + anchor.numel()].view_as(anchor))
                 offset += anchor.numel()
             flats.append(flat)
-        self.replicas.average_flat(flats)
+        works = self.replicas.start_average(flats)
+        self._sync = _Sync(fragment, end, self._fragments[fragment], works)
+
+    def _finish(self, sync: _Sync) -> bool:
+        """Wait for the sync's all-reduce, vote, take the outer step and merge; True if committed.
+
+        Dropped by the commit vote (a group died mid-all-reduce), the fragment's weights go back to its last
+        anchors: its inner steps since then are lost, as in torchft's DiLoCo.
+        """
+        self._sync = None
+        self.replicas.wait(sync.works)
         committed = self.replicas.commit()
-        if committed:
+        if committed and sync.before is None:
             self.outer.step()  # torch's SGD skips the anchors without a gradient: the other fragments'
+        elif not committed and sync.before is not None:  # the early step (a checkpoint's) is taken back
+            torch._foreach_copy_(self._stepped(sync), sync.before)
         self.outer.zero_grad(set_to_none=True)
-        torch._foreach_copy_([w for _, w in pairs_now], [a for a, _ in pairs_now])
+        if committed:
+            self._merge(sync.pairs)
+        else:
+            torch._foreach_copy_([w for _, w in sync.pairs], [a for a, _ in sync.pairs])
         return committed
+
+    def _merge(self, pairs: _Pairs) -> None:
+        """The fragment's weights from its new anchors: `(1 - alpha) anchor + alpha weights`."""
+        weights, anchors = [w for _, w in pairs], [a for a, _ in pairs]
+        if self.alpha:
+            torch._foreach_lerp_(weights, anchors, 1.0 - self.alpha)
+        else:
+            torch._foreach_copy_(weights, anchors)
+
+    def _stepped(self, sync: _Sync) -> list[torch.Tensor]:
+        """What the outer step writes for the sync's fragment: its anchors, then its momentum buffers."""
+        anchors = [a for a, _ in sync.pairs]
+        momentum = [self.outer.state[a]["momentum_buffer"] for a in anchors if a in self.outer.state]
+        return anchors + momentum
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -155,19 +245,46 @@ class DiLoCo:
             buf.zero_()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The live anchors and momentum buffers (`titan_ckpt.TensorStateful`): saved as they are, loaded in place."""
-        return {
-            **{f"anchor.{name}": a for name, a in self.anchors.items()},
-            **{f"momentum.{name}": m for name, m in self.momentum.items()},
-        }
+        """The live anchors and momentum buffers (`titan_ckpt.TensorStateful`): saved as they are, loaded in place.
+
+        Inside a sync's window (a checkpoint between its start and its outer step) the all-reduce is waited for and
+        the outer step taken now, the anchors of before kept for the vote (`window` says so in the checkpoint).
+        """
+        self._step_early()
+        return self._live
+
+    @torch.no_grad()
+    def _step_early(self) -> _Sync | None:
+        """The sync in flight, its outer step taken (once) unless its all-reduce failed."""
+        sync = self._sync
+        if sync is not None and sync.before is None:
+            self.replicas.wait(sync.works)
+            if not self.replicas.errored():
+                sync.before = [t.clone() for t in self._stepped(sync)]
+                self.outer.step()
+        return sync
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        live = self.state_dict()
         with torch.no_grad():
             for key, value in state.items():
-                if value is not live[key]:
-                    live[key].copy_(value)
+                if value is not self._live[key]:
+                    self._live[key].copy_(value)
         self.loaded = True
+
+
+class _Window:
+    """The JSON state "diloco_sync" (`titan_ckpt.JsonStateful`): the step whose sync a checkpoint saved inside its
+    window holds the outer step of (`DiLoCo.state_dict`), 0 for none; a run resumed from it only merges then."""
+
+    def __init__(self, diloco: DiLoCo):
+        self.diloco = diloco
+
+    def state_dict(self) -> dict[str, int]:
+        sync = self.diloco._step_early()
+        return {"stepped_sync_end": sync.end if sync is not None and sync.before is not None else 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.diloco._resumed_end = int(state["stepped_sync_end"]) or None
 
 
 def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[str]]:
@@ -217,13 +334,18 @@ def build_diloco(
     count, every = section.num_fragments, section.sync_steps
     if replicas.rank == 0:
         fragments = f" in {count} fragments, one every {every // count} steps" if count > 1 else ""
+        delay, alpha = section.fragment_sync_delay, section.fragment_update_alpha
+        overlap = f", each all-reduce behind {delay} inner steps" if delay else ""
+        keeps = f", keeping {alpha:g} of each group's own weights" if alpha else ""
         logger.info(
-            "fault tolerance: %s, a sync every %d steps%s; outer SGD lr %g, Nesterov momentum %g",
+            "fault tolerance: %s, a sync every %d steps%s%s; outer SGD lr %g, Nesterov momentum %g%s",
             "local SGD" if averaging else "DiLoCo",
             every,
             fragments,
+            overlap,
             lr,
             momentum,
+            keeps,
         )
         if count == 1 and steps % every:
             logger.warning(
@@ -240,4 +362,7 @@ def build_diloco(
         outer_lr=lr,
         outer_momentum=momentum,
         fragments=model_fragments(names, blocks, count),
+        delay=section.fragment_sync_delay,
+        alpha=section.fragment_update_alpha,
+        last_step=steps,
     )

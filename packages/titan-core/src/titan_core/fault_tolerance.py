@@ -20,8 +20,8 @@ after-step; one flat all-reduce of the local gradient shards after backward work
 same under FSDP, DDP and one process. `docs/fault_tolerance.md` has the how-to.
 
 With `semi_sync_method` (DiLoCo, local SGD: `titan_core.diloco`) the groups meet every `sync_steps` steps instead:
-a synchronous quorum (`quorum`, where a group behind heals), one all-reduce of the weights' change (`average_flat`) and
-the same commit vote.
+a synchronous quorum (`quorum`, where a group behind heals), one all-reduce of the weights' change (`start_average`,
+waited for then or a few steps later) and the same commit vote.
 """
 
 from __future__ import annotations
@@ -297,8 +297,28 @@ class ReplicaGroups:
         Args:
             flats: the same buffers (dtype, length, order) in every group.
         """
-        for work in [self.manager.allreduce(flat) for flat in flats]:
+        self.wait(self.start_average(flats))
+
+    def start_average(self, flats: Sequence[torch.Tensor]) -> list[Any]:
+        """Start averaging flat buffers across the live groups, in place; `wait` for the works it returns.
+
+        Args:
+            flats: the same buffers (dtype, length, order) in every group.
+        """
+        return [self.manager.allreduce(flat) for flat in flats]
+
+    def wait(self, works: Sequence[Any]) -> None:
+        """Wait for `start_average`'s all-reduces (a failed one is torchft's to report: `errored`, then the vote).
+
+        Args:
+            works: what `start_average` returned.
+        """
+        for work in works:
             work.wait()
+
+    def errored(self) -> bool:
+        """Whether a cross-group collective of this quorum failed (the commit vote will drop it)."""
+        return self.manager.errored() is not None
 
     def commit(self) -> bool:
         """torchft's commit vote for this step (a peer's recovered state is applied first); True: step the optimizer.

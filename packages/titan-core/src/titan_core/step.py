@@ -321,11 +321,11 @@ class StepRunner:
             self._optimizer_step(None, divisor)
             if self.ema is not None:
                 self.ema.update(step=step)
-        if self.outer is not None and self.outer.due(step):  # DiLoCo: the groups' outer step on the weights
-            for optimizer in self.optimizers:  # the inner gradients are spent: their memory holds the sync's
-                optimizer.zero_grad(set_to_none=True)
-            self.outer.sync(step)
-            if self.after_step is not None:  # float8's scales follow the new weights
+        if self.outer is not None:  # DiLoCo: the groups' outer step on the weights, and the next sync's start
+            if self.outer.starts_at(step):
+                for optimizer in self.optimizers:  # the inner gradients are spent: their memory holds the sync's
+                    optimizer.zero_grad(set_to_none=True)
+            if self.outer.advance(step) and self.after_step is not None:  # float8's scales follow the new weights
                 self.after_step()
         lr = float(self.lr_schedulers[0].get_last_lr()[0]) if self.lr_schedulers else None  # before it moves on
         self.lr_step()  # the schedule follows the step counter, dropped steps included

@@ -208,6 +208,7 @@ class Trainer:
             **hf_checkpoint_hooks(cfg.checkpoint, cfg.model, self.model_args, job.hf_source, rank=self.rank),
             ema=self.ema,
             diloco=self.outer,
+            diloco_window=self.outer.window if self.outer is not None else None,
         )
         # Mixture-of-Experts layers: global tokens per expert each step, expert-bias update, load metrics
         self.balancer = ExpertLoadBalancer(

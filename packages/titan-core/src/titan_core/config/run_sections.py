@@ -138,3 +138,7 @@ class FaultTolerance(Section):
     """DiLoCo's outer Nesterov momentum (the paper's 0.9); 0 for plain SGD."""
     num_fragments: PositiveInt = 1
     """With semi_sync_method: the blocks cut into this many fragments, each synced in turn (streaming DiLoCo)."""
+    fragment_sync_delay: NonNegativeInt = 0
+    """Inner steps each sync's all-reduce runs behind before its outer step (streaming DiLoCo's overlap, tau)."""
+    fragment_update_alpha: UnitFraction = 0.0
+    """At a sync the weights become (1 - alpha) x the synced anchors + alpha x the group's own (streaming DiLoCo)."""

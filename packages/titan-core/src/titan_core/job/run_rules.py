@@ -40,8 +40,9 @@ __all__ = [
 
 def fault_tolerance(d: Draft) -> None:
     """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; DiLoCo's fragments that divide
-    `sync_steps` and the blocks, one seed for every group, no outer settings with local SGD; no layout or policy
-    that would set one replica group apart from the others (pipeline stages, a rollback, MoE expert biases)."""
+    `sync_steps` and the blocks, a sync delay below the steps between syncs, one seed for every group, no outer
+    settings with local SGD; no layout or policy that would set one replica group apart from the others (pipeline
+    stages, a rollback, MoE expert biases)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
         if ft.semi_sync_method != "none":
@@ -55,10 +56,22 @@ def fault_tolerance(d: Draft) -> None:
             f"fault_tolerance.num_fragments={ft.num_fragments} cuts the model for semi_sync_method 'diloco' or "
             "'local_sgd'; set one, or num_fragments = 1"
         )
+    for key in ("fragment_sync_delay", "fragment_update_alpha"):
+        if getattr(ft, key) and ft.semi_sync_method == "none":
+            raise ConfigError(
+                f"fault_tolerance.{key} shapes the syncs of semi_sync_method 'diloco' or 'local_sgd'; set one, "
+                f"or leave {key} at 0"
+            )
     if ft.sync_steps % ft.num_fragments:
         raise ConfigError(
             f"fault_tolerance.sync_steps={ft.sync_steps} is not a multiple of fault_tolerance.num_fragments="
             f"{ft.num_fragments}: each fragment syncs every sync_steps steps, one every sync_steps / num_fragments"
+        )
+    if ft.fragment_sync_delay >= ft.sync_steps // ft.num_fragments:
+        raise ConfigError(
+            f"fault_tolerance.fragment_sync_delay={ft.fragment_sync_delay} must be below sync_steps / num_fragments = "
+            f"{ft.sync_steps // ft.num_fragments}, the steps between two syncs (a fragment's all-reduce ends before "
+            "the next one starts)"
         )
     if ft.num_fragments > d.model_args.n_layers:
         raise ConfigError(

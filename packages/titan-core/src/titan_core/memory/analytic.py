@@ -330,6 +330,8 @@ def _rank_memory(
     semi_sync = ft.enable and ft.semi_sync_method != "none"
     if semi_sync:  # DiLoCo's anchors (+ outer momentum) beside the weights
         param_bytes += 4 * params.sharded * (1 if ft.semi_sync_method == "local_sgd" or not ft.outer_momentum else 2)
+        if ft.fragment_sync_delay:  # a fragment's all-reduce runs behind the next steps: its flat buffer stays
+            param_bytes += 4 * params.sharded // ft.num_fragments
     grad_bytes = (b if master else 4) * params.sharded
     opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
     if p.dp_mode == "ddp" and dims.dp_replicate > 1:
@@ -448,6 +450,8 @@ def _rank_memory(
         # DiLoCo's sync after the step: the inner gradients freed, the pseudo-gradients in one flat fp32 buffer
         # (`titan_core.diloco`); the anchors and outer momentum are counted with the parameters.
         sync_buffer = 4 * params.sharded // ft.num_fragments  # one fragment per sync (about)
+        if ft.fragment_sync_delay:  # held through the next steps: counted with the model states above
+            sync_buffer = 0
         moments["diloco sync"] = (sync_buffer, 0)
     elif ft.enable:
         # torchft replica groups average the local gradient shards across groups through one flat copy per dtype
