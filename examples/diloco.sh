@@ -4,12 +4,17 @@
 # 43 s on a 2-core AMD EPYC with AVX-512 and native bf16 (2026-12-06). On a cluster, run one group per island
 # (its own nodes, its own torchrun) and the lighthouse anywhere both reach.
 #
-#   bash examples/diloco.sh [OUTPUT_FOLDER]      # default ./outputs/diloco
+#   bash examples/diloco.sh [OUTPUT_FOLDER [TRAIN_FLAGS...]]      # default ./outputs/diloco
+#
+# Streaming DiLoCo, each fragment's all-reduce overlapped with the next 2 inner steps:
+#   bash examples/diloco.sh ./outputs/streaming --fault_tolerance.num_fragments 2 \
+#       --fault_tolerance.fragment_sync_delay 2 --fault_tolerance.fragment_update_alpha 0.5
 #
 # Each group's log says "step 10 syncs 2 of 2 replica groups"; their checkpoints at steps 10, 20, 30 and 40
 # hold the same weights (the sync steps), their own in between.
 set -euo pipefail
 out=${1:-./outputs/diloco}
+shift || true
 mkdir -p "$out"
 titan lighthouse --min-replicas 2 --bind '[::]:0' >"$out/lighthouse.log" 2>&1 &
 lighthouse=$!
@@ -26,7 +31,7 @@ for id in 0 1; do
         --fault_tolerance.enable true --fault_tolerance.group_size 2 --fault_tolerance.min_replica_size 2 \
         --fault_tolerance.replica_id "$id" --fault_tolerance.lighthouse "$address" \
         --fault_tolerance.semi_sync_method diloco --fault_tolerance.sync_steps 10 \
-        --fault_tolerance.outer_lr 0.7 --fault_tolerance.outer_momentum 0.9 >"$out/group$id.log" 2>&1 &
+        --fault_tolerance.outer_lr 0.7 --fault_tolerance.outer_momentum 0.9 "$@" >"$out/group$id.log" 2>&1 &
     groups+=($!)
 done
 for pid in "${groups[@]}"; do wait "$pid"; done

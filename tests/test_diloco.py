@@ -81,6 +81,7 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
         records = [json.loads(line) for line in (synced[0] / "metrics.jsonl").read_text().splitlines()]
         assert [r.get("ft/replica_groups") for r in records] == [None, 2, 2, 2, 2]  # from the first sync on
         assert all(r["ft/dropped_syncs"] == 0 for r in records)
+        assert ["ft/outer_grad_norm" in r and r["ft/sync_wait_ms"] >= 0 for r in records] == [False, *[True] * 4]
 
         saved = {(g, step): dcp_tensors(folder / f"checkpoint/step-{step}")
                  for g, folder in enumerate(synced) for step in (1, 2, 3, 4, 5)}
@@ -117,6 +118,10 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
         print(f"\nafter the first sync: max |weights - the paper's outer step| = {worst:.2e}")
         # The whole model's sync: the step-2 weights are the anchors, one outer step from the start on the momentum.
         model, state = split(saved[0, 2], "model."), split(saved[0, 2], "diloco.")
+        # the first sync's outer gradient is its momentum: ft/outer_grad_norm is its norm (in fp64 here: torch's fp32
+        # norm of one 5.8M-element vector on CPU was 1.3e-4 off)
+        first_norm = torch.cat([state[f"momentum.{n}"].flatten() for n in start_weights]).double().norm().item()
+        assert records[1]["ft/outer_grad_norm"] == pytest.approx(first_norm, rel=1e-5)
         for name, start_weight in start_weights.items():
             momentum = state[f"momentum.{name}"]
             assert not momentum.eq(0).all()
@@ -350,6 +355,10 @@ def test_a_delayed_sync_takes_its_outer_step_later_and_merges_the_groups_own_pro
                 # the weights here are merged already: compare the anchors, then the merge below
                 torch.testing.assert_close(outer.anchors[name], anchor[name], rtol=0, atol=1e-6)
                 torch.testing.assert_close(outer.momentum[name], momentum[name], rtol=0, atol=1e-6)
+        if changed:  # the outer gradient's norm: the synced fragment's averaged pseudo-gradient
+            synced = [delta[n].flatten() for n in params if step % 4 == (2 * fragment_of[n] + 2) % 4]
+            expected_norm = torch.cat(synced).double().norm().item()
+            assert outer.metrics()["ft/outer_grad_norm"] == pytest.approx(expected_norm, rel=1e-6)
     assert groups.quorums == [0, 2, 4, 6] and groups.commits == 4  # a quorum at each start, a vote at each end
 
     # The merge, against a group that took the same steps with alpha 0 (its weights become the anchors).

@@ -60,8 +60,10 @@ def test_every_layout_reports_one_processs_norms(runs):
         for mine, ref in zip(ours, theirs, strict=True):
             groups = sorted(k for k in ref if k.startswith(KINDS))
             assert sorted(k for k in mine if k.startswith(KINDS)) == groups, row
-            for key in groups:  # fp32 layouts: most agree to 1e-6; the output's gradient norm by 8e-5 (FSDP, TP, EP)
-                assert mine[key] == pytest.approx(ref[key], rel=2e-4), (row, key, mine[key], ref[key])
+            # fp32 layouts agreed within 1.5e-6 (2026-12-06; 1.3e-4 before the CPU norms were taken in chunks, the
+            # embedding's and the output's: torch's CPU norm of a whole 524k-element tensor, titan_parallel.grad_clip)
+            for key in groups:
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5), (row, key, mine[key], ref[key])
             # The groups' gradient norms make up the clipped norm the run reports.
             total = math.sqrt(sum(mine[k] ** 2 for k in groups if k.startswith("grad_norm/")))
             assert total == pytest.approx(mine["optim/grad_norm"], rel=1e-5), row

@@ -435,3 +435,21 @@ def test_two_ranks_exclude_what_one_process_does_and_a_resume_keeps_the_number_o
     norms = run_titan(tmp_path / "two", *args[:-1], "*norm*", "--checkpoint.enable", "true", "--training.steps", "6")
     assert f"no weight decay for {tensors - 1} tensors" in norms.stdout + norms.stderr
     assert len(losses(tmp_path / "two")) == 6  # steps 1-4, then 5-6 resumed from step 4
+
+
+def test_gradient_norms_of_large_cpu_tensors_are_exact_to_fp32():
+    """torch's CPU L2 norm accumulates a whole tensor in one fp32 vector (pytorch/pytorch#169237): a 20M-element
+    gradient's norm came out 1e-3 off on torch 2.11 and 2.15. Titan's norms (clipping, `optim/grad_norm`, the
+    per-block norms) take it over chunks: within 1e-6 of the fp64 norm, in fp32 and from bf16 gradients."""
+    from titan_parallel.grad_clip import clip_grad_norm_, grad_norm, grouped_norms
+
+    torch.manual_seed(0)
+    big = torch.randn(20_000_000) * 1e-3  # alone, so that no smaller tensor's norm hides its error
+    for grad in (big, big.bfloat16()):
+        param = torch.nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad.clone()
+        exact = grad.double().norm().item()
+        assert grad_norm([param]).item() == pytest.approx(exact, rel=1e-6)
+        assert grouped_norms([[grad]])[0].item() == pytest.approx(exact, rel=1e-6)
+        assert clip_grad_norm_([param], max_norm=1.0).item() == pytest.approx(exact, rel=1e-6)
+        assert param.grad.double().norm().item() == pytest.approx(1.0, rel=1e-2)  # clipped to 1 (bf16: 3 digits)

@@ -36,15 +36,17 @@ the per-step mode (`titan_core.fault_tolerance`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_core.fault_tolerance import ReplicaGroups, local_shard
-from titan_parallel import canonical_name
+from titan_parallel import canonical_name, grouped_norms
 
 __all__ = ["DiLoCo", "build_diloco", "model_fragments"]
 
@@ -61,6 +63,7 @@ class _Sync:
     end: int  # the step after whose inner update the outer step is taken
     pairs: _Pairs
     works: list[Any]  # the all-reduces (torchft's)
+    waited: bool = False
     before: list[torch.Tensor] | None = None  # anchors and momentum before an early outer step (a checkpoint's)
 
 
@@ -129,6 +132,9 @@ class DiLoCo:
             **{f"anchor.{name}": a for name, a in self.anchors.items()},
             **{f"momentum.{name}": m for name, m in self.momentum.items()},
         }
+        self._layouts = {id(local_shard(a)): a for a in self.anchors.values() if isinstance(a, DTensor)}
+        self._wait_s: float | None = None  # the last sync's wait for its all-reduce, and its outer gradient's norm
+        self._outer_norm: torch.Tensor | None = None
         self._sync: _Sync | None = None
         self._resumed_end: int | None = None  # a checkpoint saved inside this sync's window was loaded: merge only
         self.window = _Window(self)  # the checkpoint's JSON state "diloco_sync"
@@ -210,7 +216,7 @@ class DiLoCo:
         anchors: its inner steps since then are lost, as in torchft's DiLoCo.
         """
         self._sync = None
-        self.replicas.wait(sync.works)
+        self._wait(sync)
         committed = self.replicas.commit()
         if committed and sync.before is None:
             self.outer.step()  # torch's SGD skips the anchors without a gradient: the other fragments'
@@ -222,6 +228,34 @@ class DiLoCo:
         else:
             torch._foreach_copy_([w for _, w in sync.pairs], [a for a, _ in sync.pairs])
         return committed
+
+    def _wait(self, sync: _Sync) -> None:
+        """Wait for the sync's all-reduce (once), timed; the norm of the averaged pseudo-gradient (the outer
+        gradient), taken before the outer step (torch's Nesterov SGD adds the momentum into it)."""
+        if sync.waited:
+            return
+        began = time.perf_counter()
+        self.replicas.wait(sync.works)
+        self._wait_s, sync.waited = time.perf_counter() - began, True
+        views = []  # the local shards as their anchors' DTensors: the norm sums over the group's shards
+        for anchor, _ in sync.pairs:
+            layout = self._layouts.get(id(anchor))
+            grad = anchor.grad
+            assert grad is not None
+            if layout is not None:
+                grad = DTensor.from_local(
+                    grad, layout.device_mesh, layout.placements, shape=layout.shape, stride=layout.stride()
+                )
+            views.append(grad)
+        self._outer_norm = grouped_norms([views])[0]
+
+    def metrics(self) -> dict[str, float]:
+        """`ft/sync_wait_ms` (how long the last sync's outer step waited for its all-reduce: what the delay did not
+        hide) and `ft/outer_grad_norm` (the norm of its averaged pseudo-gradient, its fragment's); none before the
+        first sync. Reads a device value: call at log steps."""
+        if self._wait_s is None or self._outer_norm is None:
+            return {}
+        return {"ft/sync_wait_ms": 1000 * self._wait_s, "ft/outer_grad_norm": float(self._outer_norm.item())}
 
     def _merge(self, pairs: _Pairs) -> None:
         """The fragment's weights from its new anchors: `(1 - alpha) anchor + alpha weights`."""
@@ -258,7 +292,7 @@ class DiLoCo:
         """The sync in flight, its outer step taken (once) unless its all-reduce failed."""
         sync = self._sync
         if sync is not None and sync.before is None:
-            self.replicas.wait(sync.works)
+            self._wait(sync)
             if not self.replicas.errored():
                 sync.before = [t.clone() for t in self._stepped(sync)]
                 self.outer.step()

@@ -422,6 +422,7 @@ class Trainer:
             **self.balancer.metrics(),
             **(self.layer_norms.metrics() if self.layer_norms is not None else {}),
             **(self.replicas.metrics() if self.replicas is not None else {}),
+            **(self.outer.metrics() if self.outer is not None else {}),  # DiLoCo: the last sync's wait and norm
             **meter.read(),
             **memory_stats(self.device),
         }
