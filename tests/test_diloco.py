@@ -167,7 +167,9 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
                    "--fault_tolerance.fragment_update_alpha", "0.5", "--training.steps", "4",
                    "--checkpoint.interval", "1"]  # fmt: skip
         delayed = train_groups(tmp_path, ("d0", "d1"), address, *overlap)
-        assert "each all-reduce behind 1 inner steps" in (tmp_path / "d0.log").read_text()
+        delayed_log = (tmp_path / "d0.log").read_text()
+        assert "each all-reduce behind 1 inner steps" in delayed_log
+        assert "step 2 syncs 2 of 2 replica groups" in delayed_log  # its outer step's, not its quorum's (1)
         after = {(g, step): dcp_tensors(folder / f"checkpoint/step-{step}")
                  for g, folder in enumerate(delayed) for step in (1, 2, 3, 4)}
         one_step = [split(after[g, 1], "model.") for g in (0, 1)]
@@ -300,7 +302,7 @@ class FakeGroups:
     def errored(self):
         return False
 
-    def commit(self):
+    def commit(self, step=None):
         self.commits += 1
         return self.votes.pop(0) if self.votes else True
 

@@ -217,7 +217,7 @@ class DiLoCo:
         """
         self._sync = None
         self._wait(sync)
-        committed = self.replicas.commit()
+        committed = self.replicas.commit(sync.end)
         if committed and sync.before is None:
             self.outer.step()  # torch's SGD skips the anchors without a gradient: the other fragments'
         elif not committed and sync.before is not None:  # the early step (a checkpoint's) is taken back
@@ -313,8 +313,8 @@ class _Window:
     def __init__(self, diloco: DiLoCo):
         self.diloco = diloco
 
-    def state_dict(self) -> dict[str, int]:
-        sync = self.diloco._step_early()
+    def state_dict(self) -> dict[str, int]:  # after the tensor state's (`DiLoCo.state_dict`), which steps early
+        sync = self.diloco._sync
         return {"stepped_sync_end": sync.end if sync is not None and sync.before is not None else 0}
 
     def load_state_dict(self, state: dict[str, int]) -> None:

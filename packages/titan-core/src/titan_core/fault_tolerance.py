@@ -320,14 +320,17 @@ class ReplicaGroups:
         """Whether a cross-group collective of this quorum failed (the commit vote will drop it)."""
         return self.manager.errored() is not None
 
-    def commit(self) -> bool:
+    def commit(self, step: int | None = None) -> bool:
         """torchft's commit vote for this step (a peer's recovered state is applied first); True: step the optimizer.
 
-        torchft's step counter follows the run's (`resume_at`, recovery), so it numbers the log lines.
+        Args:
+            step: the step the log lines name; None: torchft's step counter, which follows the run's (`resume_at`,
+                recovery). DiLoCo names the step of its outer step, which a delayed sync votes for after its quorum.
         """
         committed = self.manager.should_commit()
         groups = self.manager.num_participants()
-        step = self.manager.current_step() + (0 if committed else 1)  # should_commit counted a committed step
+        if step is None:
+            step = self.manager.current_step() + (0 if committed else 1)  # should_commit counted a committed step
         if self.rank == 0:
             if self.recovered_step is not None:
                 logger.info(
