@@ -216,6 +216,7 @@ SPEC_DEFAULTS = {
     "fault_tolerance.outer_momentum": 0.9,
     "fault_tolerance.num_fragments": 1,
     "fault_tolerance.fragment_sync_delay": 0,
+    "fault_tolerance.sync_dtype": "float32",
     "fault_tolerance.fragment_update_alpha": 0.0,
 }
 

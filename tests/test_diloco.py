@@ -292,6 +292,7 @@ class FakeGroups:
 
     def start_average(self, flats):
         self.in_flight = list(flats)
+        self.dtypes = [flat.dtype for flat in flats]
         return [object()]
 
     def wait(self, works):
@@ -431,3 +432,25 @@ def test_a_checkpoint_inside_the_window_holds_the_outer_step_and_resumes_bit_exa
     for name in weights:
         assert torch.equal(dropped.anchors[name], start[name]) and dropped.momentum[name].eq(0).all()
         assert torch.equal(weights[name], start[name]) == (name in first), name
+
+
+def test_bfloat16_on_the_wire_halves_the_bytes_and_steps_in_fp32():
+    """`sync_dtype = bfloat16`: the pseudo-gradients cross in bf16 (half the bytes), the outer step reads them back
+    in fp32: the anchors are the fp32 outer step on the bf16-rounded average."""
+    from titan_core.diloco import DiLoCo
+
+    model, groups = tiny_blocks(), FakeGroups()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    outer = DiLoCo([model], groups, sync_steps=2, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                   sync_dtype=torch.bfloat16)
+    for step in (1, 2):
+        inner_step(model, step)
+        local = {n: p.detach().clone() for n, p in model.named_parameters()}
+        outer.advance(step)
+    assert groups.dtypes == [torch.bfloat16]
+    for name, weight in model.named_parameters():
+        delta = ((start[name] - local[name]).bfloat16() / 2).float()  # the wire's rounding, then the average
+        assert outer.anchors[name].dtype == torch.float32 and torch.equal(outer.momentum[name], delta)
+        torch.testing.assert_close(weight.detach(), start[name] - OUTER_LR * (delta + OUTER_MOMENTUM * delta),
+                                   rtol=0, atol=1e-7)
+        assert not torch.equal(delta, (start[name] - local[name]) / 2)  # (bf16 did round it)

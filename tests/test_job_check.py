@@ -170,6 +170,7 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (FT_ON + ["--fault_tolerance.num_fragments", "2"], ["fault_tolerance.num_fragments=2", "'diloco'"]),
         (FT_ON + ["--fault_tolerance.fragment_update_alpha", "0.5"],
          ["fault_tolerance.fragment_update_alpha shapes the syncs", "'diloco'"]),
+        (FT_ON + ["--fault_tolerance.sync_dtype", "bfloat16"], ["fault_tolerance.sync_dtype shapes the syncs"]),
         (FT_ON + ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments", "2",
                   "--fault_tolerance.sync_steps", "10", "--fault_tolerance.fragment_sync_delay", "5"],
          ["fragment_sync_delay=5 must be below sync_steps / num_fragments = 5"]),

@@ -250,6 +250,12 @@ def test_diloco_adds_its_anchors_and_outer_momentum_and_no_gradient_copy():
                              "2", "--fault_tolerance.sync_steps", "4", "--fault_tolerance.fragment_sync_delay", "1"])
     rank = estimate_analytic(cfg, 1, device_type="cpu").ranks[0]
     assert rank.total == plain.total + 2 * plain.gradients + plain.gradients // 2
+    # bfloat16 on the wire: the held buffer halves (read back as fp32 at the outer step, below the step's peak)
+    cfg = load_config(None, [*ft, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.num_fragments",
+                             "2", "--fault_tolerance.sync_steps", "4", "--fault_tolerance.fragment_sync_delay", "1",
+                             "--fault_tolerance.sync_dtype", "bfloat16"])
+    rank = estimate_analytic(cfg, 1, device_type="cpu").ranks[0]
+    assert rank.total == plain.total + 2 * plain.gradients + plain.gradients // 4
 
 
 def test_the_table_says_which_moment_of_the_step_holds_the_peak():

@@ -62,6 +62,7 @@ class _Sync:
     fragment: int
     end: int  # the step after whose inner update the outer step is taken
     pairs: _Pairs
+    sent: list[torch.Tensor]  # each anchor's pseudo-gradient in the all-reduce's flat buffers (the wire's dtype)
     works: list[Any]  # the all-reduces (torchft's)
     waited: bool = False
     before: list[torch.Tensor] | None = None  # anchors and momentum before an early outer step (a checkpoint's)
@@ -82,6 +83,8 @@ class DiLoCo:
         alpha: the share of the group's own weights a sync keeps, 0 to 1: the weights become
             `(1 - alpha) anchor + alpha weights`.
         last_step: no sync starts whose outer step would come after this step (None: no end).
+        sync_dtype: the dtype the pseudo-gradients cross between the groups in (e.g. torch.bfloat16: half the
+            bytes of fp32 anchors; the outer step reads them back in the anchors' dtype); None: the anchors'.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class DiLoCo:
         delay: int = 0,
         alpha: float = 0.0,
         last_step: int | None = None,
+        sync_dtype: torch.dtype | None = None,
     ):
         self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
         fragments = [list(self.params)] if fragments is None else [list(f) for f in fragments]
@@ -112,7 +116,7 @@ class DiLoCo:
         if not 0 <= alpha <= 1:
             raise ValueError(f"DiLoCo alpha={alpha} must be from 0 to 1")
         self.replicas, self.sync_steps = replicas, sync_steps
-        self.delay, self.alpha, self.last_step = delay, alpha, last_step
+        self.delay, self.alpha, self.last_step, self.sync_dtype = delay, alpha, last_step, sync_dtype
         with torch.no_grad():  # the weights of the last synchronisation; DTensors keep their placements
             self.anchors = {name: p.detach().clone() for name, p in self.params.items()}
             self.momentum = {name: torch.zeros_like(a) for name, a in self.anchors.items()} if outer_momentum else {}
@@ -194,20 +198,30 @@ class DiLoCo:
         fragment = self.fragment_at(end)
         assert fragment is not None and self._sync is None
         self.replicas.quorum(step - 1)  # may load a peer's weights, optimizer, anchors and step (healing)
-        # The pseudo-gradients, written straight into one flat buffer per dtype (the all-reduce's), viewed as .grad.
+        # The pseudo-gradients, written straight into one flat buffer per dtype (the all-reduce's): in the wire's
+        # dtype where it is narrower (one parameter's difference at a time in the anchors' own).
+        pairs_now = self._fragments[fragment]
         buckets: dict[tuple[torch.dtype, torch.device], _Pairs] = {}
-        for anchor, weight in self._fragments[fragment]:
+        for anchor, weight in pairs_now:
             buckets.setdefault((anchor.dtype, anchor.device), []).append((anchor, weight))
-        flats = []
+        flats, sent = [], {}
         for (dtype, device), pairs in buckets.items():
-            flat = torch.empty(sum(a.numel() for a, _ in pairs), dtype=dtype, device=device)
+            wire = (
+                self.sync_dtype if self.sync_dtype is not None and self.sync_dtype.itemsize < dtype.itemsize else dtype
+            )
+            flat = torch.empty(sum(a.numel() for a, _ in pairs), dtype=wire, device=device)
             offset = 0
             for anchor, weight in pairs:
-                anchor.grad = torch.sub(anchor, weight, out=flat[offset : offset + anchor.numel()].view_as(anchor))
+                view = flat[offset : offset + anchor.numel()].view_as(anchor)
+                if wire == dtype:
+                    torch.sub(anchor, weight, out=view)
+                else:
+                    view.copy_(anchor - weight)
+                sent[id(anchor)] = view
                 offset += anchor.numel()
             flats.append(flat)
         works = self.replicas.start_average(flats)
-        self._sync = _Sync(fragment, end, self._fragments[fragment], works)
+        self._sync = _Sync(fragment, end, pairs_now, [sent[id(a)] for a, _ in pairs_now], works)
 
     def _finish(self, sync: _Sync) -> bool:
         """Wait for the sync's all-reduce, vote, take the outer step and merge; True if committed.
@@ -238,10 +252,10 @@ class DiLoCo:
         self.replicas.wait(sync.works)
         self._wait_s, sync.waited = time.perf_counter() - began, True
         views = []  # the local shards as their anchors' DTensors: the norm sums over the group's shards
-        for anchor, _ in sync.pairs:
+        for (anchor, _), averaged in zip(sync.pairs, sync.sent, strict=True):
+            # the outer step's gradient: a view of the flat buffer, or its copy in the anchor's dtype
+            anchor.grad = grad = averaged if averaged.dtype == anchor.dtype else averaged.to(anchor.dtype)
             layout = self._layouts.get(id(anchor))
-            grad = anchor.grad
-            assert grad is not None
             if layout is not None:
                 grad = DTensor.from_local(
                     grad, layout.device_mesh, layout.placements, shape=layout.shape, stride=layout.stride()
@@ -371,6 +385,7 @@ def build_diloco(
         delay, alpha = section.fragment_sync_delay, section.fragment_update_alpha
         overlap = f", each all-reduce behind {delay} inner steps" if delay else ""
         keeps = f", keeping {alpha:g} of each group's own weights" if alpha else ""
+        keeps += "; pseudo-gradients sent in bfloat16" if section.sync_dtype == "bfloat16" else ""
         logger.info(
             "fault tolerance: %s, a sync every %d steps%s%s; outer SGD lr %g, Nesterov momentum %g%s",
             "local SGD" if averaging else "DiLoCo",
@@ -399,4 +414,5 @@ def build_diloco(
         delay=section.fragment_sync_delay,
         alpha=section.fragment_update_alpha,
         last_step=steps,
+        sync_dtype=torch.bfloat16 if section.sync_dtype == "bfloat16" else None,
     )

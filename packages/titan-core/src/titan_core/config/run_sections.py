@@ -140,5 +140,7 @@ class FaultTolerance(Section):
     """With semi_sync_method: the blocks cut into this many fragments, each synced in turn (streaming DiLoCo)."""
     fragment_sync_delay: NonNegativeInt = 0
     """Inner steps each sync's all-reduce runs behind before its outer step (streaming DiLoCo's overlap, tau)."""
+    sync_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype DiLoCo's pseudo-gradients cross the groups in: bfloat16 halves the bytes (the outer step is fp32)."""
     fragment_update_alpha: UnitFraction = 0.0
     """At a sync the weights become (1 - alpha) x the synced anchors + alpha x the group's own (streaming DiLoCo)."""

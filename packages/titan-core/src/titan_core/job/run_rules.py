@@ -56,11 +56,11 @@ def fault_tolerance(d: Draft) -> None:
             f"fault_tolerance.num_fragments={ft.num_fragments} cuts the model for semi_sync_method 'diloco' or "
             "'local_sgd'; set one, or num_fragments = 1"
         )
-    for key in ("fragment_sync_delay", "fragment_update_alpha"):
-        if getattr(ft, key) and ft.semi_sync_method == "none":
+    for key in ("fragment_sync_delay", "fragment_update_alpha", "sync_dtype"):
+        if key in ft.model_fields_set and getattr(ft, key) not in (0, "float32") and ft.semi_sync_method == "none":
             raise ConfigError(
                 f"fault_tolerance.{key} shapes the syncs of semi_sync_method 'diloco' or 'local_sgd'; set one, "
-                f"or leave {key} at 0"
+                f"or leave {key} unset"
             )
     if ft.sync_steps % ft.num_fragments:
         raise ConfigError(

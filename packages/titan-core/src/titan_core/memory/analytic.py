@@ -331,7 +331,7 @@ def _rank_memory(
     if semi_sync:  # DiLoCo's anchors (+ outer momentum) beside the weights
         param_bytes += 4 * params.sharded * (1 if ft.semi_sync_method == "local_sgd" or not ft.outer_momentum else 2)
         if ft.fragment_sync_delay:  # a fragment's all-reduce runs behind the next steps: its flat buffer stays
-            param_bytes += 4 * params.sharded // ft.num_fragments
+            param_bytes += (2 if ft.sync_dtype == "bfloat16" else 4) * params.sharded // ft.num_fragments
     grad_bytes = (b if master else 4) * params.sharded
     opt_bytes = 8 * (params.sharded - params.muon) + 4 * params.muon
     if p.dp_mode == "ddp" and dims.dp_replicate > 1:
@@ -449,10 +449,12 @@ def _rank_memory(
     if semi_sync:
         # DiLoCo's sync after the step: the inner gradients freed, the pseudo-gradients in one flat fp32 buffer
         # (`titan_core.diloco`); the anchors and outer momentum are counted with the parameters.
-        sync_buffer = 4 * params.sharded // ft.num_fragments  # one fragment per sync (about)
+        wire = 2 if ft.sync_dtype == "bfloat16" else 4  # bfloat16 on the wire: read back as fp32 for the outer step
+        sync_buffer = wire * params.sharded // ft.num_fragments  # one fragment per sync (about)
+        upcast = 4 * params.sharded // ft.num_fragments if wire < 4 else 0
         if ft.fragment_sync_delay:  # held through the next steps: counted with the model states above
             sync_buffer = 0
-        moments["diloco sync"] = (sync_buffer, 0)
+        moments["diloco sync"] = (sync_buffer + upcast, 0)
     elif ft.enable:
         # torchft replica groups average the local gradient shards across groups through one flat copy per dtype
         # (`titan_core.fault_tolerance`): every gradient and its flat copy, between backward and the step.
