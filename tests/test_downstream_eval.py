@@ -84,7 +84,7 @@ def test_scores_equal_an_independent_log_softmax(tmp_path, fused):
             "--training.fused_loss", fused, "--eval.enable", "--eval.tasks", str(task)]
     trainer = Trainer(load_config(None, args))
     try:
-        evaluator = trainer._build_downstream_eval()
+        evaluator = trainer.build_downstream_eval()
         long = [1 + len((e["context"] + end).encode()) > SEQ_LEN + 1 for e in EXAMPLES for end in e["endings"]]
         assert evaluator is not None and evaluator.truncated == sum(long) >= 2  # cut from the left
         results = evaluator.evaluate()

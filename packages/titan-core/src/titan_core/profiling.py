@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,3 +76,23 @@ class Profiler:
             self._torch_profiler = None
         if self.memory_folder is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def build_profiler(section: Any, run_folder: Path, rank: int, device: torch.device) -> Profiler | None:
+    """The run's `Profiler` from the [profiling] section; None when it neither traces nor snapshots.
+
+    Args:
+        section: the config's `profiling` section.
+        run_folder: the run's `job.dump_folder` (the trace and snapshot folders are relative to it).
+        rank: this process's rank.
+        device: the training device.
+    """
+    if not (section.enable_profiling or section.enable_memory_snapshot):
+        return None
+    return Profiler(
+        run_folder / section.save_traces_folder if section.enable_profiling else None,
+        run_folder / section.save_memory_snapshot_folder if section.enable_memory_snapshot else None,
+        section.profile_freq,
+        rank,
+        device,
+    )

@@ -28,14 +28,13 @@ from titan_core.checkpointing import (
     hf_checkpoint_hooks,
 )
 from titan_core.config import JobConfig, dump_toml
-from titan_core.data import build_loader, build_tokenizer, loader_factory
+from titan_core.data import build_loader, build_tokenizer
 from titan_core.diloco import build_diloco
-from titan_core.downstream_eval import DownstreamEvaluator, load_task
+from titan_core.downstream_eval import DownstreamEvaluator
 from titan_core.ema import WeightEMA
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
-from titan_core.job.run_rules import validation_set_names
 from titan_core.kernel_lines import log_kernels
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
 from titan_core.lr_schedule import build_lr_scheduler
@@ -47,8 +46,9 @@ from titan_core.model_setup import build_model_parts, loss_compiled_for
 from titan_core.model_source import HF_RUN_CONFIG
 from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.optim import build_optimizer, resolve_implementation
-from titan_core.profiling import Profiler
+from titan_core.profiling import build_profiler
 from titan_core.run_banner import run_banner
+from titan_core.run_evals import build_downstream_eval, build_validator, ema_validation
 from titan_core.run_guard import NonFinitePolicy, RunGuard
 from titan_core.step import Batch, StepResult, StepRunner
 from titan_core.step_loss import HeadLoss, StepLoss, cross_entropy_loss
@@ -267,89 +267,29 @@ class Trainer:
             )
         self.stopped_by: str | None = None  # the stop signal that ended `train()` early, if one did
 
-    def _build_profiler(self) -> Profiler | None:
-        p = self.cfg.profiling
-        if not (p.enable_profiling or p.enable_memory_snapshot):
-            return None
-        return Profiler(
-            self.run_folder / p.save_traces_folder if p.enable_profiling else None,
-            self.run_folder / p.save_memory_snapshot_folder if p.enable_memory_snapshot else None,
-            p.profile_freq,
-            self.rank,
-            self.device,
-        )
-
-    def _ema_validation(self, validator: Validator) -> dict[str, object]:
-        """[ema] `ema.validation`: the same validation pass on the averaged weights, as `validation_ema/...`."""
-        if self.ema is None or not self.cfg.ema.validation:
-            return {}
-        from torch.distributed.fsdp import FSDPModule
-
-        def prepare() -> None:  # the parameters as the optimizer writes them, no gathered or compute copy kept
-            if self.model.copies is not None:
-                self.model.copies.use_masters()
-            for part in self.model.parts:
-                for module in part.modules():
-                    if isinstance(module, FSDPModule):
-                        module.reshard()
-
-        with self.ema.swapped(prepare=prepare, refresh=self.runner.after_step):
-            values = validator.metrics()
-        return {key.replace("validation/", "validation_ema/", 1): value for key, value in values.items()}
-
-    def _build_validator(self) -> Validator | None:
-        v, t = self.cfg.validation, self.cfg.training
-        if not v.enable:
-            return None
-
-        make = functools.partial(
-            loader_factory,
-            tokenizer=self.tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=v.local_batch_size or t.local_batch_size,
-            dp_rank=self.mesh["dp"].get_local_rank(),
-            dp_world=self.dims.dp,
-            prefetch=t.prefetch_batches,
-            section="validation",
-        )
-        if v.sets:  # several held-out sets, each under its label
-            loaders = {
-                name: make(
-                    entry.path,
-                    None,
-                    entry.text_field or t.dataset_text_field,
-                    dataset_key=f"validation.sets[{i}].path",
-                    field_key=f"validation.sets[{i}].text_field" if entry.text_field else "training.dataset_text_field",
-                )
-                for i, (name, entry) in enumerate(zip(validation_set_names(v.sets), v.sets, strict=True))
-            }
-        else:
-            loaders = {"": make(v.dataset, v.dataset_path, t.dataset_text_field)}
-        return Validator(
-            loaders,
-            steps=v.steps,
+    def build_validator(self) -> Validator | None:
+        """[validation] for this run (`titan_core.run_evals.build_validator`); None without it."""
+        return build_validator(
+            self.cfg,
+            self.tokenizer,
+            mesh=self.mesh,
+            dp=self.dims.dp,
+            pp=self.dims.pp,
             eval_loss=self.runner.eval_loss,
             parts=self.model.parts,
-            loss_group=self.mesh["dp_cp"].get_group(),
-            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
             device=self.device,
         )
 
-    def _build_downstream_eval(self) -> DownstreamEvaluator | None:
-        e, t = self.cfg.eval, self.cfg.training
-        if not e.enable:
-            return None
-        return DownstreamEvaluator(
-            [load_task(spec, e.max_examples) for spec in e.tasks],
+    def build_downstream_eval(self) -> DownstreamEvaluator | None:
+        """[eval] for this run (`titan_core.run_evals.build_downstream_eval`); None without it."""
+        return build_downstream_eval(
+            self.cfg,
             self.tokenizer,
-            seq_len=t.seq_len,  # the training shapes: nothing recompiles, the pipeline schedule runs unchanged
-            local_batch_size=t.local_batch_size,
+            mesh=self.mesh,
+            dp=self.dims.dp,
+            pp=self.dims.pp,
             sequence_losses=self.runner.eval_sequence_losses,
             parts=self.model.parts,
-            dp_rank=self.mesh["dp"].get_local_rank(),
-            dp_world=self.dims.dp,
-            loss_group=self.mesh["dp_cp"].get_group(),
-            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
             device=self.device,
             rank=self.rank,
         )
@@ -527,9 +467,9 @@ class Trainer:
             else None,
         )
         data = iter(self.loader)
-        profiler = self._build_profiler()
-        validator = self._build_validator()
-        evaluator = self._build_downstream_eval()  # [eval] multiple-choice tasks (titan_core.downstream_eval)
+        profiler = build_profiler(cfg.profiling, self.run_folder, self.rank, self.device)
+        validator = self.build_validator()
+        evaluator = self.build_downstream_eval()  # [eval] multiple-choice tasks (titan_core.downstream_eval)
         # Non-finite values, loss spikes and stop signals, agreed by every rank each step on the device, read at polls.
         guard = RunGuard(self.device, spike=self.spikes.detector(self.device))
         watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
@@ -582,7 +522,15 @@ class Trainer:
                         losses.append(float(values["loss/global_avg"]))  # type: ignore[arg-type]  # a float
                         metrics.log(step, values)
                     if validator is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                        metrics.log(step, {**validator.metrics(), **self._ema_validation(validator)})
+                        ema_values = ema_validation(
+                            validator,
+                            self.ema,
+                            enabled=cfg.ema.validation,
+                            parts=self.model.parts,
+                            copies=self.model.copies,
+                            refresh=self.runner.after_step,
+                        )
+                        metrics.log(step, {**validator.metrics(), **ema_values})
                         self.balancer.reset()  # validation's routing is not training load
                         meter.reset()  # validation time is not training throughput
                     if evaluator is not None and (step % cfg.eval.freq == 0 or step == t.steps):
