@@ -447,8 +447,8 @@ def _rank_memory(
     }
     sync_buffer = 0
     if semi_sync:
-        # DiLoCo's sync after the step: the inner gradients freed, the pseudo-gradients in one flat fp32 buffer
-        # (`titan_core.diloco`); the anchors and outer momentum are counted with the parameters.
+        # DiLoCo's sync after the step: the inner gradients freed, the pseudo-gradients in one flat buffer in the
+        # wire's dtype (`titan_core.diloco`); the anchors and outer momentum are counted with the parameters.
         wire = 2 if ft.sync_dtype == "bfloat16" else 4  # bfloat16 on the wire: read back as fp32 for the outer step
         sync_buffer = wire * params.sharded // ft.num_fragments  # one fragment per sync (about)
         upcast = 4 * params.sharded // ft.num_fragments if wire < 4 else 0
