@@ -386,8 +386,10 @@ def test_a_delayed_sync_takes_its_outer_step_later_and_merges_the_groups_own_pro
 def test_a_checkpoint_inside_the_window_holds_the_outer_step_and_resumes_bit_exactly():
     """A save between a sync's start and its outer step takes the step then (the anchors a resumed run merges
     with); the run that saved ends the window as one that did not save, a run resumed from the save merges without
-    a vote, and a vote that drops the sync takes the early step back."""
+    a vote (with or without the delay), and a vote that drops the sync takes the early step back."""
     import copy
+
+    from titan_core.diloco import DiLoCo
 
     saving, plain = tiny_blocks(), tiny_blocks()
     groups = FakeGroups()
@@ -415,8 +417,24 @@ def test_a_checkpoint_inside_the_window_holds_the_outer_step_and_resumes_bit_exa
         for other in (plain, resumed_model):
             for (name, x), y in zip(saving.state_dict().items(), other.state_dict().values(), strict=True):
                 assert torch.equal(x, y), (step, name)
+        if step == 2:
+            merged_at_2 = {k: v.clone() for k, v in saving.state_dict().items()}
         assert all(torch.equal(a.anchors[n], resumed.anchors[n]) for n in a.anchors)
     assert groups.commits == 4 and resumed_groups.commits == 3  # the resumed run's first window: no vote
+
+    # Resumed with no delay: the sync the checkpoint holds is merged at step 2, not started again there.
+    undelayed_model, undelayed_groups = tiny_blocks(), FakeGroups()
+    undelayed_model.load_state_dict(saved_weights)
+    names = [n for n, _ in undelayed_model.named_parameters()]
+    undelayed = DiLoCo([undelayed_model], undelayed_groups, sync_steps=4, outer_lr=OUTER_LR,
+                       outer_momentum=OUTER_MOMENTUM, fragments=model_fragments(names, "layers", 2), alpha=0.25)
+    undelayed.load_state_dict(saved)
+    undelayed.window.load_state_dict(window)
+    inner_step(undelayed_model, 2)
+    undelayed.advance(2)
+    assert undelayed_groups.quorums == [] and undelayed_groups.commits == 0
+    assert all(torch.equal(x, y) for x, y in zip(merged_at_2.values(), undelayed_model.state_dict().values(),
+                                                 strict=True))
     assert a.window.state_dict() == {"stepped_sync_end": 0}  # no sync in flight after step 8
 
     # Dropped by the vote: the early step is taken back and fragment 0's weights return to the last anchors.

@@ -174,18 +174,19 @@ class DiLoCo:
         Args:
             step: the training step just taken (1-based).
         """
-        changed = False
+        changed, resumed_end = False, self._resumed_end
         if self._sync is not None and self._sync.end == step:
             self._finish(self._sync)
             changed = True
-        elif self._resumed_end == step and self.loaded:  # its outer step is in the loaded anchors
+        elif resumed_end == step and self.loaded:  # its outer step is in the loaded anchors
             fragment = self.fragment_at(step)
             if fragment is not None:  # (unless the schedule changed since)
                 self._merge(self._fragments[fragment])
                 changed = True
-        if self._resumed_end is not None and step >= self._resumed_end:
+        if resumed_end is not None and step >= resumed_end:
             self._resumed_end = None
-        if self.starts_at(step):
+        # The sync a loaded checkpoint holds is not started again (a resume with a shorter fragment_sync_delay).
+        if self.starts_at(step) and step + self.delay != resumed_end:
             self._start(step, step + self.delay)
             if self.delay == 0:
                 assert self._sync is not None
