@@ -14,7 +14,8 @@ weights keep that share of the group's own (the paper's mixing, `(1 - alpha) anc
     after step s - tau (the sync of step s, s % (sync_steps / fragments) == 0), after the inner optimizer's step:
         quorum          torchft's, synchronous: a group behind (fresh or restarted) heals from a peer here
         delta = anchor - weights        (this rank's shards; the same shards in every group)
-        delta = mean over the groups    one all-reduce per dtype (torchft's Manager), started, not waited for
+        delta = mean over the groups    one all-reduce per dtype (torchft's Manager), started, not waited for;
+                                        sent in `sync_dtype` (bf16: half the bytes) where it is narrower
     after step s (the same call when tau = 0):
         wait; commit vote               torchft's `should_commit`; dropped: the weights go back to `anchor`
         anchor = outer_sgd(anchor, delta); weights = anchor.lerp(weights, alpha)
