@@ -163,9 +163,10 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
         # Overlapped (fragment_sync_delay 1): the all-reduce starts after step 1 from its weights, the outer step is
         # taken after step 2 (here early, in the step-1 checkpoint, which saves inside the window), the weights then
         # half the anchors, half the group's own; both groups resumed from step 1 end as the uninterrupted run.
+        # Two ranks per group (FSDP inside it): the anchors and pseudo-gradients are DTensor shards.
         overlap = ["--fault_tolerance.sync_steps", "2", "--fault_tolerance.fragment_sync_delay", "1",
                    "--fault_tolerance.fragment_update_alpha", "0.5", "--training.steps", "4",
-                   "--checkpoint.interval", "1"]  # fmt: skip
+                   "--checkpoint.interval", "1", "--nproc-per-node", "2"]  # fmt: skip
         delayed = train_groups(tmp_path, ("d0", "d1"), address, *overlap)
         delayed_log = (tmp_path / "d0.log").read_text()
         assert "each all-reduce behind 1 inner steps" in delayed_log
@@ -183,6 +184,10 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
                 assert torch.equal(after[g, 2][f"diloco.anchor.{name}"], after[g, 1][f"diloco.anchor.{name}"])
             worst = max(worst, (after[0, 1][f"diloco.anchor.{name}"] - expected).abs().max().item())
         print(f"overlapped: max |anchors - the paper's outer step on the step-1 weights| = {worst:.2e}")
+        # ft/outer_grad_norm sums over the group's shards: the fp64 norm of the whole first outer gradient (its momentum)
+        momentum = torch.cat([after[0, 1][f"diloco.momentum.{n}"].double().flatten() for n in start_weights])
+        delayed_records = [json.loads(line) for line in (delayed[0] / "metrics.jsonl").read_text().splitlines()]
+        assert delayed_records[1]["ft/outer_grad_norm"] == pytest.approx(momentum.norm().item(), rel=1e-5)
         weights_at_2 = [split(after[g, 2], "model.") for g in (0, 1)]  # half each group's own: still apart
         assert all(not torch.equal(weights_at_2[0][k], weights_at_2[1][k]) for k in weights_at_2[0] if "norm" not in k)
         for step, sync_end in ((1, 2), (2, 0), (3, 4), (4, 0)):

@@ -60,7 +60,6 @@ _Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (anchor, weight) local shard
 class _Sync:
     """One fragment's synchronisation in flight: its all-reduce started after step `end - delay`."""
 
-    fragment: int
     end: int  # the step after whose inner update the outer step is taken
     pairs: _Pairs
     sent: list[torch.Tensor]  # each anchor's pseudo-gradient in the all-reduce's flat buffers (the wire's dtype)
@@ -137,7 +136,12 @@ class DiLoCo:
             **{f"anchor.{name}": a for name, a in self.anchors.items()},
             **{f"momentum.{name}": m for name, m in self.momentum.items()},
         }
-        self._layouts = {id(local_shard(a)): a for a in self.anchors.values() if isinstance(a, DTensor)}
+        # each local anchor's DTensor, keyed by the local tensor `_pairs` holds (DTensor.to_local makes a new one
+        # per call with grad enabled, so another call's id would not match)
+        self._layouts: dict[int, DTensor] = {}
+        for (anchor, _), name in zip(self._pairs, self.params, strict=True):
+            if isinstance(full := self.anchors[name], DTensor):
+                self._layouts[id(anchor)] = full
         self._wait_s: float | None = None  # the last sync's wait for its all-reduce, and its outer gradient's norm
         self._outer_norm: torch.Tensor | None = None
         self._sync: _Sync | None = None
@@ -223,7 +227,7 @@ class DiLoCo:
                 offset += anchor.numel()
             flats.append(flat)
         works = self.replicas.start_average(flats)
-        self._sync = _Sync(fragment, end, pairs_now, [sent[id(a)] for a, _ in pairs_now], works)
+        self._sync = _Sync(end, pairs_now, [sent[id(a)] for a, _ in pairs_now], works)
 
     def _finish(self, sync: _Sync) -> bool:
         """Wait for the sync's all-reduce, vote, take the outer step and merge; True if committed.
