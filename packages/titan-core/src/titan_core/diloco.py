@@ -9,7 +9,9 @@ contiguous fragments (the embedding with the first, the final norm and output wi
 `sync_steps` steps at its own offset (`(f + 1) * sync_steps / fragments`): each sync sends one fragment, so the peak
 bandwidth drops by that factor. With a `delay` of tau steps the fragment's all-reduce starts tau steps before its
 outer step and runs behind those steps' compute (the paper's overlapping communication); with `alpha` the synced
-weights keep that share of the group's own (the paper's mixing, `(1 - alpha) anchor + alpha weights`).
+weights keep that share of the group's own (the paper's mixing, `(1 - alpha) anchor + alpha weights`). The model's
+persistent floating-point buffers (MoE expert biases: `synced_buffers`) sync with their block's fragment as local
+SGD would, to their mean over the groups (an outer step of lr 1 without momentum).
 
     after step s - tau (the sync of step s, s % (sync_steps / fragments) == 0), after the inner optimizer's step:
         quorum          torchft's, synchronous: a group behind (fresh or restarted) heals from a peer here
@@ -49,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from titan_core.fault_tolerance import ReplicaGroups, local_shard
 from titan_parallel import canonical_name, grouped_norms
 
-__all__ = ["DiLoCo", "build_diloco", "model_fragments"]
+__all__ = ["DiLoCo", "build_diloco", "model_fragments", "synced_buffers"]
 
 logger = logging.getLogger("titan")
 
@@ -101,14 +103,17 @@ class DiLoCo:
         last_step: int | None = None,
         sync_dtype: torch.dtype | None = None,
     ):
+        parts = list(parts)
         self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
-        fragments = [list(self.params)] if fragments is None else [list(f) for f in fragments]
+        self.buffers = dict(synced_buffers(parts))
+        tracked = {**self.params, **self.buffers}  # the buffers' anchors step with lr 1 and no momentum: their mean
+        fragments = [list(tracked)] if fragments is None else [list(f) for f in fragments]
         if sync_steps < 1 or sync_steps % len(fragments):
             raise ValueError(
                 f"DiLoCo sync_steps={sync_steps} must be a positive multiple of its {len(fragments)} fragments"
             )
-        if sorted(n for f in fragments for n in f) != sorted(self.params):
-            raise ValueError("DiLoCo fragments must hold every parameter of the parts once")
+        if sorted(n for f in fragments for n in f) != sorted(tracked):
+            raise ValueError("DiLoCo fragments must hold every parameter and synced buffer of the parts once")
         if not 0 <= delay < sync_steps // len(fragments):
             raise ValueError(
                 f"DiLoCo delay={delay} must be from 0 to below sync_steps / fragments = {sync_steps // len(fragments)}"
@@ -118,18 +123,22 @@ class DiLoCo:
         self.replicas, self.sync_steps = replicas, sync_steps
         self.delay, self.alpha, self.last_step, self.sync_dtype = delay, alpha, last_step, sync_dtype
         with torch.no_grad():  # the weights of the last synchronisation; DTensors keep their placements
-            self.anchors = {name: p.detach().clone() for name, p in self.params.items()}
-            self.momentum = {name: torch.zeros_like(a) for name, a in self.anchors.items()} if outer_momentum else {}
+            self.anchors = {name: t.detach().clone() for name, t in tracked.items()}
+            self.momentum = {name: torch.zeros_like(self.anchors[name]) for name in self.params}
+            self.momentum = self.momentum if outer_momentum else {}
         # torch's SGD over the anchors' local shards (elementwise: no DTensor dispatch); its momentum buffers are
         # given up front (a zero buffer's first step is torch's own first step) so that they are checkpointed.
-        self._pairs = [(local_shard(self.anchors[name]), local_shard(p)) for name, p in self.params.items()]
-        self.outer = torch.optim.SGD(
-            [a for a, _ in self._pairs], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
-        )
-        for (anchor, _), name in zip(self._pairs, self.params, strict=True):
-            if name in self.momentum:
-                self.outer.state[anchor]["momentum_buffer"] = local_shard(self.momentum[name])
-        position = {name: i for i, name in enumerate(self.params)}
+        self._pairs = [(local_shard(self.anchors[name]), local_shard(t)) for name, t in tracked.items()]
+        anchor_of = {name: anchor for name, (anchor, _) in zip(tracked, self._pairs, strict=True)}
+        groups: list[dict[str, Any]] = [{"params": [anchor_of[name] for name in self.params]}]
+        if self.buffers:  # the mean of the groups' buffers: outer lr 1, no momentum (local SGD's rule)
+            means = [anchor_of[name] for name in self.buffers]
+            groups.append({"params": means, "lr": 1.0, "momentum": 0.0, "nesterov": False})
+        self.outer = torch.optim.SGD(groups, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+        for name, buf in self.momentum.items():
+            self.outer.state[anchor_of[name]]["momentum_buffer"] = local_shard(buf)
+        self._buffer_anchors = {id(anchor_of[name]) for name in self.buffers}
+        position = {name: i for i, name in enumerate(tracked)}
         self._fragments = [[self._pairs[position[name]] for name in names] for names in fragments]
         self.loaded = False  # whether a checkpoint's anchors were loaded (else they restart from the weights)
         self._live = {
@@ -139,7 +148,7 @@ class DiLoCo:
         # each local anchor's DTensor, keyed by the local tensor `_pairs` holds (DTensor.to_local makes a new one
         # per call with grad enabled, so another call's id would not match)
         self._layouts: dict[int, DTensor] = {}
-        for (anchor, _), name in zip(self._pairs, self.params, strict=True):
+        for (anchor, _), name in zip(self._pairs, tracked, strict=True):
             if isinstance(full := self.anchors[name], DTensor):
                 self._layouts[id(anchor)] = full
         self._wait_s: float | None = None  # the last sync's wait for its all-reduce, and its outer gradient's norm
@@ -261,6 +270,8 @@ class DiLoCo:
         for (anchor, _), averaged in zip(sync.pairs, sync.sent, strict=True):
             # the outer step's gradient: a view of the flat buffer, or its copy in the anchor's dtype
             anchor.grad = grad = averaged if averaged.dtype == anchor.dtype else averaged.to(anchor.dtype)
+            if id(anchor) in self._buffer_anchors:  # the parameters' norm only
+                continue
             layout = self._layouts.get(id(anchor))
             if layout is not None:
                 grad = DTensor.from_local(
@@ -341,6 +352,22 @@ class _Window:
         self.diloco._resumed_end = int(state["stepped_sync_end"]) or None
 
 
+def synced_buffers(parts: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The parts' persistent floating-point buffers by canonical name (a checkpoint's state beside the parameters that
+    training moves: the MoE layers' `expert_bias`), which each sync averages over the groups as local SGD would.
+
+    Args:
+        parts: this rank's model parts.
+    """
+    found = []
+    for part in parts:
+        for module_name, module in part.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set and buffer.is_floating_point():
+                    found.append((canonical_name(f"{module_name}.{name}" if module_name else name), buffer))
+    return found
+
+
 def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[str]]:
     """`names` (in the model's order) cut into `count` fragments of contiguous blocks, their sizes apart by one at
     most: the parameters before the first block (the embedding) join the first fragment, those after it (the final
@@ -385,6 +412,7 @@ def build_diloco(
     averaging = section.semi_sync_method == "local_sgd"  # the mean of the weights: outer lr 1, no momentum
     lr, momentum = (1.0, 0.0) if averaging else (section.outer_lr, section.outer_momentum)
     names = [canonical_name(name) for part in parts for name, _ in part.named_parameters()]
+    names += [name for name, _ in synced_buffers(parts)]  # in their blocks' fragments
     count, every = section.num_fragments, section.sync_steps
     if replicas.rank == 0:
         fragments = f" in {count} fragments, one every {every // count} steps" if count > 1 else ""

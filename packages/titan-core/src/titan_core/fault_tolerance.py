@@ -70,6 +70,8 @@ class FaultToleranceOptions:
         timeout_s: cross-group all-reduce, commit vote and recovery timeout.
         quorum_timeout_s: how long the quorum waits for min_replica_size groups.
         semi_sync: the groups meet every few steps (DiLoCo), not every step: synchronous quorums.
+        same_init: every group initialises the same weights (one seed): the first step trains on every group.
+            Otherwise the first quorum gives each group group 0's weights, and its step trains on group 0's batch.
     """
 
     replica_id: int
@@ -79,6 +81,7 @@ class FaultToleranceOptions:
     timeout_s: float
     quorum_timeout_s: float
     semi_sync: bool = False
+    same_init: bool = False
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,10 +123,10 @@ class ReplicaGroups:
             state_dict=None,
             min_replica_size=options.min_replica_size,
             use_async_quorum=not options.semi_sync,  # DiLoCo heals at the quorum, before it reads the weights
-            # Per step: the groups' first quorum (step 0) gives every group group 0's initial weights. DiLoCo's first
-            # quorum comes after its first inner steps, whose weights it must not replace: its groups start from the
-            # same seed instead (the job check asks for debug.seed).
-            init_sync=not options.semi_sync,
+            # Unseeded, per step: the groups' first quorum (step 0) gives every group group 0's initial weights (the
+            # others heal, and do not train that step). DiLoCo's first quorum comes after its first inner steps, whose
+            # weights it must not replace: its groups start from the same seed instead (the job check asks for it).
+            init_sync=not (options.semi_sync or options.same_init),
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
             rank=rank,
@@ -270,7 +273,7 @@ class ReplicaGroups:
         self.manager.start_quorum()
 
     @torch.no_grad()
-    def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
+    def average_gradients(self, params: Iterable[nn.Parameter], also: Sequence[torch.Tensor] = ()) -> None:
         """Average this rank's gradients (its local shards) across the live groups, in place.
 
         A group that is recovering sends zeros and receives the others' average; after an error the
@@ -278,17 +281,21 @@ class ReplicaGroups:
 
         Args:
             params: the model's parameters; those without a gradient are skipped (the same on every group).
+            also: more tensors averaged in the same all-reduces (e.g. the MoE layers' token counts), the same in
+                every group.
         """
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # one all-reduce per dtype
-        for p in params:
-            if p.grad is not None:
-                grad = local_shard(p.grad)
-                buckets.setdefault((grad.dtype, grad.device), []).append(grad)
+        for tensor in [local_shard(p.grad) for p in params if p.grad is not None] + list(also):
+            buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
         flats = [_flatten_dense_tensors(grads) for grads in buckets.values()]
         self.average_flat(flats)
         for grads, flat in zip(buckets.values(), flats, strict=True):
             for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(averaged)
+
+    def participants(self) -> int:
+        """The groups in this step's quorum whose tensors an average divides by (a healing group's are not)."""
+        return self.manager.num_participants()
 
     @torch.no_grad()
     def average_flat(self, flats: Sequence[torch.Tensor]) -> None:
@@ -374,13 +381,14 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-def build_replica_groups(section: Any, *, rank: int, world_size: int) -> ReplicaGroups | None:
+def build_replica_groups(section: Any, *, rank: int, world_size: int, same_init: bool = False) -> ReplicaGroups | None:
     """This job's `ReplicaGroups` from the [fault_tolerance] section; None when it is off.
 
     Args:
         section: the config's `fault_tolerance` section.
         rank: this process's rank inside its group.
         world_size: the group's process count.
+        same_init: every group initialises the same weights (the run is seeded).
     """
     if not section.enable:
         return None
@@ -392,5 +400,6 @@ def build_replica_groups(section: Any, *, rank: int, world_size: int) -> Replica
         timeout_s=section.timeout_seconds,
         quorum_timeout_s=section.quorum_timeout_seconds,
         semi_sync=section.semi_sync_method != "none",
+        same_init=same_init,
     )
     return ReplicaGroups(options, rank=rank, world_size=world_size)

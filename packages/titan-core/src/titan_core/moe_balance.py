@@ -11,6 +11,10 @@ load (DeepSeek-V3's auxiliary-loss-free balancing):
 
 The bias only changes which experts are chosen, never the weights of their outputs.
 
+Across torchft replica groups (`fault_tolerance.enable`, per step) the counts are averaged with the gradients
+(`step_tensors`) and scaled back to sums, so every group's biases move as one process's would; with DiLoCo each
+group's biases follow its own tokens between syncs, and each sync averages them (`titan_core.diloco`).
+
 A layer with a balance loss or a router z-loss (`MoEArgs.aux_loss_coeff`, `router_z_loss_coeff`)
 also holds the step's weighted values (`MoE.aux_losses`); they travel in the same all-reduce,
 averaged over the group, and the logs show their sums over layers as `moe/aux_loss` and
@@ -69,17 +73,27 @@ class ExpertLoadBalancer:
         )
         self.last_aux: torch.Tensor | None = None  # (layers, 2) the last step's, averaged over the group
 
+    def step_tensors(self) -> list[torch.Tensor]:
+        """This rank's counts of the step (and auxiliary losses), in place: what torchft's replica groups average
+        with the gradients before `after_backward` (`replica_groups`)."""
+        aux = any(self.aux_on)
+        return [t for _, moe in self.layers for t in (moe.tokens_per_expert, *((moe.aux_losses,) if aux else ()))]
+
     @torch.no_grad()
-    def after_backward(self, found_inf: torch.Tensor | None = None) -> None:
+    def after_backward(self, found_inf: torch.Tensor | None = None, replica_groups: int = 1) -> None:
         """Sum this step's counts over the group, update the biases unless the step's update is dropped, reset.
 
         Args:
             found_inf: the run guard's verdict on the device (1.0: the update is dropped, the biases stay);
                 None: update. Read on the device only, so a good step waits for nothing.
+            replica_groups: the torchft replica groups `step_tensors` were averaged over this step (their mean
+                times this is their sum); 1: none.
         """
         if not self.layers:
             return
         counts = torch.stack([moe.tokens_per_expert for _, moe in self.layers])  # (layers, experts)
+        if replica_groups > 1:  # whole tokens again: the mean over the groups, rounded after the product
+            counts = counts.mul_(replica_groups).round_()
         aux = any(self.aux_on)
         if aux:  # two more columns, in the same all-reduce
             counts = torch.cat([counts, torch.stack([moe.aux_losses for _, moe in self.layers])], dim=1)

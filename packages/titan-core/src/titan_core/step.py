@@ -295,7 +295,8 @@ class StepRunner:
             if loss is not None:
                 total = loss if total is None else total + loss
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
-            self.replicas.average_gradients(self.model.parameters())
+            counts = self.balancer.step_tensors() if self.balancer is not None else []  # MoE: the groups' loads too
+            self.replicas.average_gradients(self.model.parameters(), counts)
         shared = self.model.shared
         if shared is not None:  # weights on several pipeline stages: each copy gets the sum of their gradients
             shared.reduce_grads()
@@ -310,9 +311,12 @@ class StepRunner:
             norm, divisor = clip_grad_norm_(params, self.max_norm, pp_mesh=self.pp_mesh, copies=copies), None
         found_inf = guard.observe(total, norm, step) if guard is not None else None
         if self.replicas is not None and not self.replicas.commit():  # a host round trip, as torchft's own
+            if self.balancer is not None:
+                self.balancer.reset()  # the dropped step's loads
             return StepResult(total, norm, found_inf, committed=False)
         if self.balancer is not None:  # expert biases move unless found_inf (on the device)
-            self.balancer.after_backward(found_inf=found_inf)
+            groups = self.replicas.participants() if self.replicas is not None else 1
+            self.balancer.after_backward(found_inf=found_inf, replica_groups=groups)
         if found_inf is None or self.device_drop:
             self._optimizer_step(found_inf, divisor)  # a bad update is dropped inside the fused kernels
             if self.ema is not None:

@@ -94,7 +94,9 @@ class Trainer:
         self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         self.run_folder = Path(cfg.job.dump_folder)
         # [fault_tolerance]: this job is one torchft replica group, reading its own slice of the data
-        self.replicas = build_replica_groups(cfg.fault_tolerance, rank=self.rank, world_size=self.world_size)
+        self.replicas = build_replica_groups(
+            cfg.fault_tolerance, rank=self.rank, world_size=self.world_size, same_init=cfg.debug.seed is not None
+        )
         dp_rank, dp_world = self.mesh["dp"].get_local_rank(), self.dims.dp
         if self.replicas is not None:
             dp_rank, dp_world = self.replicas.data_slice(dp_rank, dp_world)

@@ -42,7 +42,7 @@ def fault_tolerance(d: Draft) -> None:
     """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; DiLoCo's fragments that divide
     `sync_steps` and the blocks, a sync delay below the steps between syncs, one seed for every group, no outer
     settings with local SGD; no layout or policy that would set one replica group apart from the others (pipeline
-    stages, a rollback, MoE expert biases)."""
+    stages, a rollback)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
         if ft.semi_sync_method != "none":
@@ -119,12 +119,6 @@ def fault_tolerance(d: Draft) -> None:
                 f"training.{key} = 'rollback' would reload a checkpoint in one replica group only "
                 f"(fault_tolerance.enable); set training.{key} = '{skip}'"
             )
-    if d.spec.plan.moe is not None:
-        raise ConfigError(
-            f"fault_tolerance.enable: {d.cfg.model.name}'s MoE expert biases follow each group's own token counts "
-            "and would drift apart between replica groups; train a dense model.name or set fault_tolerance.enable "
-            "to false"
-        )
 
 
 def master_weights(d: Draft) -> None:

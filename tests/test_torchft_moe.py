@@ -1,0 +1,162 @@
+"""Mixture-of-Experts models across torchft replica groups (docs/fault_tolerance.md, "MoE models").
+
+Per step, the replica groups are one job's replicate dimension: their expert biases must move on the load of the
+whole global batch. Two groups of one process each (DeepSeek-V3's debug model, aux-loss-free balancing with a step
+large enough to change the routing) are held against one job of two FSDP ranks on the same data: the same token
+counts per expert, the same biases, the same weights. With DiLoCo each group's biases follow its own tokens between
+syncs and each sync averages them (the in-process test checks the mean against a stand-in all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+
+import pytest
+import torch
+from test_diloco import OUTER_LR, OUTER_MOMENTUM, FakeGroups, inner_step, split, tiny_blocks, train_groups
+from test_loss_spike import dcp_tensors
+from test_torchft import start, wait_for
+from titan_run import read_metrics, run_titan
+
+from titan_core.diloco import model_fragments, synced_buffers
+
+pytest.importorskip("torchft")
+
+MOE = [
+    "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--moe.load_balance_coeff", "0.05",
+    "--training.seq_len", "32", "--training.steps", "3", "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+    "--metrics.peak_tflops", "1", "--debug.seed", "7", "--training.local_batch_size", "2",
+    "--checkpoint.enable", "--checkpoint.keep_latest_k", "0",
+]  # fmt: skip
+BIASES = [f"layers.{i}.moe.expert_bias" for i in (1, 2, 3)]  # the debug model's first layer is dense
+
+
+def ft_groups(tmp, names, lighthouse, *args):
+    """Two replica groups of one process each, per step (`train_groups` without DiLoCo's keys)."""
+    procs = []
+    for replica_id, name in enumerate(names):
+        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name), *MOE,
+               "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+               "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.replica_id", str(replica_id),
+               "--fault_tolerance.lighthouse", lighthouse, *args]
+        procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
+    try:
+        for proc, log in procs:
+            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [tmp / name for name in names]
+
+
+def test_moe_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_biases(tmp_path):
+    reference = tmp_path / "fsdp2"
+    run_titan(reference, *MOE, "--checkpoint.interval", "3", nproc=2, debug_detail=False)
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        address = found.group(1)
+        per_step = ft_groups(tmp_path, ("g0", "g1"), address, "--checkpoint.interval", "3")
+        diloco = train_groups(tmp_path, ("d0", "d1"), address, *MOE, "--fault_tolerance.sync_steps", "2",
+                              "--training.steps", "2", "--checkpoint.interval", "1")
+    finally:
+        os.killpg(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait()
+
+    # Per step: each step's tokens per expert are the global batch's (the two groups' sum), as the 2-rank job's.
+    expected = read_metrics(reference)
+    for folder in per_step:
+        got = read_metrics(folder)
+        assert [r["moe/tokens_per_expert"] for r in got] == [r["moe/tokens_per_expert"] for r in expected]
+        assert all(r["ft/replica_groups"] == 2 for r in got)
+    group_losses = [[r["loss/global_avg"] for r in read_metrics(folder)] for folder in per_step]
+    for step, ref in enumerate(expected):  # each group logs its own half of the batch
+        assert (group_losses[0][step] + group_losses[1][step]) / 2 == pytest.approx(ref["loss/global_avg"], rel=1e-5)
+    ref_state = split(dcp_tensors(reference / "checkpoint/step-3"), "model.")
+    states = [split(dcp_tensors(folder / "checkpoint/step-3"), "model.") for folder in per_step]
+    assert any(ref_state[name].abs().max() > 0.05 for name in BIASES)  # more than one step of 0.05
+    for state in states:
+        for name in BIASES:  # sign steps of integer counts: equal, not close
+            assert torch.equal(state[name], ref_state[name]), name
+        worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert worst < 1e-5, worst
+
+    # DiLoCo: the biases apart after step 1 (each group's own load), equal after the sync at step 2, where they are
+    # the anchors; no outer momentum for them.
+    step1, step2 = ([dcp_tensors(folder / f"checkpoint/step-{step}") for folder in diloco] for step in (1, 2))
+    assert any(not torch.equal(step1[0][name], step1[1][name]) for name in BIASES)
+    for name in BIASES:
+        assert torch.equal(step2[0][name], step2[1][name]), name
+        assert torch.equal(step2[0][f"diloco.anchor.{name}"], step2[0][name])
+        assert f"diloco.momentum.{name}" not in step2[0]
+    records = [json.loads(line) for line in (diloco[0] / "metrics.jsonl").read_text().splitlines()]
+    assert records[1]["ft/replica_groups"] == 2 and records[1]["ft/dropped_syncs"] == 0
+
+
+class Routed(torch.nn.Module):
+    """A block with a moving persistent buffer (as an MoE layer's `expert_bias`) and a non-persistent one."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("bias", torch.zeros(3), persistent=True)
+        self.register_buffer("counts", torch.zeros(3), persistent=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long), persistent=True)  # not floating: kept
+
+
+def test_diloco_syncs_a_models_persistent_buffers_to_their_mean_without_momentum():
+    """The buffers' anchors take local SGD's step (their mean with the peer, which the stand-in all-reduce keeps at
+    the anchors), in their block's fragment, while the parameters take the Nesterov outer step exactly as without
+    buffers; the outer gradient's norm is the parameters'."""
+    from titan_core.diloco import DiLoCo
+
+    def model_with_buffers():
+        model = tiny_blocks()
+        model.layers = torch.nn.ModuleList([Routed(), Routed()])
+        torch.manual_seed(1)
+        model.layers.apply(lambda m: m.reset_parameters() if isinstance(m, torch.nn.Linear) else None)
+        return model
+
+    model, plain_params = model_with_buffers(), model_with_buffers()
+    assert [name for name, _ in synced_buffers([model])] == ["layers.0.bias", "layers.1.bias"]
+    names = [n for n, _ in model.named_parameters()] + ["layers.0.bias", "layers.1.bias"]
+    fragments = model_fragments(names, "layers", 2)
+    assert "layers.0.bias" in fragments[0] and "layers.1.bias" in fragments[1]
+    outer = DiLoCo([model], FakeGroups(), sync_steps=2, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                   fragments=fragments)
+    # the parameters alone: a model whose buffers DiLoCo does not see (made non-persistent)
+    for block in plain_params.layers:
+        block._non_persistent_buffers_set.add("bias")
+    plain = DiLoCo([plain_params], FakeGroups(), sync_steps=2, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                   fragments=model_fragments([n for n, _ in plain_params.named_parameters()], "layers", 2))
+    start = {f"layers.{i}.bias": torch.zeros(3) for i in (0, 1)}
+    for step in (1, 2):
+        for m in (model, plain_params):
+            inner_step(m, step)
+        with torch.no_grad():
+            for i, block in enumerate(model.layers):
+                block.bias.add_(torch.tensor([1.0, -2.0, 0.5]) * (step + i))
+                block.counts.fill_(step)
+        local = {f"layers.{i}.bias": block.bias.clone() for i, block in enumerate(model.layers)}
+        outer.advance(step)
+        plain.advance(step)
+        synced = f"layers.{step - 1}.bias"  # fragment 0 after step 1, fragment 1 after step 2
+        mean = (start[synced] + local[synced]) / 2  # with the peer that stayed at the anchor
+        torch.testing.assert_close(outer.anchors[synced], mean, rtol=0, atol=1e-7)
+        assert torch.equal(dict(model.named_buffers())[synced], outer.anchors[synced])
+        for name, p in model.named_parameters():
+            assert torch.equal(p, dict(plain_params.named_parameters())[name]), name
+        assert outer.metrics()["ft/outer_grad_norm"] == pytest.approx(plain.metrics()["ft/outer_grad_norm"], rel=1e-7)
+    assert all(block.counts.eq(2).all() and block.steps.item() == 0 for block in model.layers)  # not synced
+    state = outer.state_dict()
+    assert "anchor.layers.1.bias" in state and "momentum.layers.1.bias" not in state
+    assert "momentum.layers.1.proj.weight" in state
