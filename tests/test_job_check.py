@@ -160,7 +160,6 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (["--profiling.enable_memory_snapshot", "true"], ["profiling.enable_memory_snapshot", "CUDA"]),
         (["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--checkpoint.keep_interval", "6"],
          ["checkpoint.keep_interval=6 is not a multiple of checkpoint.interval=4"]),
-        (FT_ON + ["--parallelism.pipeline_parallel_degree", "2"], ["fault_tolerance.enable", "pipeline_parallel_degree = 1"]),
         (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
         (["--fault_tolerance.semi_sync_method", "diloco"], ["semi_sync_method = 'diloco'", "fault_tolerance.enable"]),

@@ -1,10 +1,12 @@
-"""Mixture-of-Experts models across torchft replica groups (docs/fault_tolerance.md, "MoE models").
+"""Mixture-of-Experts models and pipeline stages across torchft replica groups (docs/fault_tolerance.md, "MoE
+models", "Pipeline parallel").
 
 Per step, the replica groups are one job's replicate dimension: their expert biases must move on the load of the
-whole global batch. Two groups of one process each (DeepSeek-V3's debug model, aux-loss-free balancing with a step
-large enough to change the routing) are held against one job of two FSDP ranks on the same data: the same token
-counts per expert, the same biases, the same weights. With DiLoCo each group's biases follow its own tokens between
-syncs and each sync averages them (the in-process test checks the mean against a stand-in all-reduce).
+whole global batch. Two groups of two pipeline stages each (DeepSeek-V3's debug model, aux-loss-free balancing with
+a step large enough to change the routing) are held against one job of two stages x two FSDP ranks on the same
+data: the same token counts per expert, the same biases, the same weights. With DiLoCo each group's biases follow
+its own tokens between syncs and each sync averages them; the fragments are the whole model's, so a stage may hold
+none of one (the in-process test checks the buffers' mean against a stand-in all-reduce).
 """
 
 from __future__ import annotations
@@ -31,23 +33,24 @@ MOE = [
     "--training.seq_len", "32", "--training.steps", "3", "--training.mixed_precision_param", "float32",
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
     "--metrics.peak_tflops", "1", "--debug.seed", "7", "--training.local_batch_size", "2",
-    "--checkpoint.enable", "--checkpoint.keep_latest_k", "0",
+    "--checkpoint.enable", "--checkpoint.keep_latest_k", "0", "--parallelism.pipeline_parallel_degree", "2",
 ]  # fmt: skip
 BIASES = [f"layers.{i}.moe.expert_bias" for i in (1, 2, 3)]  # the debug model's first layer is dense
+STAGES = ["--nproc-per-node", "2"]  # each group: 2 pipeline stages of 2 blocks
 
 
 def ft_groups(tmp, names, lighthouse, *args):
-    """Two replica groups of one process each, per step (`train_groups` without DiLoCo's keys)."""
+    """Two replica groups of two processes each, per step (`train_groups` without DiLoCo's keys)."""
     procs = []
     for replica_id, name in enumerate(names):
-        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name), *MOE,
+        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name), *MOE, *STAGES,
                "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
                "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.replica_id", str(replica_id),
                "--fault_tolerance.lighthouse", lighthouse, *args]
         procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
     try:
         for proc, log in procs:
-            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+            assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
@@ -56,9 +59,9 @@ def ft_groups(tmp, names, lighthouse, *args):
     return [tmp / name for name in names]
 
 
-def test_moe_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_biases(tmp_path):
-    reference = tmp_path / "fsdp2"
-    run_titan(reference, *MOE, "--checkpoint.interval", "3", nproc=2, debug_detail=False)
+def test_moe_stages_in_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_biases(tmp_path):
+    reference = tmp_path / "pp2-fsdp2"
+    run_titan(reference, *MOE, "--checkpoint.interval", "3", nproc=4, debug_detail=False)
     lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
                         "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
     try:
@@ -66,13 +69,14 @@ def test_moe_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_
                          "lighthouse address")
         address = found.group(1)
         per_step = ft_groups(tmp_path, ("g0", "g1"), address, "--checkpoint.interval", "3")
-        diloco = train_groups(tmp_path, ("d0", "d1"), address, *MOE, "--fault_tolerance.sync_steps", "2",
-                              "--training.steps", "2", "--checkpoint.interval", "1")
+        diloco = train_groups(tmp_path, ("d0", "d1"), address, *MOE, *STAGES, "--fault_tolerance.sync_steps", "2",
+                              "--fault_tolerance.num_fragments", "2", "--training.steps", "2",
+                              "--checkpoint.interval", "1")
     finally:
         os.killpg(lighthouse.pid, signal.SIGKILL)
         lighthouse.wait()
 
-    # Per step: each step's tokens per expert are the global batch's (the two groups' sum), as the 2-rank job's.
+    # Per step: each step's tokens per expert are the global batch's (the two groups' sum), as the 4-rank job's.
     expected = read_metrics(reference)
     for folder in per_step:
         got = read_metrics(folder)
@@ -85,21 +89,30 @@ def test_moe_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_
     states = [split(dcp_tensors(folder / "checkpoint/step-3"), "model.") for folder in per_step]
     assert any(ref_state[name].abs().max() > 0.05 for name in BIASES)  # more than one step of 0.05
     for state in states:
+        assert state.keys() == ref_state.keys()
         for name in BIASES:  # sign steps of integer counts: equal, not close
             assert torch.equal(state[name], ref_state[name]), name
         worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
         assert worst < 1e-5, worst
 
-    # DiLoCo: the biases apart after step 1 (each group's own load), equal after the sync at step 2, where they are
-    # the anchors; no outer momentum for them.
+    # DiLoCo in 2 fragments of the whole model: the first (the embedding, blocks 0-1: all of stage 0) syncs after
+    # step 1, the second (blocks 2-3, the norm, the output: stage 1's) after step 2. The biases apart until their
+    # fragment's sync (each group's own load), equal after it, where they are their anchors (no outer momentum).
     step1, step2 = ([dcp_tensors(folder / f"checkpoint/step-{step}") for folder in diloco] for step in (1, 2))
-    assert any(not torch.equal(step1[0][name], step1[1][name]) for name in BIASES)
-    for name in BIASES:
-        assert torch.equal(step2[0][name], step2[1][name]), name
-        assert torch.equal(step2[0][f"diloco.anchor.{name}"], step2[0][name])
-        assert f"diloco.momentum.{name}" not in step2[0]
+    names = list(split(step1[0], "model."))
+    first = set(model_fragments(names, "layers", 2)[0])  # (here every block is in `names`: the whole model's cut)
+    assert "tok_embeddings.weight" in first and "layers.1.moe.expert_bias" in first and "output.weight" not in first
+    for name in names:  # (Adam's first update is +-lr: a vector's signs may agree by chance)
+        for step, synced_now in ((step1, first), (step2, set(names) - first)):
+            same = torch.equal(step[0][name], step[1][name])
+            assert same if name in synced_now else (not same or step[0][name].dim() == 1), name
+    assert not torch.equal(step1[0]["layers.2.moe.expert_bias"], step1[1]["layers.2.moe.expert_bias"])
+    for name, step in zip(BIASES, (step1, step2, step2), strict=True):  # after their syncs
+        assert torch.equal(step[0][f"diloco.anchor.{name}"], step[0][name])
+        assert f"diloco.momentum.{name}" not in step[0]
     records = [json.loads(line) for line in (diloco[0] / "metrics.jsonl").read_text().splitlines()]
-    assert records[1]["ft/replica_groups"] == 2 and records[1]["ft/dropped_syncs"] == 0
+    assert [r["ft/replica_groups"] for r in records] == [2, 2] and records[1]["ft/dropped_syncs"] == 0
+    assert all(r["ft/outer_grad_norm"] > 0 for r in records)  # a stage without the fragment adds 0, not nothing
 
 
 class Routed(torch.nn.Module):

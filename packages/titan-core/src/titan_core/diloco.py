@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_core.fault_tolerance import ReplicaGroups, local_shard
@@ -87,6 +88,8 @@ class DiLoCo:
         last_step: no sync starts whose outer step would come after this step (None: no end).
         sync_dtype: the dtype the pseudo-gradients cross between the groups in (e.g. torch.bfloat16: half the
             bytes of fp32 anchors; the outer step reads them back in the anchors' dtype); None: the anchors'.
+        pp_mesh: the pipeline mesh when `parts` are stages (the outer gradient's norm sums over it; a stage may hold
+            nothing of a fragment), else None.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class DiLoCo:
         alpha: float = 0.0,
         last_step: int | None = None,
         sync_dtype: torch.dtype | None = None,
+        pp_mesh: DeviceMesh | None = None,
     ):
         parts = list(parts)
         self.params = {canonical_name(name): p for part in parts for name, p in part.named_parameters()}
@@ -122,6 +126,7 @@ class DiLoCo:
             raise ValueError(f"DiLoCo alpha={alpha} must be from 0 to 1")
         self.replicas, self.sync_steps = replicas, sync_steps
         self.delay, self.alpha, self.last_step, self.sync_dtype = delay, alpha, last_step, sync_dtype
+        self.pp_mesh = pp_mesh
         with torch.no_grad():  # the weights of the last synchronisation; DTensors keep their placements
             self.anchors = {name: t.detach().clone() for name, t in tracked.items()}
             self.momentum = {name: torch.zeros_like(self.anchors[name]) for name in self.params}
@@ -278,7 +283,7 @@ class DiLoCo:
                     grad, layout.device_mesh, layout.placements, shape=layout.shape, stride=layout.stride()
                 )
             views.append(grad)
-        self._outer_norm = grouped_norms([views])[0]
+        self._outer_norm = grouped_norms([views], pp_mesh=self.pp_mesh)[0]
 
     def metrics(self) -> dict[str, float]:
         """`ft/sync_wait_ms` (how long the last sync's outer step waited for its all-reduce: what the delay did not
@@ -291,6 +296,8 @@ class DiLoCo:
     def _merge(self, pairs: _Pairs) -> None:
         """The fragment's weights from its new anchors: `(1 - alpha) anchor + alpha weights`."""
         weights, anchors = [w for _, w in pairs], [a for a, _ in pairs]
+        if not pairs:  # a pipeline stage without this fragment's blocks
+            return
         if self.alpha:
             torch._foreach_lerp_(weights, anchors, 1.0 - self.alpha)
         else:
@@ -368,7 +375,9 @@ def synced_buffers(parts: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]
     return found
 
 
-def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[str]]:
+def model_fragments(
+    names: Sequence[str], blocks: str, count: int, block_ids: Sequence[str] | None = None
+) -> list[list[str]]:
     """`names` (in the model's order) cut into `count` fragments of contiguous blocks, their sizes apart by one at
     most: the parameters before the first block (the embedding) join the first fragment, those after it (the final
     norm, the output) the last.
@@ -377,9 +386,12 @@ def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[
         names: the model's parameter names, as `named_parameters` gives them.
         blocks: the block container's name (`layers`): blocks are `<blocks>.<i>.`.
         count: fragments.
+        block_ids: the whole model's block ids in order, when `names` are one pipeline stage's (the stage's
+            fragments are its share of the model's, some of them empty); None: the blocks in `names`.
     """
     prefix, depth = blocks + ".", blocks.count(".") + 1  # `<blocks>.<i>.`: the block id is part `depth`
-    block_ids = list(dict.fromkeys(n.split(".")[depth] for n in names if n.startswith(prefix)))
+    if block_ids is None:
+        block_ids = list(dict.fromkeys(n.split(".")[depth] for n in names if n.startswith(prefix)))
     if not 1 <= count <= max(len(block_ids), 1):
         raise ValueError(f"{count} DiLoCo fragments for a model of {len(block_ids)} blocks: use 1 to {len(block_ids)}")
     fragment_of = {block: i * count // len(block_ids) for i, block in enumerate(block_ids)}
@@ -395,7 +407,14 @@ def model_fragments(names: Sequence[str], blocks: str, count: int) -> list[list[
 
 
 def build_diloco(
-    section: Any, parts: Sequence[nn.Module], replicas: ReplicaGroups | None, blocks: str, steps: int
+    section: Any,
+    parts: Sequence[nn.Module],
+    replicas: ReplicaGroups | None,
+    blocks: str,
+    steps: int,
+    *,
+    n_blocks: int | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> DiLoCo | None:
     """The run's `DiLoCo` from the [fault_tolerance] section; None without `semi_sync_method` (or replica groups).
     Rank 0 says how it syncs, and when the run's last step leaves the groups apart.
@@ -406,6 +425,8 @@ def build_diloco(
         replicas: this job's replica groups (`build_replica_groups`).
         blocks: the model's block container (`ModelPlan.blocks`), which `num_fragments` cuts.
         steps: the run's `training.steps`.
+        n_blocks: the model's blocks (`<blocks>.0` ..): under pipeline parallel, the fragments are the whole model's.
+        pp_mesh: the pipeline mesh when `parts` are stages, else None.
     """
     if replicas is None or section.semi_sync_method == "none":
         return None
@@ -413,6 +434,8 @@ def build_diloco(
     lr, momentum = (1.0, 0.0) if averaging else (section.outer_lr, section.outer_momentum)
     names = [canonical_name(name) for part in parts for name, _ in part.named_parameters()]
     names += [name for name, _ in synced_buffers(parts)]  # in their blocks' fragments
+    # a pipeline stage cuts its share of the whole model's fragments
+    block_ids = [str(i) for i in range(n_blocks)] if pp_mesh is not None and n_blocks is not None else None
     count, every = section.num_fragments, section.sync_steps
     if replicas.rank == 0:
         fragments = f" in {count} fragments, one every {every // count} steps" if count > 1 else ""
@@ -444,9 +467,10 @@ def build_diloco(
         sync_steps=every,
         outer_lr=lr,
         outer_momentum=momentum,
-        fragments=model_fragments(names, blocks, count),
+        fragments=model_fragments(names, blocks, count, block_ids),
         delay=section.fragment_sync_delay,
         alpha=section.fragment_update_alpha,
         last_step=steps,
         sync_dtype=torch.bfloat16 if section.sync_dtype == "bfloat16" else None,
+        pp_mesh=pp_mesh,
     )

@@ -171,7 +171,7 @@ class ReplicaGroups:
         fresh group has the tensors to receive into and a peer can send before its first step.
 
         Args:
-            model_parts: the model (one part: pipeline parallel is refused with fault tolerance).
+            model_parts: the model, or this rank's pipeline stages.
             optimizers: one per part.
             lr_schedulers: one per optimizer.
             train_state: the run's progress (`state_dict` / `load_state_dict`).

@@ -196,7 +196,15 @@ class Trainer:
             self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
             if self.ema is not None:  # and the moving average of the weights
                 self.replicas.add_state("ema", self.ema.state_dict())
-        self.outer = build_diloco(cfg.fault_tolerance, self.model.parts, self.replicas, self.spec.plan.blocks, t.steps)
+        self.outer = build_diloco(
+            cfg.fault_tolerance,
+            self.model.parts,
+            self.replicas,
+            self.spec.plan.blocks,
+            t.steps,
+            n_blocks=self.model_args.n_layers,
+            pp_mesh=self.mesh["pp"] if self.dims.pp > 1 else None,
+        )
         # [checkpoint] saves/restores model, optimizer, LR, data position, train state, RNG
         # (titan_core.checkpointing)
         self.checkpointer = build_checkpointer(

@@ -41,8 +41,7 @@ __all__ = [
 def fault_tolerance(d: Draft) -> None:
     """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; DiLoCo's fragments that divide
     `sync_steps` and the blocks, a sync delay below the steps between syncs, one seed for every group, no outer
-    settings with local SGD; no layout or policy that would set one replica group apart from the others (pipeline
-    stages, a rollback)."""
+    settings with local SGD; no policy that would set one replica group apart from the others (a rollback)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
         if ft.semi_sync_method != "none":
@@ -107,11 +106,6 @@ def fault_tolerance(d: Draft) -> None:
         raise ConfigError(
             "fault_tolerance.lighthouse is empty and $TORCHFT_LIGHTHOUSE unset: start `titan lighthouse` and set "
             "fault_tolerance.lighthouse to the address it prints"
-        )
-    if d.cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            "fault_tolerance.enable does not support pipeline parallel (one commit vote over the stages' optimizers "
-            "is not built); set parallelism.pipeline_parallel_degree = 1"
         )
     for key, skip in (("on_nonfinite", "skip_step"), ("on_loss_spike", "skip")):
         if getattr(d.cfg.training, key) == "rollback":
