@@ -210,6 +210,7 @@ SPEC_DEFAULTS = {
     "fault_tolerance.lighthouse": "",
     "fault_tolerance.timeout_seconds": 10.0,
     "fault_tolerance.quorum_timeout_seconds": 60.0,
+    "fault_tolerance.process_group": "auto",
     "fault_tolerance.semi_sync_method": "none",
     "fault_tolerance.sync_steps": 100,
     "fault_tolerance.outer_lr": 0.7,

@@ -162,6 +162,7 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
          ["checkpoint.keep_interval=6 is not a multiple of checkpoint.interval=4"]),
         (FT_ON + ["--training.on_nonfinite", "rollback", "--checkpoint.enable"], ["training.on_nonfinite = 'skip_step'"]),
         (FT_ON + ["--fault_tolerance.min_replica_size", "3"], ["fault_tolerance.min_replica_size=3"]),
+        (FT_ON + ["--fault_tolerance.process_group", "nccl"], ["fault_tolerance.process_group = 'nccl'", "'gloo'"]),
         (["--fault_tolerance.semi_sync_method", "diloco"], ["semi_sync_method = 'diloco'", "fault_tolerance.enable"]),
         (FT_ON + ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.outer_momentum", "0.5"],
          ["fault_tolerance.outer_momentum is DiLoCo's", "semi_sync_method = 'diloco'"]),

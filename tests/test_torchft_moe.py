@@ -76,6 +76,7 @@ def test_moe_stages_in_replica_groups_balance_on_the_global_batch_and_diloco_ave
         os.killpg(lighthouse.pid, signal.SIGKILL)
         lighthouse.wait()
 
+    assert "collectives across the groups over gloo" in (tmp_path / "g0.log").read_text()  # process_group 'auto'
     # Per step: each step's tokens per expert are the global batch's (the two groups' sum), as the 4-rank job's.
     expected = read_metrics(reference)
     for folder in per_step:

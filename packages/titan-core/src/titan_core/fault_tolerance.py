@@ -5,7 +5,7 @@ it), and the groups together are HSDP whose replicate dimension is torchft's. Ea
 
     begin_step         torchft's quorum with the live groups, in the background during forward
     average_gradients  this rank's gradients (local shards) averaged across the groups, one
-                       all-reduce per dtype over torchft's reconfigurable gloo group
+                       all-reduce per dtype over torchft's reconfigurable gloo (or NCCL) group
     commit             torchft's commit vote (`should_commit`): the optimizer steps only if it passes
 
 A group that starts late or restarts after a crash recovers the model, the optimizer, the
@@ -72,6 +72,8 @@ class FaultToleranceOptions:
         semi_sync: the groups meet every few steps (DiLoCo), not every step: synchronous quorums.
         same_init: every group initialises the same weights (one seed): the first step trains on every group.
             Otherwise the first quorum gives each group group 0's weights, and its step trains on group 0's batch.
+        backend: the cross-group collectives' backend, "gloo" or "nccl" (torchft's `ProcessGroupNCCL`: CUDA
+            tensors, this rank's current CUDA device).
     """
 
     replica_id: int
@@ -82,6 +84,7 @@ class FaultToleranceOptions:
     quorum_timeout_s: float
     semi_sync: bool = False
     same_init: bool = False
+    backend: str = "gloo"
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -111,14 +114,21 @@ class ReplicaGroups:
         self.options, self.rank = options, rank
         timeout = timedelta(seconds=options.timeout_s)
         # The group's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT) hands rank 0's manager address to the
-        # others and hosts the cross-group gloo rendezvous, which torchft rebuilds at each new quorum. One
+        # others and hosts the cross-group rendezvous, which torchft rebuilds at each new quorum. One
         # process started without torchrun has no TCPStore: it opens its own.
         store_addr, store_port = None, None
         if "MASTER_PORT" not in os.environ:
             self._store = torch.distributed.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
             store_addr, store_port = socket.gethostname(), self._store.port
+        if options.backend == "nccl":  # torchft's NCCL group aborts a hung collective after this (it warns unset)
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(options.timeout_s))
+            pg: Any = torchft.ProcessGroupNCCL(timeout=timeout)
+        elif options.backend == "gloo":
+            pg = torchft.ProcessGroupGloo(timeout=timeout)
+        else:
+            raise ValueError(f"replica groups' backend {options.backend!r}: use 'gloo' or 'nccl'")
         self.manager: torchft.Manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            pg=pg,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=options.min_replica_size,
@@ -139,11 +149,13 @@ class ReplicaGroups:
         logging.getLogger("torchft").setLevel(logging.WARNING)  # its per-step INFO lines (commit votes)
         if rank == 0:
             logger.info(
-                "fault tolerance: replica group %d of %d joins the lighthouse %s (at least %d groups per step)",
+                "fault tolerance: replica group %d of %d joins the lighthouse %s (at least %d groups per step; "
+                "collectives across the groups over %s)",
                 options.replica_id,
                 options.group_size,
                 options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", ""),
                 options.min_replica_size,
+                "NCCL" if options.backend == "nccl" else "gloo",
             )
         self._groups_seen = 0  # groups in the last committed step, for the log line when it changes
         self.recovered_step: int | None = None  # set when a peer's state was loaded, until it is logged
@@ -381,7 +393,9 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-def build_replica_groups(section: Any, *, rank: int, world_size: int, same_init: bool = False) -> ReplicaGroups | None:
+def build_replica_groups(
+    section: Any, *, rank: int, world_size: int, same_init: bool = False, device_type: str = "cpu"
+) -> ReplicaGroups | None:
     """This job's `ReplicaGroups` from the [fault_tolerance] section; None when it is off.
 
     Args:
@@ -389,6 +403,7 @@ def build_replica_groups(section: Any, *, rank: int, world_size: int, same_init:
         rank: this process's rank inside its group.
         world_size: the group's process count.
         same_init: every group initialises the same weights (the run is seeded).
+        device_type: where the run trains ("cuda", "cpu"): `process_group = 'auto'` picks NCCL on CUDA.
     """
     if not section.enable:
         return None
@@ -401,5 +416,11 @@ def build_replica_groups(section: Any, *, rank: int, world_size: int, same_init:
         quorum_timeout_s=section.quorum_timeout_seconds,
         semi_sync=section.semi_sync_method != "none",
         same_init=same_init,
+        backend=section.process_group if section.process_group != "auto" else _auto_backend(device_type),
     )
     return ReplicaGroups(options, rank=rank, world_size=world_size)
+
+
+def _auto_backend(device_type: str) -> str:
+    """`process_group = 'auto'`: NCCL for CUDA tensors, gloo for the rest."""
+    return "nccl" if device_type == "cuda" else "gloo"

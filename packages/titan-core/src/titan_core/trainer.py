@@ -95,7 +95,11 @@ class Trainer:
         self.run_folder = Path(cfg.job.dump_folder)
         # [fault_tolerance]: this job is one torchft replica group, reading its own slice of the data
         self.replicas = build_replica_groups(
-            cfg.fault_tolerance, rank=self.rank, world_size=self.world_size, same_init=cfg.debug.seed is not None
+            cfg.fault_tolerance,
+            rank=self.rank,
+            world_size=self.world_size,
+            same_init=cfg.debug.seed is not None,
+            device_type=self.device.type,
         )
         dp_rank, dp_world = self.mesh["dp"].get_local_rank(), self.dims.dp
         if self.replicas is not None:

@@ -128,6 +128,8 @@ class FaultTolerance(Section):
     """Cross-group all-reduce, commit vote and live recovery give up after this; the step is then retried."""
     quorum_timeout_seconds: PositiveFloat = 60.0
     """How long a group waits at the quorum for min_replica_size groups before it fails."""
+    process_group: Literal["auto", "gloo", "nccl"] = "auto"
+    """The cross-group collectives' backend (torchft's): 'auto' = NCCL when training on CUDA, gloo otherwise."""
     semi_sync_method: Literal["none", "diloco", "local_sgd"] = "none"
     """'none': gradients averaged each step; 'diloco': an outer Nesterov step each sync_steps; 'local_sgd': mean."""
     sync_steps: PositiveInt = 100

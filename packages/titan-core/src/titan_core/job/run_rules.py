@@ -107,6 +107,11 @@ def fault_tolerance(d: Draft) -> None:
             "fault_tolerance.lighthouse is empty and $TORCHFT_LIGHTHOUSE unset: start `titan lighthouse` and set "
             "fault_tolerance.lighthouse to the address it prints"
         )
+    if ft.process_group == "nccl" and d.device_type != "cuda":
+        raise ConfigError(
+            f"fault_tolerance.process_group = 'nccl' carries CUDA tensors; this run trains on {d.device_type}: "
+            "set it to 'gloo' or 'auto'"
+        )
     for key, skip in (("on_nonfinite", "skip_step"), ("on_loss_spike", "skip")):
         if getattr(d.cfg.training, key) == "rollback":
             raise ConfigError(
