@@ -14,19 +14,21 @@ import warm_python
 
 # The suite runs on 2 workers, a file to a worker (pytest-xdist: `-n 2 --dist loadfile` in pyproject.toml), each
 # worker taking the next file in collection order when it is free. The longest files go first, so that the last
-# file a worker takes is a short one and the other worker is not left waiting on it. Longest first by their time
-# in the suite's last full run (`TITAN_TEST_CPU_REPORT`, below; docs/benchmarks.md): the parity matrix and the
-# memory matrix first (657 and 658 s of wall, 1,003 and 423 CPU-s: the memory matrix's launches are mostly one
-# process at a time), then test_faults, which waits on its runs' signals more than it computes (283 s of wall for
-# 155 CPU-s), then by CPU (2-core AVX2-only AMD EPYC, 2026-11-30). A file not named keeps its place after these.
-# (xdist's own reordering, by the number of tests in a file, is off: `--no-loadscope-reorder`.)
+# file a worker takes is a short one and the other worker is not left waiting on it. Longest first by their wall
+# time in the suite's last full run (`TITAN_TEST_CPU_REPORT`, below; docs/benchmarks.md), 2-core AMD EPYC with
+# AVX-512 and native bf16, 2026-12-06: the parity matrix and the memory matrix first (355 and 385 s of wall, 503
+# and 219 CPU-s: the memory matrix's launches are mostly one process at a time), then the rest down to ~20 s.
+# A file not named keeps its place after these. (xdist's own reordering, by the number of tests in a file, is
+# off: `--no-loadscope-reorder`.)
 LONGEST_FIRST = (
-    "test_parity_matrix.py", "test_memory_accuracy.py", "test_faults.py", "test_float8.py", "test_plan_ep.py",
-    "test_muon_parity.py", "test_plan.py", "test_memory_measure.py", "test_isolated_install.py", "test_benchmarks.py",
-    "test_resume.py", "test_titan_eval.py", "test_generate.py", "test_fused_loss.py", "test_memory_compiled.py",
-    "test_pipeline.py", "test_master_weights.py", "test_train.py", "test_moe_training.py", "test_downstream_eval.py",
-    "test_multinode.py", "test_memory_eager.py", "test_hangs.py", "test_errors.py", "test_float8_precast.py",
-    "test_document_mask.py", "test_context_parallel.py", "test_memory.py", "test_static_decode.py",
+    "test_parity_matrix.py", "test_memory_accuracy.py", "test_float8.py", "test_mtp.py", "test_plan_ep.py",
+    "test_diloco.py", "test_faults.py", "test_plan.py", "test_benchmarks.py", "test_ema.py", "test_titan_eval.py",
+    "test_muon_parity.py", "test_isolated_install.py", "test_memory_measure.py", "test_resume.py",
+    "test_downstream_eval.py", "test_master_weights.py", "test_memory_eager.py", "test_fused_loss.py", "test_train.py",
+    "test_memory_compiled.py", "test_moe_training.py", "test_hangs.py", "test_pipeline.py", "test_params_cmd.py",
+    "test_document_mask.py", "test_memory.py", "test_data_mix_training.py", "test_mup.py", "test_multinode.py",
+    "test_errors.py", "test_static_decode.py", "test_grad_sync.py", "test_torchft_moe.py", "test_float8_precast.py",
+    "test_optim.py", "test_generate.py", "test_context_parallel.py",
 )  # fmt: skip
 
 

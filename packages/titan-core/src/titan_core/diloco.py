@@ -295,9 +295,9 @@ class DiLoCo:
 
     def _merge(self, pairs: _Pairs) -> None:
         """The fragment's weights from its new anchors: `(1 - alpha) anchor + alpha weights`."""
-        weights, anchors = [w for _, w in pairs], [a for a, _ in pairs]
         if not pairs:  # a pipeline stage without this fragment's blocks
             return
+        weights, anchors = [w for _, w in pairs], [a for a, _ in pairs]
         if self.alpha:
             torch._foreach_lerp_(weights, anchors, 1.0 - self.alpha)
         else:
