@@ -10,6 +10,10 @@
 #   bash examples/diloco.sh ./outputs/streaming --fault_tolerance.num_fragments 2 \
 #       --fault_tolerance.fragment_sync_delay 2 --fault_tolerance.fragment_update_alpha 0.5
 #
+# An MoE model (its expert biases averaged at each sync), each group two pipeline stages (53 s on the same CPU):
+#   bash examples/diloco.sh ./outputs/moe --model.name deepseek_v3 --nproc-per-node 2 \
+#       --parallelism.pipeline_parallel_degree 2 --fault_tolerance.num_fragments 2
+#
 # Each group's log says "step 10 syncs 2 of 2 replica groups"; their checkpoints at steps 10, 20, 30 and 40
 # hold the same weights (the sync steps), their own in between.
 set -euo pipefail
