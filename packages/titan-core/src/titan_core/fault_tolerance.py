@@ -107,6 +107,11 @@ class ReplicaGroups:
     """
 
     def __init__(self, options: FaultToleranceOptions, *, rank: int, world_size: int):
+        # torchft logs a few INFO lines per quorum and commit vote (every step), from Rust and Python (empty lines
+        # to its structured loggers): warnings only (RUST_LOG, when unset)
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         try:
             import torchft
         except ImportError as error:
@@ -146,7 +151,6 @@ class ReplicaGroups:
             lighthouse_addr=options.lighthouse or None,
             replica_id=f"titan_{options.replica_id}",
         )
-        logging.getLogger("torchft").setLevel(logging.WARNING)  # its per-step INFO lines (commit votes)
         if rank == 0:
             logger.info(
                 "fault tolerance: replica group %d of %d joins the lighthouse %s (at least %d groups per step; "
