@@ -1,6 +1,6 @@
 """torchft replica groups: data parallel across jobs that fail and rejoin on their own.
 
-Each `titan train` job is one replica group, laid out as any run is (FSDP, TP, CP inside
+Each `titan train` job is one replica group, laid out as any run is (FSDP, TP, CP, pipeline stages inside
 it), and the groups together are HSDP whose replicate dimension is torchft's. Each step:
 
     begin_step         torchft's quorum with the live groups, in the background during forward
