@@ -137,3 +137,31 @@ def test_a_killed_replica_group_rejoins_live_and_matches_the_survivor(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_groups_seeded_differently_stop_at_their_first_step_naming_the_seed(tmp_path):
+    """Seeded groups do not sync their initial weights (torchft's `init_sync` is off: the first step trains on every
+    group), so the first step compares them: groups given different `debug.seed`s both stop with one line."""
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    procs = []
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        for replica_id, seed in enumerate((7, 8)):
+            cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp_path / f"g{replica_id}"),
+                   *TINY, "--training.steps", "3", "--debug.seed", str(seed), "--fault_tolerance.enable", "true",
+                   "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
+                   "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", found.group(1)]
+            procs.append(start(cmd, tmp_path / f"g{replica_id}.log"))
+        for replica_id, proc in enumerate(procs):
+            assert proc.wait(timeout=120) == 2
+            log = (tmp_path / f"g{replica_id}.log").read_text()
+            assert "titan: error: fault_tolerance: the replica groups start from different weights" in log, log[-2000:]
+            assert "debug.seed" in log and "Traceback" not in log
+            assert not (tmp_path / f"g{replica_id}" / "metrics.jsonl").read_text()  # no step was taken
+    finally:
+        for proc in [*procs, lighthouse]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

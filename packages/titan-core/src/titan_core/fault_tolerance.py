@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from titan_ckpt.model_state import flatten_optimizer_tensors, get_optimizer_states, get_part_states
-from titan_core.config.errors import MissingPackageError
+from titan_core.config.errors import ConfigError, MissingPackageError
 
 if TYPE_CHECKING:
     import torchft
@@ -161,6 +162,7 @@ class ReplicaGroups:
                 options.min_replica_size,
                 "NCCL" if options.backend == "nccl" else "gloo",
             )
+        self._start_checked = False  # whether this process's first step compared the groups' initial weights
         self._groups_seen = 0  # groups in the last committed step, for the log line when it changes
         self.recovered_step: int | None = None  # set when a peer's state was loaded, until it is logged
         self.dropped_steps = 0
@@ -300,6 +302,7 @@ class ReplicaGroups:
             also: more tensors averaged in the same all-reduces (e.g. the MoE layers' token counts), the same in
                 every group.
         """
+        params = list(params)
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # one all-reduce per dtype
         for tensor in [local_shard(p.grad) for p in params if p.grad is not None] + list(also):
             buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -308,6 +311,28 @@ class ReplicaGroups:
         for grads, flat in zip(buckets.values(), flats, strict=True):
             for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(averaged)
+        if not self._start_checked:  # this process's first step: after the quorum, before the optimizer's step
+            self._start_checked = True
+            if self.options.same_init and self.manager.current_step() == 0 and self.manager.is_participating():
+                self._check_same_start(params)
+
+    def _check_same_start(self, params: Sequence[nn.Parameter]) -> None:
+        """The run's first step (every group in the quorum at step 0: none heals, so all of them call this): the
+        groups' initial weights, which seeded groups do not sync (`same_init`), must be the same. One all-reduce of
+        this rank's fingerprint (the sum and the sum of squares of its shards, fp64), its max against its min."""
+        both = torch.zeros(2, dtype=torch.float64, device=params[0].device if params else "cpu")
+        with torch.no_grad():
+            for p in params:  # one shard at a time: no fp64 copy of the model
+                shard = local_shard(p.detach())
+                both[0] += shard.sum(dtype=torch.float64)
+                both[1] += (shard * shard).sum(dtype=torch.float64)
+        extremes = torch.cat([both, -both])  # max over the groups, and minus their min
+        self.manager.allreduce(extremes, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored() is None and not torch.equal(extremes[:2], -extremes[2:]):
+            raise ConfigError(
+                "fault_tolerance: the replica groups start from different weights (their first step's fingerprints "
+                "differ): give every group the same debug.seed and checkpoint.initial_load_path"
+            )
 
     def participants(self) -> int:
         """The groups in this step's quorum whose tensors an average divides by (a healing group's are not)."""
