@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_loss_spike import dcp_tensors
-from test_torchft import INTERVAL, Group, start, wait_for
+from test_torchft import INTERVAL, Group, run_groups, start, wait_for
 from titan_run import TINY
 
 from titan_core.diloco import model_fragments
@@ -33,25 +33,10 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
 def train_groups(tmp: Path, names: tuple[str, str], lighthouse: str, *args: str) -> list[Path]:
-    """Both replica groups of one run, side by side (2 groups, both needed for a sync); their folders."""
-    procs = []
-    for replica_id, name in enumerate(names):
-        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name), *TINY,
-               "--checkpoint.enable", "--checkpoint.keep_latest_k", "0", "--fault_tolerance.enable", "true",
-               "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2",
-               "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", lighthouse,
-               "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.outer_lr", str(OUTER_LR),
-               "--fault_tolerance.outer_momentum", str(OUTER_MOMENTUM), *args]
-        procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
-    try:
-        for proc, log in procs:
-            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return [tmp / name for name in names]
+    """Both replica groups of one DiLoCo run, side by side (2 groups, both needed for a sync); their folders."""
+    return run_groups(tmp, names, lighthouse, *TINY, "--checkpoint.enable", "--checkpoint.keep_latest_k", "0",
+                      "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.outer_lr", str(OUTER_LR),
+                      "--fault_tolerance.outer_momentum", str(OUTER_MOMENTUM), *args, timeout=240)
 
 
 def split(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

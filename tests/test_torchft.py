@@ -46,6 +46,27 @@ def wait_for(condition, what: str, timeout: float = 90, poll: float = 0.02):
     raise AssertionError(f"no {what} within {timeout} s")
 
 
+def run_groups(tmp: Path, names: tuple[str, str], lighthouse: str, *args: str, timeout: float = 300) -> list[Path]:
+    """Two replica groups of one run (`titan train` each, both needed: min_replica_size 2) side by side, each with
+    `args`, until both exit 0; their folders."""
+    procs = []
+    for replica_id, name in enumerate(names):
+        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name),
+               "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+               "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.replica_id", str(replica_id),
+               "--fault_tolerance.lighthouse", lighthouse, *args]
+        procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
+    try:
+        for proc, log in procs:
+            assert proc.wait(timeout=timeout) == 0, log.read_text()[-3000:]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [tmp / name for name in names]
+
+
 class Group:
     """One replica group: `titan train` on one process, and its metrics.jsonl records with arrival times."""
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_diloco import OUTER_LR, OUTER_MOMENTUM, FakeGroups, inner_step, split, tiny_blocks, train_groups
 from test_loss_spike import dcp_tensors
-from test_torchft import start, wait_for
+from test_torchft import run_groups, start, wait_for
 from titan_run import read_metrics, run_titan
 
 from titan_core.diloco import model_fragments, synced_buffers
@@ -39,26 +39,6 @@ BIASES = [f"layers.{i}.moe.expert_bias" for i in (1, 2, 3)]  # the debug model's
 STAGES = ["--nproc-per-node", "2"]  # each group: 2 pipeline stages of 2 blocks
 
 
-def ft_groups(tmp, names, lighthouse, *args):
-    """Two replica groups of two processes each, per step (`train_groups` without DiLoCo's keys)."""
-    procs = []
-    for replica_id, name in enumerate(names):
-        cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name), *MOE, *STAGES,
-               "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
-               "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.replica_id", str(replica_id),
-               "--fault_tolerance.lighthouse", lighthouse, *args]
-        procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
-    try:
-        for proc, log in procs:
-            assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return [tmp / name for name in names]
-
-
 def test_moe_stages_in_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_biases(tmp_path):
     reference = tmp_path / "pp2-fsdp2"
     run_titan(reference, *MOE, "--checkpoint.interval", "3", nproc=4, debug_detail=False)
@@ -68,7 +48,7 @@ def test_moe_stages_in_replica_groups_balance_on_the_global_batch_and_diloco_ave
         found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
                          "lighthouse address")
         address = found.group(1)
-        per_step = ft_groups(tmp_path, ("g0", "g1"), address, "--checkpoint.interval", "3")
+        per_step = run_groups(tmp_path, ("g0", "g1"), address, *MOE, *STAGES, "--checkpoint.interval", "3")
         diloco = train_groups(tmp_path, ("d0", "d1"), address, *MOE, *STAGES, "--fault_tolerance.sync_steps", "2",
                               "--fault_tolerance.num_fragments", "2", "--training.steps", "2",
                               "--checkpoint.interval", "1")
