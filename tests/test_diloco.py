@@ -197,7 +197,7 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
 def test_a_diloco_group_started_late_heals_from_its_peer_at_a_sync(tmp_path):
     """Group 0 trains alone (syncing with itself every INTERVAL steps); group 1, started later in a fresh folder,
     trains its first INTERVAL steps alone, then at its first sync takes group 0's weights, inner optimizer, anchors,
-    outer momentum and step live, and from then on both hold the same weights and DiLoCo state after each sync."""
+    outer momentum, step and data position live, and from then on both hold the same weights and DiLoCo state after each sync."""
     lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "1",
                         "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
     groups: list[Group] = []
@@ -230,6 +230,9 @@ def test_a_diloco_group_started_late_heals_from_its_peer_at_a_sync(tmp_path):
         assert ours.keys() == theirs.keys() and any(k.startswith("diloco.momentum.") for k in compared)
         different = [k for k in compared if not torch.equal(ours[k], theirs[k])]
         assert not different, different
+        # and the late group reads on at its peer's data position (its own slice of each global batch)
+        saved = [json.loads((g.folder / f"checkpoint/step-{common[0]}/dataloader.json").read_text()) for g in groups]
+        assert saved[0] == saved[1], saved
         print(f"\nthe late group healed at step {joined}; compared at step {common[0]}")
     finally:
         for proc in [g.proc for g in groups] + [lighthouse]:

@@ -3,8 +3,8 @@
 Two replica groups of one process each train through `titan lighthouse`. Group 1 is SIGKILLed
 mid-run; group 0 goes on stepping alone without a restart. Group 1 starts again in a fresh
 folder (no checkpoint to read), recovers live from group 0, and from then on both groups
-hold the same weights, optimizer state and moving average (`[ema]`), bit for bit (their checkpoints at a common
-step).
+hold the same weights, optimizer state and moving average (`[ema]`), bit for bit, and read the data stream at the
+same position (their checkpoints at a common step).
 """
 
 from __future__ import annotations
@@ -148,6 +148,10 @@ def test_a_killed_replica_group_rejoins_live_and_matches_the_survivor(tmp_path):
         assert any(k.startswith("ema.") for k in ours)
         different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
         assert not different, different
+        # The restarted group took the survivor's data position with its state: it reads on where its slice of the
+        # global stream would be, not from the start (its slice's first batches again).
+        positions = [json.loads((g.folder / saved_dir / "dataloader.json").read_text()) for g in (survivor, rejoiner)]
+        assert positions[0] == positions[1] and positions[0]["samples_consumed"] > 0, positions
 
         kill_to_fewer, relaunch_to_all, join_to_all = fewer - killed, all_back - relaunched, all_back - joined
         print(f"\nkill -> first step on 1 group: {kill_to_fewer:.2f} s; restart -> first step on 2 groups: "

@@ -9,7 +9,7 @@ it), and the groups together are HSDP whose replicate dimension is torchft's. Ea
     commit             torchft's commit vote (`should_commit`): the optimizer steps only if it passes
 
 A group that starts late or restarts after a crash recovers the model, the optimizer, the
-LR schedules and the train state live from a peer, over torchft's HTTP transport
+LR schedules, the train state and the data position live from a peer, over torchft's HTTP transport
 (`Manager.register_state_dict_fn`): no checkpoint is read. The survivors go on without
 restarting; a dropped step (a group died mid-all-reduce) is retried with the next batch.
 
@@ -57,6 +57,12 @@ class _TrainState(Protocol):
     def state_dict(self) -> dict[str, int]: ...
 
     def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+
+class _Loader(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -182,8 +188,9 @@ class ReplicaGroups:
         optimizers: Sequence[torch.optim.Optimizer],
         lr_schedulers: Sequence[Any],
         train_state: _TrainState,
+        loader: _Loader | None = None,
     ) -> None:
-        """Give torchft the state a recovering group loads from a live peer (model, optimizer, LR, step).
+        """Give torchft the state a recovering group loads from a live peer (model, optimizer, LR, step, data).
 
         The optimizer state is created now (a zero-lr step, its step counts set back to 0), so that a
         fresh group has the tensors to receive into and a peer can send before its first step.
@@ -193,6 +200,11 @@ class ReplicaGroups:
             optimizers: one per part.
             lr_schedulers: one per optimizer.
             train_state: the run's progress (`state_dict` / `load_state_dict`).
+            loader: the training data; its position is the run's global stream position, the same in every
+                group at a step (each group reads its own slice of each global batch, `data_slice`), so a
+                recovering group goes on where its slice would be had it never stopped, instead of from the start.
+                The peer's is taken after it fetched the step's batch, as the recovering group's own is when it
+                loads it, after the step's backward.
         """
         parts, optims, schedulers = list(model_parts), list(optimizers), list(lr_schedulers)
         get_optimizer_states(parts, optims)  # creates an empty optimizer state (torch's zero-lr step)
@@ -214,6 +226,7 @@ class ReplicaGroups:
                 "optimizer_settings": [[_settings(g) for g in optim.param_groups] for optim in optims],
                 "lr_schedulers": [s.state_dict() for s in schedulers],
                 "train_state": train_state.state_dict(),
+                **({"data": loader.state_dict()} if loader is not None else {}),
             }
 
         def load_state_dict(state: dict[str, Any]) -> None:  # the main thread, in `commit`
@@ -228,6 +241,8 @@ class ReplicaGroups:
             for scheduler, scheduler_state in zip(schedulers, state["lr_schedulers"], strict=True):
                 scheduler.load_state_dict(scheduler_state)
             train_state.load_state_dict(state["train_state"])
+            if loader is not None:
+                loader.load_state_dict(state["data"])
             self.recovered_step = int(state["train_state"]["step"])
 
         self.manager.register_state_dict_fn("titan", load_state_dict, state_dict)
@@ -383,7 +398,7 @@ class ReplicaGroups:
             if self.recovered_step is not None:
                 logger.info(
                     "fault tolerance: recovered step %d live from a peer replica group (model, optimizer, "
-                    "LR schedule, step): no checkpoint read",
+                    "LR schedule, step, data position): no checkpoint read",
                     self.recovered_step,
                 )
             if not committed and self.options.semi_sync:

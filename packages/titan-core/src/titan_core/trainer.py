@@ -197,7 +197,7 @@ class Trainer:
         self.state = TrainState()
         self.ema = WeightEMA(self.model.parts, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enable else None  # [ema]
         if self.replicas is not None:  # what a restarted group recovers live from a peer
-            self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state)
+            self.replicas.register(self.model.parts, self.optimizers, self.lr_schedulers, self.state, self.loader)
             if self.ema is not None:  # and the moving average of the weights
                 self.replicas.add_state("ema", self.ema.state_dict())
         self.outer = build_diloco(
