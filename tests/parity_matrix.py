@@ -137,6 +137,7 @@ def _pp(schedule: str, *extra: str, microbatch: int = 2) -> tuple[str, ...]:
             f"{P}pipeline_parallel_microbatch_size", str(microbatch), *extra)
 
 
+BUDGET = ("--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget")
 LAYOUTS = [
     Layout("fsdp2", 2, 2, ()),
     Layout("fsdp4", 4, 4, ()),
@@ -149,8 +150,11 @@ LAYOUTS = [
     Layout("tp2_ac_selective_2", 2, 1, (f"{P}tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective")),
     # Regional compile (each block, inductor's C++ backend on CPU); loss compiled too.
     Layout("compile_fsdp2", 2, 2, ("--compile.enable", "true"), slow=True),
-    Layout("compile_tp2", 2, 1, ("--compile.enable", "true", f"{P}tensor_parallel_degree", "2"), slow=True),
-    Layout("compile_pp2", 2, 1, ("--compile.enable", "true", *_pp("1F1B")), slow=True),
+    # Two of them under an activation memory budget (the partitioner recomputes the rest in backward): aot_eager's
+    # (TP on CPU) at 0, every activation but the graphs' inputs, and Inductor's at 0.5.
+    Layout("compile_tp2_budget_0", 2, 1, ("--compile.enable", "true", f"{P}tensor_parallel_degree", "2", *BUDGET, "0"),
+           slow=True),
+    Layout("compile_pp2_budget_0.5", 2, 1, ("--compile.enable", "true", *_pp("1F1B"), *BUDGET, "0.5"), slow=True),
     # Ring attention stays eager inside the compiled block (a graph break around it).
     Layout("compile_cp2", 2, 1, ("--compile.enable", "true", f"{P}context_parallel_degree", "2"), slow=True),
     Layout("ddp2", 2, 2, (f"{P}dp_mode", "ddp", f"{P}data_parallel_replicate_degree", "2",

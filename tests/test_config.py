@@ -147,6 +147,7 @@ SPEC_DEFAULTS = {
     "checkpoint.create_seed_checkpoint": False,
     "activation_checkpoint.mode": "none",
     "activation_checkpoint.selective_ac_option": "2",
+    "activation_checkpoint.memory_budget": 0.5,
     "compile.enable": False,
     "compile.components": ["model", "loss"],
     "float8.recipe_name": "tensorwise",

@@ -115,7 +115,8 @@ def _describe_compute(job: Job) -> str:
         parts.append(f"compiled ({', '.join(job.cfg.compile.components)})")
     ac = job.cfg.activation_checkpoint
     if ac.mode != "none":
-        parts.append(f"AC {ac.mode}" + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""))
+        detail = {"selective": f" {ac.selective_ac_option}", "memory_budget": f" {ac.memory_budget:g}"}.get(ac.mode, "")
+        parts.append(f"AC {ac.mode}{detail}")
     return ", ".join(parts)
 
 

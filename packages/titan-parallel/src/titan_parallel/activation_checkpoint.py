@@ -5,6 +5,8 @@ Modes (`apply_ac`'s `ac_mode`, checked by `titan_parallel.layout.check_ac`):
 - "selective" with an int N: every Nth block is recomputed.
 - "selective" with "op": every block, but the outputs of matmuls and attention
   are saved (every other one for matmuls), so only cheap ops are recomputed.
+- "memory_budget": no wrapper; the compiled blocks keep a share of their activations and
+  recompute the rest, as the compiler's partitioner chooses (`titan_parallel.compile`).
 
 Selective "op" mode and profiler annotations: torch 2.15's selective checkpointing replays
 every op of a block's forward by its count, and caches ops with effects, among them
@@ -97,18 +99,21 @@ def _ignore_annotations_in_sac() -> None:
 
 
 def apply_ac(
-    model: nn.Module, plan: ModelPlan, ac_mode: Literal["none", "selective", "full"], ac_selective_option: str = "2"
+    model: nn.Module,
+    plan: ModelPlan,
+    ac_mode: Literal["none", "selective", "full", "memory_budget"],
+    ac_selective_option: str = "2",
 ) -> nn.Module:
     """Wrap the blocks of `model` for activation checkpointing, in place.
 
     Args:
         model: the model or pipeline stage.
         plan: names the blocks.
-        ac_mode: "none", "selective" or "full".
+        ac_mode: "none", "selective" or "full"; "memory_budget" wraps nothing (`apply_compile` applies it).
         ac_selective_option: under "selective", "op" or a positive int N as a string: every Nth block.
     """
     check_ac(ac_mode, ac_selective_option)
-    if ac_mode == "none":
+    if ac_mode in ("none", "memory_budget"):
         return model
     container = get_submodule_or_none(model, plan.blocks)
     if container is None:

@@ -30,11 +30,24 @@ wrapper, so the block is still recomputed as one. Before torch 2.15 (2.11 measur
 not tried) Dynamo traced non-reentrant checkpointing's saved-tensor hooks run from inside such
 a piece, recompiled `WeakKeyDictionary.__setitem__` once per saved tensor and failed at the
 recompile limit: there an activation-checkpointed MoE block stays eager (said once in the log).
+
+A memory budget (`apply_compile(memory_budget=)`; torchtitan calls it an AC mode)
+lets AOTAutograd's min-cut partitioner choose what each compiled graph keeps for backward: it
+solves a knapsack for the least recompute (by FLOPs) that keeps at most that share of the
+activations it would keep without one (1), down to none but the graph's inputs (0, what full AC
+keeps of a block). torch reads it from `torch._functorch.config.activation_memory_budget` when it
+partitions a graph, which happens inside the backend call: `budget_backend` sets it for that call
+only, so the process's other compiled functions (the loss, a memory estimate's traces) keep theirs.
+Both Inductor and `aot_eager` partition with min-cut. What stays eager (the experts, the
+sequence-parallel norms, ring attention) keeps all its activations.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -57,8 +70,35 @@ def compile_backend(device_type: str, tp_degree: int) -> str:
     return "aot_eager" if device_type == "cpu" and tp_degree > 1 else "inductor"
 
 
+@functools.cache  # one callable per budget: Dynamo compiles a code object again for another backend object
+def budget_backend(backend: str, memory_budget: float) -> Callable[[torch.fx.GraphModule, list[torch.Tensor]], Any]:
+    """The `torch.compile` backend `backend`, partitioning each graph under an activation memory budget.
+
+    Args:
+        backend: a registered backend whose partitioner is min-cut ("inductor", "aot_eager").
+        memory_budget: the share of the activations each graph keeps for backward, in [0, 1].
+    """
+    from torch._dynamo import lookup_backend
+    from torch._functorch import config as functorch_config
+
+    compiler = lookup_backend(backend)
+
+    def compile_with_budget(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        with functorch_config.patch(activation_memory_budget=memory_budget):
+            return compiler(gm, example_inputs)
+
+    compile_with_budget.__name__ = f"{backend}_memory_budget_{memory_budget}"
+    return compile_with_budget
+
+
 def apply_compile(
-    model: nn.Module, plan: ModelPlan, *, fullgraph: bool = True, per_child: bool = False, backend: str = "inductor"
+    model: nn.Module,
+    plan: ModelPlan,
+    *,
+    fullgraph: bool = True,
+    per_child: bool = False,
+    backend: str = "inductor",
+    memory_budget: float | None = None,
 ) -> nn.Module:
     """Compile every block of `model` in place (`nn.Module.compile`, parameter names unchanged).
 
@@ -70,7 +110,10 @@ def apply_compile(
         per_child: compile each child module of a block rather than the block (under TP),
             except the sequence-parallel norms (`TPStyle.NORM` in `plan.block_tp`).
         backend: the `torch.compile` backend (see `compile_backend`).
+        memory_budget: the share of its activations each compiled graph keeps for backward, recomputing the rest
+            (`budget_backend`), in [0, 1]; None: the partitioner's own choice (what 1 keeps).
     """
+    compiler: str | Callable[..., Any] = backend if memory_budget is None else budget_backend(backend, memory_budget)
     # Sequence-parallel norms stay eager under TP: compiled, they too gave their DTensor input a wrong gradient.
     eager = {path for path, style in plan.block_tp if style is TPStyle.NORM} if per_child else set()
     experts = f"{plan.moe}.experts" if plan.moe is not None else None
@@ -88,7 +131,7 @@ def apply_compile(
         else:
             units = [block]
         for unit in units:
-            unit.compile(fullgraph=fullgraph, backend=backend)
+            unit.compile(fullgraph=fullgraph, backend=compiler)
     if left_eager:
         logger.info(
             f"compile: {left_eager} activation-checkpointed Mixture-of-Experts block(s) run eager on torch "

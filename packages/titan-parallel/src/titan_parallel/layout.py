@@ -179,7 +179,7 @@ class ParallelDims:
 DP_MODES = ("fsdp", "ddp")
 ROTATE_METHODS = ("allgather", "rotate")
 CP_METHODS = ("ring", "ulysses")
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full", "memory_budget")
 
 
 def check_data_parallel(dims: ParallelDims, dp_mode: str) -> None:
@@ -299,24 +299,44 @@ def ulysses_kv_repeats(n_kv_heads: int, cp: int) -> int:
     return repeats
 
 
-def check_ac(ac_mode: str, ac_selective_option: str = "2") -> None:
-    """Raise unless the activation checkpointing mode and its selective option are known.
+def check_ac(
+    ac_mode: str, ac_selective_option: str = "2", *, ac_memory_budget: float = 0.5, compile: bool | None = None
+) -> None:
+    """Raise unless the activation checkpointing mode and its options are known and can run.
 
     Args:
-        ac_mode: "none", "selective" or "full".
+        ac_mode: "none", "selective", "full" or "memory_budget".
         ac_selective_option: "op" (keep the outputs of costly ops) or a positive int N
             as a string (checkpoint every Nth block); read under "selective" only,
             but checked always.
+        ac_memory_budget: under "memory_budget", the share of the compiled blocks' activations to keep, in [0, 1].
+        compile: whether the blocks are compiled, which "memory_budget" needs (its partitioner decides what is
+            recomputed); None: not checked here (`apply_compile` applies the budget).
     """
     if ac_mode not in AC_MODES:
         raise ParallelConfigError(
-            f"ac_mode={ac_mode!r} is unknown; choose 'none', 'selective' or 'full'", arguments=("ac_mode",)
+            f"ac_mode={ac_mode!r} is unknown; choose 'none', 'selective', 'full' or 'memory_budget'",
+            arguments=("ac_mode",),
         )
     option = str(ac_selective_option)
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ParallelConfigError(
             f"ac_selective_option={ac_selective_option!r} is neither 'op' nor a positive int (every Nth block)",
             arguments=("ac_selective_option",),
+        )
+    if ac_mode != "memory_budget":
+        return
+    if not 0.0 <= ac_memory_budget <= 1.0:
+        raise ParallelConfigError(
+            f"ac_memory_budget={ac_memory_budget} is outside [0, 1] (0 recomputes every activation it can, 1 "
+            "keeps what the compiler keeps without a budget)",
+            arguments=("ac_memory_budget",),
+        )
+    if compile is False:
+        raise ParallelConfigError(
+            "ac_mode='memory_budget' needs compile=True: the compiler's partitioner chooses what the compiled "
+            "blocks recompute; compile the blocks, or choose ac_mode 'selective' or 'full'",
+            arguments=("ac_mode", "compile"),
         )
 
 

@@ -48,8 +48,9 @@ class ParallelOptions:
         async_tp: overlap TP communication with matmuls (tp > 1, CUDA and compile; see `check_async_tp`).
         cp_rotate_method: how ring attention exchanges K/V, "allgather" | "rotate".
         cp_method: context parallel's attention, "ring" | "ulysses" (see `check_cp_method`).
-        ac_mode: activation checkpointing, "none" | "selective" | "full".
+        ac_mode: activation checkpointing, "none" | "selective" | "full" | "memory_budget" (compiled blocks only).
         ac_selective_option: "op" or every Nth block (a positive int as a string).
+        ac_memory_budget: under "memory_budget", the share of their activations the compiled blocks keep, in [0, 1].
         compile: compile each block.
         pipeline_parallel: the model is one pipeline stage.
         master_weights: one data-parallel rank computes in `param_dtype` through copies an optimizer writes
@@ -65,8 +66,9 @@ class ParallelOptions:
     async_tp: bool = False
     cp_rotate_method: Literal["allgather", "rotate"] = "allgather"
     cp_method: Literal["ring", "ulysses"] = "ring"
-    ac_mode: Literal["none", "selective", "full"] = "none"
+    ac_mode: Literal["none", "selective", "full", "memory_budget"] = "none"
     ac_selective_option: str = "2"
+    ac_memory_budget: float = 0.5
     compile: bool = False
     pipeline_parallel: bool = False
     master_weights: bool = False
@@ -120,7 +122,9 @@ def check_options(mesh: ParallelMesh, options: ParallelOptions) -> None:
     check_data_parallel(mesh.dims, options.dp_mode)
     check_rotate_method(options.cp_rotate_method)
     check_cp_method(options.cp_method)
-    check_ac(options.ac_mode, options.ac_selective_option)
+    check_ac(
+        options.ac_mode, options.ac_selective_option, ac_memory_budget=options.ac_memory_budget, compile=options.compile
+    )
     if options.async_tp:
         check_async_tp(mesh.dims.tp, mesh.device_type, options.compile)
 
@@ -184,6 +188,7 @@ def parallelize(
             fullgraph=mesh["cp"].size() == 1 or options.cp_method == "ulysses",
             per_child=tp > 1,
             backend=compile_backend(mesh["tp"].device_type, tp),
+            memory_budget=options.ac_memory_budget if options.ac_mode == "memory_budget" else None,
         )
     if options.dp_mode == "ddp":
         return apply_ddp(model, mesh["dp_replicate"]) if mesh["dp_replicate"].size() > 1 else model

@@ -334,9 +334,11 @@ class ActivationCheckpoint(Section):
     """Recompute activations in backward instead of keeping them."""
 
     mode: str = "none"
-    """'none', 'full' (every block recomputed) or 'selective' (as selective_ac_option says)."""
+    """'none', 'full' (every block recomputed), 'selective' or 'memory_budget' (compiled blocks), as below."""
     selective_ac_option: str = "2"
     """An int N = checkpoint every Nth block, or 'op' = keep the outputs of costly ops only."""
+    memory_budget: float = 0.5
+    """Under 'memory_budget': the share of their activations the compiled blocks keep (0 = as full AC, 1 = as none)."""
 
     @field_validator("selective_ac_option", mode="before")
     @classmethod

@@ -67,6 +67,7 @@ PARALLEL_OPTION_KEYS: dict[str, str] = {
     "cp_method": "parallelism.context_parallel_method",
     "ac_mode": "activation_checkpoint.mode",
     "ac_selective_option": "activation_checkpoint.selective_ac_option",
+    "ac_memory_budget": "activation_checkpoint.memory_budget",
     "compile": "compile.enable",
     "pipeline_parallel": "parallelism.pipeline_parallel_degree",
     "master_weights": "optimizer.master_weights",
@@ -97,8 +98,9 @@ def parallel_options(cfg: JobConfig, param_dtype: torch.dtype) -> ParallelOption
         async_tp=p.enable_async_tensor_parallel,
         cp_rotate_method=cast(Literal["allgather", "rotate"], p.context_parallel_rotate_method),
         cp_method=cast(Literal["ring", "ulysses"], p.context_parallel_method),
-        ac_mode=cast(Literal["none", "selective", "full"], ac.mode),
+        ac_mode=cast(Literal["none", "selective", "full", "memory_budget"], ac.mode),
         ac_selective_option=ac.selective_ac_option,
+        ac_memory_budget=ac.memory_budget,
         compile=cfg.compile.enable and "model" in cfg.compile.components,
         pipeline_parallel=p.pipeline_parallel_degree > 1,
     )

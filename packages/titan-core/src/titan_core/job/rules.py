@@ -228,10 +228,12 @@ def _context_parallel(d: Draft) -> None:
 
 
 def _activation_checkpoint(d: Draft) -> None:
-    """A known AC mode; 'selective' takes 'op' or a positive int."""
+    """A known AC mode; 'selective' takes 'op' or a positive int; 'memory_budget' a budget in [0, 1] and compiled
+    blocks."""
     from titan_parallel import check_ac
 
-    check_ac(d.parallel.ac_mode, d.parallel.ac_selective_option)
+    p = d.parallel
+    check_ac(p.ac_mode, p.ac_selective_option, ac_memory_budget=p.ac_memory_budget, compile=p.compile)
 
 
 NO_EVAL_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -332,8 +334,8 @@ CONTEXT_PARALLEL_KEYS = {
 }
 """`check_cp(seq_len, cp, tp)`, `check_cp_method(cp_method, n_heads, cp, tp)` and `check_rotate_method(cp_rotate_method,
 ...)`."""
-AC_KEYS = _keys(PARALLEL_OPTION_KEYS, "ac_mode", "ac_selective_option")
-"""`check_ac(ac_mode, ac_selective_option)`."""
+AC_KEYS = _keys(PARALLEL_OPTION_KEYS, "ac_mode", "ac_selective_option", "ac_memory_budget", "compile")
+"""`check_ac(ac_mode, ac_selective_option, ac_memory_budget=, compile=)`."""
 PIPELINE_RULE_KEYS = {**PIPELINE_KEYS, **_keys(DIMS_KEYS, "pp"), **_keys(RUN_KEYS, "n_layers", "local_batch_size")}
 """`check_pipeline(config, pp=, n_layers=, local_batch_size=, plan=)`."""
 

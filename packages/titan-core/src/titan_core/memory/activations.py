@@ -54,6 +54,9 @@ class ActivationBytes:
             the logits, their fp32 copy and gradients.
         logits_saved: what the loss keeps for backward (the log-softmax output).
         logits_grad: the gradient of the logits the loss's backward hands the output projection.
+        block_budget: one compiled block under `activation_checkpoint.mode = 'memory_budget'`, as the compiler's
+            partitioner cuts it at the run's budget (`titan_core.memory.compiled_saved`); None where not measured
+            (`block` then bounds it).
         per_block: where a model's blocks differ (DeepSeek-V3's dense and Mixture-of-Experts blocks),
             each block's own figures by layer index, whose `block*` fields apply to that block; the
             `block*` fields above are then each the smallest over the blocks (a lower bound). Empty:
@@ -69,3 +72,4 @@ class ActivationBytes:
     logits_saved: int
     logits_grad: int
     per_block: tuple[ActivationBytes, ...] = ()
+    block_budget: int | None = None

@@ -161,7 +161,8 @@ def describe_layout(job: Job, compute_bytes: int) -> str:
     degrees = ", ".join(f"{k}={v}" for k, v in _degrees(dims).items()) or "no parallelism"
     extras = [
         f"{'bf16' if compute_bytes == 2 else 'fp32'} compute",
-        f"AC {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""),
+        f"AC {ac.mode}"
+        + {"selective": f" ({ac.selective_ac_option})", "memory_budget": f" ({ac.memory_budget:g})"}.get(ac.mode, ""),
     ]
     if dims.cp > 1:
         method = p.context_parallel_method

@@ -27,6 +27,8 @@ def saved_per_block(acts: list[ActivationBytes], mode: str, option: str) -> list
     if mode == "selective":
         every = int(option)
         return [a.block_input if i % every == 0 else a.block for i, a in enumerate(acts)]
+    if mode == "memory_budget":  # what the partitioner keeps at the budget, where measured; else all (a bound)
+        return [a.block if a.block_budget is None else a.block_budget for a in acts]
     return [a.block for a in acts]
 
 
@@ -54,6 +56,8 @@ def block_backward_peak(
         recompute = tokens * (a.block if mode == "full" or (mode == "selective" and option != "op") else 0)
         if mode == "selective" and option == "op":
             recompute = tokens * (a.block - a.block_op)
+        elif mode == "memory_budget":  # the backward recomputes what the forward did not keep
+            recompute = tokens * (a.block - kept)
         net = tokens * a.block_backward + recompute - freed + grown
         best = net if best is None or net > best else best
         freed += tokens * kept

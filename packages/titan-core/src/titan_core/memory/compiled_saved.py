@@ -20,7 +20,13 @@ rather than keeping them. This module asks the partitioner itself:
    (the model states count those) and with the block's input counted (it is what the
    previous block produced), divided by `batch x seq`, are the bytes per token.
 
-Results are cached per (family, block shape, batch, seq, dtype, AC kind) for the process.
+Under `activation_checkpoint.mode = 'memory_budget'` the block is traced with no AC wrapper and
+the partitioner run at the job's budget (`torch._functorch.config.activation_memory_budget`,
+set for the trace only, as `titan_parallel.compile.budget_backend` sets it for the run's
+compiles): what it keeps is the run's `block_budget`; its unbudgeted cut is `block`, and the
+block's backward recomputes the difference.
+
+Results are cached per (family, block shape, batch, seq, dtype, AC kind, budget) for the process.
 A measurement takes 1-2.5 s on a busy 2-core Xeon; the first in a process also imports
 Inductor, 13-25 s there (with Python's bytecode cache off, as on that machine).
 
@@ -142,6 +148,7 @@ def measure_block(
     dtype: torch.dtype,
     ac: str,
     rope_dtype: torch.dtype = torch.float32,
+    memory_budget: float | None = None,
 ) -> BlockSaved:
     """What `meta_block` keeps for backward when compiled, for a `(batch, seq_len)` input (cached).
 
@@ -156,16 +163,20 @@ def measure_block(
         dtype: the compute dtype: the parameters' and the input's.
         ac: one of `AC_KINDS`.
         rope_dtype: the RoPE table's dtype, as the blocks get it (the model's own: no FSDP unit casts it).
+        memory_budget: the partitioner's activation memory budget in [0, 1], with `ac` "none"; None: its default.
 
     Raises:
-        ValueError: an unknown `ac`.
+        ValueError: an unknown `ac`, or a budget with an AC wrapper.
     """
     if ac not in AC_KINDS:
         raise ValueError(f"ac={ac!r} is not one of {AC_KINDS}")
-    key = (family, block_signature(meta_block), tuple(rope_shape), rope_dtype, dim, batch, seq_len, dtype, ac)
+    if memory_budget is not None and ac != "none":
+        raise ValueError(f"a memory budget replaces the AC wrapper: ac={ac!r} with memory_budget={memory_budget}")
+    signature = block_signature(meta_block)
+    key = (family, signature, tuple(rope_shape), rope_dtype, dim, batch, seq_len, dtype, ac, memory_budget)
     if key not in _CACHE:
         rope = (tuple(rope_shape), rope_dtype)
-        _CACHE[key] = _trace(meta_block, blocks_path, rope, (batch, seq_len, dim), dtype, ac)
+        _CACHE[key] = _trace(meta_block, blocks_path, rope, (batch, seq_len, dim), dtype, ac, memory_budget)
     return _CACHE[key]
 
 
@@ -199,6 +210,7 @@ def _trace(
     input_shape: tuple[int, int, int],
     dtype: torch.dtype,
     ac: str,
+    memory_budget: float | None,
 ) -> BlockSaved:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -209,7 +221,7 @@ def _trace(
         rope = torch.empty(rope_table[0], dtype=rope_table[1])  # the model's table: no block casts its inputs
     unit = _wrapped(block, blocks_path, ac)
     batch, seq_len, _ = input_shape
-    return _partitioned(_call_block, (unit, hidden, rope), batch * seq_len)
+    return _partitioned(_call_block, (unit, hidden, rope), batch * seq_len, memory_budget)
 
 
 def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
@@ -235,8 +247,12 @@ def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
     return _CACHE[key].per_token
 
 
-def _partitioned(fn: Callable[..., Any], args: tuple[Any, ...], tokens: int) -> BlockSaved:
-    """What `fn(*args)`, compiled with Inductor's partitioner, saves for backward (see the module docstring)."""
+def _partitioned(
+    fn: Callable[..., Any], args: tuple[Any, ...], tokens: int, memory_budget: float | None = None
+) -> BlockSaved:
+    """What `fn(*args)`, compiled with Inductor's partitioner (at `memory_budget`, where given), saves for backward
+    (see the module docstring)."""
+    from torch._functorch import config as functorch_config
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
@@ -263,8 +279,10 @@ def _partitioned(fn: Callable[..., Any], args: tuple[Any, ...], tokens: int) -> 
     # mark sizes dynamic once it has seen this function at two shapes)
     # and no automatic dynamic shapes from an earlier trace of the same function (torch 2.11 keys that state by
     # file and line, not by code object: a planner's second batch size came back as a SymInt there)
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), quiet_torch_logs():
-        torch.compile(fresh, backend=backend, fullgraph=True, dynamic=False)(*args)
+    budget: dict[str, Any] = {} if memory_budget is None else {"activation_memory_budget": memory_budget}
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), functorch_config.patch(budget):
+        with quiet_torch_logs():
+            torch.compile(fresh, backend=backend, fullgraph=True, dynamic=False)(*args)
     return _saved(recorded["forward"], recorded["counted"], recorded["outputs"], tokens)
 
 
@@ -343,6 +361,8 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     assert dims is not None, "an estimate's job is resolved for a world size"
     dtype = job.parallel.param_dtype
     eager = "the eager blocks' figures (an upper bound)"
+    if cfg.activation_checkpoint.mode == "memory_budget":
+        eager += ", every activation kept: the memory budget's recompute is not counted"
     why_not = None
     if not job.parallel.compile:
         why_not = "compile.components leaves the blocks eager"
@@ -360,6 +380,8 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     kinds = ["none"]
     if ac.mode == "selective" and ac.selective_ac_option == "op":
         kinds.append("op")
+    elif ac.mode == "memory_budget":
+        kinds.append("budget")
     elif ac.mode != "none":
         kinds.append("full")
     meta = job.meta_model()
@@ -379,21 +401,26 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
                 batch=1,
                 seq_len=cfg.training.seq_len,
                 dtype=dtype,
-                ac=kind,
+                ac="none" if kind == "budget" else kind,
+                memory_budget=ac.memory_budget if kind == "budget" else None,
             ).per_token
             for kind in kinds
         }
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the compiled block failed ({first_line}); {eager}"
-    fields = {"none": "block", "op": "block_op", "full": "block_input"}
+    fields = {"none": "block", "op": "block_op", "full": "block_input", "budget": "block"}
     measured = dataclasses.replace(
         act,
         block=saved["none"],
         block_op=saved.get("op", act.block_op),
         block_input=saved.get("full", act.block_input),
+        block_budget=saved.get("budget"),
     )
-    figures = ", ".join(f"AC {k}: {v:,} (eager {getattr(act, fields[k]):,})" for k, v in saved.items())
+    names = {"budget": f"memory budget {ac.memory_budget:g}"}
+    figures = ", ".join(
+        f"{names.get(k, f'AC {k}')}: {v:,} (eager {getattr(act, fields[k]):,})" for k, v in saved.items()
+    )
     return measured, (
         "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
         f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"
