@@ -7,9 +7,9 @@ recorded with its one-line reason and the suite goes on):
 
 - llama3 "1B" (the Llama 3.2 1B shape) at seq 2048, batch 4: defaults eager; defaults + compile;
   compile with the plain loss (`training.fused_loss = false`), with FlashAttention-2 pinned, with
-  the foreach AdamW kernel, with float8 (torchao, tensorwise), with selective op AC.
+  the foreach AdamW kernel, with float8 (torchao, tensorwise), with selective op AC, with a memory budget of 0.5.
 - The 8B-shaped model with 8 blocks and the real 128256 vocabulary (2.8B parameters) at seq 8192,
-  batch 1, compile + selective op AC: bf16 and float8.
+  batch 1, compile + selective op AC: bf16 and float8; compile + a memory budget of 0.3.
 - Titan vs the hand-written loop (titan_models' `Transformer`, bf16 autocast, fp32 cross-entropy,
   `clip_grad_norm_`, AdamW with Titan's kernel) from the same weights on the same batches, single
   steps interleaved (A, B, then B, A, ...).
@@ -57,6 +57,7 @@ FLOAT8 = ("--model.converters", "float8")
 OUTPUT_FLOAT8 = ("--float8.filter_fqns", "[]")  # the output projection too: its GEMMs in float8 inside the fused loss
 AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 AC_FULL = ("--activation_checkpoint.mode", "full")
+AC_BUDGET = ("--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget")  # + the budget
 PLAIN_LOSS = ("--training.fused_loss", "false")
 FLASH = ("--training.attention_backend", "flash")
 FOREACH = ("--optimizer.implementation", "foreach")
@@ -166,6 +167,7 @@ def suite(smoke: bool) -> Suite:
             Row("1B s2048 compile + float8, before: one-rank FSDP", *one_b, COMPILE + FLOAT8 + ONE_RANK_FSDP),
             Row("1B s2048 compile + float8, output in float8", *one_b, COMPILE + FLOAT8 + OUTPUT_FLOAT8),
             Row("1B s2048 compile + AC selective op", *one_b, COMPILE + AC_OP),
+            Row("1B s2048 compile + AC memory budget 0.5", *one_b, (*COMPILE, *AC_BUDGET, "0.5")),
             Row("1B s2048 compile, block-causal (FlexAttention)", *one_b, COMPILE + BLOCK_CAUSAL),
         ],
         pair=Row("1B s2048 titan vs hand-written (eager)", "1B", 2048, 2),
@@ -178,6 +180,7 @@ def suite(smoke: bool) -> Suite:
                 Row("8B x8 s8192 compile + AC op + float8, output in float8", "8B-x8", 8192, 1,
                     COMPILE + AC_OP + FLOAT8 + OUTPUT_FLOAT8),
                 Row("8B x8 s8192 compile + AC op, plain loss", "8B-x8", 8192, 1, COMPILE + AC_OP + PLAIN_LOSS),
+                Row("8B x8 s8192 compile + AC memory budget 0.3", "8B-x8", 8192, 1, (*COMPILE, *AC_BUDGET, "0.3")),
                 Row("8B x8 s8192 compile + AC op, block-causal (FlexAttention)", "8B-x8", 8192, 1,
                     COMPILE + AC_OP + BLOCK_CAUSAL)),
         hf=Row("1B s2048 transformers LlamaForCausalLM compile", *one_b, COMPILE),
