@@ -46,15 +46,16 @@ def wait_for(condition, what: str, timeout: float = 90, poll: float = 0.02):
     raise AssertionError(f"no {what} within {timeout} s")
 
 
-def run_groups(tmp: Path, names: tuple[str, str], lighthouse: str, *args: str, timeout: float = 300) -> list[Path]:
+def run_groups(tmp: Path, names: tuple[str, str], lighthouse: str, *args: str, timeout: float = 300,
+               each: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> list[Path]:
     """Two replica groups of one run (`titan train` each, both needed: min_replica_size 2) side by side, each with
-    `args`, until both exit 0; their folders."""
+    `args` (and its entry of `each`), until both exit 0; their folders."""
     procs = []
     for replica_id, name in enumerate(names):
         cmd = [sys.executable, "-m", "titan_cli", "train", "--job.dump_folder", str(tmp / name),
                "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
                "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.replica_id", str(replica_id),
-               "--fault_tolerance.lighthouse", lighthouse, *args]
+               "--fault_tolerance.lighthouse", lighthouse, *args, *each[replica_id]]
         procs.append((start(cmd, tmp / f"{name}.log"), tmp / f"{name}.log"))
     try:
         for proc, log in procs:
@@ -190,3 +191,32 @@ def test_groups_seeded_differently_stop_at_their_first_step_naming_the_seed(tmp_
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_a_loss_spike_in_one_group_skips_the_step_in_every_group(tmp_path):
+    """`training.on_loss_spike = 'skip'` judges the run's mean loss, the same in every group: a spike in group 0's
+    batch alone (injected at step 5) drops step 5's update in both groups, which stay equal bit for bit. Judged on
+    each group's own loss, group 0 would skip a step group 1 applies, and their weights would part."""
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        folders = run_groups(tmp_path, ("g0", "g1"), found.group(1), *TINY, "--training.steps", "6",
+                             "--training.on_loss_spike", "skip", "--training.loss_spike_warmup_steps", "2",
+                             "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
+                             each=(("--debug.inject_loss_spike_step", "5"), ()))
+        for folder in folders:
+            log = (tmp_path / f"{folder.name}.log").read_text()
+            assert "update skipped (training.on_loss_spike='skip')" in log, log[-3000:]
+        saved = {(g, step): dcp_tensors(folder / f"checkpoint/step-{step}")
+                 for g, folder in enumerate(folders) for step in (4, 5, 6)}
+        for step in (4, 5, 6):
+            different = [k for k in saved[0, step] if not torch.equal(saved[0, step][k], saved[1, step][k])]
+            assert not different, (step, different)
+        assert all(torch.equal(saved[0, 4][k], saved[0, 5][k]) for k in saved[0, 4])  # step 5 changed nothing
+        assert not all(torch.equal(saved[0, 5][k], saved[0, 6][k]) for k in saved[0, 5])  # step 6 trained
+    finally:
+        if lighthouse.poll() is None:
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+            lighthouse.wait()

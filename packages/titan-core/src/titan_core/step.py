@@ -294,8 +294,14 @@ class StepRunner:
             loss = self._forward_backward(*self.place(inputs, labels, mtp=True), backward=True)
             if loss is not None:
                 total = loss if total is None else total + loss
+        guard_loss = total
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
             counts = self.balancer.step_tensors() if self.balancer is not None else []  # MoE: the groups' loads too
+            if total is not None and guard is not None and guard.spike is not None:
+                # The loss spike verdict on the run's mean loss, the same in every group: on a group's own, one group
+                # would drop a step's update that the others apply, and their weights would part.
+                guard_loss = total.detach().float().reshape(1).clone()
+                counts = [*counts, guard_loss]
             self.replicas.average_gradients(self.model.parameters(), counts)
         shared = self.model.shared
         if shared is not None:  # weights on several pipeline stages: each copy gets the sum of their gradients
@@ -309,7 +315,7 @@ class StepRunner:
         else:
             params = self.model.parameters()
             norm, divisor = clip_grad_norm_(params, self.max_norm, pp_mesh=self.pp_mesh, copies=copies), None
-        found_inf = guard.observe(total, norm, step) if guard is not None else None
+        found_inf = guard.observe(guard_loss, norm, step) if guard is not None else None
         if self.replicas is not None and not self.replicas.commit():  # a host round trip, as torchft's own
             if self.balancer is not None:
                 self.balancer.reset()  # the dropped step's loads

@@ -486,6 +486,8 @@ class Trainer:
         evaluator = self.build_downstream_eval()  # [eval] multiple-choice tasks (titan_core.downstream_eval)
         # Non-finite values, loss spikes and stop signals, agreed by every rank each step on the device, read at polls.
         guard = RunGuard(self.device, spike=self.spikes.detector(self.device))
+        if self.replicas is not None and guard.spike is not None:  # a recovering group takes the running average too
+            self.replicas.add_state("loss_spike", {"status": guard.spike.status})
         watch = CommWatch(  # collective timeouts (init, then train after the first step) and who hung
             self.rank,
             self.world_size,
