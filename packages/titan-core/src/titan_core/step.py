@@ -297,9 +297,10 @@ class StepRunner:
         guard_loss = total
         if self.replicas is not None:  # the replicate dimension of HSDP: across the live replica groups
             counts = self.balancer.step_tensors() if self.balancer is not None else []  # MoE: the groups' loads too
-            if total is not None and guard is not None and guard.spike is not None:
-                # The loss spike verdict on the run's mean loss, the same in every group: on a group's own, one group
-                # would drop a step's update that the others apply, and their weights would part.
+            if total is not None and guard is not None:
+                # The guard's verdicts (a non-finite loss, a loss spike) on the run's mean loss, the same in every
+                # group: on a group's own, one group would drop a step's update that the others apply, and their
+                # weights would part.
                 guard_loss = total.detach().float().reshape(1).clone()
                 counts = [*counts, guard_loss]
             self.replicas.average_gradients(self.model.parameters(), counts)
