@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from titan_core.config import load_config
 from titan_core.job.meta_model import build_meta_model
+from titan_core.memory import estimate_memory
 from titan_core.memory.analytic import estimate_analytic
 from titan_core.memory.compiled_saved import measure_block
 from titan_models import get_model_args, get_model_spec
@@ -150,3 +151,18 @@ def test_the_analytic_estimate_follows_the_budget_and_says_what_it_measured():
     tp = estimate_analytic(load_config(None, [*base, *budget, "0.5", "--parallelism.tensor_parallel_degree", "2"]), 2,
                            device_type="cpu")  # fmt: skip
     assert any("the memory budget's recompute is not counted" in n for n in tp.notes), tp.notes
+
+
+def test_a_compiled_run_that_does_not_fit_is_offered_the_budget_that_fits():
+    """The cheapest fix of a compiled 1B at batch 8 x 2048 on a 40 GiB GPU is a memory budget (before selective op
+    AC and smaller micro-batches), and the run it proposes fits."""
+    job = ["--model.flavor", "1B", "--compile.enable", "true", "--training.seq_len", "2048",
+           "--training.local_batch_size", "8", "--training.device", "cuda"]  # fmt: skip
+    first = estimate_memory(load_config(None, job), 1, gpu_memory="40GiB")
+    assert not first.fits and first.fix is not None
+    assert first.fix.startswith("--activation_checkpoint.mode memory_budget --activation_checkpoint.memory_budget "), (
+        first.fix
+    )
+    flags = first.fix.split(" (")[0].split()
+    fixed = estimate_memory(load_config(None, [*job, *flags]), 1, gpu_memory="40GiB")
+    assert fixed.fits and fixed.ranks[0].activations < first.ranks[0].activations

@@ -1,10 +1,12 @@
 """The verdict and the cheapest fix: what to change when a layout does not fit.
 
 `CHANGES` lists single changes from the cheapest in step time to the dearest: keep
-gathered weights less, recompute the cheap half of each block (selective "op"),
-smaller micro-batches (same global batch), recompute everything, CPU offload, then
-more model parallelism. The first whose analytic estimate fits
-is the one `titan estimate-memory` suggests.
+gathered weights less, let compiled blocks recompute their cheapest quarter or half
+(a memory budget of 0.75 or 0.5: the partitioner picks the least recompute for the
+bytes), recompute the cheap half of each block (selective "op"), smaller micro-batches
+(same global batch), a memory budget of 0.25, recompute everything, CPU offload, then
+more model parallelism. The first whose analytic estimate fits is the one
+`titan estimate-memory` suggests.
 """
 
 from __future__ import annotations
@@ -32,6 +34,22 @@ def _selective_op(cfg: JobConfig, global_batch: int):
             {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"},
         )
     return None
+
+
+def _memory_budget(share: float) -> Change:
+    def change(cfg: JobConfig, global_batch: int):
+        ac = cfg.activation_checkpoint
+        compiled_blocks = cfg.compile.enable and "model" in cfg.compile.components
+        now = ac.memory_budget if ac.mode == "memory_budget" else 1.0
+        if not compiled_blocks or ac.mode not in ("none", "memory_budget") or share >= now:
+            return None
+        return (
+            f"--activation_checkpoint.mode memory_budget --activation_checkpoint.memory_budget {share:g} "
+            "(the compiled blocks recompute the rest)",
+            {"activation_checkpoint.mode": "memory_budget", "activation_checkpoint.memory_budget": share},
+        )
+
+    return change
 
 
 def _full_ac(cfg: JobConfig, global_batch: int):
@@ -74,9 +92,12 @@ def _more_tp(cfg: JobConfig, global_batch: int):
 
 CHANGES: tuple[Change, ...] = (
     _reshard,
+    _memory_budget(0.75),
+    _memory_budget(0.5),
     _selective_op,
     _smaller_batch(2),
     _smaller_batch(4),
+    _memory_budget(0.25),
     _full_ac,
     _cpu_offload,
     _more_tp,
