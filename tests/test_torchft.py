@@ -220,3 +220,31 @@ def test_a_loss_spike_in_one_group_skips_the_step_in_every_group(tmp_path):
         if lighthouse.poll() is None:
             os.killpg(lighthouse.pid, signal.SIGKILL)
             lighthouse.wait()
+
+
+def test_a_rollback_takes_every_group_back_and_one_that_went_further_heals(tmp_path):
+    """`training.on_loss_spike = 'rollback'`: the spike (group 0's batch alone) is every group's verdict, so every
+    group reloads its newest checkpoint: group 0 its step 4, group 1, saving every 3 steps, its step 3. torchft's
+    step follows each, so at the next step group 1, behind, takes group 0's state live, and from then on the two
+    are equal bit for bit. Without that, group 1 would go on from its step 3 beside group 0's step 4."""
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
+                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
+                         "lighthouse address")
+        folders = run_groups(tmp_path, ("g0", "g1"), found.group(1), *TINY, "--training.steps", "7",
+                             "--training.on_loss_spike", "rollback", "--training.loss_spike_warmup_steps", "2",
+                             "--checkpoint.enable", "--checkpoint.keep_latest_k", "0",
+                             each=(("--debug.inject_loss_spike_step", "5", "--checkpoint.interval", "2"),
+                                   ("--checkpoint.interval", "3")))  # fmt: skip
+        logs = [(tmp_path / f"{folder.name}.log").read_text() for folder in folders]
+        assert "rolled back to step-4" in logs[0] and "rolled back to step-3" in logs[1], logs[1][-3000:]
+        assert "recovered step 4 live from a peer replica group" in logs[1], logs[1][-3000:]
+        last = [dcp_tensors(folder / "checkpoint/step-7") for folder in folders]
+        assert last[0].keys() == last[1].keys()
+        different = [k for k in last[0] if not torch.equal(last[0][k], last[1][k])]
+        assert not different, different
+    finally:
+        if lighthouse.poll() is None:
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+            lighthouse.wait()

@@ -525,6 +525,8 @@ class Trainer:
                         if outcome != "rolled back":
                             outcome = self.spikes.after_poll(report.spikes, step)
                         if outcome == "rolled back":
+                            if self.replicas is not None:  # every group rolled back: torchft's step follows, and a
+                                self.replicas.resume_at(self.state.step)  # group that went further back heals
                             continue  # the step counter is the checkpoint's now
                     metrics.update_progress(step)
                     self.checkpointer.save(step, last_step=step == t.steps)  # [checkpoint]

@@ -41,7 +41,7 @@ __all__ = [
 def fault_tolerance(d: Draft) -> None:
     """[fault_tolerance]: torchft installed, a lighthouse, replica_id < group_size; DiLoCo's fragments that divide
     `sync_steps` and the blocks, a sync delay below the steps between syncs, one seed for every group, no outer
-    settings with local SGD; no policy that would set one replica group apart from the others (a rollback)."""
+    settings with local SGD; no rollback between DiLoCo's syncs (one group would go back alone)."""
     ft = d.cfg.fault_tolerance
     if not ft.enable:
         if ft.semi_sync_method != "none":
@@ -113,10 +113,11 @@ def fault_tolerance(d: Draft) -> None:
             "set it to 'gloo' or 'auto'"
         )
     for key, skip in (("on_nonfinite", "skip_step"), ("on_loss_spike", "skip")):
-        if getattr(d.cfg.training, key) == "rollback":
+        if getattr(d.cfg.training, key) == "rollback" and ft.semi_sync_method != "none":
             raise ConfigError(
-                f"training.{key} = 'rollback' would reload a checkpoint in one replica group only "
-                f"(fault_tolerance.enable); set training.{key} = '{skip}'"
+                f"training.{key} = 'rollback' would reload one group's checkpoint between the syncs of "
+                f"fault_tolerance.semi_sync_method = '{ft.semi_sync_method}' (its next sync heals it back); "
+                f"set training.{key} = '{skip}'"
             )
 
 
