@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from titan_parallel.layout import ParallelConfigError
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
 
@@ -113,6 +114,8 @@ def apply_compile(
         memory_budget: the share of its activations each compiled graph keeps for backward, recomputing the rest
             (`budget_backend`), in [0, 1]; None: the partitioner's own choice (what 1 keeps).
     """
+    if memory_budget is not None and not 0.0 <= memory_budget <= 1.0:
+        raise ParallelConfigError(f"memory_budget={memory_budget} is outside [0, 1]", arguments=("memory_budget",))
     compiler: str | Callable[..., Any] = backend if memory_budget is None else budget_backend(backend, memory_budget)
     # Sequence-parallel norms stay eager under TP: compiled, they too gave their DTensor input a wrong gradient.
     eager = {path for path, style in plan.block_tp if style is TPStyle.NORM} if per_child else set()
