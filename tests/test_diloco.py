@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_loss_spike import dcp_tensors
-from test_torchft import INTERVAL, Group, run_groups, start, wait_for
+from test_torchft import INTERVAL, Group, run_groups, running_lighthouse, start, wait_for
 from titan_run import TINY
 
 from titan_core.diloco import model_fragments
@@ -47,12 +47,7 @@ def split(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
 
 
 def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
-    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
-                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
-    try:
-        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
-                         "lighthouse address")
-        address = found.group(1)
+    with running_lighthouse(tmp_path, min_replicas=2) as address:
         synced = train_groups(tmp_path, ("a0", "a1"), address, "--fault_tolerance.sync_steps", "2",
                               "--training.steps", "5", "--checkpoint.interval", "1")
         streamed = train_groups(tmp_path, ("c0", "c1"), address, "--fault_tolerance.sync_steps", "2",
@@ -188,10 +183,6 @@ def test_diloco_outer_step_matches_the_paper_and_resumes_exactly(tmp_path):
                 assert resumed_step.keys() == after[g, step].keys()
                 different = [k for k in resumed_step if not torch.equal(resumed_step[k], after[g, step][k])]
                 assert not different, (g, step, different)
-    finally:
-        if lighthouse.poll() is None:
-            os.killpg(lighthouse.pid, signal.SIGKILL)
-            lighthouse.wait()
 
 
 def test_a_diloco_group_started_late_heals_from_its_peer_at_a_sync(tmp_path):

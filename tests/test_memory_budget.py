@@ -87,29 +87,12 @@ def test_the_estimate_is_what_the_compiled_block_keeps_at_the_budget(model):
     the partitioner on fake ones (`measure_block`), its input counted as the estimate counts it."""
     meta = build_meta_model(SPEC, ARGS)
     blocks = SPEC.plan.blocks
-    estimate = measure_block(
-        meta.get_submodule(f"{blocks}.0"),
-        family="llama3",
-        blocks_path=blocks,
-        rope_shape=tuple(meta.get_buffer("rope_cache").shape),
-        dim=ARGS.dim,
-        batch=BATCH,
-        seq_len=SEQ,
-        dtype=torch.float32,
-        ac="none",
-        memory_budget=0.5,
-    )
-    unbudgeted = measure_block(
-        meta.get_submodule(f"{blocks}.0"),
-        family="llama3",
-        blocks_path=blocks,
-        rope_shape=tuple(meta.get_buffer("rope_cache").shape),
-        dim=ARGS.dim,
-        batch=BATCH,
-        seq_len=SEQ,
-        dtype=torch.float32,
-        ac="none",
-    )
+    estimate, unbudgeted = (
+        measure_block(meta.get_submodule(f"{blocks}.0"), family="llama3", blocks_path=blocks,
+                      rope_shape=tuple(meta.get_buffer("rope_cache").shape), dim=ARGS.dim, batch=BATCH, seq_len=SEQ,
+                      dtype=torch.float32, ac="none", memory_budget=budget)
+        for budget in (0.5, None)
+    )  # fmt: skip
     holder = nn.Module()
     holder.add_module(blocks, nn.ModuleDict({"0": copy.deepcopy(model.get_submodule(f"{blocks}.0"))}))
     torch._dynamo.reset()

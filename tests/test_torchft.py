@@ -9,6 +9,7 @@ same position (their checkpoints at a common step).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,22 @@ def wait_for(condition, what: str, timeout: float = 90, poll: float = 0.02):
             return found
         time.sleep(poll)
     raise AssertionError(f"no {what} within {timeout} s")
+
+
+@contextlib.contextmanager
+def running_lighthouse(tmp: Path, min_replicas: int) -> Iterator[str]:
+    """`titan lighthouse` (1 s join and heartbeat timeouts, its log in `tmp`) for the block; yields its address."""
+    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas",
+                        str(min_replicas), "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"],
+                       tmp / "lighthouse.log")  # fmt: skip
+    try:
+        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp / "lighthouse.log").read_text()),
+                         "lighthouse address")  # fmt: skip
+        yield found.group(1)
+    finally:
+        if lighthouse.poll() is None:
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+            lighthouse.wait()
 
 
 def run_groups(tmp: Path, names: tuple[str, str], lighthouse: str, *args: str, timeout: float = 300,
@@ -197,12 +215,8 @@ def test_a_loss_spike_in_one_group_skips_the_step_in_every_group(tmp_path):
     """`training.on_loss_spike = 'skip'` judges the run's mean loss, the same in every group: a spike in group 0's
     batch alone (injected at step 5) drops step 5's update in both groups, which stay equal bit for bit. Judged on
     each group's own loss, group 0 would skip a step group 1 applies, and their weights would part."""
-    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
-                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
-    try:
-        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
-                         "lighthouse address")
-        folders = run_groups(tmp_path, ("g0", "g1"), found.group(1), *TINY, "--training.steps", "6",
+    with running_lighthouse(tmp_path, min_replicas=2) as address:
+        folders = run_groups(tmp_path, ("g0", "g1"), address, *TINY, "--training.steps", "6",
                              "--training.on_loss_spike", "skip", "--training.loss_spike_warmup_steps", "2",
                              "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
                              each=(("--debug.inject_loss_spike_step", "5"), ()))
@@ -216,10 +230,6 @@ def test_a_loss_spike_in_one_group_skips_the_step_in_every_group(tmp_path):
             assert not different, (step, different)
         assert all(torch.equal(saved[0, 4][k], saved[0, 5][k]) for k in saved[0, 4])  # step 5 changed nothing
         assert not all(torch.equal(saved[0, 5][k], saved[0, 6][k]) for k in saved[0, 5])  # step 6 trained
-    finally:
-        if lighthouse.poll() is None:
-            os.killpg(lighthouse.pid, signal.SIGKILL)
-            lighthouse.wait()
 
 
 def test_a_rollback_takes_every_group_back_and_one_that_went_further_heals(tmp_path):
@@ -227,12 +237,8 @@ def test_a_rollback_takes_every_group_back_and_one_that_went_further_heals(tmp_p
     group reloads its newest checkpoint: group 0 its step 4, group 1, saving every 3 steps, its step 3. torchft's
     step follows each, so at the next step group 1, behind, takes group 0's state live, and from then on the two
     are equal bit for bit. Without that, group 1 would go on from its step 3 beside group 0's step 4."""
-    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
-                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
-    try:
-        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
-                         "lighthouse address")
-        folders = run_groups(tmp_path, ("g0", "g1"), found.group(1), *TINY, "--training.steps", "7",
+    with running_lighthouse(tmp_path, min_replicas=2) as address:
+        folders = run_groups(tmp_path, ("g0", "g1"), address, *TINY, "--training.steps", "7",
                              "--training.on_loss_spike", "rollback", "--training.loss_spike_warmup_steps", "2",
                              "--checkpoint.enable", "--checkpoint.keep_latest_k", "0",
                              each=(("--debug.inject_loss_spike_step", "5", "--checkpoint.interval", "2"),
@@ -244,7 +250,3 @@ def test_a_rollback_takes_every_group_back_and_one_that_went_further_heals(tmp_p
         assert last[0].keys() == last[1].keys()
         different = [k for k in last[0] if not torch.equal(last[0][k], last[1][k])]
         assert not different, different
-    finally:
-        if lighthouse.poll() is None:
-            os.killpg(lighthouse.pid, signal.SIGKILL)
-            lighthouse.wait()

@@ -12,16 +12,12 @@ none of one (the in-process test checks the buffers' mean against a stand-in all
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import sys
 
 import pytest
 import torch
 from test_diloco import OUTER_LR, OUTER_MOMENTUM, FakeGroups, inner_step, split, tiny_blocks, train_groups
 from test_loss_spike import dcp_tensors
-from test_torchft import run_groups, start, wait_for
+from test_torchft import run_groups, running_lighthouse
 from titan_run import read_metrics, run_titan
 
 from titan_core.diloco import model_fragments, synced_buffers
@@ -42,19 +38,11 @@ STAGES = ["--nproc-per-node", "2"]  # each group: 2 pipeline stages of 2 blocks
 def test_moe_stages_in_replica_groups_balance_on_the_global_batch_and_diloco_averages_the_biases(tmp_path):
     reference = tmp_path / "pp2-fsdp2"
     run_titan(reference, *MOE, "--checkpoint.interval", "3", nproc=4, debug_detail=False)
-    lighthouse = start([sys.executable, "-m", "titan_cli", "lighthouse", "--bind", "[::]:0", "--min-replicas", "2",
-                        "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"], tmp_path / "lighthouse.log")
-    try:
-        found = wait_for(lambda: re.search(r"lighthouse at (\S+):", (tmp_path / "lighthouse.log").read_text()),
-                         "lighthouse address")
-        address = found.group(1)
+    with running_lighthouse(tmp_path, min_replicas=2) as address:
         per_step = run_groups(tmp_path, ("g0", "g1"), address, *MOE, *STAGES, "--checkpoint.interval", "3")
         diloco = train_groups(tmp_path, ("d0", "d1"), address, *MOE, *STAGES, "--fault_tolerance.sync_steps", "2",
                               "--fault_tolerance.num_fragments", "2", "--training.steps", "2",
                               "--checkpoint.interval", "1")
-    finally:
-        os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
 
     assert "collectives across the groups over gloo" in (tmp_path / "g0.log").read_text()  # process_group 'auto'
     # Per step: each step's tokens per expert are the global batch's (the two groups' sum), as the 4-rank job's.
