@@ -149,3 +149,46 @@ def test_a_compiled_run_that_does_not_fit_is_offered_the_budget_that_fits():
     flags = first.fix.split(" (")[0].split()
     fixed = estimate_memory(load_config(None, [*job, *flags]), 1, gpu_memory="40GiB")
     assert fixed.fits and fixed.ranks[0].activations < first.ranks[0].activations
+
+
+def test_a_blocks_backward_flops_are_the_flop_counters_and_a_budget_adds_its_recompute(model):
+    """`measure_block`'s backward FLOPs (read off the partitioned backward graph's nodes) are what torch's
+    FlopCounterMode counts in an eager backward of the block on real tensors; budget 1 recomputes nothing, budget 0
+    what full AC recomputes, selective "op" the matmuls it does not keep (`op_recompute_flops_per_token`'s count:
+    wk, wo and w3), and the planner's figures per budget grow as the budget falls, up to full AC's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titan_core.memory.plan_model import budget_recompute, op_recompute_flops_per_token
+
+    meta = build_meta_model(SPEC, ARGS)
+    blocks, rope = SPEC.plan.blocks, model.get_buffer("rope_cache")
+
+    def traced(ac: str = "none", budget: float | None = None):
+        return measure_block(meta.get_submodule(f"{blocks}.0"), family="llama3", blocks_path=blocks,
+                             rope_shape=tuple(rope.shape), dim=ARGS.dim, batch=BATCH, seq_len=SEQ,
+                             dtype=torch.float32, ac=ac, memory_budget=budget)  # fmt: skip
+
+    none = traced()
+    block = copy.deepcopy(model.get_submodule(f"{blocks}.0"))
+    out = block(torch.randn(BATCH, SEQ, ARGS.dim, requires_grad=True), rope_cache=rope)  # (bs, seqlen, dim)
+    with FlopCounterMode(display=False) as counter:
+        out.backward(torch.randn_like(out))
+    assert none.backward_flops == counter.get_total_flops() > 0
+
+    def recompute(ac: str = "none", budget: float | None = None) -> float:
+        return traced(ac, budget).backward_flops - none.backward_flops
+
+    tokens = BATCH * SEQ
+    q_dim, kv_dim = ARGS.n_heads * ARGS.attention_head_dim, ARGS.kv_heads * ARGS.attention_head_dim
+    op = op_recompute_flops_per_token(1, ARGS.dim, q_dim, kv_dim, ARGS.ffn_hidden_dim) * tokens
+    assert recompute("op") == op
+    assert recompute(budget=1.0) == 0 < recompute(budget=0.5) < recompute(budget=0.0) == recompute("full")
+    cfg = load_config(None, ["--compile.enable", "true", "--training.seq_len", str(SEQ),
+                             "--training.mixed_precision_param", "float32"])  # fmt: skip
+    per_budget = budget_recompute(cfg)  # the debug model's 6 blocks, at one sequence of SEQ
+    assert [b for b, _ in per_budget] == [0.75, 0.5, 0.25]
+    full = get_model_args("llama3", "debugmodel").n_layers * recompute("full") / tokens
+    flops = [f for _, f in per_budget]
+    assert 0 <= flops[0] <= flops[1] <= flops[2] <= full, (flops, full)
+    # no budget is searched where the estimate does not measure compiled blocks
+    assert budget_recompute(load_config(None, ["--compile.enable", "false"])) == ()

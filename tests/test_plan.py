@@ -4,6 +4,7 @@ runs unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -402,6 +403,29 @@ def test_emitted_config_loads_back_and_titan_train_runs_it_unchanged(tmp_path):
     assert [r["optim/lr"] for r in records] == pytest.approx([8e-4 / 3, 8e-4 * 2 / 3], rel=1e-12)
 
 
+def test_memory_budgets_are_searched_where_one_process_runs_each_compiled_block():
+    """Budgets join the AC modes at tp = cp = 1 only (the estimate measures no compiled TP / CP block), their
+    overrides load as `activation_checkpoint.mode = 'memory_budget'` at that budget, and the memory bound's order
+    of AC modes places a budget between none and full AC, by its size, not against selective "op"."""
+    from titan_core.memory.plan_bounds import keeps_at_least
+    from titan_core.memory.plan_space import layout_overrides
+
+    layouts = list(candidate_layouts(8, 8, 8192, 16, SCHEDULES, budgets=(0.75, 0.5)))
+    budgeted = [t for t in layouts if t.ac == "budget"]
+    assert budgeted and all(t.tp == t.cp == 1 for t in budgeted)
+    plain = {dataclasses.replace(t, ac="none", memory_budget=None) for t in budgeted}
+    assert plain == {t for t in layouts if t.ac == "none" and t.tp == t.cp == 1}  # each such layout, both budgets
+    assert len(budgeted) == 2 * len(plain)
+    cfg = load_config(None, layout_overrides(budgeted[0], 16))
+    assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.memory_budget) == (
+        "memory_budget", budgeted[0].memory_budget)
+    ac = {name: Layout(ac=name) for name in ("none", "op", "full")}
+    high, low = Layout(ac="budget", memory_budget=0.75), Layout(ac="budget", memory_budget=0.5)
+    assert keeps_at_least(ac["none"], high) and keeps_at_least(high, low) and keeps_at_least(low, ac["full"])
+    assert not keeps_at_least(low, high) and not keeps_at_least(high, ac["none"])
+    assert not keeps_at_least(high, ac["op"]) and not keeps_at_least(ac["op"], low)
+
+
 def test_a_compiled_job_plans_a_larger_micro_batch_than_the_eager_estimate_allows():
     """The 1B on one GPU of 72 GiB (62.5 usable), 32 sequences per step: compiled blocks and loss keep less for
     backward, so the compiled job fits 16 sequences per micro-step where the eager one fits 8 (on one H100 the
@@ -416,13 +440,18 @@ def test_a_compiled_job_plans_a_larger_micro_batch_than_the_eager_estimate_allow
             gpus_per_node=1,
             gpu_memory="72GiB",
             global_batch=32,
-            top=1,
+            top=3,
         )
         plan = search(prepare_plan(request))
         assert plan.fits, plan.counts
-        return plan.fits[0]
+        return plan.fits
 
-    eager, compiled = best("false"), best("true")
+    (eager, *_), (compiled, *budgets) = best("false"), best("true")
     assert (eager.layout.local_batch, eager.layout.ac) == (8, "none")
     assert (compiled.layout.local_batch, compiled.layout.ac) == (16, "none")
     assert compiled.cost.seconds < eager.cost.seconds  # fewer micro-steps: fewer one-rank FSDP casts and copies
+    # The compiled job's next rows are its blocks' memory budgets at the same split: they keep less for backward
+    # than no AC, and cost what their backward graphs recompute (0.75 no matmul on the 1B's block, 0.5 some).
+    assert [(r.layout.local_batch, r.layout.ac_name) for r in budgets] == [(16, "budget 0.75"), (16, "budget 0.5")]
+    assert compiled.peak > budgets[0].peak > budgets[1].peak
+    assert compiled.cost.seconds <= budgets[0].cost.seconds < budgets[1].cost.seconds

@@ -111,10 +111,13 @@ class BlockSaved:
     Args:
         tensors: the saved tensors counted (parameters and buffers left out), each storage once.
         tokens: batch x seq of the measured call.
+        backward_flops: FLOPs of the partitioned backward graph (matmuls and attention, as
+            `torch.utils.flop_counter` counts them): the forward ops it recomputes included.
     """
 
     tensors: tuple[SavedTensor, ...]
     tokens: int
+    backward_flops: float = 0.0
 
     @property
     def total(self) -> int:
@@ -221,7 +224,7 @@ def _trace(
         rope = torch.empty(rope_table[0], dtype=rope_table[1])  # the model's table: no block casts its inputs
     unit = _wrapped(block, blocks_path, ac)
     batch, seq_len, _ = input_shape
-    return _partitioned(_call_block, (unit, hidden, rope), batch * seq_len, memory_budget)
+    return _partitioned(_call_block, (unit, hidden, rope), batch * seq_len, memory_budget, backward=True)
 
 
 def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
@@ -248,19 +251,23 @@ def measure_loss(vocab: int, dtype: torch.dtype, rows: int = 256) -> int:
 
 
 def _partitioned(
-    fn: Callable[..., Any], args: tuple[Any, ...], tokens: int, memory_budget: float | None = None
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    tokens: int,
+    memory_budget: float | None = None,
+    backward: bool = False,
 ) -> BlockSaved:
     """What `fn(*args)`, compiled with Inductor's partitioner (at `memory_budget`, where given), saves for backward
-    (see the module docstring)."""
+    (see the module docstring); with `backward`, also the FLOPs of the backward graph the partitioner cut (run
+    once on the fake output to hand it over)."""
     from torch._functorch import config as functorch_config
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
     recorded: dict[str, Any] = {}
 
-    def record_forward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if not kwargs.get("is_backward", False):  # the backward is compiled lazily, never here
-            recorded["forward"] = gm
+    def record_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        recorded["backward" if kwargs.get("is_backward", False) else "forward"] = gm
         return make_boxed_func(gm.forward)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -269,7 +276,7 @@ def _partitioned(
             not isinstance(t, nn.Parameter) and isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         ]
         recorded["outputs"] = len(_outputs(gm))
-        return cast("Callable[..., Any]", compile_fx(gm, example_inputs, inner_compile=record_forward))
+        return cast("Callable[..., Any]", compile_fx(gm, example_inputs, inner_compile=record_graph))
 
     # A fresh code object: Dynamo keeps its compiled graphs on the code object, so each trace starts anew
     # and none counts towards another's recompile limit.
@@ -282,8 +289,32 @@ def _partitioned(
     budget: dict[str, Any] = {} if memory_budget is None else {"activation_memory_budget": memory_budget}
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False), functorch_config.patch(budget):
         with quiet_torch_logs():
-            torch.compile(fresh, backend=backend, fullgraph=True, dynamic=False)(*args)
-    return _saved(recorded["forward"], recorded["counted"], recorded["outputs"], tokens)
+            out = torch.compile(fresh, backend=backend, fullgraph=True, dynamic=False)(*args)
+            if backward:  # AOTAutograd partitions at the forward, but hands the backward over at its first run
+                out.backward(torch.ones_like(out))
+    saved = _saved(recorded["forward"], recorded["counted"], recorded["outputs"], tokens)
+    return dataclasses.replace(saved, backward_flops=graph_flops(recorded["backward"])) if backward else saved
+
+
+def graph_flops(gm: torch.fx.GraphModule) -> float:
+    """FLOPs of an FX graph's matmuls and attention, as `torch.utils.flop_counter` counts each op, from the fake
+    values recorded on its nodes (nothing runs).
+
+    Args:
+        gm: an ATen-level graph whose nodes carry `meta["val"]` (AOTAutograd's forward or backward).
+    """
+    from torch.utils._pytree import tree_map_only
+    from torch.utils.flop_counter import flop_registry
+
+    total = 0
+    for node in (n for n in gm.graph.nodes if n.op == "call_function"):
+        packet = getattr(node.target, "_overloadpacket", node.target)
+        count = flop_registry.get(packet)
+        if count is None:
+            continue
+        args, kwargs = tree_map_only(torch.fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+        total += count(*args, **kwargs, out_val=node.meta["val"])
+    return float(total)
 
 
 def _fake_storage(block: nn.Module, dtype: torch.dtype) -> None:
@@ -390,7 +421,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     if not isinstance(rope, torch.Tensor):
         return act, f"compile: the model has no `rope_cache` to call a block with; {eager}"
     try:
-        saved = {
+        traced = {
             kind: measure_block(
                 block,
                 family=cfg.model.name,
@@ -403,12 +434,13 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
                 dtype=dtype,
                 ac="none" if kind == "budget" else kind,
                 memory_budget=ac.memory_budget if kind == "budget" else None,
-            ).per_token
+            )
             for kind in kinds
         }
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the compiled block failed ({first_line}); {eager}"
+    saved = {kind: t.per_token for kind, t in traced.items()}
     fields = {"none": "block", "op": "block_op", "full": "block_input", "budget": "block"}
     measured = dataclasses.replace(
         act,
@@ -421,6 +453,10 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     figures = ", ".join(
         f"{names.get(k, f'AC {k}')}: {v:,} (eager {getattr(act, fields[k]):,})" for k, v in saved.items()
     )
+    if "budget" in traced:  # what the budget costs: the matmuls and attention its backward recomputes
+        base, budget = traced["none"].backward_flops, traced["budget"].backward_flops
+        more = (budget - base) / max(base, 1.0)
+        figures += f", its backward {more:.0%} more matmul and attention FLOPs (the recompute)"
     return measured, (
         "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
         f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"

@@ -6,7 +6,8 @@ The search, in order:
    count and whose batch split gives the global batch exactly: dp_replicate x dp_shard x
    cp x tp x pp, for a Mixture-of-Experts model each expert-parallel degree the rules allow,
    pipeline schedule and micro-batch, local batch and accumulation, activation
-   checkpointing (none / selective op / full), CPU offload.
+   checkpointing (none / selective op / full; for compiled blocks also memory budgets,
+   `plan_space.PLAN_BUDGETS`), CPU offload.
 2. `plan_space.refuse_by_rule` runs the torch-free rules of titan-parallel on each (tp
    against the model's widths, cp against the sequence, pipeline stages and
    micro-batches), and `refuse_expert_parallel` the expert-parallel ones on the meta model:
@@ -292,20 +293,21 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         return refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp)
 
     experts = w.moe.num_experts if plan.request.expert_parallel else 0
+    budgets = tuple(b for b, _ in w.budget_recompute)
     workers = plan.request.workers or (cpus if (cpus := _cpus()) >= SPREAD_FROM_CPUS else 1)
     if workers > 1 and not cfg.compile.enable:  # the layouts' measurements spread over processes, up front
         from titan_core.memory.eager_saved import measure_eager_many
 
         keys = {
             (t.tp, t.cp, t.ep_spans_tp)
-            for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts)
+            for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts, budgets)
             if refused(t) is None
         }
         measure_eager_many(spec, args, [activation_layout(*key) for key in sorted(keys)], workers)
 
     scored: list[Ranked] = []
     closest_bound = None
-    for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts):
+    for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts, budgets):
         plan.counts["layouts"] += 1
         refusal = refused(t)
         if refusal is not None:
@@ -367,7 +369,12 @@ def _estimate_fastest(plan: Plan, scored: list[Ranked], estimate: Estimator) -> 
             return
         t = ranked.layout
         group = degrees_and_schedule(t)
-        row = (*group, t.ac, t.offload)  # one table row: a faster batch split of it is all the table shows
+        row = (
+            *group,
+            t.ac,
+            t.memory_budget,
+            t.offload,
+        )  # one table row: a faster batch split of it is all the table shows
         if row in shown or any(needs_at_least(t, big) for big in over.get(group, ())):
             plan.counts["skipped"] += 1  # a faster split of the same row fits, or a smaller layout did not
             continue

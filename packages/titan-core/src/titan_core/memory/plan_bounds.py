@@ -31,6 +31,19 @@ AC_KEEPS = {"none": 2, "op": 1, "full": 0}
 """Activation checkpointing modes by how much they keep for backward: none keeps the most."""
 
 
+def keeps_at_least(layout: Layout, other: Layout) -> bool:
+    """Whether `layout`'s checkpointing keeps at least what `other`'s does for backward: `AC_KEEPS`' order, and a
+    compiled block's memory budget keeps no more than none, no less than full AC, and more the larger it is (it is
+    not ordered against selective "op")."""
+    a, b = layout, other
+    if a.ac != "budget" and b.ac != "budget":
+        return AC_KEEPS[a.ac] >= AC_KEEPS[b.ac]
+    if a.ac == "budget" and b.ac == "budget":
+        assert a.memory_budget is not None and b.memory_budget is not None
+        return a.memory_budget >= b.memory_budget
+    return a.ac == "none" or b.ac == "full"
+
+
 @dataclass(frozen=True)
 class BlockSizes:
     """Parameters of each block, split by what divides them: what the bound counts a rank's blocks as.
@@ -205,7 +218,7 @@ def needs_at_least(layout: Layout, other: Layout) -> bool:
     """Whether `layout` needs at least `other`'s memory by the estimator's formulas.
 
     Same degrees and schedule, and no less in each of: micro-batch size, micro-batches in
-    flight, activations kept (`AC_KEEPS`), device-resident states (no offload), and gradients
+    flight, activations kept (`keeps_at_least`), device-resident states (no offload), and gradients
     kept across accumulation. In flight: a pipeline rank holds at most `(v + 1) pp` of its v
     stages' micro-batches, so counts at or above `3 pp` hold the same.
     """
@@ -216,7 +229,7 @@ def needs_at_least(layout: Layout, other: Layout) -> bool:
     return (
         a.microbatch >= b.microbatch
         and min(a.microbatches, cap) >= min(b.microbatches, cap)
-        and AC_KEEPS[a.ac] >= AC_KEEPS[b.ac]
+        and keeps_at_least(a, b)
         and a.offload <= b.offload
         and (a.accum > 1 or b.accum == 1)
     )

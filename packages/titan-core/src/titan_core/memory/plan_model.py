@@ -53,6 +53,7 @@ def workload(cfg: JobConfig) -> Workload:
         cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
         cp_method=cfg.parallelism.context_parallel_method,
         moe=moe_work(cfg),
+        budget_recompute=budget_recompute(cfg),
         master_weights=cfg.optimizer.master_weights != "off" and not master_weights_config_blockers(cfg),
         **muon_work(cfg),
     )
@@ -106,6 +107,51 @@ def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: in
         ffn_dim: feed-forward hidden width.
     """
     return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
+
+
+def budget_recompute(cfg: JobConfig) -> tuple[tuple[float, float], ...]:
+    """`(budget, FLOPs per token)` for each of `plan_space.PLAN_BUDGETS`: what the model's compiled blocks recompute
+    at that `activation_checkpoint.memory_budget`, measured, not assumed.
+
+    A block is traced by `compiled_saved.measure_block` (AOTAutograd's partitioner on fake CPU tensors, one sequence of
+    `training.seq_len` in the compute dtype) without a budget and at each budget; the FLOPs its backward graph adds
+    at a budget over the unbudgeted one (matmuls and attention, `compiled_saved.graph_flops`), per token, times the
+    blocks (a dense family's are alike). () where the memory estimate does not measure compiled blocks either (compile
+    off or not on the blocks, a Mixture-of-Experts model, float8 / MX linears; `compiled_saved.compiled_block_bytes`)
+    or the trace fails: the planner then searches no budget.
+
+    Args:
+        cfg: the job config.
+    """
+    if not (cfg.compile.enable and "model" in cfg.compile.components) or cfg.model.converters:
+        return ()
+    import torch
+
+    from titan_core.job.meta_model import build_meta_model
+    from titan_core.memory.compiled_saved import measure_block
+    from titan_core.memory.plan_space import PLAN_BUDGETS
+
+    spec, args = model_of(cfg)
+    if spec.plan.moe is not None:
+        return ()
+    meta = build_meta_model(spec, args)
+    block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
+    rope = getattr(meta, "rope_cache", None)
+    if not isinstance(rope, torch.Tensor):
+        return ()
+    shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none"}
+    where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": cfg.training.seq_len}
+    dtype = getattr(torch, cfg.training.mixed_precision_param)
+    try:
+        flops = {b: measure_block(block, **where, **shape, dtype=dtype, memory_budget=b) for b in (None, *PLAN_BUDGETS)}
+    except Exception:  # torch raises many kinds; the estimate says what failed where it traces the block again
+        return ()
+    base = flops[None].backward_flops
+    return tuple(
+        (b, args.n_layers * max(0.0, saved.backward_flops - base) / saved.tokens)
+        for b, saved in flops.items()
+        if b is not None
+    )
 
 
 def _experts_name(plan: Any) -> str | None:

@@ -67,7 +67,7 @@ def _row(i: int, ranked: Ranked, names: tuple[str, ...]) -> list[str]:
         t.schedule if piped else "-",
         str(t.microbatch) if piped else "-",
         f"{t.local_batch} x {t.accum}",
-        t.ac,
+        t.ac_name,
         "yes" if t.offload else "no",
         format_bytes(ranked.peak),
         format_seconds(ranked.cost.seconds),
@@ -142,6 +142,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "local_batch": t.local_batch,
                 "accum": t.accum,
                 "ac": t.ac,
+                "memory_budget": t.memory_budget,
                 "offload": t.offload,
                 "peak_bytes": r.peak,
                 "step_seconds": r.cost.seconds,
@@ -186,7 +187,7 @@ def fix_hint(plan: Plan) -> str:
         )
     need = math.ceil(STATE_BYTES_PER_PARAM * w.n_params / plan.usable)
     t = c.layout
-    what = f"{t.describe()}, AC {t.ac}{', offload' if t.offload else ''}"
+    what = f"{t.describe()}, AC {t.ac_name}{', offload' if t.offload else ''}"
     return (
         f"no layout fits {gpus} GPUs of {format_bytes(plan.usable)} usable: the closest ({what}) needs "
         f"{'' if c.estimated else 'at least '}{format_bytes(c.peak)} per GPU; use more GPUs (the model states "
@@ -226,7 +227,7 @@ def emit_config(plan: Plan, ranked: Ranked, path: str, force: bool = False) -> s
     command = train_command(path, plan.cluster.gpus, plan.cluster.gpus_per_node)
     t = ranked.layout
     header = (
-        f"# Written by titan plan: {t.describe()}, AC {t.ac} on {plan.cluster.gpus} GPUs; "
+        f"# Written by titan plan: {t.describe()}, AC {t.ac_name} on {plan.cluster.gpus} GPUs; "
         f"peak {format_bytes(ranked.peak)} per GPU, ~{format_seconds(ranked.cost.seconds)} per step estimated.\n"
         f"# Start it with: {command}\n"
     )

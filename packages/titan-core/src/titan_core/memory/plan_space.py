@@ -3,7 +3,8 @@
 A layout (`titan_core.memory.step_cost.Layout`) is the parallel degrees, the pipeline
 schedule and micro-batch, the batch split, activation checkpointing and CPU offload.
 `candidate_layouts` lists those whose degrees multiply to the GPU count and whose batch
-split gives the global batch exactly, and for a Mixture-of-Experts model each expert
+split gives the global batch exactly (compiled blocks' memory budgets, `PLAN_BUDGETS`, where their
+recompute was measured), and for a Mixture-of-Experts model each expert
 parallel degree the rules allow (`expert_degrees`; under TP also those the TP ranks join,
 `joined_expert_degrees`); `refuse_by_rule` runs on each the
 rules of titan-parallel that need no model (the same rules `titan_core.job` runs), and
@@ -27,6 +28,13 @@ MICROBATCH_SIZES = (1, 2, 4)
 
 AC_MODES = ("none", "op", "full")
 """Activation checkpointing searched: none, selective "op", full."""
+
+PLAN_BUDGETS = (0.75, 0.5, 0.25)
+"""Compiled blocks' activation memory budgets searched (`activation_checkpoint.mode = 'memory_budget'`) beside
+`AC_MODES`, where the job compiles its blocks and the estimate measures them: one process per data-parallel rank
+(no tensor or context parallel), a dense model, no float8 / MX. On Llama 3.2 1B's block (bf16, 2048 tokens) 0.75
+keeps 68% of the unbudgeted block's bytes and recomputes no matmul, 0.5 62% for +6% of the backward's FLOPs, 0.25
+19% for +29% (selective "op": 39% for +15%); 0 is full AC, 1 none."""
 
 MIN_TOKENS_PER_CP_RANK = 2048
 """Context parallel is searched while each rank keeps at least this many tokens of a sequence."""
@@ -80,6 +88,7 @@ def candidate_layouts(
     global_batch: int,
     schedules: tuple[str, ...],
     num_experts: int = 0,
+    budgets: tuple[float, ...] = (),
 ) -> Iterator[Layout]:
     """Every layout whose degrees multiply to `gpus` and whose batch split is exactly `global_batch`.
 
@@ -95,6 +104,8 @@ def candidate_layouts(
         global_batch: sequences per optimizer step.
         schedules: pipeline schedules to search.
         num_experts: routed experts per MoE layer; 0 for a dense model (or to search without expert parallel).
+        budgets: compiled blocks' memory budgets to search beside `AC_MODES`, at tp = cp = 1 (`PLAN_BUDGETS` where
+            the planner measured their recompute; () searches none).
     """
     for tp in divisors(gpus):
         for cp in (c for c in divisors(gpus // tp) if c == 1 or seq_len // c >= MIN_TOKENS_PER_CP_RANK):
@@ -110,10 +121,15 @@ def candidate_layouts(
                     experts += [(ep, True) for ep in joined_expert_degrees(shard, cp, tp, num_experts)]
                     for ep, spans in experts:
                         degrees = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
-                        yield from _batch_layouts({**degrees, "ep_spans_tp": spans}, global_batch // dp, schedules)
+                        acs: list[tuple[str, float | None]] = [(ac, None) for ac in AC_MODES]
+                        acs += [("budget", b) for b in budgets] if tp == cp == 1 else []
+                        layouts = _batch_layouts({**degrees, "ep_spans_tp": spans}, global_batch // dp, schedules, acs)
+                        yield from layouts
 
 
-def _batch_layouts(degrees: dict[str, Any], seqs_per_rank: int, schedules: tuple[str, ...]) -> Iterator[Layout]:
+def _batch_layouts(
+    degrees: dict[str, Any], seqs_per_rank: int, schedules: tuple[str, ...], acs: list[tuple[str, float | None]]
+) -> Iterator[Layout]:
     """The batch splits, pipelines, checkpointing modes and offload choices of one set of degrees."""
     pp = degrees["pp"]
     pipelines = (
@@ -126,7 +142,7 @@ def _batch_layouts(degrees: dict[str, Any], seqs_per_rank: int, schedules: tuple
         for schedule, per_rank, mbs in pipelines:
             if mbs is not None and (local % mbs or (local // mbs) % pp):
                 continue
-            for ac in AC_MODES:
+            for ac, budget in acs:
                 for offload in offloads:
                     yield Layout(
                         **degrees,
@@ -137,6 +153,7 @@ def _batch_layouts(degrees: dict[str, Any], seqs_per_rank: int, schedules: tuple
                         accum=seqs_per_rank // local,
                         ac=ac,
                         offload=offload,
+                        memory_budget=budget,
                     )
 
 
@@ -176,8 +193,16 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
         str(global_batch),
         "--training.enable_cpu_offload",
         "true" if t.offload else "false",
-        *AC_TOKENS[t.ac],
+        *ac_tokens(t),
     ]
+
+
+def ac_tokens(layout: Layout) -> list[str]:
+    """The `--activation_checkpoint.*` tokens of `layout`'s checkpointing (`AC_TOKENS`, or a memory budget's)."""
+    if layout.ac == "budget":
+        mode = ["--activation_checkpoint.mode", "memory_budget"]
+        return [*mode, "--activation_checkpoint.memory_budget", f"{layout.memory_budget:g}"]
+    return AC_TOKENS[layout.ac]
 
 
 def refuse_by_rule(layout: Layout, args: Any, cfg: JobConfig, seq_len: int) -> str | None:

@@ -7,7 +7,9 @@ terms, per rank and per optimizer step:
 
 - compute: `flops_per_token x tokens / gpus / (peak x MFU_EFFICIENCY)`;
 - recompute: activation checkpointing's extra forward (full: +1/3 of the training
-  FLOPs; selective "op": the matmuls it does not keep, `Workload.op_recompute_flops_per_token`);
+  FLOPs; selective "op": the matmuls it does not keep, `Workload.op_recompute_flops_per_token`;
+  a compiled block's memory budget: what its partitioned backward graph recomputes, measured,
+  `Workload.budget_recompute`);
 - tp, cp, pp_p2p: tensor parallel's all-gathers / reduce-scatters of activations,
   context parallel's exchanges (ring: K/V gathered or passed round; Ulysses: q, k, v
   and the output by all-to-all) and the pipeline's activation sends, times the share
@@ -165,6 +167,9 @@ class Workload:
         muon_ns_flops: FLOPs of one Newton-Schulz orthogonalisation of every Muon matrix (each once).
         muon_exchange_bytes: bytes per element Muon's matrices travel in to and from their owners (its
             Newton-Schulz dtype: 2 for bf16).
+        budget_recompute: `(budget, FLOPs per token)` pairs: what compiled blocks recompute at each
+            `activation_checkpoint.memory_budget` (`titan_core.memory.plan_model.budget_recompute`); () where the
+            compiled blocks are not measured (the planner then searches no budget).
     """
 
     n_params: int
@@ -188,6 +193,7 @@ class Workload:
     muon_params: int = 0
     muon_ns_flops: float = 0.0
     muon_exchange_bytes: int = 2
+    budget_recompute: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,11 +211,13 @@ class Layout:
         local_batch: sequences per data-parallel rank per micro-step.
         microbatch: sequences per pipeline micro-batch (= local_batch without pipeline parallel).
         accum: gradient-accumulation steps per optimizer step.
-        ac: activation checkpointing: "none", "op" (selective op) or "full".
+        ac: activation checkpointing: "none", "op" (selective op), "full", or "budget" (compiled blocks' memory
+            budget, `memory_budget`).
         offload: CPU offload of parameters, gradients and optimizer states.
         ep: expert parallel degree: experts split over `ep` ranks carved from dp_shard x cp (no more GPUs).
         ep_spans_tp: the TP ranks join expert parallel (`parallelism.expert_tensor_parallel_degree = 1`): `ep` is
             carved from dp_shard x cp x tp, and each routed expert stays whole rather than split over TP.
+        memory_budget: the compiled blocks' activation memory budget, with `ac` "budget".
     """
 
     dp_replicate: int = 1
@@ -226,6 +234,12 @@ class Layout:
     offload: bool = False
     ep: int = 1
     ep_spans_tp: bool = False
+    memory_budget: float | None = None
+
+    @property
+    def ac_name(self) -> str:
+        """`ac` as the planner's table shows it: 'none', 'op', 'full' or e.g. 'budget 0.5'."""
+        return f"budget {self.memory_budget:g}" if self.ac == "budget" else self.ac
 
     @property
     def dp(self) -> int:
@@ -356,9 +370,13 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
     return flush * (ZERO_BUBBLE_RESIDUAL if kind == "zero" else 1.0)
 
 
-def recompute_flops_per_token(ac: str, work: Workload) -> float:
-    """FLOPs per token activation checkpointing adds: full = the forward again (1/3 of the training FLOPs)."""
-    return {"none": 0.0, "op": work.op_recompute_flops_per_token, "full": work.flops_per_token / 3}[ac]
+def recompute_flops_per_token(layout: Layout, work: Workload) -> float:
+    """FLOPs per token activation checkpointing adds: full = the forward again (1/3 of the training FLOPs); a
+    memory budget what `work.budget_recompute` measured at it (one it did not measure as full AC, the most any
+    budget recomputes)."""
+    if layout.ac == "budget":
+        return dict(work.budget_recompute).get(layout.memory_budget or 0.0, work.flops_per_token / 3)
+    return {"none": 0.0, "op": work.op_recompute_flops_per_token, "full": work.flops_per_token / 3}[layout.ac]
 
 
 def tp_collectives_per_block(ac: str) -> int:
@@ -483,7 +501,7 @@ def estimate_step_cost(layout: Layout, work: Workload, cluster: Cluster) -> Step
     tokens = w.global_batch * w.seq_len  # per step, all ranks
     rate = c.peak_flops * c.mfu
     compute = w.flops_per_token * tokens / c.gpus / rate
-    recompute = recompute_flops_per_token(t.ac, w) * tokens / c.gpus / rate
+    recompute = recompute_flops_per_token(t, w) * tokens / c.gpus / rate
     seqs = w.global_batch / t.dp  # sequences each data-parallel rank (its cp x tp x pp group) runs per step
     layers = w.n_layers / t.pp  # blocks per pipeline rank
 
