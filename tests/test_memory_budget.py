@@ -156,7 +156,7 @@ def test_a_blocks_backward_flops_are_the_flop_counters_and_a_budget_adds_its_rec
     FlopCounterMode counts in an eager backward of the block on real tensors; budget 1 recomputes nothing, budget 0
     what full AC recomputes, selective "op" the matmuls it does not keep (`op_recompute_flops_per_token`'s count:
     wk, wo and w3), and the planner's figures per budget grow as the budget falls, up to full AC's."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     from titan_core.memory.plan_model import budget_recompute, op_recompute_flops_per_token
 
@@ -173,7 +173,11 @@ def test_a_blocks_backward_flops_are_the_flop_counters_and_a_budget_adds_its_rec
     out = block(torch.randn(BATCH, SEQ, ARGS.dim, requires_grad=True), rope_cache=rope)  # (bs, seqlen, dim)
     with FlopCounterMode(display=False) as counter:
         out.backward(torch.randn_like(out))
-    assert none.backward_flops == counter.get_total_flops() > 0
+    # torch 2.11's counter does not count CPU's flash attention (2.15's does): its backward by hand there, 5 matmuls
+    # of (seq x seq) by (seq x head_dim) per head (the scores again, then the gradients of the scores, v, q and k)
+    counted = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward in flop_registry
+    attention = 0 if counted else 5 * 2 * BATCH * ARGS.n_heads * SEQ * SEQ * ARGS.attention_head_dim
+    assert none.backward_flops == counter.get_total_flops() + attention > 0
 
     def recompute(ac: str = "none", budget: float | None = None) -> float:
         return traced(ac, budget).backward_flops - none.backward_flops
@@ -182,7 +186,10 @@ def test_a_blocks_backward_flops_are_the_flop_counters_and_a_budget_adds_its_rec
     q_dim, kv_dim = ARGS.n_heads * ARGS.attention_head_dim, ARGS.kv_heads * ARGS.attention_head_dim
     op = op_recompute_flops_per_token(1, ARGS.dim, q_dim, kv_dim, ARGS.ffn_hidden_dim) * tokens
     assert recompute("op") == op
-    assert recompute(budget=1.0) == 0 < recompute(budget=0.5) < recompute(budget=0.0) == recompute("full")
+    assert recompute(budget=1.0) == 0 < recompute(budget=0.5) < recompute(budget=0.0)
+    # budget 0 recomputes what full AC does; torch 2.11's compiled full AC keeps attention's output instead
+    attention_forward = 2 * 2 * BATCH * ARGS.n_heads * SEQ * SEQ * ARGS.attention_head_dim
+    assert recompute("full") in (recompute(budget=0.0), recompute(budget=0.0) - attention_forward)
     cfg = load_config(None, ["--compile.enable", "true", "--training.seq_len", str(SEQ),
                              "--training.mixed_precision_param", "float32"])  # fmt: skip
     per_budget = budget_recompute(cfg)  # the debug model's 6 blocks, at one sequence of SEQ
