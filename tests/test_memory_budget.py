@@ -1,7 +1,7 @@
 """Activation memory budgets (`activation_checkpoint.mode = 'memory_budget'`, `titan_parallel.compile.budget_backend`):
 what the compiled blocks keep for backward at a budget, counted on the real tensors autograd saves, their gradients,
 and the memory estimate's figure for it. Training under a budget against one process: the parity matrix's
-`compile_tp2_budget_0` and `compile_pp2_budget_0.5` rows; the job check's refusals: tests/test_job_check.py.
+`compile_tp2_budget_0.5` and `compile_pp2_budget_0.5` rows; the job check's refusals: tests/test_job_check.py.
 """
 
 from __future__ import annotations

@@ -75,6 +75,11 @@ def compile_backend(device_type: str, tp_degree: int) -> str:
 def budget_backend(backend: str, memory_budget: float) -> Callable[[torch.fx.GraphModule, list[torch.Tensor]], Any]:
     """The `torch.compile` backend `backend`, partitioning each graph under an activation memory budget.
 
+    Under tensor parallel torch 2.15 hands the graphs the process group as an opaque script object, whose size the
+    budgeted partitioner refuses to guess ("Cannot compute the size of ... FakeScriptObject"): it is counted as 0
+    bytes here (`unsafe_treat_script_objects_as_zero_size`, where torch has it), which a process group is in
+    activations; torch 2.11 passes none.
+
     Args:
         backend: a registered backend whose partitioner is min-cut ("inductor", "aot_eager").
         memory_budget: the share of the activations each graph keeps for backward, in [0, 1].
@@ -83,9 +88,12 @@ def budget_backend(backend: str, memory_budget: float) -> Callable[[torch.fx.Gra
     from torch._functorch import config as functorch_config
 
     compiler = lookup_backend(backend)
+    settings: dict[str, Any] = {"activation_memory_budget": memory_budget}
+    if hasattr(functorch_config, "unsafe_treat_script_objects_as_zero_size"):
+        settings["unsafe_treat_script_objects_as_zero_size"] = True
 
     def compile_with_budget(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-        with functorch_config.patch(activation_memory_budget=memory_budget):
+        with functorch_config.patch(settings):
             return compiler(gm, example_inputs)
 
     compile_with_budget.__name__ = f"{backend}_memory_budget_{memory_budget}"
