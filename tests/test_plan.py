@@ -404,7 +404,7 @@ def test_emitted_config_loads_back_and_titan_train_runs_it_unchanged(tmp_path):
 
 
 def test_memory_budgets_are_searched_where_one_process_runs_each_compiled_block():
-    """Budgets join the AC modes at tp = cp = 1 only (the estimate measures no compiled TP / CP block), their
+    """Budgets join the AC modes at tp = cp = 1 only (their recompute is measured on the whole block), their
     overrides load as `activation_checkpoint.mode = 'memory_budget'` at that budget, and the memory bound's order
     of AC modes places a budget between none and full AC, by its size, not against selective "op"."""
     from titan_core.memory.plan_bounds import keeps_at_least

@@ -39,9 +39,10 @@ decomposed by Inductor on both devices (`aten._fused_rms_norm` is in its decompo
 table); the partitioner does not look at the device. Inductor's CUDA-only joint-graph
 passes (matmul padding) are not run.
 
-Not measured (the analytic tier keeps the eager figures there, and says so): tensor and
-context parallel (TP compiles each child of a block around eager sequence-parallel norms;
-CP's ring attention breaks the graph), float8 / MX linears, autocast (DDP with a bf16
+Tensor parallel blocks, which the trainer compiles child by child around eager sequence-parallel
+norms and DTensors, are measured by `titan_core.memory.compiled_tp` instead (the eager figure less
+what compiling saves on CPU). Not measured (the analytic tier keeps the eager figures there, and
+says so): context parallel (ring attention breaks the graph), float8 / MX linears, autocast (DDP with a bf16
 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
 models (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph
 on fake tensors, and under AC it refuses the MoE forward's side effect inside the checkpoint;
@@ -80,7 +81,7 @@ from titan_core.memory.torch_patches import quiet_torch_logs
 
 if TYPE_CHECKING:
     from titan_core.job import Job
-    from titan_core.memory.activations import ActivationBytes
+    from titan_core.memory.activations import ActivationBytes, ActivationLayout
 
 AC_KINDS = ("none", "op", "full")
 """What a block can run as: no AC, selective "op" AC, or checkpointed whole (full AC; selective N's
@@ -296,6 +297,31 @@ def _partitioned(
     return dataclasses.replace(saved, backward_flops=graph_flops(recorded["backward"])) if backward else saved
 
 
+PARTITION_ONLY = "titan_partition_only"
+"""The name `partition_only_backend` registers its backend under."""
+
+
+def partition_only_backend() -> str:
+    """A registered `torch.compile` backend (its name) that runs Inductor's `compile_fx` (its joint-graph passes and
+    min-cut partitioner) with the code generator replaced: each graph the partitioner cut runs as it is. Under
+    fake tensors it compiles nothing and runs nothing real, for the measurements that must compile a model as the
+    trainer does (`titan_core.memory.compiled_tp`)."""
+    from torch._dynamo import list_backends, register_backend
+
+    if PARTITION_ONLY not in list_backends(exclude_tags=()):
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._inductor.compile_fx import compile_fx
+
+        def run_as_cut(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            return make_boxed_func(gm.forward)
+
+        def partition_only(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+            return compile_fx(gm, example_inputs, inner_compile=run_as_cut)
+
+        register_backend(compiler_fn=partition_only, name=PARTITION_ONLY)
+    return PARTITION_ONLY
+
+
 def graph_flops(gm: torch.fx.GraphModule) -> float:
     """FLOPs of an FX graph's matmuls and attention, as `torch.utils.flop_counter` counts each op, from the fake
     values recorded on its nodes (nothing runs). CPU's flash attention is counted by `attention_flops` (torch
@@ -398,7 +424,9 @@ def _concrete(n: int | torch.SymInt) -> int:
     return int(n)
 
 
-def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes, str]:
+def compiled_block_bytes(
+    job: Job, act: ActivationBytes, layout: ActivationLayout | None = None
+) -> tuple[ActivationBytes, str]:
     """`act` with a block's saved bytes (`block`, and `block_op` or `block_input` as the AC mode needs)
     measured from the compiled block, and a note for the estimate saying so; `act` unchanged, and a note
     saying why, where the compiled block is not measured (see the module docstring).
@@ -412,6 +440,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     Args:
         job: the resolved job (compile on).
         act: the eager figures measured for the job's layout.
+        layout: that layout (`eager_saved.measure_eager`'s), read under tensor parallel; None leaves TP blocks eager.
     """
     from titan_parallel import uses_fsdp
 
@@ -425,8 +454,8 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     why_not = None
     if not job.parallel.compile:
         why_not = "compile.components leaves the blocks eager"
-    elif dims.tp > 1 or dims.cp > 1:
-        why_not = "tensor / context parallel blocks are not measured compiled"
+    elif dims.cp > 1:
+        why_not = "context parallel blocks are not measured compiled"
     elif job.converters.float8 is not None or job.converters.mx is not None:
         why_not = "float8 / MX linears are not measured compiled"
     elif job.spec.plan.moe is not None or act.per_block:
@@ -435,6 +464,10 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
         why_not = "autocast's compiled blocks (DDP with a 16-bit compute dtype) are not measured"
     if why_not is not None:
         return act, f"compile: {why_not}; {eager}"
+    if dims.tp > 1:
+        if layout is None:
+            return act, f"compile: tensor parallel blocks are measured compiled with their layout only; {eager}"
+        return _tensor_parallel_block_bytes(job, act, layout)
     ac = cfg.activation_checkpoint
     kinds = ["none"]
     if ac.mode == "selective" and ac.selective_ac_option == "op":
@@ -488,6 +521,49 @@ def compiled_block_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationByte
     return measured, (
         "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
         f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"
+    )
+
+
+def _tensor_parallel_block_bytes(
+    job: Job, act: ActivationBytes, layout: ActivationLayout
+) -> tuple[ActivationBytes, str]:
+    """`compiled_block_bytes` under tensor parallel: with no AC or at the job's memory budget, the eager figure less
+    what compiling saves, both measured on CPU (`titan_core.memory.compiled_tp`: the block split and compiled as
+    the trainer does, against the same block eager on CPU). The saving is measured on CPU because Dynamo cannot
+    trace fake CUDA tensors without a GPU; what differs between the devices (the eager sequence-parallel norms,
+    CUDA's fused RMSNorm saving less; the attention kernel) is kept alike compiled or not, so it cancels. Selective
+    `op` and full AC keep the eager figures (their checkpoints keep the block's input and the policy's outputs
+    whether or not the children compile)."""
+    from titan_core.memory.compiled_tp import measure_tp_block
+    from titan_core.memory.eager_saved import measure_eager
+
+    cfg, dims = job.cfg, job.dims
+    assert dims is not None
+    ac = cfg.activation_checkpoint
+    seq = cfg.training.seq_len
+    budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
+    common = {"tp": dims.tp, "dim": job.model_args.dim, "seq_len": seq, "dtype": job.parallel.param_dtype}
+    try:
+        cpu = measure_eager(job.spec, job.model_args, dataclasses.replace(layout, device_type="cpu"), job.meta_model())
+        eager_cpu = cpu.for_tokens(seq).block * seq  # one sequence, as the compiled block is measured
+        meta = job.meta_model()
+        compiled = {
+            kind: measure_tp_block(job.spec, meta, **common, memory_budget=b, loss_parallel=layout.loss_parallel)
+            for kind, b in budgets.items()
+        }
+    except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return act, f"compile: tracing the tensor parallel block failed ({first_line}); the eager blocks' figures"
+    saved = {kind: act.block - round((eager_cpu - total) / seq) for kind, total in compiled.items()}
+    measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
+    figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
+    if "budget" in saved:
+        figures += f", memory budget {ac.memory_budget:g}: {saved['budget']:,}"
+    kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
+    return measured, (
+        f"compile: tensor parallel block activations, the eager figure less what compiling saved on fake CPU "
+        f"tensors (TP {dims.tp}, each child compiled but the sequence-parallel norms, as the trainer does), bytes "
+        f"per token per block: {figures}{kept}; the loss and the rest as eager"
     )
 
 

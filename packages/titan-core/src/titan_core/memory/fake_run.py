@@ -36,6 +36,7 @@ torch is in `titan_core.memory.torch_patches`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
@@ -56,8 +57,10 @@ class NoFakeGroup(Exception):
 
 
 @contextmanager
-def fake_mesh(tp: int, cp: int, device: str) -> Iterator[DeviceMesh | None]:
-    """A `("cp", "tp")` mesh of rank 0 over a fake process group of `cp x tp` ranks; None for one rank.
+def fake_mesh(tp: int, cp: int, device: str, cuda_stand_in: bool = True) -> Iterator[DeviceMesh | None]:
+    """A `("cp", "tp")` mesh of rank 0 over a fake process group of `cp x tp` ranks; None for one rank. With
+    `cuda_stand_in`, CUDA's device queries answer as a node of `cp x tp` GPUs would meanwhile (a CUDA mesh needs
+    them; Dynamo, which then asks CUDA for its RNG state, must not see them).
 
     Raises:
         NoFakeGroup: the process already has a process group.
@@ -72,7 +75,7 @@ def fake_mesh(tp: int, cp: int, device: str) -> Iterator[DeviceMesh | None]:
         raise NoFakeGroup("this process already has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
     try:
-        with cuda_devices_without_gpu(tp * cp):
+        with cuda_devices_without_gpu(tp * cp) if cuda_stand_in else contextlib.nullcontext():
             yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
     finally:
         dist.destroy_process_group()

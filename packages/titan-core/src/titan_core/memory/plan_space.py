@@ -31,10 +31,11 @@ AC_MODES = ("none", "op", "full")
 
 PLAN_BUDGETS = (0.75, 0.5, 0.25)
 """Compiled blocks' activation memory budgets searched (`activation_checkpoint.mode = 'memory_budget'`) beside
-`AC_MODES`, where the job compiles its blocks and the estimate measures them: one process per data-parallel rank
-(no tensor or context parallel), a dense model, no float8 / MX. On Llama 3.2 1B's block (bf16, 2048 tokens) 0.75
-keeps 68% of the unbudgeted block's bytes and recomputes no matmul, 0.5 62% for +6% of the backward's FLOPs, 0.25
-19% for +29% (selective "op": 39% for +15%); 0 is full AC, 1 none."""
+`AC_MODES`, where the job compiles its blocks and the estimate measures them (a dense model, no float8 / MX), at
+tp = cp = 1: what a budget recomputes is measured on the whole block (`plan_model.budget_recompute`), and TP's
+compiled children, which the partitioner cuts one by one around eager norms, may recompute otherwise. On Llama
+3.2 1B's block (bf16, 2048 tokens) 0.75 keeps 68% of the unbudgeted block's bytes and recomputes no matmul, 0.5
+62% for +6% of the backward's FLOPs, 0.25 19% for +29% (selective "op": 39% for +15%); 0 is full AC, 1 none."""
 
 MIN_TOKENS_PER_CP_RANK = 2048
 """Context parallel is searched while each rank keeps at least this many tokens of a sequence."""

@@ -1,0 +1,106 @@
+"""What a compiled block keeps for backward under tensor parallel: the trainer's own split and compile, on fake tensors.
+
+Under TP the trainer compiles each child of a block but the sequence-parallel norms
+(`titan_parallel.apply_compile(per_child=True)`), around DTensors, which `compiled_saved`'s
+plain-tensor trace of a whole block cannot stand for. Here a one-block model is:
+
+1. split by the trainer's `apply_tp` over a fake process group of `tp` ranks (a CPU mesh, as
+   `eager_saved` splits its blocks), given fake storage in the compute dtype;
+2. compiled by the trainer's `apply_compile(per_child=True)` (at the job's memory budget, where
+   it has one) with a backend that runs Inductor's partitioner and records, rather than
+   generates, each graph (`compiled_saved.partition_only_backend`): each compiled child then runs
+   the forward graph the partitioner cut, on fake tensors;
+3. called once on a fake input of the rank's shape, `(1, seq / tp, dim)`, under
+   `fake_run.block_saved_bytes`' hooks: the compiled children save their tensors through
+   autograd (AOTAutograd's `CompiledFunction`), the eager norms theirs, and both are counted
+   once per storage, the parameters left out.
+
+The bytes of that one sequence over its `seq` tokens are the figure per token, as the eager
+figures are under TP. tests/test_memory_compiled_tp.py holds the count to what two real TP ranks
+compiled by `aot_eager` (the same partitioner, no Inductor passes) save, to the byte.
+
+Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
+block's input and the op policy's outputs whether or not the children compile), context
+parallel, Mixture-of-Experts and float8 / MX blocks (`compiled_saved.compiled_block_bytes` says
+which). Results are cached per (family, block shape, tp, seq, dtype, budget, backend) for the process.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from titan_models import ModelSpec
+
+_CACHE: dict[tuple[Any, ...], int] = {}
+
+
+def measure_tp_block(
+    spec: ModelSpec[Any],
+    meta: nn.Module,
+    *,
+    tp: int,
+    dim: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    memory_budget: float | None = None,
+    backend: str | None = None,
+    loss_parallel: bool = True,
+) -> int:
+    """Bytes the first block of `meta` keeps for backward on one TP rank when compiled as the trainer compiles it
+    under TP, for one sequence of `seq_len` tokens (cached).
+
+    Args:
+        spec: the model family (its plan's block container and TP styles).
+        meta: the model on the meta device (left untouched: its first block is copied).
+        tp: tensor parallel degree (> 1).
+        dim: width of the block's input (the model's `dim`).
+        seq_len: tokens per sequence.
+        dtype: the compute dtype: the parameters' and the input's.
+        memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
+        backend: a registered `torch.compile` backend; None: Inductor's partitioner without its code generator
+            (`compiled_saved.partition_only_backend`).
+        loss_parallel: the layout's loss parallel (read by `apply_tp` for the head, which is not measured here).
+    """
+    from titan_core.memory.activations import ActivationLayout
+    from titan_core.memory.compiled_saved import block_signature, partition_only_backend
+    from titan_core.memory.eager_saved import _parallel_copy, _rope
+    from titan_core.memory.fake_run import block_saved_bytes, fake_mesh, on_fake
+    from titan_core.memory.torch_patches import quiet_torch_logs
+    from titan_parallel.compile import apply_compile
+
+    backend = backend or partition_only_backend()
+    block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
+    key = (spec.name, block_signature(block), tp, dim, seq_len, dtype, memory_budget, backend)
+    if key in _CACHE:
+        return _CACHE[key]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=1, seq_len=seq_len, device_type="cpu",
+                              loss_parallel=loss_parallel)  # fmt: skip
+    with fake_mesh(tp, 1, "cpu", cuda_stand_in=False) as mesh:
+        holder = _parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": copy.deepcopy(block)})}, mesh, layout)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            on_fake(holder, dtype, "cpu")  # the partitioner does not look at the device
+            rope = _rope(meta, "cpu")
+        apply_compile(holder, spec.plan, per_child=True, backend=backend, memory_budget=memory_budget)
+        unit = holder.get_submodule(f"{spec.plan.blocks}.0")
+        # every measurement compiles fresh modules of the same classes: room for them in Dynamo's per-code cache
+        with torch._dynamo.config.patch({"automatic_dynamic_shapes": False, **_recompile_room()}), quiet_torch_logs():
+            with mode:
+                total = block_saved_bytes(unit, spec.plan.blocks, rope, None, (1, seq_len // tp, dim), dtype, "cpu",
+                                          "none")  # fmt: skip
+    _CACHE[key] = total
+    return total
+
+
+def _recompile_room() -> dict[str, Any]:
+    """Dynamo's per-code-object cache limit, raised (its name changed across torch versions)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return {name: max(64, int(getattr(config, name)))}

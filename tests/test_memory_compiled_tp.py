@@ -1,0 +1,63 @@
+"""Compiled blocks under tensor parallel in the memory estimate (`titan_core.memory.compiled_tp`): the fake
+measurement against what two real TP ranks save, and the analytic estimate's figure and note."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from titan_core.config import load_config
+from titan_core.job.meta_model import build_meta_model
+from titan_core.memory.analytic import estimate_analytic
+from titan_core.memory.compiled_tp import measure_tp_block
+from titan_models import get_model_args, get_model_spec
+from titan_run import REPO, run_json_worker
+
+SPEC = get_model_spec("llama3")
+SEQ = 64  # the worker's
+
+
+def test_a_compiled_tp_rank_keeps_what_the_fake_measurement_reads(tmp_path):
+    """Two gloo ranks, the debug block split by `apply_tp` and compiled per child by `aot_eager` (the trainer's TP
+    compile on CPU), save on real tensors exactly the bytes `measure_tp_block` reads on fake ones with the same
+    backend, with no budget and at 0.5; compiling keeps less than eager, the budget less still."""
+    real = run_json_worker(REPO / "tests" / "workers" / "compiled_tp_worker.py", 2, tmp_path / "out.json")
+    args = dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1)
+    meta = build_meta_model(SPEC, args)
+    fake = {
+        name: measure_tp_block(SPEC, meta, tp=2, dim=args.dim, seq_len=SEQ, dtype=torch.float32, memory_budget=b,
+                               backend="aot_eager")
+        for name, b in (("none", None), ("0.5", 0.5))
+    }  # fmt: skip
+    assert fake == {"none": real["none"], "0.5": real["0.5"]}, (fake, real)
+    assert real["0.5"] < real["none"] < real["eager"], real
+
+
+def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():
+    base = ["--training.seq_len", "256", "--training.local_batch_size", "1", "--training.mixed_precision_param",
+            "float32", "--parallelism.tensor_parallel_degree", "2"]  # fmt: skip
+
+    def estimate(*extra: str):
+        return estimate_analytic(load_config(None, [*base, *extra]), 2, device_type="cpu")
+
+    eager, compiled = estimate(), estimate("--compile.enable", "true")
+    budget = estimate("--compile.enable", "true", "--activation_checkpoint.mode", "memory_budget",
+                      "--activation_checkpoint.memory_budget", "0.5")  # fmt: skip
+    assert budget.ranks[0].activations < compiled.ranks[0].activations < eager.ranks[0].activations
+    note = next(n for n in compiled.notes if n.startswith("compile: tensor parallel block activations"))
+    assert "AC none:" in note, note
+    # On CPU the figure is the compiled block's own: the eager CPU figure less what compiling saved on CPU
+    args = get_model_args("llama3", "debugmodel")
+    measured = measure_tp_block(SPEC, build_meta_model(SPEC, args), tp=2, dim=args.dim, seq_len=256,
+                                dtype=torch.float32)  # fmt: skip
+    figure = int(note.split("AC none: ")[1].split(" ")[0].replace(",", ""))
+    assert figure == pytest.approx(measured / 256, abs=2), (figure, measured / 256)
+    # selective op keeps its eager figure, and says so; context parallel is not measured compiled
+    op = estimate("--compile.enable", "true", "--activation_checkpoint.mode", "selective",
+                  "--activation_checkpoint.selective_ac_option", "op")  # fmt: skip
+    assert any("AC selective as eager" in n for n in op.notes), op.notes
+    cp = estimate_analytic(load_config(None, [*base[:-2], "--compile.enable", "true",
+                                              "--parallelism.context_parallel_degree", "2"]), 2, device_type="cpu")  # fmt: skip
+    assert any("context parallel blocks are not measured compiled" in n for n in cp.notes), cp.notes
