@@ -424,9 +424,7 @@ def _concrete(n: int | torch.SymInt) -> int:
     return int(n)
 
 
-def compiled_block_bytes(
-    job: Job, act: ActivationBytes, layout: ActivationLayout | None = None
-) -> tuple[ActivationBytes, str]:
+def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayout) -> tuple[ActivationBytes, str]:
     """`act` with a block's saved bytes (`block`, and `block_op` or `block_input` as the AC mode needs)
     measured from the compiled block, and a note for the estimate saying so; `act` unchanged, and a note
     saying why, where the compiled block is not measured (see the module docstring).
@@ -440,7 +438,7 @@ def compiled_block_bytes(
     Args:
         job: the resolved job (compile on).
         act: the eager figures measured for the job's layout.
-        layout: that layout (`eager_saved.measure_eager`'s), read under tensor parallel; None leaves TP blocks eager.
+        layout: that layout (`eager_saved.measure_eager`'s), read under tensor parallel.
     """
     from titan_parallel import uses_fsdp
 
@@ -465,8 +463,6 @@ def compiled_block_bytes(
     if why_not is not None:
         return act, f"compile: {why_not}; {eager}"
     if dims.tp > 1:
-        if layout is None:
-            return act, f"compile: tensor parallel blocks are measured compiled with their layout only; {eager}"
         return _tensor_parallel_block_bytes(job, act, layout)
     ac = cfg.activation_checkpoint
     kinds = ["none"]
