@@ -543,10 +543,7 @@ def _tensor_parallel_block_bytes(
         cpu = measure_eager(job.spec, job.model_args, dataclasses.replace(layout, device_type="cpu"), job.meta_model())
         eager_cpu = cpu.for_tokens(seq).block * seq  # one sequence, as the compiled block is measured
         meta = job.meta_model()
-        compiled = {
-            kind: measure_tp_block(job.spec, meta, **common, memory_budget=b, loss_parallel=layout.loss_parallel)
-            for kind, b in budgets.items()
-        }
+        compiled = {kind: measure_tp_block(job.spec, meta, **common, memory_budget=b) for kind, b in budgets.items()}
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the tensor parallel block failed ({first_line}); the eager blocks' figures"

@@ -49,7 +49,6 @@ def measure_tp_block(
     dtype: torch.dtype,
     memory_budget: float | None = None,
     backend: str | None = None,
-    loss_parallel: bool = True,
 ) -> int:
     """Bytes the first block of `meta` keeps for backward on one TP rank when compiled as the trainer compiles it
     under TP, for one sequence of `seq_len` tokens (cached).
@@ -64,11 +63,10 @@ def measure_tp_block(
         memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
         backend: a registered `torch.compile` backend; None: Inductor's partitioner without its code generator
             (`compiled_saved.partition_only_backend`).
-        loss_parallel: the layout's loss parallel (read by `apply_tp` for the head, which is not measured here).
     """
     from titan_core.memory.activations import ActivationLayout
     from titan_core.memory.compiled_saved import block_signature, partition_only_backend
-    from titan_core.memory.eager_saved import _parallel_copy, _rope
+    from titan_core.memory.eager_saved import parallel_copy, rope_table
     from titan_core.memory.fake_run import block_saved_bytes, fake_mesh, on_fake
     from titan_core.memory.torch_patches import quiet_torch_logs
     from titan_parallel.compile import apply_compile
@@ -80,14 +78,13 @@ def measure_tp_block(
         return _CACHE[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=1, seq_len=seq_len, device_type="cpu",
-                              loss_parallel=loss_parallel)  # fmt: skip
+    layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=1, seq_len=seq_len, device_type="cpu")
     with fake_mesh(tp, 1, "cpu", cuda_stand_in=False) as mesh:
-        holder = _parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": copy.deepcopy(block)})}, mesh, layout)
+        holder = parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": copy.deepcopy(block)})}, mesh, layout)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             on_fake(holder, dtype, "cpu")  # the partitioner does not look at the device
-            rope = _rope(meta, "cpu")
+            rope = rope_table(meta, "cpu")
         apply_compile(holder, spec.plan, per_child=True, backend=backend, memory_budget=memory_budget)
         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
         # every measurement compiles fresh modules of the same classes: room for them in Dynamo's per-code cache

@@ -237,12 +237,12 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
             for kind in AC_KINDS:
 
                 def at(batch: int, kind: str = kind, block: nn.Module = block) -> tuple[int, ...]:
-                    holder = _parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": block})}, mesh, layout)
+                    holder = parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": block})}, mesh, layout)
                     routed = batch * seq // (layout.tp if layout.ep_spans_tp else 1)  # tokens a MoE layer routes
                     counts = _even_counts(moe.num_experts, routed * moe.top_k) if moe else (lambda: 0)
                     with fake_target(device, counts):
                         on_fake(holder, dtype, device)
-                        rope, positions = _rope(meta, device), _positions(mesh, seq, device)
+                        rope, positions = rope_table(meta, device), _positions(mesh, seq, device)
                         mask = _document_mask(layout, batch, device)
                         width = getattr(block, "input_width", args.dim)  # a multi-token-prediction block: 2 x dim
                         shape = (batch, seq // layout.tp, width)  # sequence parallel splits the block's input
@@ -293,7 +293,7 @@ def _assemble(kinds: list[dict[str, Fit]], rest: dict[str, Fit], i: int, split: 
     return ActivationBytes(**smallest, **common, per_block=tuple(measured))
 
 
-def _parallel_copy(
+def parallel_copy(
     spec: ModelSpec[Any], children: dict[str, nn.Module], mesh: DeviceMesh | None, layout: ActivationLayout
 ) -> nn.Module:
     """A model holding copies of `children` (on meta), split as the trainer splits it over `mesh`."""
@@ -332,7 +332,7 @@ def _stand_in_for_ep(holder: nn.Module, spec: ModelSpec[Any], tp_mesh: DeviceMes
             experts.register_parameter(name, nn.Parameter(whole, requires_grad=weight.requires_grad))
 
 
-def _rope(meta: nn.Module, device: str) -> torch.Tensor | None:
+def rope_table(meta: nn.Module, device: str) -> torch.Tensor | None:
     """The model's RoPE table as the blocks get it: in its own dtype (FSDP's blocks cast no input,
     `titan_parallel.fsdp`; the compute copies and autocast leave buffers alone)."""
     table = getattr(meta, "rope_cache", None)
@@ -388,7 +388,7 @@ def _head_and_loss(
     dtype, device = _dtype(layout), layout.device_type
 
     def at(batch: int) -> dict[str, int]:
-        holder = _parallel_copy(spec, {n: meta.get_submodule(n) for n in names}, mesh, layout)
+        holder = parallel_copy(spec, {n: meta.get_submodule(n) for n in names}, mesh, layout)
         with fake_target(device):
             on_fake(holder, dtype, device)
             h = torch.empty((batch, seq // layout.tp, dim), dtype=dtype, device=device, requires_grad=True)
