@@ -294,7 +294,11 @@ def _partitioned(
             if backward:  # AOTAutograd partitions at the forward, but hands the backward over at its first run
                 out.backward(torch.ones_like(out))
     saved = _saved(recorded["forward"], recorded["counted"], recorded["outputs"], tokens)
-    return dataclasses.replace(saved, backward_flops=graph_flops(recorded["backward"])) if backward else saved
+    if not backward:
+        return saved
+    from titan_core.memory.graph_flops import graph_flops
+
+    return dataclasses.replace(saved, backward_flops=graph_flops(recorded["backward"]))
 
 
 PARTITION_ONLY = "titan_partition_only"
@@ -320,55 +324,6 @@ def partition_only_backend() -> str:
 
         register_backend(compiler_fn=partition_only, name=PARTITION_ONLY)
     return PARTITION_ONLY
-
-
-def graph_flops(gm: torch.fx.GraphModule) -> float:
-    """FLOPs of an FX graph's matmuls and attention, as `torch.utils.flop_counter` counts each op, from the fake
-    values recorded on its nodes (nothing runs). CPU's flash attention is counted by `attention_flops` (torch
-    2.15's formula, which 2.11's counter lacks): the block is traced on CPU for a GPU run.
-
-    Args:
-        gm: an ATen-level graph whose nodes carry `meta["val"]` (AOTAutograd's forward or backward).
-    """
-    from torch.utils._pytree import tree_map_only
-    from torch.utils.flop_counter import flop_registry
-
-    aten = torch.ops.aten
-    cpu_flash = {
-        aten._scaled_dot_product_flash_attention_for_cpu: 0,  # (query, key, value, ...)
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: 1,  # (grad_out, query, key, value, ...)
-    }
-    total = 0
-    for node in (n for n in gm.graph.nodes if n.op == "call_function"):
-        packet = getattr(node.target, "_overloadpacket", node.target)
-        count = flop_registry.get(packet)
-        if packet not in cpu_flash and count is None:
-            continue
-        args, kwargs = tree_map_only(torch.fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
-        if packet in cpu_flash:
-            first = cpu_flash[packet]
-            query, key, value = args[first : first + 3]
-            total += attention_flops(query.shape, key.shape, value.shape, backward=first == 1)
-        elif count is not None:
-            total += count(*args, **kwargs, out_val=node.meta["val"])
-    return float(total)
-
-
-def attention_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int], backward: bool) -> int:
-    """FLOPs of scaled dot-product attention as torch's counter counts them (the causal mask ignored; grouped-query
-    key / value heads broadcast to the query's): forward `q k^T` and `p v`; backward those recomputed scores, then
-    the gradients of the scores, v, q and k.
-
-    Args:
-        query: `(batch, heads, seq_q, head_dim)`.
-        key: `(batch, kv_heads, seq_k, head_dim)`.
-        value: `(batch, kv_heads, seq_k, v_head_dim)`.
-        backward: count the backward rather than the forward.
-    """
-    b, h, s_q, d_q = query
-    s_k, d_v = key[-2], value[-1]
-    pairs = 2 * b * h * s_q * s_k
-    return pairs * (3 * d_q + 2 * d_v) if backward else pairs * (d_q + d_v)
 
 
 def _fake_storage(block: nn.Module, dtype: torch.dtype) -> None:
@@ -463,7 +418,9 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     if why_not is not None:
         return act, f"compile: {why_not}; {eager}"
     if dims.tp > 1:
-        return _tensor_parallel_block_bytes(job, act, layout)
+        from titan_core.memory.compiled_tp import tensor_parallel_block_bytes
+
+        return tensor_parallel_block_bytes(job, act, layout)
     ac = cfg.activation_checkpoint
     kinds = ["none"]
     if ac.mode == "selective" and ac.selective_ac_option == "op":
@@ -517,46 +474,6 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     return measured, (
         "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
         f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"
-    )
-
-
-def _tensor_parallel_block_bytes(
-    job: Job, act: ActivationBytes, layout: ActivationLayout
-) -> tuple[ActivationBytes, str]:
-    """`compiled_block_bytes` under tensor parallel: with no AC or at the job's memory budget, the eager figure less
-    what compiling saves, both measured on CPU (`titan_core.memory.compiled_tp`: the block split and compiled as
-    the trainer does, against the same block eager on CPU). The saving is measured on CPU because Dynamo cannot
-    trace fake CUDA tensors without a GPU; what differs between the devices (the eager sequence-parallel norms,
-    CUDA's fused RMSNorm saving less; the attention kernel) is kept alike compiled or not, so it cancels. Selective
-    `op` and full AC keep the eager figures (their checkpoints keep the block's input and the policy's outputs
-    whether or not the children compile)."""
-    from titan_core.memory.compiled_tp import measure_tp_block
-    from titan_core.memory.eager_saved import measure_eager
-
-    cfg, dims = job.cfg, job.dims
-    assert dims is not None
-    ac = cfg.activation_checkpoint
-    seq = cfg.training.seq_len
-    budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
-    common = {"tp": dims.tp, "dim": job.model_args.dim, "seq_len": seq, "dtype": job.parallel.param_dtype}
-    try:
-        cpu = measure_eager(job.spec, job.model_args, dataclasses.replace(layout, device_type="cpu"), job.meta_model())
-        eager_cpu = cpu.for_tokens(seq).block * seq  # one sequence, as the compiled block is measured
-        meta = job.meta_model()
-        compiled = {kind: measure_tp_block(job.spec, meta, **common, memory_budget=b) for kind, b in budgets.items()}
-    except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return act, f"compile: tracing the tensor parallel block failed ({first_line}); the eager blocks' figures"
-    saved = {kind: act.block - round((eager_cpu - total) / seq) for kind, total in compiled.items()}
-    measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
-    figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
-    if "budget" in saved:
-        figures += f", memory budget {ac.memory_budget:g}: {saved['budget']:,}"
-    kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
-    return measured, (
-        f"compile: tensor parallel block activations, the eager figure less what compiling saved on fake CPU "
-        f"tensors (TP {dims.tp}, each child compiled but the sequence-parallel norms, as the trainer does), bytes "
-        f"per token per block: {figures}{kept}; the loss and the rest as eager"
     )
 
 

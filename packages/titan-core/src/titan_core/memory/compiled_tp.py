@@ -22,18 +22,22 @@ compiled by `aot_eager` (the same partitioner, no Inductor passes) save, to the 
 Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
 block's input and the op policy's outputs whether or not the children compile), context
 parallel, Mixture-of-Experts and float8 / MX blocks (`compiled_saved.compiled_block_bytes` says
-which). Results are cached per (family, block shape, tp, seq, dtype, budget, backend) for the process.
+which). `tensor_parallel_block_bytes` turns the figure into the estimate's, for the target device.
+Results are cached per (family, block shape, tp, seq, dtype, budget, backend) for the process.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from titan_core.job import Job
+    from titan_core.memory.activations import ActivationBytes, ActivationLayout
     from titan_models import ModelSpec
 
 _CACHE: dict[tuple[Any, ...], int] = {}
@@ -101,3 +105,47 @@ def _recompile_room() -> dict[str, Any]:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     return {name: max(64, int(getattr(config, name)))}
+
+
+def tensor_parallel_block_bytes(
+    job: Job, act: ActivationBytes, layout: ActivationLayout
+) -> tuple[ActivationBytes, str]:
+    """`compiled_saved.compiled_block_bytes` under tensor parallel: with no AC or at the job's memory budget, the
+    eager figure less what compiling saves, both measured on CPU (`measure_tp_block` against the same block eager
+    on CPU). The saving is measured on CPU because Dynamo cannot trace fake CUDA tensors without a GPU; what differs
+    between the devices (the eager sequence-parallel norms, CUDA's fused RMSNorm saving less; the attention kernel)
+    is kept alike compiled or not, so it cancels. Selective `op` and full AC keep the eager figures (their
+    checkpoints keep the block's input and the policy's outputs whether or not the children compile).
+
+    Args:
+        job: the resolved job (compile on, TP > 1, CP 1).
+        act: the eager figures measured for the job's layout on its device.
+        layout: that layout.
+    """
+    from titan_core.memory.eager_saved import measure_eager
+
+    cfg, dims = job.cfg, job.dims
+    assert dims is not None
+    ac = cfg.activation_checkpoint
+    seq = cfg.training.seq_len
+    budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
+    common = {"tp": dims.tp, "dim": job.model_args.dim, "seq_len": seq, "dtype": job.parallel.param_dtype}
+    try:
+        cpu = measure_eager(job.spec, job.model_args, dataclasses.replace(layout, device_type="cpu"), job.meta_model())
+        eager_cpu = cpu.for_tokens(seq).block * seq  # one sequence, as the compiled block is measured
+        meta = job.meta_model()
+        compiled = {kind: measure_tp_block(job.spec, meta, **common, memory_budget=b) for kind, b in budgets.items()}
+    except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return act, f"compile: tracing the tensor parallel block failed ({first_line}); the eager blocks' figures"
+    saved = {kind: act.block - round((eager_cpu - total) / seq) for kind, total in compiled.items()}
+    measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
+    figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
+    if "budget" in saved:
+        figures += f", memory budget {ac.memory_budget:g}: {saved['budget']:,}"
+    kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
+    return measured, (
+        f"compile: tensor parallel block activations, the eager figure less what compiling saved on fake CPU "
+        f"tensors (TP {dims.tp}, each child compiled but the sequence-parallel norms, as the trainer does), bytes "
+        f"per token per block: {figures}{kept}; the loss and the rest as eager"
+    )

@@ -115,7 +115,7 @@ def budget_recompute(cfg: JobConfig) -> tuple[tuple[float, float], ...]:
 
     A block is traced by `compiled_saved.measure_block` (AOTAutograd's partitioner on fake CPU tensors, one sequence of
     `training.seq_len` in the compute dtype) without a budget and at each budget; the FLOPs its backward graph adds
-    at a budget over the unbudgeted one (matmuls and attention, `compiled_saved.graph_flops`), per token, times the
+    at a budget over the unbudgeted one (matmuls and attention, `graph_flops.graph_flops`), per token, times the
     blocks (a dense family's are alike). () where the memory estimate does not measure compiled blocks either (compile
     off or not on the blocks, a Mixture-of-Experts model, float8 / MX linears; `compiled_saved.compiled_block_bytes`)
     or the trace fails: the planner then searches no budget.
