@@ -98,3 +98,29 @@ def test_tokenizer_from_hf_assets_path_widens_a_small_flavor(tmp_path):
     run_titan(run, *TINY, "--training.steps", "3", "--model.hf_assets_path", str(assets))
     first = read_metrics(run)[0]["loss/global_avg"]
     assert abs(first - math.log(50256 + 256)) < 1.0, first  # ~uniform over the widened vocab, not over 2048
+
+
+def test_torch_warnings_a_run_cannot_act_on_are_left_out_of_its_log():
+    """torch 2.15 logs "is_opaque_value is deprecated" once per rank when it compiles tensor-parallel blocks, and
+    Inductor's CPU compile "No CUDA runtime is found" with torch's CUDA build on a host without a GPU: the launcher's
+    logging leaves those out (once, however often it is set up) and lets every other record of the same loggers
+    through."""
+    import logging
+
+    from titan_core.launch import TORCH_NOISE, setup_logging
+
+    setup_logging()
+    setup_logging()
+    for name, start in TORCH_NOISE:
+        logger = logging.getLogger(name)
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record, seen=seen: seen.append(record.getMessage())  # type: ignore[method-assign]
+        logger.addHandler(handler)
+        try:
+            logger.warning(f"{start}, use something else instead")
+            logger.warning("a warning worth reading")
+        finally:
+            logger.removeHandler(handler)
+        assert seen == ["a warning worth reading"], (name, seen)
+        assert len(logger.filters) == 1, logger.filters
