@@ -61,3 +61,29 @@ def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():
     cp = estimate_analytic(load_config(None, [*base[:-2], "--compile.enable", "true",
                                               "--parallelism.context_parallel_degree", "2"]), 2, device_type="cpu")  # fmt: skip
     assert any("context parallel blocks are not measured compiled" in n for n in cp.notes), cp.notes
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_the_devices_differ_in_the_eager_norms_which_the_estimate_counts_on_the_target(family):
+    """The TP block is compiled on CPU; what its sequence-parallel norms keep, eager either way, is taken as on the
+    target (`eager_norms_device_gap`). For Llama those norms are all an eager block keeps differently on CPU and on
+    CUDA (the attention kernels keep alike); Qwen3's eager block differs by more, its QK norms, which sit inside the
+    compiled attention, where Inductor decomposes them alike on both devices: taking the whole eager difference off
+    would undercount its compiled block."""
+    from titan_core.memory.activations import ActivationLayout
+    from titan_core.memory.compiled_tp import eager_norms_device_gap
+    from titan_core.memory.eager_saved import measure_eager
+
+    spec, args, seq = get_model_spec(family), get_model_args(family, "debugmodel"), 256
+    eager = {
+        device: measure_eager(spec, args, ActivationLayout(compute_bytes=2, tp=2, seq_len=seq, device_type=device))
+        .for_tokens(seq).block * seq
+        for device in ("cpu", "cuda")
+    }  # fmt: skip
+    gap = eager_norms_device_gap(spec, build_meta_model(spec, args), tp=2, dim=args.dim, seq_len=seq,
+                                 dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    assert gap > 0
+    if family == "llama3":
+        assert eager["cpu"] - eager["cuda"] == gap
+    else:
+        assert eager["cpu"] - eager["cuda"] > gap

@@ -100,6 +100,44 @@ def measure_tp_block(
     return total
 
 
+def eager_norms_device_gap(spec: ModelSpec[Any], meta: nn.Module, *, tp: int, dim: int, seq_len: int,
+                           dtype: torch.dtype, device: str) -> int:  # fmt: skip
+    """Bytes the block's sequence-parallel norms, which stay eager when the trainer compiles a TP block, keep for
+    backward on CPU beyond what they keep on `device`, for one sequence on one TP rank (each norm run alone, eager,
+    on fake tensors of the rank's `(1, seq / tp, dim)` shard, as sequence parallel runs it).
+
+    Args:
+        spec: the model family (its plan's `TPStyle.NORM` modules).
+        meta: the model on the meta device.
+        tp: tensor parallel degree.
+        dim: the norms' width.
+        seq_len: tokens per sequence.
+        dtype: the compute dtype.
+        device: the target device type ("cuda": its fused RMSNorm keeps less than CPU's decomposed one).
+    """
+    from titan_core.memory.fake_run import SavedStorages, fake_target, on_fake
+    from titan_parallel import TPStyle
+    from titan_parallel.modules import get_submodule_or_none
+
+    block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
+    paths = [
+        p for p, style in spec.plan.block_tp if style is TPStyle.NORM and get_submodule_or_none(block, p) is not None
+    ]
+    kept = {}
+    for where in dict.fromkeys(("cpu", device)):
+        total = 0
+        with fake_target(where):
+            for path in paths:
+                norm = on_fake(copy.deepcopy(block.get_submodule(path)), dtype, where)
+                x = torch.empty((1, seq_len // tp, dim), dtype=dtype, device=where, requires_grad=True)
+                saved = SavedStorages([*norm.parameters(), *norm.buffers()])
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    norm(x)
+                total += saved.total
+        kept[where] = total
+    return kept["cpu"] - kept[device]
+
+
 def _recompile_room() -> dict[str, Any]:
     """Dynamo's per-code-object cache limit, raised (its name changed across torch versions)."""
     config = torch._dynamo.config
@@ -110,20 +148,19 @@ def _recompile_room() -> dict[str, Any]:
 def tensor_parallel_block_bytes(
     job: Job, act: ActivationBytes, layout: ActivationLayout
 ) -> tuple[ActivationBytes, str]:
-    """`compiled_saved.compiled_block_bytes` under tensor parallel: with no AC or at the job's memory budget, the
-    eager figure less what compiling saves, both measured on CPU (`measure_tp_block` against the same block eager
-    on CPU). The saving is measured on CPU because Dynamo cannot trace fake CUDA tensors without a GPU; what differs
-    between the devices (the eager sequence-parallel norms, CUDA's fused RMSNorm saving less; the attention kernel)
-    is kept alike compiled or not, so it cancels. Selective `op` and full AC keep the eager figures (their
-    checkpoints keep the block's input and the policy's outputs whether or not the children compile).
+    """`compiled_saved.compiled_block_bytes` under tensor parallel, with no AC or at the job's memory budget: the
+    block compiled on CPU (`measure_tp_block`), less what its eager sequence-parallel norms keep on CPU beyond what
+    they keep on the target device (`eager_norms_device_gap`: CUDA's fused RMSNorm keeps less than CPU's
+    decomposition). It is measured on CPU because Dynamo cannot trace fake CUDA tensors without a GPU; the compiled
+    children are device-blind (Inductor decomposes a norm inside them, Qwen3's QK norms, alike on both; CPU's flash
+    attention keeps what CUDA's does). Selective `op` and full AC keep the eager figures (their checkpoints keep the
+    block's input and the policy's outputs whether or not the children compile).
 
     Args:
         job: the resolved job (compile on, TP > 1, CP 1).
         act: the eager figures measured for the job's layout on its device.
         layout: that layout.
     """
-    from titan_core.memory.eager_saved import measure_eager
-
     cfg, dims = job.cfg, job.dims
     assert dims is not None
     ac = cfg.activation_checkpoint
@@ -131,21 +168,20 @@ def tensor_parallel_block_bytes(
     budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
     common = {"tp": dims.tp, "dim": job.model_args.dim, "seq_len": seq, "dtype": job.parallel.param_dtype}
     try:
-        cpu = measure_eager(job.spec, job.model_args, dataclasses.replace(layout, device_type="cpu"), job.meta_model())
-        eager_cpu = cpu.for_tokens(seq).block * seq  # one sequence, as the compiled block is measured
         meta = job.meta_model()
         compiled = {kind: measure_tp_block(job.spec, meta, **common, memory_budget=b) for kind, b in budgets.items()}
+        gap = eager_norms_device_gap(job.spec, meta, **common, device=layout.device_type)
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the tensor parallel block failed ({first_line}); the eager blocks' figures"
-    saved = {kind: act.block - round((eager_cpu - total) / seq) for kind, total in compiled.items()}
+    saved = {kind: round((total - gap) / seq) for kind, total in compiled.items()}
     measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
     figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
     if "budget" in saved:
         figures += f", memory budget {ac.memory_budget:g}: {saved['budget']:,}"
     kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
     return measured, (
-        f"compile: tensor parallel block activations, the eager figure less what compiling saved on fake CPU "
-        f"tensors (TP {dims.tp}, each child compiled but the sequence-parallel norms, as the trainer does), bytes "
+        f"compile: tensor parallel block activations measured compiled as the trainer compiles them (TP {dims.tp}, "
+        f"each child but the sequence-parallel norms; fake CPU tensors, the norms as on {layout.device_type}), bytes "
         f"per token per block: {figures}{kept}; the loss and the rest as eager"
     )
