@@ -40,10 +40,10 @@ table); the partitioner does not look at the device. Inductor's CUDA-only joint-
 passes (matmul padding) are not run.
 
 Tensor parallel blocks, which the trainer compiles child by child around eager sequence-parallel
-norms and DTensors, are measured by `titan_core.memory.compiled_tp` instead (the eager figure less
-what compiling saves on CPU). Not measured (the analytic tier keeps the eager figures there, and
-says so): context parallel (ring attention breaks the graph), float8 / MX linears, autocast (DDP with a bf16
-compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
+norms and DTensors, are measured by `titan_core.memory.compiled_tp` instead (compiled on CPU, the
+eager norms as on the target). Not measured (the analytic tier keeps the eager figures there, and
+says so): context parallel (ring attention breaks the graph), float8 / MX linears, autocast (DDP
+with a bf16 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
 models (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph
 on fake tensors, and under AC it refuses the MoE forward's side effect inside the checkpoint;
 DeepSeek-V3's dense blocks trace, but CPU SDPA runs their unequal q/k and v head widths through

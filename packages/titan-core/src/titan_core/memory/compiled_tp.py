@@ -7,9 +7,9 @@ plain-tensor trace of a whole block cannot stand for. Here a one-block model is:
 1. split by the trainer's `apply_tp` over a fake process group of `tp` ranks (a CPU mesh, as
    `eager_saved` splits its blocks), given fake storage in the compute dtype;
 2. compiled by the trainer's `apply_compile(per_child=True)` (at the job's memory budget, where
-   it has one) with a backend that runs Inductor's partitioner and records, rather than
-   generates, each graph (`compiled_saved.partition_only_backend`): each compiled child then runs
-   the forward graph the partitioner cut, on fake tensors;
+   it has one) with a backend that runs Inductor's partitioner and then each graph as it was cut,
+   generating no code (`compiled_saved.partition_only_backend`): each compiled child runs its
+   partitioned forward graph on fake tensors;
 3. called once on a fake input of the rank's shape, `(1, seq / tp, dim)`, under
    `fake_run.block_saved_bytes`' hooks: the compiled children save their tensors through
    autograd (AOTAutograd's `CompiledFunction`), the eager norms theirs, and both are counted
@@ -22,7 +22,8 @@ compiled by `aot_eager` (the same partitioner, no Inductor passes) save, to the 
 Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
 block's input and the op policy's outputs whether or not the children compile), context
 parallel, Mixture-of-Experts and float8 / MX blocks (`compiled_saved.compiled_block_bytes` says
-which). `tensor_parallel_block_bytes` turns the figure into the estimate's, for the target device.
+which). `tensor_parallel_block_bytes` turns the figure into the estimate's for the target device
+(the eager norms as they keep there: `eager_norms_device_gap`).
 Results are cached per (family, block shape, tp, seq, dtype, budget, backend) for the process.
 """
 

@@ -369,12 +369,8 @@ def _estimate_fastest(plan: Plan, scored: list[Ranked], estimate: Estimator) -> 
             return
         t = ranked.layout
         group = degrees_and_schedule(t)
-        row = (
-            *group,
-            t.ac,
-            t.memory_budget,
-            t.offload,
-        )  # one table row: a faster batch split of it is all the table shows
+        # one table row: a faster batch split of it is all the table shows
+        row = (*group, t.ac, t.memory_budget, t.offload)
         if row in shown or any(needs_at_least(t, big) for big in over.get(group, ())):
             plan.counts["skipped"] += 1  # a faster split of the same row fits, or a smaller layout did not
             continue
