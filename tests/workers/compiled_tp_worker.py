@@ -16,13 +16,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from rank_exit import leave
+from rank_exit import write_results_and_leave
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -73,12 +72,7 @@ def main() -> None:
             apply_compile(holder, SPEC.plan, per_child=True, backend="aot_eager", memory_budget=budget)
         hidden = torch.randn(1, SEQ // 2, ARGS.dim, requires_grad=True)  # (bs, seqlen / tp, dim): this rank's part
         results[name] = saved_bytes(holder.get_submodule(f"{SPEC.plan.blocks}.0"), hidden, rope)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    leave(0)
+    write_results_and_leave(out_path, results)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import sys
 import traceback
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from rank_exit import leave
+from rank_exit import write_results_and_leave
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import apply_ddp, apply_fsdp, set_gradient_sync
 
@@ -117,12 +116,7 @@ def main() -> None:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         results[case] = gathered
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    leave(0)
+    write_results_and_leave(out_path, results)
 
 
 if __name__ == "__main__":

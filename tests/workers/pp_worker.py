@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from rank_exit import leave
+from rank_exit import write_results_and_leave
 from titan_models.llama3 import Transformer, llama3_flavors, llama3_plan
 from titan_parallel import (
     ParallelDims,
@@ -206,7 +205,6 @@ CASES = [
 def main() -> None:
     out_path = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank = dist.get_rank()
     state = full_init_state()
     batches = make_batches()
     ref = train_reference(state, batches)
@@ -229,12 +227,7 @@ def main() -> None:
             break  # later cases could hang on ranks left out of step; report this one
     else:
         results["errors"] = record_errors()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    leave(0)
+    write_results_and_leave(out_path, results)
 
 
 if __name__ == "__main__":

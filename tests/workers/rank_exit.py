@@ -1,8 +1,10 @@
-"""How a worker rank ends (`leave`), under `torchrun` or `tests/fork_run.py` alike, and how a worker whose ranks
-are one function starts them (`run_ranks`)."""
+"""How a worker rank ends (`leave`; `write_results_and_leave` for a worker whose rank 0 reports in a JSON file),
+under `torchrun` or `tests/fork_run.py` alike, and how a worker whose ranks are one function starts them
+(`run_ranks`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -17,6 +19,19 @@ def leave(code: int) -> None:
     if os.environ.get("TITAN_TEST_FORKED_SCRIPT"):
         raise SystemExit(code)
     os._exit(code)
+
+
+def write_results_and_leave(out_path: str, results: Any) -> None:
+    """Rank 0 writes `results` to `out_path` as JSON; every rank then waits for the others, ends the process group
+    and leaves with 0."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    leave(0)
 
 
 def run_ranks(nproc: int, entry: Callable[..., None], *args: Any) -> None:
