@@ -101,13 +101,14 @@ def test_tokenizer_from_hf_assets_path_widens_a_small_flavor(tmp_path):
 
 
 def test_torch_warnings_a_run_cannot_act_on_are_left_out_of_its_log():
-    """torch 2.15 logs "is_opaque_value is deprecated" once per rank when it compiles tensor-parallel blocks, and
-    Inductor's CPU compile "No CUDA runtime is found" with torch's CUDA build on a host without a GPU: the launcher's
-    logging leaves those out (once, however often it is set up) and lets every other record of the same loggers
-    through."""
+    """torch 2.15 logs "is_opaque_value is deprecated" once per rank when it compiles tensor-parallel blocks,
+    Inductor's CPU compile "No CUDA runtime is found" with torch's CUDA build on a host without a GPU, and torchao's
+    import "<enum ...> is an Enum subclass ...": the launcher's logging leaves those out (once, however often it is
+    set up) and lets every other record of the same loggers through."""
     import logging
 
-    from titan_core.launch import TORCH_NOISE, setup_logging
+    from titan_core.launch import setup_logging
+    from titan_core.log_filters import TORCH_NOISE
 
     setup_logging()
     setup_logging()

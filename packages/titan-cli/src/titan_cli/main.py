@@ -46,6 +46,9 @@ def main(
     ),
 ) -> None:
     """Pretrain large language models with PyTorch, from one CPU to thousands of GPUs."""
+    from titan_core.log_filters import drop_torch_noise  # logging only: torch is not imported here
+
+    drop_torch_noise()
 
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from titan_ckpt.errors import CheckpointError
 from titan_core.config import ConfigError, dump_toml, load_config
+from titan_core.log_filters import drop_torch_noise
 from titan_models.errors import ModelConfigError
 from titan_parallel.layout import ParallelConfigError
 
@@ -76,15 +77,6 @@ def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
     return config, print_config, rest
 
 
-TORCH_NOISE = (
-    ("torch._library.opaque_object", "is_opaque_value is deprecated"),
-    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
-)
-"""(logger, message start) of torch warnings a run cannot act on, left out of its log: torch 2.15's Dynamo calling
-its own deprecated `is_opaque_value` when it compiles tensor-parallel blocks, once per rank; Inductor's CPU compile
-looking for CUDA with torch's CUDA build on a host without a GPU."""
-
-
 def setup_logging() -> None:
     """INFO on rank 0, warnings only on the other ranks; `TORCH_NOISE` left out."""
     rank = int(os.environ.get("RANK", 0))
@@ -93,21 +85,7 @@ def setup_logging() -> None:
         format="%(asctime)s %(message)s" if rank == 0 else f"[rank{rank}] %(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    for name, start in TORCH_NOISE:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, DropStarting) and f.start == start for f in logger.filters):
-            logger.addFilter(DropStarting(start))
-
-
-class DropStarting(logging.Filter):
-    """A logging filter dropping the records whose message starts with `start`."""
-
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.start)
+    drop_torch_noise()
 
 
 def error_line(error: BaseException) -> str:
