@@ -112,6 +112,7 @@ def test_cli_chain_hf_dcp_hf_torch_dcp(hf_source, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     diff, kl, n = parse_parity(result.output)
     assert diff < 1e-5 and kl < 1e-9 and n == 256
+    assert "Loading weights" not in result.output  # transformers' progress bar, off for the parity check
 
     missing = run_cli("titan-test/not-cached", tmp_path / "never", "--to", "dcp")
     assert missing.exit_code == 2

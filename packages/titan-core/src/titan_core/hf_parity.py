@@ -100,9 +100,15 @@ def check_hf_parity(
 
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     hf_class = getattr(transformers, hf_architecture)
-    hf_model = (
-        hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32}).to(device).eval()
-    )
+    hf_logging = transformers.utils.logging
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per check is noise in `titan convert`'s output
+    try:
+        hf_model = hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32})
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    hf_model = hf_model.to(device).eval()
     if round_to is not None:
         for param in hf_model.parameters():
             param.copy_(param.to(round_to))
