@@ -193,9 +193,9 @@ def test_a_blocks_backward_flops_are_the_flop_counters_and_a_budget_adds_its_rec
     cfg = load_config(None, ["--compile.enable", "true", "--training.seq_len", str(SEQ),
                              "--training.mixed_precision_param", "float32"])  # fmt: skip
     per_budget = budget_recompute(cfg)  # the debug model's 6 blocks, at one sequence of SEQ
-    assert [b for b, _ in per_budget] == [0.75, 0.5, 0.25]
+    assert [(tp, b) for tp, b, _ in per_budget] == [(1, 0.75), (1, 0.5), (1, 0.25)]
     full = get_model_args("llama3", "debugmodel").n_layers * recompute("full") / tokens
-    flops = [f for _, f in per_budget]
+    flops = [f for *_, f in per_budget]
     assert 0 <= flops[0] <= flops[1] <= flops[2] <= full, (flops, full)
     # no budget is searched where the estimate does not measure compiled blocks
     assert budget_recompute(load_config(None, ["--compile.enable", "false"])) == ()

@@ -48,6 +48,10 @@ def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():
     assert budget.ranks[0].activations < compiled.ranks[0].activations < eager.ranks[0].activations
     note = next(n for n in compiled.notes if n.startswith("compile: tensor parallel block activations"))
     assert "AC none:" in note, note
+    # the budget's note says what it costs: the FLOPs its backward graphs add at TP 2 (12% at 0.5 here)
+    budget_note = next(n for n in budget.notes if n.startswith("compile: tensor parallel block activations"))
+    share = budget_note.split("memory budget 0.5: ")[1].split("its backward ")[1].split("%")[0]
+    assert int(share) > 0 and "more matmul and attention FLOPs (the recompute)" in budget_note, budget_note
     # On CPU the figure is the compiled block's own: the eager CPU figure less what compiling saved on CPU
     args = get_model_args("llama3", "debugmodel")
     measured = measure_tp_block(SPEC, build_meta_model(SPEC, args), tp=2, dim=args.dim, seq_len=256,
@@ -87,3 +91,42 @@ def test_the_devices_differ_in_the_eager_norms_which_the_estimate_counts_on_the_
         assert eager["cpu"] - eager["cuda"] == gap
     else:
         assert eager["cpu"] - eager["cuda"] > gap
+
+
+def test_a_tp_ranks_backward_is_its_share_of_the_blocks_and_a_budget_adds_its_recompute():
+    """At TP 2 a rank's compiled backward (its children's backward graphs, `tp_block_backward_flops`) does half the
+    whole block's matmul and attention FLOPs (`measure_block`'s, which are torch's FlopCounterMode's:
+    test_memory_budget.py), exactly, with no budget; budget 1 recomputes nothing, lower budgets no less, budget 0
+    at most what the whole block recomputes at 0 (the eager norms between the children keep the residual sums the
+    whole block's budget 0 recomputes, `wo`'s matmul with them). Qwen3 is measured after Llama 3 in the same process,
+    where Dynamo reuses the feed-forward compiled for Llama 3's block: its backward is counted where it runs. The
+    planner's per-token figures at TP 2 are each budget's, summed over the ranks, per block, times the blocks."""
+    from titan_core.memory.compiled_saved import measure_block
+    from titan_core.memory.compiled_tp import tp_block_backward_flops
+    from titan_core.memory.plan_model import budget_recompute
+
+    budgets = (1.0, 0.75, 0.5, 0.25, 0.0)
+    for name in ("llama3", "qwen3"):
+        spec, args = get_model_spec(name), get_model_args(name, "debugmodel")
+        meta = build_meta_model(spec, args)
+        rope = meta.get_buffer("rope_cache")
+        whole = {
+            b: measure_block(meta.get_submodule(f"{spec.plan.blocks}.0"), family=name, blocks_path=spec.plan.blocks,
+                             rope_shape=tuple(rope.shape), dim=args.dim, batch=1, seq_len=SEQ, dtype=torch.float32,
+                             ac="none", memory_budget=b).backward_flops
+            for b in (None, 0.0)
+        }  # fmt: skip
+        rank = {
+            b: tp_block_backward_flops(spec, meta, tp=2, dim=args.dim, seq_len=SEQ, dtype=torch.float32,
+                                       memory_budget=b)
+            for b in (None, *budgets)
+        }  # fmt: skip
+        assert 2 * rank[None] == whole[None] > 0, (name, rank, whole)
+        recompute = [2 * (rank[b] - rank[None]) for b in budgets]
+        assert recompute[0] == 0 and recompute == sorted(recompute), (name, recompute)
+        assert 0 < recompute[-1] <= whole[0.0] - whole[None], (name, recompute, whole)
+        cfg = load_config(None, ["--model.name", name, "--compile.enable", "true", "--training.seq_len", str(SEQ),
+                                 "--training.mixed_precision_param", "float32"])  # fmt: skip
+        planned = budget_recompute(cfg, (2,))
+        expected = [(2, b, args.n_layers * 2 * (rank[b] - rank[None]) / SEQ) for b in (0.75, 0.5, 0.25)]
+        assert planned == tuple(expected), (name, planned, expected)

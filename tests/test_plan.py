@@ -403,19 +403,21 @@ def test_emitted_config_loads_back_and_titan_train_runs_it_unchanged(tmp_path):
     assert [r["optim/lr"] for r in records] == pytest.approx([8e-4 / 3, 8e-4 * 2 / 3], rel=1e-12)
 
 
-def test_memory_budgets_are_searched_where_one_process_runs_each_compiled_block():
-    """Budgets join the AC modes at tp = cp = 1 only (their recompute is measured on the whole block), their
-    overrides load as `activation_checkpoint.mode = 'memory_budget'` at that budget, and the memory bound's order
-    of AC modes places a budget between none and full AC, by its size, not against selective "op"."""
+def test_memory_budgets_are_searched_at_the_tp_degrees_their_recompute_was_measured_at():
+    """Budgets join the AC modes at cp = 1 and at the TP degrees given (those whose recompute the planner
+    measured), each such layout with each budget of its degree; their overrides load as
+    `activation_checkpoint.mode = 'memory_budget'` at that budget, and the memory bound's order of AC modes places
+    a budget between none and full AC, by its size, not against selective "op"."""
     from titan_core.memory.plan_bounds import keeps_at_least
     from titan_core.memory.plan_space import layout_overrides
 
-    layouts = list(candidate_layouts(8, 8, 8192, 16, SCHEDULES, budgets=(0.75, 0.5)))
+    layouts = list(candidate_layouts(8, 8, 8192, 16, SCHEDULES, budgets={1: (0.75, 0.5), 4: (0.5,)}))
     budgeted = [t for t in layouts if t.ac == "budget"]
-    assert budgeted and all(t.tp == t.cp == 1 for t in budgeted)
-    plain = {dataclasses.replace(t, ac="none", memory_budget=None) for t in budgeted}
-    assert plain == {t for t in layouts if t.ac == "none" and t.tp == t.cp == 1}  # each such layout, both budgets
-    assert len(budgeted) == 2 * len(plain)
+    assert budgeted and all(t.cp == 1 and t.tp in (1, 4) for t in budgeted)
+    for tp, budgets in ((1, {0.75, 0.5}), (4, {0.5})):
+        plain = {t for t in layouts if t.ac == "none" and t.tp == tp and t.cp == 1}
+        assert plain and {(dataclasses.replace(t, ac="none", memory_budget=None), t.memory_budget)
+                          for t in budgeted if t.tp == tp} == {(t, b) for t in plain for b in budgets}  # fmt: skip
     cfg = load_config(None, layout_overrides(budgeted[0], 16))
     assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.memory_budget) == (
         "memory_budget", budgeted[0].memory_budget)
@@ -424,6 +426,27 @@ def test_memory_budgets_are_searched_where_one_process_runs_each_compiled_block(
     assert keeps_at_least(ac["none"], high) and keeps_at_least(high, low) and keeps_at_least(low, ac["full"])
     assert not keeps_at_least(low, high) and not keeps_at_least(high, ac["none"])
     assert not keeps_at_least(high, ac["op"]) and not keeps_at_least(ac["op"], low)
+
+
+def test_a_compiled_plan_measures_the_budgets_recompute_at_each_tp_degree_and_ranks_them_there():
+    """On 2 GPUs the compiled debug model's budgets are measured at tp 1 and 2 (the partitioner cuts TP's children
+    one by one: tests/test_memory_compiled_tp.py), and TP 2 layouts at a budget are estimated and ranked, each no
+    faster than the same split without AC and costed by what it recomputes at TP 2."""
+    from titan_core.memory.step_cost import recompute_flops_per_token
+
+    request = PlanRequest(config=None, overrides=("--compile.enable", "true", "--training.seq_len", "256"), gpus=2,
+                          gpus_per_node=2, gpu_memory="8GiB", global_batch=2, top=200)  # fmt: skip
+    plan = search(prepare_plan(request))
+    measured = {(tp, b) for tp, b, _ in plan.workload.budget_recompute}
+    assert measured == {(tp, b) for tp in (1, 2) for b in (0.75, 0.5, 0.25)}, plan.workload.budget_recompute
+    rows = {(r.layout.tp, r.layout.pp, r.layout.local_batch, r.layout.ac_name): r for r in plan.fits}
+    at_tp2 = [key for key in rows if key[0] == 2 and key[3].startswith("budget")]
+    assert {key[3] for key in at_tp2} == {"budget 0.75", "budget 0.5", "budget 0.25"}, sorted(rows)
+    for key in at_tp2:
+        budgeted, plain = rows[key], rows[(*key[:3], "none")]
+        assert budgeted.cost.seconds >= plain.cost.seconds and budgeted.peak <= plain.peak
+        recompute = dict(((tp, b), f) for tp, b, f in plan.workload.budget_recompute)[2, budgeted.layout.memory_budget]
+        assert recompute_flops_per_token(budgeted.layout, plan.workload) == recompute
 
 
 def test_a_compiled_job_plans_a_larger_micro_batch_than_the_eager_estimate_allows():

@@ -301,31 +301,6 @@ def _partitioned(
     return dataclasses.replace(saved, backward_flops=graph_flops(recorded["backward"]))
 
 
-PARTITION_ONLY = "titan_partition_only"
-"""The name `partition_only_backend` registers its backend under."""
-
-
-def partition_only_backend() -> str:
-    """A registered `torch.compile` backend (its name) that runs Inductor's `compile_fx` (its joint-graph passes and
-    min-cut partitioner) with the code generator replaced: each graph the partitioner cut runs as it is. Under
-    fake tensors it compiles nothing and runs nothing real, for the measurements that must compile a model as the
-    trainer does (`titan_core.memory.compiled_tp`)."""
-    from torch._dynamo import list_backends, register_backend
-
-    if PARTITION_ONLY not in list_backends(exclude_tags=()):
-        from torch._functorch.aot_autograd import make_boxed_func
-        from torch._inductor.compile_fx import compile_fx
-
-        def run_as_cut(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-            return make_boxed_func(gm.forward)
-
-        def partition_only(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-            return compile_fx(gm, example_inputs, inner_compile=run_as_cut)
-
-        register_backend(compiler_fn=partition_only, name=PARTITION_ONLY)
-    return PARTITION_ONLY
-
-
 def _fake_storage(block: nn.Module, dtype: torch.dtype) -> None:
     """Give `block`'s parameters (cast to `dtype`, as FSDP gathers them) and buffers (kept in their dtype)
     storage on the CPU, in place; under `FakeTensorMode` the storage is fake."""

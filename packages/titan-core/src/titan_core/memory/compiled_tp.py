@@ -8,12 +8,16 @@ plain-tensor trace of a whole block cannot stand for. Here a one-block model is:
    `eager_saved` splits its blocks), given fake storage in the compute dtype;
 2. compiled by the trainer's `apply_compile(per_child=True)` (at the job's memory budget, where
    it has one) with a backend that runs Inductor's partitioner and then each graph as it was cut,
-   generating no code (`compiled_saved.partition_only_backend`): each compiled child runs its
-   partitioned forward graph on fake tensors;
+   generating no code (`partition_only_backend`): each compiled child runs its partitioned
+   forward graph on fake tensors;
 3. called once on a fake input of the rank's shape, `(1, seq / tp, dim)`, under
    `fake_run.block_saved_bytes`' hooks: the compiled children save their tensors through
    autograd (AOTAutograd's `CompiledFunction`), the eager norms theirs, and both are counted
-   once per storage, the parameters left out.
+   once per storage, the parameters left out;
+4. run backward once, which hands the children's backward graphs over: their matmul and attention
+   FLOPs (`tp_block_backward_flops`) say what a memory budget recomputes on a TP rank, which the
+   per-child cut makes differ from the whole block's at tp = 1 (the 8B at seq 8192, per token:
+   budget 0.75 recomputes nothing at TP 8 and at tp = 1, but 134 MFLOP per block at TP 2).
 
 The bytes of that one sequence over its `seq` tokens are the figure per token, as the eager
 figures are under TP. tests/test_memory_compiled_tp.py holds the count to what two real TP ranks
@@ -29,8 +33,10 @@ Results are cached per (family, block shape, tp, seq, dtype, budget, backend) fo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +47,18 @@ if TYPE_CHECKING:
     from titan_core.memory.activations import ActivationBytes, ActivationLayout
     from titan_models import ModelSpec
 
-_CACHE: dict[tuple[Any, ...], int] = {}
+_CACHE: dict[tuple[Any, ...], TPBlockTrace] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TPBlockTrace:
+    """One sequence through a compiled TP block on one rank (`measure_tp_block`)."""
+
+    saved: int
+    """Bytes the block keeps for backward."""
+    backward_flops: float | None
+    """FLOPs (matmuls and attention, `graph_flops`) of the backward graphs the partitioner cut for the compiled
+    children; None where the backend is not `partition_only_backend`, which hands them over."""
 
 
 def measure_tp_block(
@@ -67,16 +84,46 @@ def measure_tp_block(
         dtype: the compute dtype: the parameters' and the input's.
         memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
         backend: a registered `torch.compile` backend; None: Inductor's partitioner without its code generator
-            (`compiled_saved.partition_only_backend`).
+            (`partition_only_backend`).
     """
+    return _traced(spec, meta, tp, dim, seq_len, dtype, memory_budget, backend or partition_only_backend()).saved
+
+
+def tp_block_backward_flops(
+    spec: ModelSpec[Any], meta: nn.Module, *, tp: int, dim: int, seq_len: int, dtype: torch.dtype,
+    memory_budget: float | None = None,
+) -> float:  # fmt: skip
+    """FLOPs of the backward of `meta`'s first block on one TP rank, compiled as the trainer compiles it under TP
+    (its children one by one, each cut by Inductor's partitioner at `memory_budget`), for one sequence of `seq_len`
+    tokens: matmuls and attention, read off the backward graphs (`graph_flops`). A budget's recompute is its figure
+    over the unbudgeted one's (`plan_model.budget_recompute`). The trace is `measure_tp_block`'s (cached with it).
+
+    Args:
+        spec: the model family.
+        meta: the model on the meta device.
+        tp: tensor parallel degree (> 1).
+        dim: width of the block's input.
+        seq_len: tokens per sequence.
+        dtype: the compute dtype.
+        memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
+    """
+    flops = _traced(spec, meta, tp, dim, seq_len, dtype, memory_budget, partition_only_backend()).backward_flops
+    assert flops is not None  # the partition-only backend hands the backward graphs over
+    return flops
+
+
+def _traced(
+    spec: ModelSpec[Any], meta: nn.Module, tp: int, dim: int, seq_len: int, dtype: torch.dtype,
+    memory_budget: float | None, backend: str,
+) -> TPBlockTrace:  # fmt: skip
+    """Split, compile and call the block once forward (counting what it saves) and once backward (module docstring)."""
     from titan_core.memory.activations import ActivationLayout
-    from titan_core.memory.compiled_saved import block_signature, partition_only_backend
+    from titan_core.memory.compiled_saved import block_signature
     from titan_core.memory.eager_saved import parallel_copy, rope_table
     from titan_core.memory.fake_run import block_saved_bytes, fake_mesh, on_fake
     from titan_core.memory.torch_patches import quiet_torch_logs
     from titan_parallel.compile import apply_compile
 
-    backend = backend or partition_only_backend()
     block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
     key = (spec.name, block_signature(block), tp, dim, seq_len, dtype, memory_budget, backend)
     if key in _CACHE:
@@ -84,7 +131,7 @@ def measure_tp_block(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=1, seq_len=seq_len, device_type="cpu")
-    with fake_mesh(tp, 1, "cpu", cuda_stand_in=False) as mesh:
+    with fake_mesh(tp, 1, "cpu", cuda_stand_in=False) as mesh, _backward_flops() as flops:
         holder = parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": copy.deepcopy(block)})}, mesh, layout)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
@@ -95,10 +142,63 @@ def measure_tp_block(
         # every measurement compiles fresh modules of the same classes: room for them in Dynamo's per-code cache
         with torch._dynamo.config.patch({"automatic_dynamic_shapes": False, **_recompile_room()}), quiet_torch_logs():
             with mode:
-                total = block_saved_bytes(unit, spec.plan.blocks, rope, None, (1, seq_len // tp, dim), dtype, "cpu",
-                                          "none")  # fmt: skip
-    _CACHE[key] = total
-    return total
+                saved = block_saved_bytes(unit, spec.plan.blocks, rope, None, (1, seq_len // tp, dim), dtype, "cpu",
+                                          "none", backward=True)  # fmt: skip
+    _CACHE[key] = TPBlockTrace(saved, sum(flops) if backend == PARTITION_ONLY else None)
+    return _CACHE[key]
+
+
+PARTITION_ONLY = "titan_partition_only"
+"""The name `partition_only_backend` registers its backend under."""
+
+_RECORDING: list[list[float]] = []
+"""The lists `_backward_flops` collects into (the innermost gets the FLOPs of each backward graph that runs)."""
+
+
+def partition_only_backend() -> str:
+    """A registered `torch.compile` backend (its name) that runs Inductor's `compile_fx` (its joint-graph passes and
+    min-cut partitioner) with the code generator replaced: each graph the partitioner cut runs as it is. Under
+    fake tensors it compiles nothing and runs nothing real, for the measurements that must compile a model as the
+    trainer does. Inside `_backward_flops` each backward graph that runs also adds its FLOPs (`graph_flops`, read
+    once when it is cut): counted when it runs, not when it is compiled, since Dynamo may reuse a graph compiled
+    for an earlier module of the same class and shapes (Qwen3's feed-forward after Llama 3's) without compiling
+    again."""
+    from torch._dynamo import list_backends, register_backend
+
+    if PARTITION_ONLY not in list_backends(exclude_tags=()):
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._inductor.compile_fx import compile_fx
+
+        from titan_core.memory.graph_flops import graph_flops
+
+        def run_as_cut(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if not kwargs.get("is_backward", False):
+                return make_boxed_func(gm.forward)
+            flops = graph_flops(gm)
+
+            def counted(*args: Any) -> Any:
+                if _RECORDING:
+                    _RECORDING[-1].append(flops)
+                return gm.forward(*args)
+
+            return make_boxed_func(counted)
+
+        def partition_only(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+            return compile_fx(gm, example_inputs, inner_compile=run_as_cut)
+
+        register_backend(compiler_fn=partition_only, name=PARTITION_ONLY)
+    return PARTITION_ONLY
+
+
+@contextlib.contextmanager
+def _backward_flops() -> Iterator[list[float]]:
+    """The FLOPs of each backward graph of `partition_only_backend` that runs meanwhile."""
+    flops: list[float] = []
+    _RECORDING.append(flops)
+    try:
+        yield flops
+    finally:
+        _RECORDING.pop()
 
 
 def eager_norms_device_gap(spec: ModelSpec[Any], meta: nn.Module, *, tp: int, dim: int, seq_len: int,
@@ -170,16 +270,21 @@ def tensor_parallel_block_bytes(
     common = {"tp": dims.tp, "dim": job.model_args.dim, "seq_len": seq, "dtype": job.parallel.param_dtype}
     try:
         meta = job.meta_model()
-        compiled = {kind: measure_tp_block(job.spec, meta, **common, memory_budget=b) for kind, b in budgets.items()}
+        traced = {kind: _traced(job.spec, meta, **common, memory_budget=b, backend=partition_only_backend())
+                  for kind, b in budgets.items()}  # fmt: skip
         gap = eager_norms_device_gap(job.spec, meta, **common, device=layout.device_type)
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the tensor parallel block failed ({first_line}); the eager blocks' figures"
-    saved = {kind: round((total - gap) / seq) for kind, total in compiled.items()}
+    saved = {kind: round((trace.saved - gap) / seq) for kind, trace in traced.items()}
     measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
     figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
     if "budget" in saved:
-        figures += f", memory budget {ac.memory_budget:g}: {saved['budget']:,}"
+        base, budget = (traced[kind].backward_flops or 0.0 for kind in ("none", "budget"))
+        figures += (
+            f", memory budget {ac.memory_budget:g}: {saved['budget']:,}, its backward "
+            f"{(budget - base) / max(base, 1.0):.0%} more matmul and attention FLOPs (the recompute)"
+        )
     kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
     return measured, (
         f"compile: tensor parallel block activations measured compiled as the trainer compiles them (TP {dims.tp}, "

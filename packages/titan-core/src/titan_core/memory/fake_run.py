@@ -222,10 +222,12 @@ def block_saved_bytes(
     device: str,
     ac: str,
     mask: torch.Tensor | None = None,
+    backward: bool = False,
 ) -> int:
     """Bytes `block` (fake) keeps for backward for one call on a `shape` input (`(batch, seq, dim)`, the sequence
     split under sequence parallel) under AC kind `ac`; `rope`, `positions` and `mask` (the block-causal mask,
-    shared by every block: not counted itself) as the model passes them."""
+    shared by every block: not counted itself) as the model passes them. With `backward`, that call's backward
+    runs after it (for a compile backend that reads the backward graphs: AOTAutograd hands them over then)."""
     from titan_core.memory.compiled_saved import _wrapped
 
     shared = [t for t in (rope, mask) if t is not None]
@@ -236,7 +238,9 @@ def block_saved_bytes(
     hidden = torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
     kwargs = _block_kwargs(rope, positions, mask)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        unit(hidden, **kwargs)
+        out = unit(hidden, **kwargs)
+    if backward:
+        out.backward(torch.ones_like(out))
     if ac != "none":
         saved.add(hidden)  # the checkpoint keeps its input to recompute from
     for mode in saved.sac_modes:

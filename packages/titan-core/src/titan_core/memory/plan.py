@@ -30,6 +30,7 @@ The search, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections import Counter
@@ -42,10 +43,11 @@ from titan_core.config.load import validate_config
 from titan_core.config.overrides import parse_overrides
 from titan_core.memory.budget import GPU_MEMORY_GIB, parse_gpu_memory, usable_bytes
 from titan_core.memory.plan_bounds import degrees_and_schedule, host_lower_bound, memory_lower_bound, needs_at_least
-from titan_core.memory.plan_model import block_sizes, model_of, workload
+from titan_core.memory.plan_model import block_sizes, budget_recompute, model_of, workload
 from titan_core.memory.plan_space import (
     PLAN_SCHEDULES,
     candidate_layouts,
+    divisors,
     layout_overrides,
     refuse_by_rule,
     refuse_expert_parallel,
@@ -293,7 +295,12 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         return refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp)
 
     experts = w.moe.num_experts if plan.request.expert_parallel else 0
-    budgets = tuple(b for b, _ in w.budget_recompute)
+    if w.budget_recompute:  # measured at tp = 1: also at each TP degree a layout may take (with cp = 1)
+        tps = tuple(tp for tp in divisors(c.gpus) if tp > 1 and refuse(tp, 1, 1, "1F1B", 1, 1) is None)
+        w = plan.workload = dataclasses.replace(w, budget_recompute=w.budget_recompute + budget_recompute(cfg, tps))
+    budgets: dict[int, tuple[float, ...]] = {}
+    for tp, budget, _ in w.budget_recompute:
+        budgets[tp] = (*budgets.get(tp, ()), budget)
     workers = plan.request.workers or (cpus if (cpus := _cpus()) >= SPREAD_FROM_CPUS else 1)
     if workers > 1 and not cfg.compile.enable:  # the layouts' measurements spread over processes, up front
         from titan_core.memory.eager_saved import measure_eager_many

@@ -53,7 +53,7 @@ def workload(cfg: JobConfig) -> Workload:
         cp_rotate_method=cfg.parallelism.context_parallel_rotate_method,
         cp_method=cfg.parallelism.context_parallel_method,
         moe=moe_work(cfg),
-        budget_recompute=budget_recompute(cfg),
+        budget_recompute=budget_recompute(cfg),  # tp = 1; `plan.search` adds its TP degrees'
         master_weights=cfg.optimizer.master_weights != "off" and not master_weights_config_blockers(cfg),
         **muon_work(cfg),
     )
@@ -109,19 +109,23 @@ def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: in
     return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
 
 
-def budget_recompute(cfg: JobConfig) -> tuple[tuple[float, float], ...]:
-    """`(budget, FLOPs per token)` for each of `plan_space.PLAN_BUDGETS`: what the model's compiled blocks recompute
-    at that `activation_checkpoint.memory_budget`, measured, not assumed.
+def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple[int, float, float], ...]:
+    """`(tp, budget, FLOPs per token)` for each of `tps` and each of `plan_space.PLAN_BUDGETS`: what the model's
+    compiled blocks recompute at that `activation_checkpoint.memory_budget` and tensor parallel degree, measured,
+    not assumed.
 
-    A block is traced by `compiled_saved.measure_block` (AOTAutograd's partitioner on fake CPU tensors, one sequence of
-    `training.seq_len` in the compute dtype) without a budget and at each budget; the FLOPs its backward graph adds
-    at a budget over the unbudgeted one (matmuls and attention, `graph_flops.graph_flops`), per token, times the
-    blocks (a dense family's are alike). () where the memory estimate does not measure compiled blocks either (compile
-    off or not on the blocks, a Mixture-of-Experts model, float8 / MX linears; `compiled_saved.compiled_block_bytes`)
-    or the trace fails: the planner then searches no budget.
+    A block is traced without a budget and at each budget (one sequence of `training.seq_len` in the compute dtype,
+    fake CPU tensors): whole by `compiled_saved.measure_block` at tp = 1, split and compiled child by child as the
+    trainer compiles it under TP by `compiled_tp.tp_block_backward_flops` (the partitioner cuts each child alone, so
+    a budget recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add over the
+    unbudgeted ones (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks, times
+    the blocks (a dense family's are alike). None for a degree whose trace fails; () where the memory estimate
+    does not measure compiled blocks either (compile off or not on the blocks, a Mixture-of-Experts model, float8 /
+    MX linears; `compiled_saved.compiled_block_bytes`): the planner then searches no budget there.
 
     Args:
         cfg: the job config.
+        tps: tensor parallel degrees to measure at.
     """
     if not (cfg.compile.enable and "model" in cfg.compile.components) or cfg.model.converters:
         return ()
@@ -129,6 +133,7 @@ def budget_recompute(cfg: JobConfig) -> tuple[tuple[float, float], ...]:
 
     from titan_core.job.meta_model import build_meta_model
     from titan_core.memory.compiled_saved import measure_block
+    from titan_core.memory.compiled_tp import tp_block_backward_flops
     from titan_core.memory.plan_space import PLAN_BUDGETS
 
     spec, args = model_of(cfg)
@@ -139,19 +144,30 @@ def budget_recompute(cfg: JobConfig) -> tuple[tuple[float, float], ...]:
     rope = getattr(meta, "rope_cache", None)
     if not isinstance(rope, torch.Tensor):
         return ()
+    seq = cfg.training.seq_len
+    # the planner's target is CUDA, where `auto` computes in bf16 (`compute_dtype_bytes`)
+    dtype = torch.float32 if cfg.training.mixed_precision_param == "float32" else torch.bfloat16
     shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none"}
-    where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": cfg.training.seq_len}
-    dtype = getattr(torch, cfg.training.mixed_precision_param)
-    try:
-        flops = {b: measure_block(block, **where, **shape, dtype=dtype, memory_budget=b) for b in (None, *PLAN_BUDGETS)}
-    except Exception:  # torch raises many kinds; the estimate says what failed where it traces the block again
-        return ()
-    base = flops[None].backward_flops
-    return tuple(
-        (b, args.n_layers * max(0.0, saved.backward_flops - base) / saved.tokens)
-        for b, saved in flops.items()
-        if b is not None
-    )
+    where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": seq}
+    found: list[tuple[int, float, float]] = []
+    for tp in tps:
+        try:  # FLOPs of one rank's backward, one sequence, per budget (None: the partitioner's default)
+            if tp == 1:
+                flops = {
+                    b: measure_block(block, **where, **shape, dtype=dtype, memory_budget=b).backward_flops
+                    for b in (None, *PLAN_BUDGETS)
+                }
+            else:
+                flops = {
+                    b: tp_block_backward_flops(spec, meta, tp=tp, dim=args.dim, seq_len=seq, dtype=dtype,
+                                               memory_budget=b)
+                    for b in (None, *PLAN_BUDGETS)
+                }  # fmt: skip
+        except Exception:  # torch raises many kinds; the estimate says what failed where it traces the block again
+            continue
+        more = {b: f - flops[None] for b, f in flops.items() if b is not None}
+        found += [(tp, b, args.n_layers * tp * max(0.0, extra) / seq) for b, extra in more.items()]
+    return tuple(found)
 
 
 def _experts_name(plan: Any) -> str | None:

@@ -13,7 +13,7 @@ rules of titan-parallel that need no model (the same rules `titan_core.job` runs
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from titan_core.config import JobConfig
@@ -32,8 +32,8 @@ AC_MODES = ("none", "op", "full")
 PLAN_BUDGETS = (0.75, 0.5, 0.25)
 """Compiled blocks' activation memory budgets searched (`activation_checkpoint.mode = 'memory_budget'`) beside
 `AC_MODES`, where the job compiles its blocks and the estimate measures them (a dense model, no float8 / MX), at
-tp = cp = 1: what a budget recomputes is measured on the whole block (`plan_model.budget_recompute`), and TP's
-compiled children, which the partitioner cuts one by one around eager norms, may recompute otherwise. On Llama
+cp = 1 and each TP degree whose recompute was measured (`plan_model.budget_recompute`: the whole block at tp = 1,
+TP's compiled children, which the partitioner cuts one by one around the eager norms, at each degree). On Llama
 3.2 1B's block (bf16, 2048 tokens) 0.75 keeps 68% of the unbudgeted block's bytes and recomputes no matmul, 0.5
 62% for +6% of the backward's FLOPs, 0.25 19% for +29% (selective "op": 39% for +15%); 0 is full AC, 1 none."""
 
@@ -89,7 +89,7 @@ def candidate_layouts(
     global_batch: int,
     schedules: tuple[str, ...],
     num_experts: int = 0,
-    budgets: tuple[float, ...] = (),
+    budgets: Mapping[int, tuple[float, ...]] | None = None,
 ) -> Iterator[Layout]:
     """Every layout whose degrees multiply to `gpus` and whose batch split is exactly `global_batch`.
 
@@ -105,8 +105,8 @@ def candidate_layouts(
         global_batch: sequences per optimizer step.
         schedules: pipeline schedules to search.
         num_experts: routed experts per MoE layer; 0 for a dense model (or to search without expert parallel).
-        budgets: compiled blocks' memory budgets to search beside `AC_MODES`, at tp = cp = 1 (`PLAN_BUDGETS` where
-            the planner measured their recompute; () searches none).
+        budgets: compiled blocks' memory budgets to search beside `AC_MODES` at cp = 1, by TP degree (`PLAN_BUDGETS`
+            at each degree the planner measured their recompute at; None searches none).
     """
     for tp in divisors(gpus):
         for cp in (c for c in divisors(gpus // tp) if c == 1 or seq_len // c >= MIN_TOKENS_PER_CP_RANK):
@@ -123,7 +123,7 @@ def candidate_layouts(
                     for ep, spans in experts:
                         degrees = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
                         acs: list[tuple[str, float | None]] = [(ac, None) for ac in AC_MODES]
-                        acs += [("budget", b) for b in budgets] if tp == cp == 1 else []
+                        acs += [("budget", b) for b in (budgets or {}).get(tp, ())] if cp == 1 else []
                         layouts = _batch_layouts({**degrees, "ep_spans_tp": spans}, global_batch // dp, schedules, acs)
                         yield from layouts
 

@@ -167,9 +167,10 @@ class Workload:
         muon_ns_flops: FLOPs of one Newton-Schulz orthogonalisation of every Muon matrix (each once).
         muon_exchange_bytes: bytes per element Muon's matrices travel in to and from their owners (its
             Newton-Schulz dtype: 2 for bf16).
-        budget_recompute: `(budget, FLOPs per token)` pairs: what compiled blocks recompute at each
-            `activation_checkpoint.memory_budget` (`titan_core.memory.plan_model.budget_recompute`); () where the
-            compiled blocks are not measured (the planner then searches no budget).
+        budget_recompute: `(tp, budget, FLOPs per token)`: what compiled blocks recompute at each
+            `activation_checkpoint.memory_budget` and tensor parallel degree, over all TP ranks
+            (`titan_core.memory.plan_model.budget_recompute`); () where the compiled blocks are not measured (the
+            planner then searches no budget; it searches one only at the degrees measured).
     """
 
     n_params: int
@@ -193,7 +194,7 @@ class Workload:
     muon_params: int = 0
     muon_ns_flops: float = 0.0
     muon_exchange_bytes: int = 2
-    budget_recompute: tuple[tuple[float, float], ...] = ()
+    budget_recompute: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -372,17 +373,20 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
 
 def recompute_flops_per_token(layout: Layout, work: Workload) -> float:
     """FLOPs per token activation checkpointing adds: full = the forward again (1/3 of the training FLOPs); a
-    memory budget what `work.budget_recompute` measured at it (one it did not measure as full AC, the most any
-    budget recomputes)."""
+    memory budget what `work.budget_recompute` measured at it and the layout's TP degree (one it did not measure as
+    full AC, the most any budget recomputes)."""
     if layout.ac == "budget":
-        return dict(work.budget_recompute).get(layout.memory_budget or 0.0, work.flops_per_token / 3)
+        measured = {(tp, budget): flops for tp, budget, flops in work.budget_recompute}
+        return measured.get((layout.tp, layout.memory_budget or 0.0), work.flops_per_token / 3)
     return {"none": 0.0, "op": work.op_recompute_flops_per_token, "full": work.flops_per_token / 3}[layout.ac]
 
 
 def tp_collectives_per_block(ac: str) -> int:
     """Sequence-parallel collectives per block per micro-batch: 2 all-gathers + 2 reduce-scatters forward, as
-    many backward, and the recomputed forward's again (full), or its 2 all-gathers ("op" keeps reduce-scatters)."""
-    return 8 + {"none": 0, "op": 2, "full": 4}[ac]
+    many backward, and the recomputed forward's again (full), or its 2 all-gathers ("op" keeps reduce-scatters).
+    A compiled block's memory budget recomputes none: its children's backward graphs hold the same collectives at
+    every budget (the 8B's block at TP 2 and 8, budgets 0.25 to 0.75, `plan_model.budget_recompute`'s traces)."""
+    return 8 + {"none": 0, "budget": 0, "op": 2, "full": 4}[ac]
 
 
 def cp_seconds(layout: Layout, work: Workload, cluster: Cluster, notes: dict[str, str]) -> float:
