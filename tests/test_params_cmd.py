@@ -13,11 +13,12 @@ from titan_core.job import resolve
 from titan_core.optim import build_optimizer
 from titan_core.param_table import parameter_rows
 from titan_run import REPO
+import warm_python
 
 
 def titan_params(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "titan_cli", "params", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)  # fmt: skip
+    """`titan params ARGS`, forked from the worker's warm interpreter (tests/warm_python.py)."""
+    return warm_python.run([sys.executable, "-m", "titan_cli", "params", *args], cwd=REPO, timeout=300)
 
 
 @pytest.mark.parametrize("args", [
