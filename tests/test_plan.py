@@ -431,12 +431,17 @@ def test_memory_budgets_are_searched_at_the_tp_degrees_their_recompute_was_measu
 def test_a_compiled_plan_measures_the_budgets_recompute_at_each_tp_degree_and_ranks_them_there():
     """On 2 GPUs the compiled debug model's budgets are measured at tp 1 and 2 (the partitioner cuts TP's children
     one by one: tests/test_memory_compiled_tp.py), and TP 2 layouts at a budget are estimated and ranked, each no
-    faster than the same split without AC and costed by what it recomputes at TP 2."""
+    faster than the same split without AC and costed by what it recomputes at TP 2; a terminal is told of each
+    slow part as it starts."""
     from titan_core.memory.step_cost import recompute_flops_per_token
 
+    said: list[str] = []
     request = PlanRequest(config=None, overrides=("--compile.enable", "true", "--training.seq_len", "256"), gpus=2,
-                          gpus_per_node=2, gpu_memory="8GiB", global_batch=2, top=200)  # fmt: skip
+                          gpus_per_node=2, gpu_memory="8GiB", global_batch=2, top=200, progress=said.append)  # fmt: skip
     plan = search(prepare_plan(request))
+    assert [line.split(":")[0].split(" on ")[0] for line in said] == [  # what a terminal sees while it waits
+        "measuring the compiled block", "measuring what the memory budgets recompute under TP 2",
+        "searching the layouts of 2 GPUs (each estimate measures its blocks once)"], said  # fmt: skip
     measured = {(tp, b) for tp, b, _ in plan.workload.budget_recompute}
     assert measured == {(tp, b) for tp in (1, 2) for b in (0.75, 0.5, 0.25)}, plan.workload.budget_recompute
     rows = {(r.layout.tp, r.layout.pp, r.layout.local_batch, r.layout.ac_name): r for r in plan.fits}

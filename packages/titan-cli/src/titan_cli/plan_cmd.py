@@ -6,6 +6,7 @@ Imports only typer at start-up; torch and the search load when the command runs.
 from __future__ import annotations
 
 import json
+import sys
 
 import typer
 
@@ -88,6 +89,7 @@ def plan(
             host_memory=host_memory,
             expert_parallel=expert_parallel,
             workers=workers,
+            progress=(lambda line: typer.echo(f"titan plan: {line} ...", err=True)) if sys.stderr.isatty() else None,
         )
         result = search(prepare_plan(request))
         command = None

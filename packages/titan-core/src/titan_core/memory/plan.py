@@ -91,6 +91,8 @@ class PlanRequest:
             told) = the CPUs this process may run on where there are at least `SPREAD_FROM_CPUS` (on fewer, the
             processes' own imports of torch cost about what they save). The processes are spawned: they import
             the calling script, whose start must then be under `if __name__ == "__main__":`.
+        progress: receives a line as each slow part starts (the compiled blocks' measurements, the search);
+            None says nothing (`titan plan` passes one when its stderr is a terminal).
     """
 
     config: str | None
@@ -105,6 +107,7 @@ class PlanRequest:
     host_memory: str | None = None
     expert_parallel: bool = True
     workers: int | None = 1
+    progress: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -188,6 +191,8 @@ def prepare_plan(request: PlanRequest) -> Plan:
         raise ConfigError(f"--gpu {r.gpu!r} has no memory size in the table; give --gpu-memory (e.g. 80GiB)")
     device_memory, _ = parse_gpu_memory(r.gpu_memory or r.gpu)  # ValueError names --gpu-memory
     host_memory = _host_bytes(r.host_memory)
+    if r.progress and base.compile.enable:
+        r.progress("measuring the compiled block on fake tensors: what it keeps, and recomputes at each memory budget")
     return Plan(r, base, cluster, workload(base), usable_bytes(device_memory), device_memory, host_memory)
 
 
@@ -297,6 +302,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
     experts = w.moe.num_experts if plan.request.expert_parallel else 0
     if w.budget_recompute:  # measured at tp = 1: also at each TP degree a layout may take (with cp = 1)
         tps = tuple(tp for tp in divisors(c.gpus) if tp > 1 and refuse(tp, 1, 1, "1F1B", 1, 1) is None)
+        if plan.request.progress and tps:
+            plan.request.progress(f"measuring what the memory budgets recompute under TP {', '.join(map(str, tps))}")
         w = plan.workload = dataclasses.replace(w, budget_recompute=w.budget_recompute + budget_recompute(cfg, tps))
     budgets: dict[int, tuple[float, ...]] = {}
     for tp, budget, _ in w.budget_recompute:
@@ -312,6 +319,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         }
         measure_eager_many(spec, args, [activation_layout(*key) for key in sorted(keys)], workers)
 
+    if plan.request.progress:
+        plan.request.progress(f"searching the layouts of {c.gpus} GPUs (each estimate measures its blocks once)")
     scored: list[Ranked] = []
     closest_bound = None
     for t in candidate_layouts(c.gpus, c.gpus_per_node, w.seq_len, w.global_batch, schedules, experts, budgets):
