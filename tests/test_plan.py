@@ -430,7 +430,7 @@ def test_memory_budgets_are_searched_at_the_tp_degrees_their_recompute_was_measu
 
 def test_a_compiled_plan_measures_the_budgets_recompute_at_each_tp_degree_and_ranks_them_there():
     """On 2 GPUs the compiled debug model's budgets are measured at tp 1 and 2 (the partitioner cuts TP's children
-    one by one: tests/test_memory_compiled_tp.py), and TP 2 layouts at a budget are estimated and ranked, each no
+    one by one: tests/test_memory_compiled_parallel.py), and TP 2 layouts at a budget are estimated and ranked, each no
     faster than the same split without AC and costed by what it recomputes at TP 2; a terminal is told of each
     slow part as it starts."""
     from titan_core.memory.step_cost import recompute_flops_per_token

@@ -39,10 +39,10 @@ decomposed by Inductor on both devices (`aten._fused_rms_norm` is in its decompo
 table); the partitioner does not look at the device. Inductor's CUDA-only joint-graph
 passes (matmul padding) are not run.
 
-Tensor parallel blocks, which the trainer compiles child by child around eager sequence-parallel
-norms and DTensors, are measured by `titan_core.memory.compiled_tp` instead (compiled on CPU, the
-eager norms as on the target). Not measured (the analytic tier keeps the eager figures there, and
-says so): context parallel (ring attention breaks the graph), float8 / MX linears, autocast (DDP
+Tensor and context parallel blocks, which the trainer compiles child by child around eager
+sequence-parallel norms and DTensors (TP) or around eager ring attention (CP), are measured by
+`titan_core.memory.compiled_parallel` instead (compiled on CPU, the eager norms as on the target).
+Not measured (the analytic tier keeps the eager figures there, and says so): float8 / MX linears, autocast (DDP
 with a bf16 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
 models (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph
 on fake tensors, and under AC it refuses the MoE forward's side effect inside the checkpoint;
@@ -382,8 +382,6 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     why_not = None
     if not job.parallel.compile:
         why_not = "compile.components leaves the blocks eager"
-    elif dims.cp > 1:
-        why_not = "context parallel blocks are not measured compiled"
     elif job.converters.float8 is not None or job.converters.mx is not None:
         why_not = "float8 / MX linears are not measured compiled"
     elif job.spec.plan.moe is not None or act.per_block:
@@ -392,10 +390,10 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
         why_not = "autocast's compiled blocks (DDP with a 16-bit compute dtype) are not measured"
     if why_not is not None:
         return act, f"compile: {why_not}; {eager}"
-    if dims.tp > 1:
-        from titan_core.memory.compiled_tp import tensor_parallel_block_bytes
+    if dims.tp > 1 or dims.cp > 1:
+        from titan_core.memory.compiled_parallel import parallel_block_bytes
 
-        return tensor_parallel_block_bytes(job, act, layout)
+        return parallel_block_bytes(job, act, layout)
     ac = cfg.activation_checkpoint
     kinds = ["none"]
     if ac.mode == "selective" and ac.selective_ac_option == "op":

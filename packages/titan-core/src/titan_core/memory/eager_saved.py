@@ -242,7 +242,7 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                     counts = _even_counts(moe.num_experts, routed * moe.top_k) if moe else (lambda: 0)
                     with fake_target(device, counts):
                         on_fake(holder, dtype, device)
-                        rope, positions = rope_table(meta, device), _positions(mesh, seq, device)
+                        rope, positions = rope_table(meta, device), rank_positions(mesh, seq, device)
                         mask = _document_mask(layout, batch, device)
                         width = getattr(block, "input_width", args.dim)  # a multi-token-prediction block: 2 x dim
                         shape = (batch, seq // layout.tp, width)  # sequence parallel splits the block's input
@@ -355,7 +355,7 @@ def _document_mask(layout: ActivationLayout, batch: int, device: str) -> torch.T
     return mask
 
 
-def _positions(mesh: DeviceMesh | None, seq: int, device: str) -> torch.Tensor | None:
+def rank_positions(mesh: DeviceMesh | None, seq: int, device: str) -> torch.Tensor | None:
     """Rank 0's RoPE positions under context parallel (what `apply_cp`'s pre-hook passes the blocks)."""
     if mesh is None or mesh["cp"].size() == 1:
         return None

@@ -116,10 +116,10 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
 
     A block is traced without a budget and at each budget (one sequence of `training.seq_len` in the compute dtype,
     fake CPU tensors): whole by `compiled_saved.measure_block` at tp = 1, split and compiled child by child as the
-    trainer compiles it under TP by `compiled_tp.tp_block_backward_flops` (the partitioner cuts each child alone, so
-    a budget recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add over the
-    unbudgeted ones (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks, times
-    the blocks (a dense family's are alike). None for a degree whose trace fails; () where the memory estimate
+    trainer compiles it under TP by `compiled_parallel.parallel_block_backward_flops` (the partitioner cuts each
+    child alone, so a budget recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add
+    over the unbudgeted ones (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks,
+    times the blocks (a dense family's are alike). No row for a degree whose trace fails; () where the memory estimate
     does not measure compiled blocks either (compile off or not on the blocks, a Mixture-of-Experts model, float8 /
     MX linears; `compiled_saved.compiled_block_bytes`): the planner then searches no budget there.
 
@@ -132,8 +132,8 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     import torch
 
     from titan_core.job.meta_model import build_meta_model
+    from titan_core.memory.compiled_parallel import Split, parallel_block_backward_flops
     from titan_core.memory.compiled_saved import measure_block
-    from titan_core.memory.compiled_tp import tp_block_backward_flops
     from titan_core.memory.plan_space import PLAN_BUDGETS
 
     spec, args = model_of(cfg)
@@ -159,8 +159,8 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
                 }
             else:
                 flops = {
-                    b: tp_block_backward_flops(spec, meta, tp=tp, dim=args.dim, seq_len=seq, dtype=dtype,
-                                               memory_budget=b)
+                    b: parallel_block_backward_flops(spec, meta, split=Split(tp), dim=args.dim, seq_len=seq,
+                                                     dtype=dtype, memory_budget=b)
                     for b in (None, *PLAN_BUDGETS)
                 }  # fmt: skip
         except Exception:  # torch raises many kinds; the estimate says what failed where it traces the block again

@@ -1,5 +1,5 @@
-"""Compiled blocks under tensor parallel in the memory estimate (`titan_core.memory.compiled_tp`): the fake
-measurement against what two real TP ranks save, and the analytic estimate's figure and note."""
+"""Compiled blocks under tensor and context parallel in the memory estimate (`titan_core.memory.compiled_parallel`):
+the fake measurement against what two real ranks save, and the analytic estimate's figures and notes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from titan_core.config import load_config
 from titan_core.job.meta_model import build_meta_model
 from titan_core.memory.analytic import estimate_analytic
-from titan_core.memory.compiled_tp import measure_tp_block
+from titan_core.memory.compiled_parallel import Split, measure_parallel_block
 from titan_models import get_model_args, get_model_spec
 from titan_run import REPO, run_json_worker
 
@@ -19,20 +19,24 @@ SPEC = get_model_spec("llama3")
 SEQ = 64  # the worker's
 
 
-def test_a_compiled_tp_rank_keeps_what_the_fake_measurement_reads(tmp_path):
-    """Two gloo ranks, the debug block split by `apply_tp` and compiled per child by `aot_eager` (the trainer's TP
-    compile on CPU), save on real tensors exactly the bytes `measure_tp_block` reads on fake ones with the same
-    backend, with no budget and at 0.5; compiling keeps less than eager, the budget less still."""
-    real = run_json_worker(REPO / "tests" / "workers" / "compiled_tp_worker.py", 2, tmp_path / "out.json")
+def test_a_compiled_tp_or_cp_rank_keeps_what_the_fake_measurement_reads(tmp_path):
+    """Two gloo ranks, the debug block split by `apply_tp` and compiled per child, or by `apply_cp` (ring attention,
+    compiled around it; Ulysses, one graph), compiled by `aot_eager` (what the trainer runs on CPU), save on real
+    tensors exactly the bytes `measure_parallel_block` reads on fake ones with the same backend, with no budget and
+    at 0.5, measured in that order in one process (each from an empty Dynamo cache: Ulysses read after ring once
+    came out near the eager figures); compiling keeps less than eager, the budget less still."""
+    real = run_json_worker(REPO / "tests" / "workers" / "compiled_parallel_worker.py", 2, tmp_path / "out.json")
     args = dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1)
     meta = build_meta_model(SPEC, args)
+    splits = {"tp": Split(tp=2), "ring": Split(cp=2, cp_method="ring"), "ulysses": Split(cp=2, cp_method="ulysses")}
     fake = {
-        name: measure_tp_block(SPEC, meta, tp=2, dim=args.dim, seq_len=SEQ, dtype=torch.float32, memory_budget=b,
-                               backend="aot_eager")
-        for name, b in (("none", None), ("0.5", 0.5))
+        f"{name}/{kind}": measure_parallel_block(SPEC, meta, split=split, dim=args.dim, seq_len=SEQ,
+                                                 dtype=torch.float32, memory_budget=b, backend="aot_eager")
+        for name, split in splits.items() for kind, b in (("none", None), ("0.5", 0.5))
     }  # fmt: skip
-    assert fake == {"none": real["none"], "0.5": real["0.5"]}, (fake, real)
-    assert real["0.5"] < real["none"] < real["eager"], real
+    assert fake == {key: real[key] for key in fake}, (fake, real)
+    assert real["tp/0.5"] < real["tp/none"] < real["tp/eager"], real
+    assert real["ring/0.5"] < real["ring/none"] and real["ulysses/0.5"] < real["ulysses/none"], real
 
 
 def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():
@@ -46,25 +50,43 @@ def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():
     budget = estimate("--compile.enable", "true", "--activation_checkpoint.mode", "memory_budget",
                       "--activation_checkpoint.memory_budget", "0.5")  # fmt: skip
     assert budget.ranks[0].activations < compiled.ranks[0].activations < eager.ranks[0].activations
-    note = next(n for n in compiled.notes if n.startswith("compile: tensor parallel block activations"))
+    note = next(n for n in compiled.notes if n.startswith("compile: TP 2 block activations"))
     assert "AC none:" in note, note
     # the budget's note says what it costs: the FLOPs its backward graphs add at TP 2 (12% at 0.5 here)
-    budget_note = next(n for n in budget.notes if n.startswith("compile: tensor parallel block activations"))
+    budget_note = next(n for n in budget.notes if n.startswith("compile: TP 2 block activations"))
     share = budget_note.split("memory budget 0.5: ")[1].split("its backward ")[1].split("%")[0]
     assert int(share) > 0 and "more matmul and attention FLOPs (the recompute)" in budget_note, budget_note
     # On CPU the figure is the compiled block's own: the eager CPU figure less what compiling saved on CPU
     args = get_model_args("llama3", "debugmodel")
-    measured = measure_tp_block(SPEC, build_meta_model(SPEC, args), tp=2, dim=args.dim, seq_len=256,
-                                dtype=torch.float32)  # fmt: skip
+    measured = measure_parallel_block(SPEC, build_meta_model(SPEC, args), split=Split(tp=2), dim=args.dim,
+                                      seq_len=256, dtype=torch.float32)  # fmt: skip
     figure = int(note.split("AC none: ")[1].split(" ")[0].replace(",", ""))
     assert figure == pytest.approx(measured / 256, abs=2), (figure, measured / 256)
-    # selective op keeps its eager figure, and says so; context parallel is not measured compiled
+    # selective op keeps its eager figure, and says so
     op = estimate("--compile.enable", "true", "--activation_checkpoint.mode", "selective",
                   "--activation_checkpoint.selective_ac_option", "op")  # fmt: skip
     assert any("AC selective as eager" in n for n in op.notes), op.notes
-    cp = estimate_analytic(load_config(None, [*base[:-2], "--compile.enable", "true",
-                                              "--parallelism.context_parallel_degree", "2"]), 2, device_type="cpu")  # fmt: skip
-    assert any("context parallel blocks are not measured compiled" in n for n in cp.notes), cp.notes
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_the_estimate_of_a_compiled_cp_job_is_the_compiled_blocks_per_rank_token(method):
+    """Under CP 2 the compiled block's figure is what it keeps over the rank's half of the sequence (the eager
+    figures' token), below the eager figure, and a memory budget's below that, with its recompute said."""
+    base = ["--training.seq_len", "256", "--training.local_batch_size", "1", "--training.mixed_precision_param",
+            "float32", "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", method]
+
+    def estimate(*extra: str):
+        return estimate_analytic(load_config(None, [*base, *extra]), 2, device_type="cpu")
+
+    eager, compiled = estimate(), estimate("--compile.enable", "true")
+    budget = estimate("--compile.enable", "true", "--activation_checkpoint.mode", "memory_budget")
+    assert budget.ranks[0].activations < compiled.ranks[0].activations < eager.ranks[0].activations
+    note = next(n for n in budget.notes if n.startswith(f"compile: CP 2 ({method}) block activations"))
+    args = get_model_args("llama3", "debugmodel")
+    measured = measure_parallel_block(SPEC, build_meta_model(SPEC, args), split=Split(cp=2, cp_method=method),
+                                      dim=args.dim, seq_len=256, dtype=torch.float32, memory_budget=0.5)  # fmt: skip
+    figure = int(note.split("memory budget 0.5: ")[1].split()[0].rstrip(",").replace(",", ""))  # "11,392,"
+    assert "bytes per rank token per block" in note and figure == round(measured / 128), (note, measured)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
@@ -75,7 +97,7 @@ def test_the_devices_differ_in_the_eager_norms_which_the_estimate_counts_on_the_
     compiled attention, where Inductor decomposes them alike on both devices: taking the whole eager difference off
     would undercount its compiled block."""
     from titan_core.memory.activations import ActivationLayout
-    from titan_core.memory.compiled_tp import eager_norms_device_gap
+    from titan_core.memory.compiled_parallel import eager_norms_device_gap
     from titan_core.memory.eager_saved import measure_eager
 
     spec, args, seq = get_model_spec(family), get_model_args(family, "debugmodel"), 256
@@ -94,7 +116,7 @@ def test_the_devices_differ_in_the_eager_norms_which_the_estimate_counts_on_the_
 
 
 def test_a_tp_ranks_backward_is_its_share_of_the_blocks_and_a_budget_adds_its_recompute():
-    """At TP 2 a rank's compiled backward (its children's backward graphs, `tp_block_backward_flops`) does half the
+    """At TP 2 a rank's compiled backward (its children's backward graphs, `parallel_block_backward_flops`) does half the
     whole block's matmul and attention FLOPs (`measure_block`'s, which are torch's FlopCounterMode's:
     test_memory_budget.py), exactly, with no budget; budget 1 recomputes nothing, lower budgets no less, budget 0
     at most what the whole block recomputes at 0 (the eager norms between the children keep the residual sums the
@@ -102,7 +124,7 @@ def test_a_tp_ranks_backward_is_its_share_of_the_blocks_and_a_budget_adds_its_re
     where Dynamo reuses the feed-forward compiled for Llama 3's block: its backward is counted where it runs. The
     planner's per-token figures at TP 2 are each budget's, summed over the ranks, per block, times the blocks."""
     from titan_core.memory.compiled_saved import measure_block
-    from titan_core.memory.compiled_tp import tp_block_backward_flops
+    from titan_core.memory.compiled_parallel import parallel_block_backward_flops
     from titan_core.memory.plan_model import budget_recompute
 
     budgets = (1.0, 0.75, 0.5, 0.25, 0.0)
@@ -117,8 +139,8 @@ def test_a_tp_ranks_backward_is_its_share_of_the_blocks_and_a_budget_adds_its_re
             for b in (None, 0.0)
         }  # fmt: skip
         rank = {
-            b: tp_block_backward_flops(spec, meta, tp=2, dim=args.dim, seq_len=SEQ, dtype=torch.float32,
-                                       memory_budget=b)
+            b: parallel_block_backward_flops(spec, meta, split=Split(tp=2), dim=args.dim, seq_len=SEQ,
+                                             dtype=torch.float32, memory_budget=b)
             for b in (None, *budgets)
         }  # fmt: skip
         assert 2 * rank[None] == whole[None] > 0, (name, rank, whole)
