@@ -17,13 +17,15 @@ import warm_python
 # file a worker takes is a short one and the other worker is not left waiting on it. Longest first by their wall
 # time in the suite's last full run (`TITAN_TEST_CPU_REPORT`, below; docs/benchmarks.md), 2-core AMD EPYC with
 # AVX-512 and native bf16, 2026-12-06: the parity matrix and the memory matrix first (355 and 385 s of wall, 503
-# and 219 CPU-s: the memory matrix's launches are mostly one process at a time), then the rest down to ~20 s.
+# and 219 CPU-s: the memory matrix's launches are mostly one process at a time), then the rest down to ~20 s
+# (test_plan moved up, and test_memory_compiled_parallel in, by the run of 2026-12-07: 326 and 88 CPU-s).
 # A file not named keeps its place after these. (xdist's own reordering, by the number of tests in a file, is
 # off: `--no-loadscope-reorder`.)
 LONGEST_FIRST = (
-    "test_parity_matrix.py", "test_memory_accuracy.py", "test_float8.py", "test_mtp.py", "test_plan_ep.py",
-    "test_diloco.py", "test_faults.py", "test_plan.py", "test_benchmarks.py", "test_ema.py", "test_titan_eval.py",
-    "test_muon_parity.py", "test_isolated_install.py", "test_memory_measure.py", "test_resume.py",
+    "test_parity_matrix.py", "test_memory_accuracy.py", "test_plan.py", "test_float8.py", "test_mtp.py",
+    "test_plan_ep.py", "test_diloco.py", "test_faults.py", "test_benchmarks.py", "test_ema.py", "test_titan_eval.py",
+    "test_muon_parity.py", "test_isolated_install.py", "test_memory_measure.py", "test_memory_compiled_parallel.py",
+    "test_resume.py",
     "test_downstream_eval.py", "test_master_weights.py", "test_memory_eager.py", "test_fused_loss.py", "test_train.py",
     "test_memory_compiled.py", "test_moe_training.py", "test_hangs.py", "test_pipeline.py", "test_params_cmd.py",
     "test_document_mask.py", "test_memory.py", "test_data_mix_training.py", "test_mup.py", "test_multinode.py",

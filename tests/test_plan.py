@@ -204,7 +204,9 @@ def test_tp_across_nodes_costs_more_than_tp_within_a_node():
 
 def test_search_ranks_tp_across_nodes_below_tp_within_a_node():
     # On 4-GPU nodes, with every layout admitted (a stand-in estimator), tp = 8 crosses nodes and ranks below tp = 4.
-    plan = prepare_plan(PlanRequest("llama3_70b", gpus=16, gpus_per_node=4, seq_len=8192, global_batch=32, top=100_000))
+    # (Eager: a compiled job's search would first measure its blocks' memory budgets at each TP degree, ~20 s.)
+    plan = prepare_plan(PlanRequest("llama3_70b", ("--compile.enable", "false"), gpus=16, gpus_per_node=4,
+                                    seq_len=8192, global_batch=32, top=100_000))  # fmt: skip
     search(plan, estimate=lambda cfg, world_size: SimpleNamespace(peak=0, ranks=[]))
     ranks = {tp: next(i for i, r in enumerate(plan.fits) if r.layout.tp == tp) for tp in (4, 8)}
     assert ranks[4] < ranks[8]
