@@ -100,6 +100,19 @@ def budget_backend(backend: str, memory_budget: float) -> Callable[[torch.fx.Gra
     return compile_with_budget
 
 
+def compile_granularity(tp: int, cp: int, cp_method: str) -> dict[str, bool]:
+    """`apply_compile`'s `fullgraph` and `per_child` for blocks split `tp` x `cp`: each child under TP (the
+    sequence-parallel norms stay eager), and one full graph per block unless ring attention (eager: its collectives
+    are not traceable) breaks it; Ulysses' functional all-to-alls trace into the graph.
+
+    Args:
+        tp: tensor parallel degree.
+        cp: context parallel degree.
+        cp_method: "ring" or "ulysses".
+    """
+    return {"fullgraph": cp == 1 or cp_method == "ulysses", "per_child": tp > 1}
+
+
 def apply_compile(
     model: nn.Module,
     plan: ModelPlan,

@@ -146,7 +146,7 @@ def parallelize(
     # compile's modules pull DTensor and sympy, ~3 s of a process's start on a 2-core AVX2-only AMD EPYC, for a
     # job check).
     from titan_parallel.activation_checkpoint import apply_ac
-    from titan_parallel.compile import apply_compile, compile_backend
+    from titan_parallel.compile import apply_compile, compile_backend, compile_granularity
     from titan_parallel.fsdp import apply_ddp, apply_fsdp
 
     if mesh.dims.ep > 1:
@@ -177,16 +177,11 @@ def parallelize(
         set_sequence_group(model, plan, mesh["cp_tp"].get_group())
     apply_ac(model, plan, options.ac_mode, options.ac_selective_option)
     if options.compile:
-        # Ring attention runs eager (its collectives are not traceable): under ring CP each block
-        # compiles around it, with a graph break, instead of as one full graph. Ulysses' functional
-        # all-to-alls trace: its blocks stay one graph. Under TP the block's children are compiled
-        # (see titan_parallel.compile for why).
         tp = mesh["tp"].size()
         apply_compile(
             model,
             plan,
-            fullgraph=mesh["cp"].size() == 1 or options.cp_method == "ulysses",
-            per_child=tp > 1,
+            **compile_granularity(tp, mesh["cp"].size(), options.cp_method),
             backend=compile_backend(mesh["tp"].device_type, tp),
             memory_budget=options.ac_memory_budget if options.ac_mode == "memory_budget" else None,
         )

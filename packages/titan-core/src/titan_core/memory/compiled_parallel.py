@@ -145,7 +145,7 @@ def _traced(
     from titan_core.memory.eager_saved import parallel_copy, rank_positions, rope_table
     from titan_core.memory.fake_run import block_saved_bytes, fake_mesh, on_fake
     from titan_core.memory.torch_patches import quiet_torch_logs
-    from titan_parallel.compile import apply_compile
+    from titan_parallel.compile import apply_compile, compile_granularity
 
     block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
     key = (spec.name, block_signature(block), split, dim, seq_len, dtype, memory_budget, backend)
@@ -162,14 +162,12 @@ def _traced(
         with mode:
             on_fake(holder, dtype, "cpu")  # the partitioner does not look at the device
             rope, positions = rope_table(meta, "cpu"), rank_positions(mesh, seq_len // cp, "cpu")
-        # as `parallelize_model` compiles: one graph per block but around ring attention (eager), per child under TP
-        fullgraph = cp == 1 or split.cp_method == "ulysses"
         # Dynamo keys its compiled code by code object (`nn.Module._call_impl` for every module compiled) and would
         # run this block through a graph compiled for an earlier measurement's module of the same class (Ulysses
         # after ring read nearly the eager figures): each measurement compiles from an empty cache
         torch._dynamo.reset()
-        apply_compile(holder, spec.plan, fullgraph=fullgraph, per_child=tp > 1, backend=backend,
-                      memory_budget=memory_budget)  # fmt: skip
+        granularity = compile_granularity(tp, cp, split.cp_method)  # as `parallelize_model` compiles
+        apply_compile(holder, spec.plan, **granularity, backend=backend, memory_budget=memory_budget)
         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False), quiet_torch_logs():
             with mode:
