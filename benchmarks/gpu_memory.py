@@ -36,6 +36,16 @@ ROWS = {  # suite row name -> Titan overrides on top of the 1B job below
         "--activation_checkpoint.selective_ac_option",
         "op",
     ],
+    # float8 blocks traced as the GPU's `_scaled_mm` graph (tensorwise: the matmul inputs kept in float8)
+    "1B s2048 compile + float8": ["--compile.enable", "true", "--model.converters", "float8"],
+    "1B s2048 compile + AC memory budget 0.5": [
+        "--compile.enable",
+        "true",
+        "--activation_checkpoint.mode",
+        "memory_budget",
+        "--activation_checkpoint.memory_budget",
+        "0.5",
+    ],
 }
 JOB = [
     "--model.name",

@@ -209,7 +209,12 @@ def check_float8(options: Float8Options) -> None:
 
 
 def apply_float8(
-    model: nn.Module, options: Float8Options, *, fsdp_shards: int = 1, exclude: Sequence[str] = ()
+    model: nn.Module,
+    options: Float8Options,
+    *,
+    fsdp_shards: int = 1,
+    exclude: Sequence[str] = (),
+    trace_only: bool = False,
 ) -> list[str]:
     """Swap the selected `nn.Linear`s of `model` for torchao `Float8Linear`s, in place; returns their names.
 
@@ -223,15 +228,18 @@ def apply_float8(
             all-gather and `enable_fsdp_float8_all_gather` is left off.
         exclude: module names to leave plain linears whatever `options` select (the output
             projection whose GEMMs the fused loss runs in float8: `float8_loss_for`).
+        trace_only: the model is only traced on fake tensors (what a GPU's compiled graph saves, read on any
+            host): no check for float8 hardware and no log line, as no float8 matmul will run.
     """
-    check_float8(options)
+    if not trace_only:
+        check_float8(options)
     f8 = import_torchao("torchao.float8")
     config = replace(
         f8.Float8LinearConfig.from_recipe_name(options.recipe_name),
         emulate=options.emulate,
         enable_fsdp_float8_all_gather=options.enable_fsdp_float8_all_gather and fsdp_shards > 1,
     )
-    if options.recipe_name == "rowwise":
+    if options.recipe_name == "rowwise" and not trace_only:  # (code generation's: a trace generates none)
         # Inductor's casts must round as eager's do for rowwise's power-of-two scales
         # (pytorch/pytorch#150859; torchtitan sets the same).
         import torch._inductor.config as inductor_config
@@ -241,6 +249,8 @@ def apply_float8(
     chosen = [name for name, module in model.named_modules() if keep(module, name)]
     f8.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    if trace_only:
+        return chosen
     if chosen:
         logger.info(
             "float8: %d of %d linears converted (recipe %s%s%s)",

@@ -134,8 +134,11 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         _rank_memory(job, pp_rank, stages, act, fused_saved, b, reduce_b, fsdp, shards, tokens, buffers)
         for pp_rank in range(dims.pp)
     ]
-    if "float8" in cfg.model.converters:
-        notes.append("float8: activations and all-gathers are counted in the compute dtype (an upper bound)")
+    float8 = job.converters.float8
+    if float8 is not None and not cfg.compile.enable:  # compiled: the compile note says how the blocks were counted
+        notes.append("float8: the eager blocks' activations are counted as in the compute dtype (an upper bound)")
+    if float8 is not None and float8.enable_fsdp_float8_all_gather and shards > 1:
+        notes.append("float8: FSDP's float8 all-gathers are counted in the compute dtype (an upper bound)")
     if cfg.optimizer.name == "Muon":
         notes.append(
             "Muon: one fp32 momentum per element of the blocks' matrices (AdamW's two moments for the rest); "

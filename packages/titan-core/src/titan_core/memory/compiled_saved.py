@@ -42,8 +42,16 @@ passes (matmul padding) are not run.
 Tensor and context parallel blocks, which the trainer compiles child by child around eager
 sequence-parallel norms and DTensors (TP) or around eager ring attention (CP), are measured by
 `titan_core.memory.compiled_parallel` instead (compiled on CPU, the eager norms as on the target).
-Not measured (the analytic tier keeps the eager figures there, and says so): float8 / MX linears, autocast (DDP
-with a bf16 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
+Float8 blocks (`float8=`, tp = cp = 1): the block's linears are converted by `titan_parallel.apply_float8` as the
+trainer converts them, and the graph traced is the target's: torchao's `_scaled_mm` graph for a CUDA target (on
+fake tensors its float8 kernels need no GPU), its fp32 emulation for a CPU one (`traced_float8`). Tensorwise keeps
+some matmul inputs in float8 (1 byte an element) and recomputes more: the 1B block at seq 2048 keeps 57,480 bytes per
+token against bf16's 75,912; rowwise 71,816; under selective op AC both keep bf16's 29,824, the matmuls' outputs.
+An emulated block compiled by Inductor on real CPU tensors keeps exactly what its trace reads
+(tests/test_memory_compiled_float8.py).
+
+Not measured (the analytic tier keeps the eager figures there, and says so): MX linears, float8 under TP or CP,
+autocast (DDP with a bf16 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
 models (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph
 on fake tensors, and under AC it refuses the MoE forward's side effect inside the checkpoint;
 DeepSeek-V3's dense blocks trace, but CPU SDPA runs their unequal q/k and v head widths through
@@ -69,6 +77,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,8 +89,10 @@ import torch.nn as nn
 from titan_core.memory.torch_patches import quiet_torch_logs
 
 if TYPE_CHECKING:
+    from titan_core.config import JobConfig
     from titan_core.job import Job
     from titan_core.memory.activations import ActivationBytes, ActivationLayout
+    from titan_parallel.float8 import Float8Options
 
 AC_KINDS = ("none", "op", "full")
 """What a block can run as: no AC, selective "op" AC, or checkpointed whole (full AC; selective N's
@@ -153,6 +164,7 @@ def measure_block(
     ac: str,
     rope_dtype: torch.dtype = torch.float32,
     memory_budget: float | None = None,
+    float8: Float8Options | None = None,
 ) -> BlockSaved:
     """What `meta_block` keeps for backward when compiled, for a `(batch, seq_len)` input (cached).
 
@@ -168,6 +180,8 @@ def measure_block(
         ac: one of `AC_KINDS`.
         rope_dtype: the RoPE table's dtype, as the blocks get it (the model's own: no FSDP unit casts it).
         memory_budget: the partitioner's activation memory budget in [0, 1], with `ac` "none"; None: its default.
+        float8: the run's [float8] options: its linears converted by `titan_parallel.apply_float8` as the trainer
+            converts them (the GPU's `_scaled_mm` graph unless `emulate`), whatever this host has.
 
     Raises:
         ValueError: an unknown `ac`, or a budget with an AC wrapper.
@@ -177,10 +191,11 @@ def measure_block(
     if memory_budget is not None and ac != "none":
         raise ValueError(f"a memory budget replaces the AC wrapper: ac={ac!r} with memory_budget={memory_budget}")
     signature = block_signature(meta_block)
-    key = (family, signature, tuple(rope_shape), rope_dtype, dim, batch, seq_len, dtype, ac, memory_budget)
+    key = (family, signature, tuple(rope_shape), rope_dtype, dim, batch, seq_len, dtype, ac, memory_budget, float8)
     if key not in _CACHE:
         rope = (tuple(rope_shape), rope_dtype)
-        _CACHE[key] = _trace(meta_block, blocks_path, rope, (batch, seq_len, dim), dtype, ac, memory_budget)
+        shape = (batch, seq_len, dim)
+        _CACHE[key] = _trace(meta_block, blocks_path, rope, shape, dtype, ac, memory_budget, float8)
     return _CACHE[key]
 
 
@@ -215,10 +230,17 @@ def _trace(
     dtype: torch.dtype,
     ac: str,
     memory_budget: float | None,
+    float8: Float8Options | None,
 ) -> BlockSaved:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     block = copy.deepcopy(meta_block)
+    if float8 is not None:  # converted where the trainer converts it: in the model, the blocks' names as in the run
+        from titan_parallel.float8 import apply_float8
+
+        holder = nn.Module()
+        holder.add_module(blocks_path, nn.ModuleDict({"0": block}))
+        apply_float8(holder, float8, trace_only=True)
     with FakeTensorMode():
         _fake_storage(block, dtype)
         hidden = torch.empty(input_shape, dtype=dtype, requires_grad=True)  # (batch, seq, dim)
@@ -269,7 +291,7 @@ def _partitioned(
 
     def record_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         recorded["backward" if kwargs.get("is_backward", False) else "forward"] = gm
-        return make_boxed_func(gm.forward)
+        return make_boxed_func(functools.partial(_run_fake, gm))
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # Dynamo lifts parameters into inputs (as `nn.Parameter`); the block's input is the one that needs grad.
@@ -299,6 +321,22 @@ def _partitioned(
     from titan_core.memory.graph_flops import graph_flops
 
     return dataclasses.replace(saved, backward_flops=graph_flops(recorded["backward"]))
+
+
+def _run_fake(gm: torch.fx.GraphModule, *args: Any) -> Any:
+    """Run a partitioned graph on its fake inputs, letting it read the real scalar constants it holds (torchao's
+    rowwise float8 backward keeps unit scales as `_tensor_constant`s of its graph)."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(args)
+    if mode is None:
+        return gm.forward(*args)
+    allowed = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        return gm.forward(*args)
+    finally:
+        mode.allow_non_fake_inputs = allowed
 
 
 def _fake_storage(block: nn.Module, dtype: torch.dtype) -> None:
@@ -354,6 +392,25 @@ def _concrete(n: int | torch.SymInt) -> int:
     return int(n)
 
 
+def traced_float8(cfg: JobConfig, device_type: str) -> Float8Options | None:
+    """The [float8] options a run on `device_type` converts its linears with, as its blocks are traced: None without
+    float8; `emulate = 'auto'` resolves against the target, not this host (a CUDA target's float8 GPU runs
+    `_scaled_mm`: that graph is traced here too).
+
+    Args:
+        cfg: the job config.
+        device_type: the target's device type.
+    """
+    if "float8" not in cfg.model.converters:
+        return None
+    from titan_core.converters import float8_options
+
+    options = float8_options(cfg, device_type)
+    if device_type == "cuda" and cfg.float8.emulate == "auto":
+        options = dataclasses.replace(options, emulate=False)
+    return options
+
+
 def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayout) -> tuple[ActivationBytes, str]:
     """`act` with a block's saved bytes (`block`, and `block_op` or `block_input` as the AC mode needs)
     measured from the compiled block, and a note for the estimate saying so; `act` unchanged, and a note
@@ -382,8 +439,10 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     why_not = None
     if not job.parallel.compile:
         why_not = "compile.components leaves the blocks eager"
-    elif job.converters.float8 is not None or job.converters.mx is not None:
-        why_not = "float8 / MX linears are not measured compiled"
+    elif job.converters.mx is not None:
+        why_not = "MX linears are not measured compiled"
+    elif job.converters.float8 is not None and (dims.tp > 1 or dims.cp > 1):
+        why_not = "float8 linears under tensor / context parallel are not measured compiled"
     elif job.spec.plan.moe is not None or act.per_block:
         why_not = "Mixture-of-Experts blocks are not measured compiled"
     elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel) and not job.parallel.master_weights:
@@ -407,6 +466,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     rope = getattr(meta, "rope_cache", None)
     if not isinstance(rope, torch.Tensor):
         return act, f"compile: the model has no `rope_cache` to call a block with; {eager}"
+    float8 = traced_float8(cfg, job.device_type)
     try:
         traced = {
             kind: measure_block(
@@ -421,6 +481,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
                 dtype=dtype,
                 ac="none" if kind == "budget" else kind,
                 memory_budget=ac.memory_budget if kind == "budget" else None,
+                float8=float8,
             )
             for kind in kinds
         }
@@ -444,9 +505,12 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
         base, budget = traced["none"].backward_flops, traced["budget"].backward_flops
         more = (budget - base) / max(base, 1.0)
         figures += f", its backward {more:.0%} more matmul and attention FLOPs (the recompute)"
+    linears = ""
+    if float8 is not None:
+        linears = f", float8 {float8.recipe_name} linears" + (" emulated" if float8.emulate else " as on the GPU")
     return measured, (
         "compile: block activations measured from the compiled graph (AOTAutograd's partitioner on fake CPU "
-        f"tensors), bytes per token per block: {figures}; the loss and the rest as eager"
+        f"tensors{linears}), bytes per token per block: {figures}; the loss and the rest as eager"
     )
 
 

@@ -119,21 +119,22 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     trainer compiles it under TP by `compiled_parallel.parallel_block_backward_flops` (the partitioner cuts each
     child alone, so a budget recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add
     over the unbudgeted ones (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks,
-    times the blocks (a dense family's are alike). No row for a degree whose trace fails; () where the memory estimate
-    does not measure compiled blocks either (compile off or not on the blocks, a Mixture-of-Experts model, float8 /
-    MX linears; `compiled_saved.compiled_block_bytes`): the planner then searches no budget there.
+    times the blocks (a dense family's are alike). Float8 blocks are traced with their float8 linears as the target
+    GPU runs them, at tp = 1 only. No row for a degree whose trace fails; () where the memory estimate does not
+    measure compiled blocks either (compile off or not on the blocks, a Mixture-of-Experts model, MX linears;
+    `compiled_saved.compiled_block_bytes`): the planner then searches no budget there.
 
     Args:
         cfg: the job config.
         tps: tensor parallel degrees to measure at.
     """
-    if not (cfg.compile.enable and "model" in cfg.compile.components) or cfg.model.converters:
+    if not (cfg.compile.enable and "model" in cfg.compile.components) or set(cfg.model.converters) - {"float8"}:
         return ()
     import torch
 
     from titan_core.job.meta_model import build_meta_model
     from titan_core.memory.compiled_parallel import Split, parallel_block_backward_flops
-    from titan_core.memory.compiled_saved import measure_block
+    from titan_core.memory.compiled_saved import measure_block, traced_float8
     from titan_core.memory.plan_space import PLAN_BUDGETS
 
     spec, args = model_of(cfg)
@@ -149,8 +150,9 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     dtype = torch.float32 if cfg.training.mixed_precision_param == "float32" else torch.bfloat16
     shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none"}
     where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": seq}
+    shape["float8"] = traced_float8(cfg, "cuda")
     found: list[tuple[int, float, float]] = []
-    for tp in tps:
+    for tp in tps if shape["float8"] is None else [tp for tp in tps if tp == 1]:  # float8 under TP: not measured
         try:  # FLOPs of one rank's backward, one sequence, per budget (None: the partitioner's default)
             if tp == 1:
                 flops = {
