@@ -150,3 +150,22 @@ def test_a_layout_is_measured_once():
     spec, args = get_model_spec("llama3"), get_model_args("llama3", "debugmodel")
     layout = ActivationLayout(compute_bytes=2, tp=2, seq_len=512)
     assert measure_eager(spec, args, layout) is measure_eager(spec, args, layout)
+
+
+def test_measurements_over_fake_groups_leave_uncaught_errors_unprefixed(capsys):
+    """`init_process_group` wraps `sys.excepthook` to prefix each traceback line with `[rank0]: `, and destroying the
+    group does not unwrap it: after a planner's many fake-group measurements a later uncaught error printed one
+    prefix per measurement on every line. The fake groups put the hook back."""
+    import sys
+
+    from titan_core.memory.fake_run import fake_mesh
+
+    for tp, cp in ((2, 1), (1, 2), (2, 2)):
+        with fake_mesh(tp, cp, "cpu") as mesh:
+            assert mesh is not None and mesh.size() == tp * cp
+    try:
+        raise ValueError("boom")
+    except ValueError as e:
+        sys.excepthook(type(e), e, e.__traceback__)
+    printed = capsys.readouterr().err
+    assert "ValueError: boom" in printed and "[rank" not in printed, printed

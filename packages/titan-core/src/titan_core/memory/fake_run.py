@@ -69,16 +69,32 @@ def fake_mesh(tp: int, cp: int, device: str, cuda_stand_in: bool = True) -> Iter
         yield None
         return
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise NoFakeGroup("this process already has a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * cp)
-    try:
+    with fake_process_group(0, tp * cp):
         with cuda_devices_without_gpu(tp * cp) if cuda_stand_in else contextlib.nullcontext():
             yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group, torch's "fake" backend (collectives return at once), as `rank` of `world_size`,
+    destroyed after. `init_process_group` also wraps `sys.excepthook` to prefix tracebacks with `[rank0]:`, and
+    never unwraps it: a planner's dozens of measurements stacked as many prefixes on each line of a later error's
+    traceback. The hook is put back as it was."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    hook = sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 class EvenLoad(TorchDispatchMode):

@@ -198,16 +198,14 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
         'Activation', 'Temp', 'Optstate', 'Other', 'Total'), and the bytes of the rank's own
         (sharded) parameters.
     """
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from titan_core.memory.fake_run import fake_process_group
     from titan_core.trainer import Trainer
 
     rng = torch.random.get_rng_state()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with warnings.catch_warnings(), quiet_torch_logs():
+        with fake_process_group(rank, world_size), warnings.catch_warnings(), quiet_torch_logs():
             warnings.simplefilter("ignore")
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             with building(mode):  # the whole trainer on fake tensors, but its device meshes
@@ -233,9 +231,8 @@ def trace_rank(cfg: JobConfig, world_size: int, rank: int, model_args=None) -> t
                     trainer.train_step(batches)
                 peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
             sharded = _storage_bytes(p for part in trainer.model.parts for p in part.parameters())
-        return {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}, sharded
+            return {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}, sharded
     finally:
-        dist.destroy_process_group()
         torch.random.set_rng_state(rng)
 
 
