@@ -122,7 +122,7 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
         ) from None
     act, fused_saved = eager.for_tokens(tokens), eager.fused_loss  # per-call bytes over the micro-batch
     if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs: measured eager)
-        from titan_core.memory.compiled_saved import compiled_block_bytes, compiled_loss_bytes
+        from titan_core.memory.compiled_estimate import compiled_block_bytes, compiled_loss_bytes
 
         act, compile_note = compiled_block_bytes(job, act, layout)
         notes.append(compile_note)

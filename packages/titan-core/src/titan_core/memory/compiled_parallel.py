@@ -30,7 +30,7 @@ Inductor passes) save, to the byte.
 
 Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
 block's input and the op policy's outputs whether or not the block compiles), Mixture-of-Experts
-and float8 / MX blocks (`compiled_saved.compiled_block_bytes` says which). `parallel_block_bytes`
+and float8 / MX blocks (`compiled_estimate.compiled_block_bytes` says which). `parallel_block_bytes`
 turns the figure into the estimate's for the target device (the eager norms as they keep there:
 `eager_norms_device_gap`). Results are cached per (family, block shape, split, seq, dtype, budget,
 backend) for the process.
@@ -269,8 +269,8 @@ def eager_norms_device_gap(spec: ModelSpec[Any], meta: nn.Module, *, tp: int, di
 
 
 def parallel_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayout) -> tuple[ActivationBytes, str]:
-    """`compiled_saved.compiled_block_bytes` under tensor and / or context parallel, with no AC or at the job's memory
-    budget: the block split and compiled on CPU (`measure_parallel_block`), under TP less what its eager
+    """`compiled_estimate.compiled_block_bytes` under tensor and / or context parallel, with no AC or at the job's
+    memory budget: the block split and compiled on CPU (`measure_parallel_block`), under TP less what its eager
     sequence-parallel norms keep on CPU beyond what they keep on the target device (`eager_norms_device_gap`: CUDA's
     fused RMSNorm keeps less than CPU's decomposition). It is measured on CPU because Dynamo cannot trace fake CUDA
     tensors without a GPU; the compiled graphs are device-blind (Inductor decomposes a norm inside them, Qwen3's QK

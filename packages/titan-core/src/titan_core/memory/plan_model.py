@@ -122,7 +122,7 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     times the blocks (a dense family's are alike). Float8 blocks are traced with their float8 linears as the target
     GPU runs them, at tp = 1 only. No row for a degree whose trace fails; () where the memory estimate does not
     measure compiled blocks either (compile off or not on the blocks, a Mixture-of-Experts model, MX linears;
-    `compiled_saved.compiled_block_bytes`): the planner then searches no budget there.
+    `compiled_estimate.compiled_block_bytes`): the planner then searches no budget there.
 
     Args:
         cfg: the job config.
@@ -133,8 +133,9 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     import torch
 
     from titan_core.job.meta_model import build_meta_model
+    from titan_core.memory.compiled_estimate import traced_float8
     from titan_core.memory.compiled_parallel import Split, parallel_block_backward_flops
-    from titan_core.memory.compiled_saved import measure_block, traced_float8
+    from titan_core.memory.compiled_saved import measure_block
     from titan_core.memory.plan_space import PLAN_BUDGETS
 
     spec, args = model_of(cfg)
