@@ -3,14 +3,15 @@
 Blocks are identical, so one compiled graph serves all of them and compile time
 does not grow with depth; FSDP's hooks stay outside the compiled regions.
 
-Under tensor parallel the attention and feed-forward of each block are compiled
-(all the matmuls, RoPE, SwiGLU) and its sequence-parallel norms and residual adds
-stay eager. With the residual add inside the graph, AOT autograd hands the
-block's sequence-sharded DTensor input a plain-tensor gradient and the backward
-fails in DTensor's `Redistribute` (`'Tensor' object has no attribute
-'_local_tensor'`); a compiled sequence-parallel norm gives its input a wrong
-gradient. Both seen with torch 2.15 and reproduced with the `aot_eager` backend,
-so they are not Inductor's doing.
+Under tensor parallel the attention and feed-forward of each block are compiled (all the
+matmuls, RoPE, SwiGLU), each with its input hooks in its graph (TP's all-gather of the
+sequence-parallel input, tensorwise float8's cast before it: `_compile_with_hooks`), and
+its sequence-parallel norms and residual adds stay eager. With the residual add inside
+the graph, AOT autograd hands the block's sequence-sharded DTensor input a plain-tensor
+gradient and the backward fails in DTensor's `Redistribute` (`'Tensor' object has no
+attribute '_local_tensor'`); a compiled sequence-parallel norm gives its input a wrong
+gradient. Both seen with torch 2.15 and reproduced with the `aot_eager` backend, so they
+are not Inductor's doing.
 
 On CPU, Inductor's C++ backend computes wrong input gradients for a
 tensor-parallel feed-forward graph (max error ~0.1 against eager on the debug
@@ -155,7 +156,10 @@ def apply_compile(
         else:
             units = [block]
         for unit in units:
-            unit.compile(fullgraph=fullgraph, backend=compiler)
+            if unit is block:
+                unit.compile(fullgraph=fullgraph, backend=compiler)  # FSDP's hooks on the block stay outside
+            else:
+                _compile_with_hooks(unit, fullgraph=fullgraph, backend=compiler)
     if left_eager:
         logger.info(
             f"compile: {left_eager} activation-checkpointed Mixture-of-Experts block(s) run eager on torch "
@@ -163,6 +167,31 @@ def apply_compile(
             "torch 2.15 compiles them)"
         )
     return model
+
+
+class _WithHooks(nn.Module):
+    """Calls a module's hooks and forward (`_call_impl`) from a frame of its own, which Dynamo traces whole."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module._call_impl(*args, **kwargs)
+
+
+def _compile_with_hooks(module: nn.Module, **options: Any) -> None:
+    """Compile `module` as `nn.Module.compile` does, but with its forward pre-hooks in the same graph as its forward.
+
+    `nn.Module.compile` compiles `_call_impl`, from which Dynamo traced a block child's own pre-hook as a graph of
+    its own: tensor parallel's input preparation (the all-gather of the sequence-parallel input) apart from the
+    matmuls it feeds, and with tensorwise float8, torchao's cast to float8 before that all-gather, whose float8
+    output then crossed from one graph into the next. AOTAutograd expected a float8 gradient for it and got a plain
+    one ("Expected a Float8TrainingTensor tangent but got a plain Tensor": TP + float8 + compile failed in its first
+    backward, torch 2.15). Called from a module's forward, the child's hooks trace into its graph, as they do when a
+    whole block compiles. The wrapper is not registered in the model: parameter names do not change.
+    """
+    object.__setattr__(module, "_compiled_call_impl", torch.compile(_WithHooks(module), **options))
 
 
 def _units_around(module: nn.Module, path: str, eager: set[str]) -> list[nn.Module]:
