@@ -156,6 +156,11 @@ LAYOUTS = [
     Layout("compile_tp2_budget_0.5", 2, 1, ("--compile.enable", "true", f"{P}tensor_parallel_degree", "2", *BUDGET,
                                             "0.5"), slow=True),
     Layout("compile_pp2_budget_0.5", 2, 1, ("--compile.enable", "true", *_pp("1F1B"), *BUDGET, "0.5"), slow=True),
+    # TP 2 under selective op AC: each checkpointed block compiles whole inside its wrapper (the sequence-parallel
+    # norms with it), where TP alone compiles child by child around them.
+    Layout("compile_tp2_ac_selective_op", 2, 1, ("--compile.enable", "true", f"{P}tensor_parallel_degree", "2",
+                                                 "--activation_checkpoint.mode", "selective",
+                                                 "--activation_checkpoint.selective_ac_option", "op"), slow=True),
     # Ring attention stays eager inside the compiled block (a graph break around it).
     Layout("compile_cp2", 2, 1, ("--compile.enable", "true", f"{P}context_parallel_degree", "2"), slow=True),
     Layout("ddp2", 2, 2, (f"{P}dp_mode", "ddp", f"{P}data_parallel_replicate_degree", "2",

@@ -11,7 +11,10 @@ the graph, AOT autograd hands the block's sequence-sharded DTensor input a plain
 gradient and the backward fails in DTensor's `Redistribute` (`'Tensor' object has no
 attribute '_local_tensor'`); a compiled sequence-parallel norm gives its input a wrong
 gradient. Both seen with torch 2.15 and reproduced with the `aot_eager` backend, so they
-are not Inductor's doing.
+are not Inductor's doing. An activation-checkpointed TP block compiles whole inside its
+checkpoint wrapper, its norms and residual adds with it: there neither showed (full AC and
+selective op against eager and against one process, the parity row
+`compile_tp2_ac_selective_op`, torch 2.15).
 
 On CPU, Inductor's C++ backend computes wrong input gradients for a
 tensor-parallel feed-forward graph (max error ~0.1 against eager on the debug
@@ -151,7 +154,7 @@ def apply_compile(
                 left_eager += 1
                 continue
             units = _units_around(inner, experts, eager)
-        elif per_child:
+        elif per_child:  # a checkpointed block's one child is its wrapped block: compiled whole (module docstring)
             units = [m for name, m in block.named_children() if name not in eager]
         else:
             units = [block]
