@@ -109,6 +109,17 @@ def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: in
     return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
 
 
+def budget_degrees(cfg: JobConfig, tps: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor parallel degrees of `tps` at which `budget_recompute` measures: each, but tp = 1 alone for float8
+    blocks (not measured compiled under TP: `compiled_estimate.compiled_block_bytes`).
+
+    Args:
+        cfg: the job config.
+        tps: tensor parallel degrees.
+    """
+    return tuple(tp for tp in tps if tp == 1) if "float8" in cfg.model.converters else tps
+
+
 def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple[int, float, float], ...]:
     """`(tp, budget, FLOPs per token)` for each of `tps` and each of `plan_space.PLAN_BUDGETS`: what the model's
     compiled blocks recompute at that `activation_checkpoint.memory_budget` and tensor parallel degree, measured,
@@ -153,7 +164,7 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": seq}
     shape["float8"] = traced_float8(cfg, "cuda")
     found: list[tuple[int, float, float]] = []
-    for tp in tps if shape["float8"] is None else [tp for tp in tps if tp == 1]:  # float8 under TP: not measured
+    for tp in budget_degrees(cfg, tps):
         try:  # FLOPs of one rank's backward, one sequence, per budget (None: the partitioner's default)
             if tp == 1:
                 flops = {
