@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -216,7 +217,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _vocab_parallel_worker(rank: int, port: int, result: dict) -> None:
+def _vocab_parallel_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -224,6 +225,7 @@ def _vocab_parallel_worker(rank: int, port: int, result: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
+        result: dict[str, torch.Tensor] = {}
         h, w, labels = _inputs(seed=3)
         hd = distribute_tensor(h.clone(), mesh, [Replicate()]).requires_grad_()
         wd = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
@@ -233,21 +235,30 @@ def _vocab_parallel_worker(rank: int, port: int, result: dict) -> None:
             grad_h = hd.grad.full_tensor()  # a partial sum on each rank, reduced here
             grad_w = wd.grad.full_tensor()
             hd.grad = wd.grad = None
-            if rank == 0:
-                result.update({key + "loss": loss.detach(), key + "grad_h": grad_h, key + "grad_w": grad_w})
+            result.update({key + "loss": loss.detach(), key + "grad_h": grad_h, key + "grad_w": grad_w})
+        if rank == 0:
+            torch.save(result, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_vocab_parallel_on_two_processes_equals_one_process():
+def test_vocab_parallel_on_two_processes_equals_one_process(tmp_path):
+    """Rank 0 hands its results over in a file: through a `multiprocessing.Manager` dict (tensors shared by file
+    descriptor) this test once hung for good, the rank and the manager each waiting on the other (2026-12-07)."""
     h, w, labels = _inputs(seed=3)
     ref = _plain(h, w, labels)
-    with mp.Manager() as manager:
-        result = manager.dict()
-        mp.spawn(_vocab_parallel_worker, args=(_free_port(), result), nprocs=2)
-        got = (result["loss"], result["grad_h"], result["grad_w"])
-        got8 = (result["float8 loss"], result["float8 grad_h"], result["float8 grad_w"])
-        got_z = (result["z loss"], result["z grad_h"], result["z grad_w"])  # the global logsumexp's z-loss
+    out = tmp_path / "rank0.pt"
+    ranks = mp.start_processes(_vocab_parallel_worker, args=(_free_port(), str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two vocab-parallel ranks did not finish in 300 s")
+    result = torch.load(out, weights_only=True)
+    got = (result["loss"], result["grad_h"], result["grad_w"])
+    got8 = (result["float8 loss"], result["float8 grad_h"], result["float8 grad_w"])
+    got_z = (result["z loss"], result["z grad_h"], result["z grad_w"])  # the global logsumexp's z-loss
     errors = [_rel_err(a, b) for a, b in zip(got, ref, strict=True)]  # loss, grad h, grad W
     assert max(errors) <= 1e-6, errors
     errors = [_rel_err(a, b) for a, b in zip(got_z, _plain(h, w, labels, z_loss=0.3), strict=True)]
