@@ -160,12 +160,16 @@ def test_measurements_over_fake_groups_leave_uncaught_errors_unprefixed(capsys):
 
     from titan_core.memory.fake_run import fake_mesh
 
+    def uncaught() -> str:  # what this process prints for an uncaught error
+        try:
+            raise ValueError("boom")
+        except ValueError as e:
+            sys.excepthook(type(e), e, e.__traceback__)
+        return capsys.readouterr().err
+
+    before = uncaught()  # other tests in this process may have wrapped the hook already (real process groups)
     for tp, cp in ((2, 1), (1, 2), (2, 2)):
         with fake_mesh(tp, cp, "cpu") as mesh:
             assert mesh is not None and mesh.size() == tp * cp
-    try:
-        raise ValueError("boom")
-    except ValueError as e:
-        sys.excepthook(type(e), e, e.__traceback__)
-    printed = capsys.readouterr().err
-    assert "ValueError: boom" in printed and "[rank" not in printed, printed
+    after = uncaught()
+    assert "ValueError: boom" in after and after.count("[rank") == before.count("[rank"), (before, after)
