@@ -59,6 +59,25 @@ def saved_bytes_and_grads(module: nn.Module, *inputs: torch.Tensor) -> tuple[int
     return sum(saved.values()), [p.grad.clone() for p in module.parameters()]
 
 
+def kept_as_estimated(block: nn.Module, rope: torch.Tensor, hidden: torch.Tensor, estimate) -> tuple[int, list]:
+    """`saved_bytes_and_grads` of `block` called as the model calls it, with the model's RoPE table (a buffer: not
+    counted), its fp32 input `hidden` counted where the estimate's traced block (`measure_block`'s) keeps it, as the
+    estimate counts it (what the previous block produced)."""
+
+    class Call(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+            self.register_buffer("rope", rope)
+
+        def forward(self, x):
+            return self.block(x, rope_cache=self.rope)
+
+    kept, grads = saved_bytes_and_grads(Call(), hidden)
+    inputs_kept = hidden.numel() * 4 if any(t.shape == hidden.shape for t in estimate.tensors) else 0
+    return kept + inputs_kept, grads
+
+
 def test_a_lower_budget_keeps_less_and_leaves_the_gradients_unchanged(model):
     """aot_eager (the min-cut partitioner without code generation; Inductor's takes the same budget, below): 1 keeps
     what no budget keeps, 0.5 less, 0 what full AC keeps (the blocks' inputs), every gradient bit for bit."""
@@ -97,22 +116,9 @@ def test_the_estimate_is_what_the_compiled_block_keeps_at_the_budget(model):
     holder.add_module(blocks, nn.ModuleDict({"0": copy.deepcopy(model.get_submodule(f"{blocks}.0"))}))
     torch._dynamo.reset()
     apply_compile(holder, ModelPlan(blocks=blocks), backend="inductor", memory_budget=0.5)
-    block = holder.get_submodule(f"{blocks}.0")
     hidden = torch.randn(BATCH, SEQ, ARGS.dim, requires_grad=True)  # (bs, seqlen, dim), what a block receives
-    rope = model.get_buffer("rope_cache")
-
-    class Call(nn.Module):  # the block as the model calls it, with the model's RoPE table (a buffer: not counted)
-        def __init__(self):
-            super().__init__()
-            self.block = block
-            self.register_buffer("rope", rope)
-
-        def forward(self, x):
-            return self.block(x, rope_cache=self.rope)
-
-    kept, _ = saved_bytes_and_grads(Call(), hidden)
-    inputs_kept = hidden.numel() * 4 if any(t.shape == hidden.shape for t in estimate.tensors) else 0
-    assert kept + inputs_kept == estimate.total, (kept, inputs_kept, [(t.name, t.shape) for t in estimate.tensors])
+    kept, _ = kept_as_estimated(holder.get_submodule(f"{blocks}.0"), model.get_buffer("rope_cache"), hidden, estimate)
+    assert kept == estimate.total, (kept, [(t.name, t.shape) for t in estimate.tensors])
     assert estimate.total < unbudgeted.total
 
 

@@ -26,7 +26,7 @@ from titan_parallel.float8 import Float8Options, apply_float8
 from titan_run import REPO
 
 sys.path.insert(0, str(REPO / "tests"))
-from test_memory_budget import saved_bytes_and_grads  # noqa: E402
+from test_memory_budget import kept_as_estimated  # noqa: E402
 
 pytest.importorskip("torchao")
 
@@ -74,22 +74,10 @@ def test_a_compiled_float8_block_keeps_what_the_estimate_reads():
     assert len(apply_float8(holder, options)) == 7  # wq wk wv wo w1 w2 w3
     torch._dynamo.reset()
     apply_compile(holder, ModelPlan(blocks=blocks), backend="inductor")
-    block = holder.get_submodule(f"{blocks}.0")
-    rope = model.get_buffer("rope_cache")
-
-    class Call(nn.Module):  # the block as the model calls it, with the model's RoPE table (a buffer: not counted)
-        def __init__(self):
-            super().__init__()
-            self.block = block
-            self.register_buffer("rope", rope)
-
-        def forward(self, x):
-            return self.block(x, rope_cache=self.rope)
-
     hidden = torch.randn(batch, seq, args.dim, requires_grad=True)  # (bs, seqlen, dim), what a block receives
-    kept, grads = saved_bytes_and_grads(Call(), hidden)
-    inputs_kept = hidden.numel() * 4 if any(t.shape == hidden.shape for t in estimate.tensors) else 0
-    assert kept + inputs_kept == estimate.total, (kept, inputs_kept, [(t.name, t.shape) for t in estimate.tensors])
+    kept, grads = kept_as_estimated(holder.get_submodule(f"{blocks}.0"), model.get_buffer("rope_cache"), hidden,
+                                    estimate)  # fmt: skip
+    assert kept == estimate.total, (kept, [(t.name, t.shape) for t in estimate.tensors])
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 

@@ -160,9 +160,9 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     seq = cfg.training.seq_len
     # the planner's target is CUDA, where `auto` computes in bf16 (`compute_dtype_bytes`)
     dtype = torch.float32 if cfg.training.mixed_precision_param == "float32" else torch.bfloat16
-    shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none"}
+    shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none",
+             "float8": traced_float8(cfg, "cuda")}  # fmt: skip
     where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": seq}
-    shape["float8"] = traced_float8(cfg, "cuda")
     found: list[tuple[int, float, float]] = []
     for tp in budget_degrees(cfg, tps):
         try:  # FLOPs of one rank's backward, one sequence, per budget (None: the partitioner's default)
