@@ -123,8 +123,8 @@ def data_wait_table(folder: Path, shakespeare: bool, tokenizer_path: str | None,
         ("token shards, prefetch 2", ["--training.dataset_path", str(folder)], 2),
         ("text tokenized on the fly", text, 0),
     ]
-    for label, dataset, prefetch in runs:
-        dump = Path(tempfile.mkdtemp(prefix="titan-loader-bench-"))
+    for (label, dataset, prefetch), name in zip(runs, ("shards-no-prefetch", "shards-prefetch", "text"), strict=True):
+        dump = folder.parent / name  # beside the shards, in main's temporary folder
         cfg = load_config(None, [
             "--model.flavor", args.flavor, "--training.device", "cpu", *dataset,
             "--training.seq_len", str(args.train_seq_len), "--training.local_batch_size", str(args.batch),
@@ -170,19 +170,20 @@ def main() -> None:
 
     tokenizer = build_tokenizer(args.hf_assets_path)
     source, described = corpus(args.max_files)
-    folder = Path(tempfile.mkdtemp(prefix="titan-loader-bench-")) / "shards"
-    start = time.perf_counter()
-    manifest = write_token_shards(iter(source), tokenizer, folder, source=described)
-    print(f"loader_scaling: {described}, {manifest.total_tokens:,} {manifest.dtype} tokens ({tokenizer!r}), "
-          f"tokenized once in {time.perf_counter() - start:.1f}s")
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, CPU: {cpu_description()}")
-    start = time.perf_counter()
-    scaling_table(source, tokenizer, folder, args)
-    print(f"  (part 1 took {time.perf_counter() - start:.0f}s)")
-    if args.train_steps > 0:
+    with tempfile.TemporaryDirectory(prefix="titan-loader-bench-") as scratch:  # the shards and part 2's runs
+        folder = Path(scratch) / "shards"
         start = time.perf_counter()
-        data_wait_table(folder, SHAKESPEARE.is_dir(), args.hf_assets_path, args)
-        print(f"  (part 2 took {time.perf_counter() - start:.0f}s)")
+        manifest = write_token_shards(iter(source), tokenizer, folder, source=described)
+        print(f"loader_scaling: {described}, {manifest.total_tokens:,} {manifest.dtype} tokens ({tokenizer!r}), "
+              f"tokenized once in {time.perf_counter() - start:.1f}s")
+        print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, CPU: {cpu_description()}")
+        start = time.perf_counter()
+        scaling_table(source, tokenizer, folder, args)
+        print(f"  (part 1 took {time.perf_counter() - start:.0f}s)")
+        if args.train_steps > 0:
+            start = time.perf_counter()
+            data_wait_table(folder, SHAKESPEARE.is_dir(), args.hf_assets_path, args)
+            print(f"  (part 2 took {time.perf_counter() - start:.0f}s)")
 
 
 if __name__ == "__main__":

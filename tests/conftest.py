@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import resource
+import shutil
 import time
 
 import pytest
@@ -88,6 +89,30 @@ def _environment_restored():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+_FAILED_FILES: set[str] = set()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed:
+        _FAILED_FILES.add(report.nodeid.split("::")[0])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_folders_removed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The folders a module's fixtures made with `tmp_path_factory.mktemp` go when the module ends, unless one of
+    its tests failed (`tmp_path_retention_policy = "failed"` in pyproject.toml removes a passed test's `tmp_path`,
+    not these). Autouse, so set up before the module's own fixtures and torn down after them."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.node.nodeid not in _FAILED_FILES:
+        for path in set(base.iterdir()) - before:
+            if path.is_symlink():  # mktemp's `<name>current` link
+                path.unlink(missing_ok=True)
+            elif path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
