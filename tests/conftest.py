@@ -41,6 +41,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The free disk under pytest's temporary folders: a run's checkpoints need some (README, Tests)."""
+    folder = config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]
+    return f"disk: {shutil.disk_usage(folder).free / 2**30:.1f} GiB free under {folder}"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection imported (torch and the packages, ~350,000 objects alive for the whole session) is left out
     of the garbage collector's later passes, as `titan train`'s ranks do (`titan_core.launch.collector_paused`):

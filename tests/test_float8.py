@@ -365,6 +365,17 @@ def test_tp2_all_gathers_in_float8(tmp_path):
     assert all(tp < 0.05 * alone for tp, alone in rw["grad_rel"].values()), rw["grad_rel"]
 
 
+def test_tp2_cp2_ring_float8_compiles_and_computes_what_eager_does(tmp_path):
+    """TP 2 x CP 2 with ring attention, tensorwise float8, compiled as the trainer compiles it (each TP child; ring
+    attention eager between graphs): the same logits and gradients as eager (until 2026-12-07 its first backward
+    failed: "Expected a Float8TrainingTensor tangent but got a plain Tensor")."""
+    out = tmp_path / "tp_cp.json"
+    proc = warm_python.run([sys.executable, str(FORK_RUN), "4", str(WORKER), str(out)], env=titan_env(), timeout=300)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    compiled = json.loads(out.read_text())["tp_cp_compiled"]
+    assert compiled["grads"] > 0 and compiled["logits_max_diff"] < 1e-5 and compiled["grad_max_diff"] < 1e-5, compiled
+
+
 def test_mx_refuses_in_one_line_off_blackwell(tmp_path):
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0):
         pytest.skip("this machine has MXFP8 hardware")

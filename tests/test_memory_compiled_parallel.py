@@ -13,10 +13,12 @@ from titan_core.job.meta_model import build_meta_model
 from titan_core.memory.analytic import estimate_analytic
 from titan_core.memory.compiled_parallel import Split, measure_parallel_block
 from titan_models import get_model_args, get_model_spec
+from titan_parallel.float8 import Float8Options
 from titan_run import REPO, run_json_worker
 
 SPEC = get_model_spec("llama3")
 SEQ = 64  # the worker's
+FLOAT8 = Float8Options(emulate=True, auto_filter_small_kn=False, filter_fqns=())  # the worker's
 
 
 def test_a_compiled_tp_or_cp_rank_keeps_what_the_fake_measurement_reads(tmp_path):
@@ -24,7 +26,8 @@ def test_a_compiled_tp_or_cp_rank_keeps_what_the_fake_measurement_reads(tmp_path
     compiled around it; Ulysses, one graph), compiled by `aot_eager` (what the trainer runs on CPU), save on real
     tensors exactly the bytes `measure_parallel_block` reads on fake ones with the same backend, with no budget and
     at 0.5, measured in that order in one process (each from an empty Dynamo cache: Ulysses read after ring once
-    came out near the eager figures); compiling keeps less than eager, the budget less still."""
+    came out near the eager figures), and TP 2 with float8 linears; compiling keeps less than eager, the budget less
+    still."""
     real = run_json_worker(REPO / "tests" / "workers" / "compiled_parallel_worker.py", 2, tmp_path / "out.json")
     args = dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1)
     meta = build_meta_model(SPEC, args)
@@ -34,9 +37,36 @@ def test_a_compiled_tp_or_cp_rank_keeps_what_the_fake_measurement_reads(tmp_path
                                                  dtype=torch.float32, memory_budget=b, backend="aot_eager")
         for name, split in splits.items() for kind, b in (("none", None), ("0.5", 0.5))
     }  # fmt: skip
+    # float8 after the other TP measurements: DTensor's sharding caches once handed this one the earlier meshes, and
+    # the partitioner, which breaks ties by the graph's input order, kept 739,620 bytes where the ranks keep 854,308
+    fake["tp-float8/none"] = measure_parallel_block(SPEC, meta, split=splits["tp"], dim=args.dim, seq_len=SEQ,
+                                                    dtype=torch.float32, backend="aot_eager", float8=FLOAT8)  # fmt: skip
     assert fake == {key: real[key] for key in fake}, (fake, real)
     assert real["tp/0.5"] < real["tp/none"] < real["tp/eager"], real
     assert real["ring/0.5"] < real["ring/none"] and real["ulysses/0.5"] < real["ulysses/none"], real
+
+
+def test_a_tp_float8_block_keeps_its_float8_weight_shards_once_per_call():
+    """Tensorwise float8 at TP 2 (the GPU's graph, bf16): what the compiled block keeps grows by the same bytes with
+    each sequence, and on top keeps once per call each linear's float8 weight shard (1 byte an element) and its
+    scalar scale: the scale is an all-reduce over the TP ranks, which the partitioner does not recompute. The bf16
+    block keeps nothing per call."""
+    args = dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1)
+    meta = build_meta_model(SPEC, args)
+    options = Float8Options(emulate=False, auto_filter_small_kn=False, filter_fqns=())
+
+    def kept(float8, sequences: int) -> int:
+        return measure_parallel_block(SPEC, meta, split=Split(tp=2), dim=args.dim, seq_len=SEQ, dtype=torch.bfloat16,
+                                      float8=float8, sequences=sequences)  # fmt: skip
+
+    for float8 in (None, options):
+        one, two, three = (kept(float8, n) for n in (1, 2, 3))
+        assert three - two == two - one > 0, (float8, one, two, three)
+    block = next(iter(meta.get_submodule(SPEC.plan.blocks).children()))
+    shards = sum(m.weight.numel() // 2 for m in block.modules() if isinstance(m, torch.nn.Linear))
+    assert 2 * kept(None, 1) - kept(None, 2) == 0
+    per_call = 2 * kept(options, 1) - kept(options, 2)
+    assert shards <= per_call <= shards + 4 * 16, (per_call, shards)  # and a 4-byte scale or few per linear
 
 
 def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():

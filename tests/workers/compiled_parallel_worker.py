@@ -11,7 +11,8 @@ graph), the rank's SEQ / 2 tokens at its RoPE positions. The storages autograd s
 `saved_tensors_hooks` pack written here (a DTensor by its local shard; parameters, buffers and the RoPE table left
 out, the block's input counted as the memory estimate counts it: what the previous block produced; each storage
 once). Rank 0 writes `{"tp/eager": bytes, "tp/none": ..., "tp/0.5": ..., "ring/none": ..., "ring/0.5": ...,
-"ulysses/none": ..., "ulysses/0.5": ...}`.
+"ulysses/none": ..., "ulysses/0.5": ..., "tp-float8/none": ...}`, the last with the block's linears in tensorwise
+float8 (emulated, every linear: the size filter off), converted before the split as the trainer converts them.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from torch.distributed.tensor import DTensor
 from titan_models import get_model_args, get_model_spec
 from titan_parallel.compile import apply_compile
 from titan_parallel.context_parallel import apply_cp
+from titan_parallel.float8 import Float8Options, apply_float8
 from titan_parallel.ring_attention import cp_positions
 from titan_parallel.tensor_parallel import apply_tp
 
 SEQ = 64
 SPEC = get_model_spec("llama3")
 ARGS = dataclasses.replace(get_model_args("llama3", "debugmodel"), n_layers=1)
+FLOAT8 = Float8Options(emulate=True, auto_filter_small_kn=False, filter_fqns=())
 
 
 def storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -72,11 +75,15 @@ def main() -> None:
     rows = [("tp/eager", None), ("tp/none", None), ("tp/0.5", 0.5)]
     rows += [(f"{method}/{name}", budget) for method in ("ring", "ulysses") for name, budget in (("none", None),
                                                                                                ("0.5", 0.5))]
+    rows += [("tp-float8/none", None)]
     for name, budget in rows:
         split = name.split("/")[0]
         holder = nn.Module()
         block = copy.deepcopy(model.get_submodule(f"{SPEC.plan.blocks}.0"))
         holder.add_module(SPEC.plan.blocks, nn.ModuleDict({"0": block}))
+        if split == "tp-float8":
+            apply_float8(holder, FLOAT8)
+            split = "tp"
         if split == "tp":
             apply_tp(holder, SPEC.plan, tp_mesh)
         else:

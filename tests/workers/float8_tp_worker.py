@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/workers/float8_tp_worker.py OUT_JSON
 
-For each float8 recipe, the trainer's own model setup (`assemble_model`) builds a seeded tiny
+On 4 processes it runs only `tp_cp_compiled_vs_eager` (TP 2 x CP 2, ring attention). On 2, for each float8 recipe, the trainer's own model setup (`assemble_model`) builds a seeded tiny
 Llama converted to float8 and split TP=2. Hooks placed after TP's own record what
 each linear really receives (a float8 DTensor, all-gathered in float8, or a
 high-precision one); one forward and backward on a fixed batch is compared with the
@@ -27,6 +27,7 @@ from titan_core.model_setup import assemble_model
 from titan_models import get_model_spec
 from titan_models.llama3 import llama3_flavors
 from titan_parallel import Float8Options, ParallelDims, ParallelOptions, apply_float8
+from titan_parallel.mesh import ParallelMesh
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=2, vocab_size=512)
 SEED, BS, SEQ = 3, 4, 32
@@ -56,15 +57,16 @@ def single(spec, options: Float8Options | None, tokens, labels) -> tuple[torch.T
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def tp_model(recipe: str, compile: bool = False) -> torch.nn.Module:
-    """The float8 model split TP=2 by the trainer's own setup (compiled as the trainer compiles TP blocks: each
-    child, the sequence-parallel norms eager; `aot_eager` on CPU)."""
+def tp_model(recipe: str, compile: bool = False, cp: int = 1) -> tuple[torch.nn.Module, ParallelMesh]:
+    """The float8 model split TP=2 (x CP `cp`: ring attention, FSDP over the CP ranks) by the trainer's own setup
+    (compiled as the trainer compiles TP blocks: each child, the sequence-parallel norms eager; `aot_eager` on
+    CPU), and its mesh."""
     options = Float8Options(recipe_name=recipe, auto_filter_small_kn=False, emulate=True)
-    mesh = ParallelDims(tp=2, world_size=2).build_mesh("cpu")
+    mesh = ParallelDims(tp=2, cp=cp, world_size=2 * cp).build_mesh("cpu")
     return assemble_model(
         get_model_spec("llama3"), ARGS, mesh, ParallelOptions(compile=compile), torch.device("cpu"), SEED,
         converters=Converters(float8=options),
-    ).parts[0]  # fmt: skip
+    ).parts[0], mesh  # fmt: skip
 
 
 def forward_backward(model: torch.nn.Module, tokens, labels) -> tuple[torch.Tensor, dict]:
@@ -80,8 +82,27 @@ def compiled_vs_eager(tokens, labels) -> dict:
     input hooks) trace into each child's graph; until 2026-12-07 the first backward failed ("Expected a
     Float8TrainingTensor tangent but got a plain Tensor")."""
     torch._dynamo.reset()
-    compiled_logits, compiled_grads = forward_backward(tp_model("tensorwise", compile=True), tokens, labels)
-    eager_logits, eager_grads = forward_backward(tp_model("tensorwise"), tokens, labels)
+    compiled_logits, compiled_grads = forward_backward(tp_model("tensorwise", compile=True)[0], tokens, labels)
+    eager_logits, eager_grads = forward_backward(tp_model("tensorwise")[0], tokens, labels)
+    return {
+        "logits_max_diff": (compiled_logits - eager_logits).abs().max().item(),
+        "grad_max_diff": max((compiled_grads[n] - g).abs().max().item() for n, g in eager_grads.items()),
+        "grads": len(eager_grads),
+    }
+
+
+def tp_cp_compiled_vs_eager(tokens, labels) -> dict:
+    """Tensorwise float8 under TP 2 x CP 2 (ring), compiled against eager, on this rank's part of the sequences. Ring
+    attention (eager) breaks the attention's graph; until 2026-12-07 Dynamo closed the attention's input hooks (the
+    float8 cast and all-gather) into a graph of their own there, and the first backward failed as TP alone did."""
+    from titan_parallel.context_parallel import shard_sequence
+
+    runs = []
+    for compile in (True, False):
+        torch._dynamo.reset()
+        model, mesh = tp_model("tensorwise", compile=compile, cp=2)
+        runs.append(forward_backward(model, *shard_sequence(tokens, labels, cp_mesh=mesh["cp"])))
+    (compiled_logits, compiled_grads), (eager_logits, eager_grads) = runs
     return {
         "logits_max_diff": (compiled_logits - eager_logits).abs().max().item(),
         "grad_max_diff": max((compiled_grads[n] - g).abs().max().item() for n, g in eager_grads.items()),
@@ -92,7 +113,7 @@ def compiled_vs_eager(tokens, labels) -> dict:
 def run(recipe: str, tokens, labels) -> dict:
     spec = get_model_spec("llama3")
     options = Float8Options(recipe_name=recipe, auto_filter_small_kn=False, emulate=True)
-    model = tp_model(recipe)
+    model, _ = tp_model(recipe)
     seen: dict[str, dict] = {}
 
     def record(name: str):
@@ -132,8 +153,11 @@ def main(out: str) -> None:
     gen = torch.Generator().manual_seed(1234)
     data = torch.randint(0, ARGS.vocab_size, (BS, SEQ + 1), generator=gen)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    results = {recipe: run(recipe, tokens, labels) for recipe in ("tensorwise", "rowwise")}
-    results["tensorwise_compiled"] = compiled_vs_eager(tokens, labels)
+    if dist.get_world_size() == 4:
+        results = {"tp_cp_compiled": tp_cp_compiled_vs_eager(tokens, labels)}
+    else:
+        results = {recipe: run(recipe, tokens, labels) for recipe in ("tensorwise", "rowwise")}
+        results["tensorwise_compiled"] = compiled_vs_eager(tokens, labels)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

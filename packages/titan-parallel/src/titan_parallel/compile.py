@@ -60,6 +60,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from titan_parallel.layout import ParallelConfigError
 from titan_parallel.modules import get_submodule_or_none, iter_blocks
 from titan_parallel.plan import ModelPlan, TPStyle
+from titan_parallel.ring_attention import RingAttention
 
 logger = logging.getLogger("titan")
 _TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -184,7 +185,8 @@ class _WithHooks(nn.Module):
 
 
 def _compile_with_hooks(module: nn.Module, **options: Any) -> None:
-    """Compile `module` as `nn.Module.compile` does, but with its forward pre-hooks in the same graph as its forward.
+    """Compile `module` as `nn.Module.compile` does, but with its forward pre-hooks in the same graph as its forward,
+    or, where ring attention breaks its graph, its forward alone (the hooks eager).
 
     `nn.Module.compile` compiles `_call_impl`, from which Dynamo traced a block child's own pre-hook as a graph of
     its own: tensor parallel's input preparation (the all-gather of the sequence-parallel input) apart from the
@@ -193,7 +195,15 @@ def _compile_with_hooks(module: nn.Module, **options: Any) -> None:
     one ("Expected a Float8TrainingTensor tangent but got a plain Tensor": TP + float8 + compile failed in its first
     backward, torch 2.15). Called from a module's forward, the child's hooks trace into its graph, as they do when a
     whole block compiles. The wrapper is not registered in the model: parameter names do not change.
+
+    Ring attention (eager: `RingAttention.forward` is `torch.compiler.disable`d) breaks the graph inside the
+    attention's forward, and Dynamo then closed the hooks' graph before that call, as above: TP x CP (ring) + float8
+    + compile failed the same way. There the hooks run eager and only the forward compiles (its float8 input comes
+    into a graph, which is allowed, rather than out of one).
     """
+    if any(isinstance(m, RingAttention) for m in module.modules()):
+        module.forward = torch.compile(module.forward, **options)
+        return
     object.__setattr__(module, "_compiled_call_impl", torch.compile(_WithHooks(module), **options))
 
 

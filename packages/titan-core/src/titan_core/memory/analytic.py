@@ -124,7 +124,7 @@ def _estimate(job: Job, notes: list[str]) -> MemoryEstimate:
     if cfg.compile.enable:  # the blocks' saved bytes read from the compiled graph (eager runs: measured eager)
         from titan_core.memory.compiled_estimate import compiled_block_bytes, compiled_loss_bytes
 
-        act, compile_note = compiled_block_bytes(job, act, layout)
+        act, compile_note = compiled_block_bytes(job, act, layout, microbatch)
         notes.append(compile_note)
         act, loss_note = compiled_loss_bytes(job, act)
         notes += [loss_note] if loss_note else []

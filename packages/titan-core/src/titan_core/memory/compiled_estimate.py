@@ -42,7 +42,9 @@ def traced_float8(cfg: JobConfig, device_type: str) -> Float8Options | None:
     return options
 
 
-def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayout) -> tuple[ActivationBytes, str]:
+def compiled_block_bytes(
+    job: Job, act: ActivationBytes, layout: ActivationLayout, sequences: int = 1
+) -> tuple[ActivationBytes, str]:
     """`act` with a block's saved bytes (`block`, and `block_op` or `block_input` as the AC mode needs)
     measured from the compiled block, and a note for the estimate saying so; `act` unchanged, and a note
     saying why, where the compiled block is not measured (see the module docstring).
@@ -51,12 +53,15 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     batch, but for the few tensors per position (RoPE's rotation, `seq_len x head_dim / 2` complex
     numbers, a few hundred bytes per position), which a batch of B sequences counts B times, an
     overcount under 1% of a block. One figure per token then serves every micro-batch size, as the
-    planner tries them.
+    planner tries them. Under tensor / context parallel a block also keeps per-call tensors that are not small
+    (float8 weight copies under TP, ring attention's mask): there it is measured at `sequences` too
+    (`compiled_parallel.parallel_block_bytes`).
 
     Args:
         job: the resolved job (compile on).
         act: the eager figures measured for the job's layout.
         layout: that layout (`eager_saved.measure_eager`'s), read under tensor parallel.
+        sequences: sequences per micro-batch on a rank, over which per-call bytes are spread.
     """
     from titan_parallel import uses_fsdp
 
@@ -72,8 +77,6 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
         why_not = "compile.components leaves the blocks eager"
     elif job.converters.mx is not None:
         why_not = "MX linears are not measured compiled"
-    elif job.converters.float8 is not None and (dims.tp > 1 or dims.cp > 1):
-        why_not = "float8 linears under tensor / context parallel are not measured compiled"
     elif job.spec.plan.moe is not None or act.per_block:
         why_not = "Mixture-of-Experts blocks are not measured compiled"
     elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel) and not job.parallel.master_weights:
@@ -83,7 +86,7 @@ def compiled_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     if dims.tp > 1 or dims.cp > 1:
         from titan_core.memory.compiled_parallel import parallel_block_bytes
 
-        return parallel_block_bytes(job, act, layout)
+        return parallel_block_bytes(job, act, layout, sequences)
     ac = cfg.activation_checkpoint
     kinds = ["none"]
     if ac.mode == "selective" and ac.selective_ac_option == "op":

@@ -23,10 +23,13 @@ these. Here a one-block model is:
    budget 0.75 recomputes nothing at TP 8 and at tp = 1, but 134 MFLOP per block at TP 2).
 
 The bytes of that one sequence over the rank's `seq / cp` tokens are the figure per token, as the
-eager figures are (a per-call part, ring attention's mask, is folded into it: exact at one sequence
-per micro-batch, CP's usual batch). tests/test_memory_compiled_parallel.py holds the count to what
-two real ranks (TP 2, CP 2 ring, CP 2 Ulysses) compiled by `aot_eager` (the same partitioner, no
-Inductor passes) save, to the byte.
+eager figures are. Some tensors are kept once per call whatever the batch: ring attention's mask, and under TP
+the tensorwise float8 weights (their scale is an all-reduce over the TP ranks, which the partitioner does not
+recompute, so each linear keeps its float8 weight shard: the 1B block at TP 2 in float8 keeps more than in bf16).
+For a micro-batch of more sequences the block is traced at two sequences as well, and the bytes at the job's
+micro-batch taken on the line through both (`parallel_block_bytes`). tests/test_memory_compiled_parallel.py
+holds the count to what two real ranks (TP 2, CP 2 ring, CP 2 Ulysses, TP 2 with float8 linears) compiled by
+`aot_eager` (the same partitioner, no Inductor passes) save, to the byte.
 
 Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
 block's input and the op policy's outputs whether or not the block compiles), Mixture-of-Experts
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from titan_core.job import Job
     from titan_core.memory.activations import ActivationBytes, ActivationLayout
     from titan_models import ModelSpec
+    from titan_parallel.float8 import Float8Options
 
 _CACHE: dict[tuple[Any, ...], ParallelBlockTrace] = {}
 
@@ -93,9 +97,11 @@ def measure_parallel_block(
     dtype: torch.dtype,
     memory_budget: float | None = None,
     backend: str | None = None,
+    float8: Float8Options | None = None,
+    sequences: int = 1,
 ) -> int:
     """Bytes the first block of `meta` keeps for backward on one rank of `split` when compiled as the trainer compiles
-    it there, for one sequence of `seq_len` tokens (the rank's `seq_len / cp` of them; cached).
+    it there, for `sequences` sequences of `seq_len` tokens (the rank's `seq_len / cp` of each; cached).
 
     Args:
         spec: the model family (its plan's block container and TP styles).
@@ -107,13 +113,17 @@ def measure_parallel_block(
         memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
         backend: a registered `torch.compile` backend; None: Inductor's partitioner without its code generator
             (`partition_only_backend`).
+        float8: the run's [float8] options, its linears converted by `titan_parallel.apply_float8` before the split,
+            as the trainer converts them (`compiled_estimate.traced_float8`: the target's graph); None: no float8.
+        sequences: the micro-batch, in sequences.
     """
-    return _traced(spec, meta, split, dim, seq_len, dtype, memory_budget, backend or partition_only_backend()).saved
+    backend = backend or partition_only_backend()
+    return _traced(spec, meta, split, dim, seq_len, dtype, memory_budget, backend, float8, sequences).saved
 
 
 def parallel_block_backward_flops(
     spec: ModelSpec[Any], meta: nn.Module, *, split: Split, dim: int, seq_len: int, dtype: torch.dtype,
-    memory_budget: float | None = None,
+    memory_budget: float | None = None, float8: Float8Options | None = None,
 ) -> float:  # fmt: skip
     """FLOPs of the backward of `meta`'s first block on one rank of `split`, compiled as the trainer compiles it there
     (under TP its children one by one, each cut by Inductor's partitioner at `memory_budget`), for one sequence of
@@ -129,15 +139,17 @@ def parallel_block_backward_flops(
         seq_len: tokens per sequence.
         dtype: the compute dtype.
         memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
+        float8: the run's [float8] options (`measure_parallel_block`); None: no float8.
     """
-    flops = _traced(spec, meta, split, dim, seq_len, dtype, memory_budget, partition_only_backend()).backward_flops
+    backend = partition_only_backend()
+    flops = _traced(spec, meta, split, dim, seq_len, dtype, memory_budget, backend, float8).backward_flops
     assert flops is not None  # the partition-only backend hands the backward graphs over
     return flops
 
 
 def _traced(
     spec: ModelSpec[Any], meta: nn.Module, split: Split, dim: int, seq_len: int, dtype: torch.dtype,
-    memory_budget: float | None, backend: str,
+    memory_budget: float | None, backend: str, float8: Float8Options | None = None, batch: int = 1,
 ) -> ParallelBlockTrace:  # fmt: skip
     """Split, compile and call the block once forward (counting what it saves) and once backward (module docstring)."""
     from titan_core.memory.activations import ActivationLayout
@@ -148,7 +160,7 @@ def _traced(
     from titan_parallel.compile import apply_compile, compile_granularity
 
     block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
-    key = (spec.name, block_signature(block), split, dim, seq_len, dtype, memory_budget, backend)
+    key = (spec.name, block_signature(block), split, dim, seq_len, dtype, memory_budget, backend, float8, batch)
     if key in _CACHE:
         return _CACHE[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -156,8 +168,15 @@ def _traced(
     tp, cp = split.tp, split.cp
     layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=cp, cp_rotate_method=split.cp_rotate_method,
                               cp_method=split.cp_method, seq_len=seq_len, device_type="cpu")  # fmt: skip
+    blocks = nn.ModuleDict({"0": copy.deepcopy(block)})
+    if float8 is not None:  # converted in the model, before the split, as the trainer converts it (its TP styles)
+        from titan_parallel.float8 import apply_float8
+
+        converted = nn.Module()
+        converted.add_module(spec.plan.blocks, blocks)
+        apply_float8(converted, float8, trace_only=True)
     with fake_mesh(tp, cp, "cpu", cuda_stand_in=False) as mesh, _backward_flops() as flops:
-        holder = parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": copy.deepcopy(block)})}, mesh, layout)
+        holder = parallel_copy(spec, {spec.plan.blocks: blocks}, mesh, layout)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             on_fake(holder, dtype, "cpu")  # the partitioner does not look at the device
@@ -171,7 +190,7 @@ def _traced(
         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False), quiet_torch_logs():
             with mode:
-                shape = (1, seq_len // split.tokens, dim)  # the rank's part of one sequence, as the block gets it
+                shape = (batch, seq_len // split.tokens, dim)  # the rank's part of each sequence, as the block gets it
                 saved = block_saved_bytes(unit, spec.plan.blocks, rope, positions, shape, dtype, "cpu", "none",
                                           backward=True)  # fmt: skip
     _CACHE[key] = ParallelBlockTrace(saved, sum(flops) if backend == PARTITION_ONLY else None)
@@ -268,7 +287,9 @@ def eager_norms_device_gap(spec: ModelSpec[Any], meta: nn.Module, *, tp: int, di
     return kept["cpu"] - kept[device]
 
 
-def parallel_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayout) -> tuple[ActivationBytes, str]:
+def parallel_block_bytes(
+    job: Job, act: ActivationBytes, layout: ActivationLayout, sequences: int = 1
+) -> tuple[ActivationBytes, str]:
     """`compiled_estimate.compiled_block_bytes` under tensor and / or context parallel, with no AC or at the job's
     memory budget: the block split and compiled on CPU (`measure_parallel_block`), under TP less what its eager
     sequence-parallel norms keep on CPU beyond what they keep on the target device (`eager_norms_device_gap`: CUDA's
@@ -277,12 +298,17 @@ def parallel_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     norms, alike on both; CPU's flash attention keeps what CUDA's does), and so is ring attention, which runs eager
     between them (its own autograd function, on both devices). Selective `op` and full AC keep the eager figures
     (their checkpoints keep the block's input and the policy's outputs whether or not the block compiles).
+    With `sequences` > 1 the block is traced at one and at two sequences, and what it keeps for the micro-batch is
+    taken on the line through both (per-call tensors once, the rest per sequence: module docstring).
 
     Args:
         job: the resolved job (compile on, TP or CP > 1).
         act: the eager figures measured for the job's layout on its device.
         layout: that layout.
+        sequences: sequences per micro-batch on a rank.
     """
+    from titan_core.memory.compiled_estimate import traced_float8
+
     cfg, dims = job.cfg, job.dims
     assert dims is not None
     ac, p = cfg.activation_checkpoint, cfg.parallelism
@@ -290,11 +316,18 @@ def parallel_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     seq, rank_seq = cfg.training.seq_len, cfg.training.seq_len // dims.cp  # the eager figures are per rank token
     budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
     shape = {"dim": job.model_args.dim, "dtype": job.parallel.param_dtype}
+    float8 = traced_float8(cfg, job.device_type)
     try:
         meta = job.meta_model()
         traced = {kind: _traced(job.spec, meta, split, **shape, seq_len=seq, memory_budget=b,
-                                backend=partition_only_backend())
+                                backend=partition_only_backend(), float8=float8)
                   for kind, b in budgets.items()}  # fmt: skip
+        whole = {kind: trace.saved for kind, trace in traced.items()}  # at one sequence
+        if sequences > 1:  # per call once, the rest per sequence: the line through one and two sequences
+            for kind, b in budgets.items():
+                two = _traced(job.spec, meta, split, **shape, seq_len=seq, memory_budget=b,
+                              backend=partition_only_backend(), float8=float8, batch=2).saved  # fmt: skip
+                whole[kind] += (sequences - 1) * (two - whole[kind])
         gap = 0
         if split.tp > 1:  # the sequence-parallel norms run eager, on the rank's cp x tp part of a sequence
             gap = eager_norms_device_gap(job.spec, meta, tp=split.tp, seq_len=rank_seq, **shape,
@@ -302,7 +335,7 @@ def parallel_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return act, f"compile: tracing the {_describe(split)} block failed ({first_line}); the eager blocks' figures"
-    saved = {kind: round((trace.saved - gap) / rank_seq) for kind, trace in traced.items()}
+    saved = {kind: round(bytes_ / (sequences * rank_seq) - gap / rank_seq) for kind, bytes_ in whole.items()}
     measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
     figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
     if "budget" in saved:
@@ -317,9 +350,12 @@ def parallel_block_bytes(job: Job, act: ActivationBytes, layout: ActivationLayou
         how.append(f"each child but the sequence-parallel norms, the norms as on {layout.device_type}")
     if split.cp > 1 and split.cp_method == "ring":
         how.append("around the eager ring attention")
+    if float8 is not None:
+        how.append(f"float8 {float8.recipe_name} linears " + ("emulated" if float8.emulate else "as on the GPU"))
     return measured, (
         f"compile: {_describe(split)} block activations measured compiled as the trainer compiles them "
-        f"({'; '.join([*how, 'fake CPU tensors'])}), bytes per {'rank ' if split.cp > 1 else ''}token per block: "
+        f"({'; '.join([*how, 'fake CPU tensors'])}), bytes per {'rank ' if split.cp > 1 else ''}token per block"
+        f"{f' at {sequences} sequences per micro-batch' if sequences > 1 else ''}: "
         f"{figures}{kept}; the loss and the rest as eager"
     )
 

@@ -9,8 +9,8 @@ The machinery of `titan_core.memory.eager_saved`:
   memory-efficient kernel instead, in the order `titan_parallel.attention_backend` gives an H100.
   The experts' token counts, read with `.tolist()`, are answered with an even load (`EvenLoad`).
 - `fake_mesh`: tensor / context parallel over a fake process group (collectives return at once, moving
-  nothing), rank 0 of `cp x tp`, as the traced tier runs; `on_fake` gives a module fake storage, a
-  DTensor parameter its local shard.
+  nothing), rank 0 of `cp x tp`, as the traced tier runs, with DTensor's sharding caches emptied around it
+  (`forget_sharding_specs`); `on_fake` gives a module fake storage, a DTensor parameter its local shard.
 - `SavedStorages` and `block_saved_bytes`: what `torch.autograd.graph.saved_tensors_hooks` sees, plus
   what selective "op" AC caches itself (`_CachingTorchDispatchMode.storage`) and, for a checkpointed
   block, its input; each storage once (a DTensor's local shard), parameters and buffers left out.
@@ -29,7 +29,9 @@ directly (in place of `F.scaled_dot_product_attention` during a CUDA measurement
 `titan_core.memory.torch_patches.as_hopper`); autograd's `Node.__call__`, `Node._sequence_nr()`,
 `Node._input_metadata` and `AccumulateGrad.variable` (`walk_backward`);
 `CheckpointWrapper.checkpoint_fn` (a `functools.partial`); the "fake" process group of
-`torch.testing._internal.distributed.fake_pg`; a CUDA `DeviceMesh` made with the CUDA device
+`torch.testing._internal.distributed.fake_pg`; DTensor's sharding caches (`forget_sharding_specs`:
+`torch._C._clear_DTensor_sharding_propagator_cache`, the propagator's `propagate_op_sharding` and
+`_propagate_tensor_meta_cached`); a CUDA `DeviceMesh` made with the CUDA device
 queries answered (`torch_patches.cuda_devices_without_gpu`: no GPU is touched). Every patch of
 torch is in `titan_core.memory.torch_patches`.
 """
@@ -72,9 +74,31 @@ def fake_mesh(tp: int, cp: int, device: str, cuda_stand_in: bool = True) -> Iter
 
     if dist.is_initialized():
         raise NoFakeGroup("this process already has a process group")
-    with fake_process_group(0, tp * cp):
-        with cuda_devices_without_gpu(tp * cp) if cuda_stand_in else contextlib.nullcontext():
-            yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
+    forget_sharding_specs()
+    try:
+        with fake_process_group(0, tp * cp):
+            with cuda_devices_without_gpu(tp * cp) if cuda_stand_in else contextlib.nullcontext():
+                yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
+    finally:
+        forget_sharding_specs()
+
+
+def forget_sharding_specs() -> None:
+    """Empty DTensor's sharding-propagation caches (C++'s and Python's), so that no DTensor a measurement makes
+    carries an earlier one's mesh.
+
+    They are keyed by value, and a mesh compares equal to another of the same ranks and names: an op's output
+    spec cached in one measurement came back in the next with the first's (destroyed) mesh, and Dynamo, which
+    lifts each mesh a compiled child meets as a graph input, then took the second one from elsewhere (the TP hooks'
+    closures). Only the graph's input order changed, and the min-cut partitioner breaks ties by it: the debug
+    block in float8 at TP 2 kept 739,620 bytes measured after another TP block, 854,308 (what two real ranks keep)
+    measured first in its process."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(propagator, cached, None), "cache_clear", lambda: None)()
 
 
 @contextmanager

@@ -43,7 +43,7 @@ from titan_core.config.load import validate_config
 from titan_core.config.overrides import parse_overrides
 from titan_core.memory.budget import GPU_MEMORY_GIB, parse_gpu_memory, usable_bytes
 from titan_core.memory.plan_bounds import degrees_and_schedule, host_lower_bound, memory_lower_bound, needs_at_least
-from titan_core.memory.plan_model import block_sizes, budget_degrees, budget_recompute, model_of, workload
+from titan_core.memory.plan_model import block_sizes, budget_recompute, model_of, workload
 from titan_core.memory.plan_space import (
     PLAN_SCHEDULES,
     candidate_layouts,
@@ -301,9 +301,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
 
     experts = w.moe.num_experts if plan.request.expert_parallel else 0
     if w.budget_recompute:  # measured at tp = 1: also at each TP degree a layout may take (with cp = 1)
-        tps = budget_degrees(
-            cfg, tuple(tp for tp in divisors(c.gpus) if tp > 1 and refuse(tp, 1, 1, "1F1B", 1, 1) is None)
-        )
+        tps = tuple(tp for tp in divisors(c.gpus) if tp > 1 and refuse(tp, 1, 1, "1F1B", 1, 1) is None)
         if plan.request.progress and tps:
             plan.request.progress(f"measuring what the memory budgets recompute under TP {', '.join(map(str, tps))}")
         more = budget_recompute(cfg, tps) if tps else ()

@@ -109,17 +109,6 @@ def op_recompute_flops_per_token(n_layers: int, dim: int, q_dim: int, kv_dim: in
     return 2.0 * n_layers * (dim * kv_dim + q_dim * dim + dim * ffn_dim)
 
 
-def budget_degrees(cfg: JobConfig, tps: tuple[int, ...]) -> tuple[int, ...]:
-    """The tensor parallel degrees of `tps` at which `budget_recompute` measures: each, but tp = 1 alone for float8
-    blocks (not measured compiled under TP: `compiled_estimate.compiled_block_bytes`).
-
-    Args:
-        cfg: the job config.
-        tps: tensor parallel degrees.
-    """
-    return tuple(tp for tp in tps if tp == 1) if "float8" in cfg.model.converters else tps
-
-
 def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple[int, float, float], ...]:
     """`(tp, budget, FLOPs per token)` for each of `tps` and each of `plan_space.PLAN_BUDGETS`: what the model's
     compiled blocks recompute at that `activation_checkpoint.memory_budget` and tensor parallel degree, measured,
@@ -131,9 +120,10 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     child alone, so a budget recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add
     over the unbudgeted ones (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks,
     times the blocks (a dense family's are alike). Float8 blocks are traced with their float8 linears as the target
-    GPU runs them, at tp = 1 only. No row for a degree whose trace fails; () where the memory estimate does not
-    measure compiled blocks either (compile off or not on the blocks, a Mixture-of-Experts model, MX linears;
-    `compiled_estimate.compiled_block_bytes`): the planner then searches no budget there.
+    GPU runs them, converted before the split as the trainer converts them. No row for a degree whose trace fails;
+    () where the memory estimate does not measure compiled blocks either (compile off or not on the blocks, a
+    Mixture-of-Experts model, MX linears; `compiled_estimate.compiled_block_bytes`): the planner then searches no
+    budget there.
 
     Args:
         cfg: the job config.
@@ -160,11 +150,12 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     seq = cfg.training.seq_len
     # the planner's target is CUDA, where `auto` computes in bf16 (`compute_dtype_bytes`)
     dtype = torch.float32 if cfg.training.mixed_precision_param == "float32" else torch.bfloat16
+    float8 = traced_float8(cfg, "cuda")
     shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none",
-             "float8": traced_float8(cfg, "cuda")}  # fmt: skip
+             "float8": float8}  # fmt: skip
     where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": seq}
     found: list[tuple[int, float, float]] = []
-    for tp in budget_degrees(cfg, tps):
+    for tp in tps:
         try:  # FLOPs of one rank's backward, one sequence, per budget (None: the partitioner's default)
             if tp == 1:
                 flops = {
@@ -174,7 +165,7 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
             else:
                 flops = {
                     b: parallel_block_backward_flops(spec, meta, split=Split(tp), dim=args.dim, seq_len=seq,
-                                                     dtype=dtype, memory_budget=b)
+                                                     dtype=dtype, memory_budget=b, float8=float8)
                     for b in (None, *PLAN_BUDGETS)
                 }  # fmt: skip
         except Exception:  # torch raises many kinds; the estimate says what failed where it traces the block again
