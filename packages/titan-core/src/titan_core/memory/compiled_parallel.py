@@ -31,9 +31,14 @@ micro-batch taken on the line through both (`parallel_block_bytes`). tests/test_
 holds the count to what two real ranks (TP 2, CP 2 ring, CP 2 Ulysses, TP 2 with float8 linears) compiled by
 `aot_eager` (the same partitioner, no Inductor passes) save, to the byte.
 
+Float8 blocks are converted by `titan_parallel.apply_float8` before the split, as the trainer converts them (its
+TP styles then cast to float8 before the all-gather), with the target's graph (`compiled_estimate.traced_float8`).
+Each measurement starts from empty DTensor sharding caches (`fake_run.forget_sharding_specs`: a float8 block at TP 2
+otherwise read less after another TP measurement than first in its process, what real ranks keep).
+
 Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
 block's input and the op policy's outputs whether or not the block compiles), Mixture-of-Experts
-and float8 / MX blocks (`compiled_estimate.compiled_block_bytes` says which). `parallel_block_bytes`
+and MX blocks (`compiled_estimate.compiled_block_bytes` says which). `parallel_block_bytes`
 turns the figure into the estimate's for the target device (the eager norms as they keep there:
 `eager_norms_device_gap`). Results are cached per (family, block shape, split, seq, dtype, budget,
 backend) for the process.

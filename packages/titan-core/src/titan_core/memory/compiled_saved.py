@@ -42,21 +42,21 @@ passes (matmul padding) are not run.
 Tensor and context parallel blocks, which the trainer compiles child by child around eager
 sequence-parallel norms and DTensors (TP) or around eager ring attention (CP), are measured by
 `titan_core.memory.compiled_parallel` instead (compiled on CPU, the eager norms as on the target).
-Float8 blocks (`float8=`, tp = cp = 1): the block's linears are converted by `titan_parallel.apply_float8` as the
-trainer converts them, and the graph traced is the target's: torchao's `_scaled_mm` graph for a CUDA target (on
-fake tensors its float8 kernels need no GPU), its fp32 emulation for a CPU one (`compiled_estimate.traced_float8`).
-Tensorwise keeps some matmul inputs in float8 (1 byte an element) and recomputes more: the 1B block at seq 2048 keeps
-57,480 bytes per token against bf16's 75,912; rowwise 71,816; under selective op AC both keep bf16's 29,824, the
-matmuls' outputs.
+Float8 blocks (`float8=`; under TP / CP `compiled_parallel` converts them alike): the block's linears are converted
+by `titan_parallel.apply_float8` as the trainer converts them, and the graph traced is the target's: torchao's
+`_scaled_mm` graph for a CUDA target (on fake tensors its float8 kernels need no GPU), its fp32 emulation for a CPU
+one (`compiled_estimate.traced_float8`). Tensorwise keeps some matmul inputs in float8 (1 byte an element) and
+recomputes more: the 1B block at seq 2048 keeps 57,480 bytes per token against bf16's 75,912; rowwise 71,816; under
+selective op AC both keep bf16's 29,824, the matmuls' outputs.
 An emulated block compiled by Inductor on real CPU tensors keeps exactly what its trace reads
 (tests/test_memory_compiled_float8.py).
 
-Not measured (the analytic tier keeps the eager figures there, and says so): MX linears, float8 under TP or CP,
-autocast (DDP with a bf16 compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts
-models (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph
-on fake tensors, and under AC it refuses the MoE forward's side effect inside the checkpoint;
-DeepSeek-V3's dense blocks trace, but CPU SDPA runs their unequal q/k and v head widths through
-the math kernel, which keeps the attention matrix CUDA's kernels do not).
+Not measured (the analytic tier keeps the eager figures there, and says so): MX linears, autocast (DDP with a bf16
+compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts models (the routed
+experts' token counts are data-dependent: Dynamo cannot put them in one graph on fake tensors, and under AC it
+refuses the MoE forward's side effect inside the checkpoint; DeepSeek-V3's dense blocks trace, but CPU SDPA runs
+their unequal q/k and v head widths through the math kernel, which keeps the attention matrix CUDA's kernels do
+not).
 
 Private torch APIs used (written against torch 2.15; run on torch 2.11 on the GPU machine,
 2026-11-26):
