@@ -41,7 +41,7 @@ block's input and the op policy's outputs whether or not the block compiles), Mi
 and MX blocks (`compiled_estimate.compiled_block_bytes` says which). `parallel_block_bytes`
 turns the figure into the estimate's for the target device (the eager norms as they keep there:
 `eager_norms_device_gap`). Results are cached per (family, block shape, split, seq, dtype, budget,
-backend) for the process.
+backend, float8 options, sequences) for the process.
 """
 
 from __future__ import annotations
