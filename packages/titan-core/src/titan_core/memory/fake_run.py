@@ -9,8 +9,9 @@ The machinery of `titan_core.memory.eager_saved`:
   memory-efficient kernel instead, in the order `titan_parallel.attention_backend` gives an H100.
   The experts' token counts, read with `.tolist()`, are answered with an even load (`EvenLoad`).
 - `fake_mesh`: tensor / context parallel over a fake process group (collectives return at once, moving
-  nothing), rank 0 of `cp x tp`, as the traced tier runs, with DTensor's sharding caches emptied around it
-  (`forget_sharding_specs`); `on_fake` gives a module fake storage, a DTensor parameter its local shard.
+  nothing), rank 0 of `cp x tp`, as the traced tier runs, with DTensor's sharding caches emptied around the group
+  (`fake_process_group`, `forget_sharding_specs`); `on_fake` gives a module fake storage, a DTensor parameter its
+  local shard.
 - `SavedStorages` and `block_saved_bytes`: what `torch.autograd.graph.saved_tensors_hooks` sees, plus
   what selective "op" AC caches itself (`_CachingTorchDispatchMode.storage`) and, for a checkpointed
   block, its input; each storage once (a DTensor's local shard), parameters and buffers left out.
@@ -74,13 +75,9 @@ def fake_mesh(tp: int, cp: int, device: str, cuda_stand_in: bool = True) -> Iter
 
     if dist.is_initialized():
         raise NoFakeGroup("this process already has a process group")
-    forget_sharding_specs()
-    try:
-        with fake_process_group(0, tp * cp):
-            with cuda_devices_without_gpu(tp * cp) if cuda_stand_in else contextlib.nullcontext():
-                yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
-    finally:
-        forget_sharding_specs()
+    with fake_process_group(0, tp * cp):
+        with cuda_devices_without_gpu(tp * cp) if cuda_stand_in else contextlib.nullcontext():
+            yield DeviceMesh(device, torch.arange(cp * tp).view(cp, tp), mesh_dim_names=("cp", "tp"))
 
 
 def forget_sharding_specs() -> None:
@@ -106,19 +103,22 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """The default process group, torch's "fake" backend (collectives return at once), as `rank` of `world_size`,
     destroyed after. `init_process_group` also wraps `sys.excepthook` to prefix tracebacks with `[rank0]:`, and
     never unwraps it: a planner's dozens of measurements stacked as many prefixes on each line of a later error's
-    traceback. The hook is put back as it was."""
+    traceback. The hook is put back as it was. DTensor's sharding caches are emptied before and after
+    (`forget_sharding_specs`): no DTensor of this group's meshes takes a spec cached with another's."""
     import sys
 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     hook = sys.excepthook
+    forget_sharding_specs()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+        forget_sharding_specs()
 
 
 class EvenLoad(TorchDispatchMode):
