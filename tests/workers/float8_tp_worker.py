@@ -1,9 +1,11 @@
 """Float8 under tensor parallel, launched by tests/test_float8.py under torchrun (2 processes, gloo, CPU).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/workers/float8_tp_worker.py OUT_JSON
+    python -m torch.distributed.run --nproc-per-node 4 tests/workers/float8_tp_worker.py OUT_JSON
 
-On 4 processes it runs only `tp_cp_compiled_vs_eager` (TP 2 x CP 2, ring attention). On 2, for each float8 recipe, the trainer's own model setup (`assemble_model`) builds a seeded tiny
-Llama converted to float8 and split TP=2. Hooks placed after TP's own record what
+On 4 processes it runs only `tp_cp_compiled_vs_eager` (TP 2 x CP 2, ring attention). On 2, for each float8
+recipe, the trainer's own model setup (`assemble_model`) builds a seeded tiny Llama converted to float8 and split
+TP=2. Hooks placed after TP's own record what
 each linear really receives (a float8 DTensor, all-gathered in float8, or a
 high-precision one); one forward and backward on a fixed batch is compared with the
 same float8 model alone and with the unconverted model alone. Rank 0 writes the
@@ -77,18 +79,23 @@ def forward_backward(model: torch.nn.Module, tokens, labels) -> tuple[torch.Tens
     return logits.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
-def compiled_vs_eager(tokens, labels) -> dict:
-    """Tensorwise float8 under TP, compiled against eager: the float8 input cast and its all-gather (the children's
-    input hooks) trace into each child's graph; until 2026-12-07 the first backward failed ("Expected a
-    Float8TrainingTensor tangent but got a plain Tensor")."""
-    torch._dynamo.reset()
-    compiled_logits, compiled_grads = forward_backward(tp_model("tensorwise", compile=True)[0], tokens, labels)
-    eager_logits, eager_grads = forward_backward(tp_model("tensorwise")[0], tokens, labels)
+def differences(compiled: tuple[torch.Tensor, dict], eager: tuple[torch.Tensor, dict]) -> dict:
+    """The largest differences of two `forward_backward` results' logits and gradients."""
+    (compiled_logits, compiled_grads), (eager_logits, eager_grads) = compiled, eager
     return {
         "logits_max_diff": (compiled_logits - eager_logits).abs().max().item(),
         "grad_max_diff": max((compiled_grads[n] - g).abs().max().item() for n, g in eager_grads.items()),
         "grads": len(eager_grads),
     }
+
+
+def compiled_vs_eager(tokens, labels) -> dict:
+    """Tensorwise float8 under TP, compiled against eager: the float8 input cast and its all-gather (the children's
+    input hooks) trace into each child's graph; until 2026-12-07 the first backward failed ("Expected a
+    Float8TrainingTensor tangent but got a plain Tensor")."""
+    torch._dynamo.reset()
+    compiled = forward_backward(tp_model("tensorwise", compile=True)[0], tokens, labels)
+    return differences(compiled, forward_backward(tp_model("tensorwise")[0], tokens, labels))
 
 
 def tp_cp_compiled_vs_eager(tokens, labels) -> dict:
@@ -102,12 +109,7 @@ def tp_cp_compiled_vs_eager(tokens, labels) -> dict:
         torch._dynamo.reset()
         model, mesh = tp_model("tensorwise", compile=compile, cp=2)
         runs.append(forward_backward(model, *shard_sequence(tokens, labels, cp_mesh=mesh["cp"])))
-    (compiled_logits, compiled_grads), (eager_logits, eager_grads) = runs
-    return {
-        "logits_max_diff": (compiled_logits - eager_logits).abs().max().item(),
-        "grad_max_diff": max((compiled_grads[n] - g).abs().max().item() for n, g in eager_grads.items()),
-        "grads": len(eager_grads),
-    }
+    return differences(*runs)  # rank 0's part of the sequences (the test reads rank 0's file)
 
 
 def run(recipe: str, tokens, labels) -> dict:
