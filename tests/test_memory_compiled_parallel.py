@@ -92,6 +92,11 @@ def test_the_estimate_of_a_compiled_tp_job_takes_off_what_compiling_saves():
                                       seq_len=256, dtype=torch.float32)  # fmt: skip
     figure = int(note.split("AC none: ")[1].split(" ")[0].replace(",", ""))
     assert figure == pytest.approx(measured / 256, abs=2), (figure, measured / 256)
+    # per token whatever the micro-batch: the bf16 TP block keeps nothing once per call (two sequences, one trace)
+    two = estimate("--compile.enable", "true", "--training.local_batch_size", "2")
+    two_note = next(n for n in two.notes if n.startswith("compile: TP 2 block activations"))
+    assert "at 2 sequences per micro-batch: AC none: " in two_note, two_note
+    assert int(two_note.split("AC none: ")[1].split(" ")[0].replace(",", "")) == figure, (two_note, figure)
     # selective op keeps its eager figure, and says so
     op = estimate("--compile.enable", "true", "--activation_checkpoint.mode", "selective",
                   "--activation_checkpoint.selective_ac_option", "op")  # fmt: skip

@@ -26,8 +26,8 @@ The bytes of that one sequence over the rank's `seq / cp` tokens are the figure 
 eager figures are. Some tensors are kept once per call whatever the batch: ring attention's mask, and under TP
 the tensorwise float8 weights (their scale is an all-reduce over the TP ranks, which the partitioner does not
 recompute, so each linear keeps its float8 weight shard: the 1B block at TP 2 in float8 keeps more than in bf16).
-For a micro-batch of more sequences the block is traced at two sequences as well, and the bytes at the job's
-micro-batch taken on the line through both (`parallel_block_bytes`). tests/test_memory_compiled_parallel.py
+For a micro-batch of more sequences the block is traced at two sequences as well there, and the bytes at the
+job's micro-batch taken on the line through both (`parallel_block_bytes`). tests/test_memory_compiled_parallel.py
 holds the count to what two real ranks (TP 2, CP 2 ring, CP 2 Ulysses, TP 2 with float8 linears) compiled by
 `aot_eager` (the same partitioner, no Inductor passes) save, to the byte.
 
@@ -303,8 +303,8 @@ def parallel_block_bytes(
     norms, alike on both; CPU's flash attention keeps what CUDA's does), and so is ring attention, which runs eager
     between them (its own autograd function, on both devices). Selective `op` and full AC keep the eager figures
     (their checkpoints keep the block's input and the policy's outputs whether or not the block compiles).
-    With `sequences` > 1 the block is traced at one and at two sequences, and what it keeps for the micro-batch is
-    taken on the line through both (per-call tensors once, the rest per sequence: module docstring).
+    With `sequences` > 1, where a block keeps tensors once per call (float8 linears under TP, ring attention), it is
+    traced at one and at two sequences, and what it keeps for the micro-batch is taken on the line through both.
 
     Args:
         job: the resolved job (compile on, TP or CP > 1).
@@ -327,12 +327,18 @@ def parallel_block_bytes(
         traced = {kind: _traced(job.spec, meta, split, **shape, seq_len=seq, memory_budget=b,
                                 backend=partition_only_backend(), float8=float8)
                   for kind, b in budgets.items()}  # fmt: skip
-        whole = {kind: trace.saved for kind, trace in traced.items()}  # at one sequence
-        if sequences > 1:  # per call once, the rest per sequence: the line through one and two sequences
-            for kind, b in budgets.items():
+        # The micro-batch's bytes: per call once, the rest per sequence, on the line through one and two sequences
+        # where a block keeps tensors per call (module docstring); elsewhere only a few bytes per position (the debug
+        # block, bf16, per call: TP 2 none, Ulysses 2,056 of 282,888 at seq 64), counted per sequence as at tp = 1.
+        per_call = (float8 is not None and split.tp > 1) or (split.cp > 1 and split.cp_method == "ring")
+        whole = {}
+        for kind, b in budgets.items():
+            one = traced[kind].saved
+            two = 2 * one
+            if sequences > 1 and per_call:
                 two = _traced(job.spec, meta, split, **shape, seq_len=seq, memory_budget=b,
                               backend=partition_only_backend(), float8=float8, batch=2).saved  # fmt: skip
-                whole[kind] += (sequences - 1) * (two - whole[kind])
+            whole[kind] = one + (sequences - 1) * (two - one)
         gap = 0
         if split.tp > 1:  # the sequence-parallel norms run eager, on the rank's cp x tp part of a sequence
             gap = eager_norms_device_gap(job.spec, meta, tp=split.tp, seq_len=rank_seq, **shape,
