@@ -125,9 +125,10 @@ def test_the_estimate_and_the_planner_measure_compiled_float8_blocks():
         args = [*ONE_B, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", str(batch)]
         return estimate_analytic(load_config(None, [*args, *extra]), 2, device_type="cuda")
 
-    (tp2_note,) = [n for n in tp2(4, *FLOAT8).notes if n.startswith("compile: TP 2 block activations measured")]
+    float8_at_4 = tp2(4, *FLOAT8)
+    (tp2_note,) = [n for n in float8_at_4.notes if n.startswith("compile: TP 2 block activations measured")]
     assert "float8 tensorwise linears as on the GPU" in tp2_note and "at 4 sequences per micro-batch" in tp2_note
-    assert tp2(4, *FLOAT8).ranks[0].activations < tp2(4).ranks[0].activations
+    assert float8_at_4.ranks[0].activations < tp2(4).ranks[0].activations
     assert tp2(1, *FLOAT8).ranks[0].activations > tp2(1).ranks[0].activations
 
     rows = budget_recompute(f8_job, (1, 2))

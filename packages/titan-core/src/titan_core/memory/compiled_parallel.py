@@ -158,7 +158,7 @@ def _traced(
 ) -> ParallelBlockTrace:  # fmt: skip
     """Split, compile and call the block once forward (counting what it saves) and once backward (module docstring)."""
     from titan_core.memory.activations import ActivationLayout
-    from titan_core.memory.compiled_saved import block_signature
+    from titan_core.memory.compiled_saved import block_copy, block_signature
     from titan_core.memory.eager_saved import parallel_copy, rank_positions, rope_table
     from titan_core.memory.fake_run import block_saved_bytes, fake_mesh, on_fake
     from titan_core.memory.torch_patches import quiet_torch_logs
@@ -173,13 +173,7 @@ def _traced(
     tp, cp = split.tp, split.cp
     layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=cp, cp_rotate_method=split.cp_rotate_method,
                               cp_method=split.cp_method, seq_len=seq_len, device_type="cpu")  # fmt: skip
-    blocks = nn.ModuleDict({"0": copy.deepcopy(block)})
-    if float8 is not None:  # converted in the model, before the split, as the trainer converts it (its TP styles)
-        from titan_parallel.float8 import apply_float8
-
-        converted = nn.Module()
-        converted.add_module(spec.plan.blocks, blocks)
-        apply_float8(converted, float8, trace_only=True)
+    blocks = block_copy(block, spec.plan.blocks, float8)  # converted before the split: TP takes float8 styles
     with fake_mesh(tp, cp, "cpu", cuda_stand_in=False) as mesh, _backward_flops() as flops:
         holder = parallel_copy(spec, {spec.plan.blocks: blocks}, mesh, layout)
         mode = FakeTensorMode(allow_non_fake_inputs=True)

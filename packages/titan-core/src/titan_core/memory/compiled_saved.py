@@ -220,6 +220,20 @@ def _call_block(block: nn.Module, hidden: torch.Tensor, rope: torch.Tensor) -> t
     return block(hidden, rope_cache=rope)  # as the model's forward calls each block
 
 
+def block_copy(meta_block: nn.Module, blocks_path: str, float8: Float8Options | None) -> nn.ModuleDict:
+    """A copy of `meta_block` as the model's block "0" (`{"0": copy}`), its linears converted by
+    `titan_parallel.apply_float8` where the trainer converts them (in the model, before any split: the blocks' names
+    as in the run, which the float8 filters read) when `float8` is given."""
+    blocks = nn.ModuleDict({"0": copy.deepcopy(meta_block)})
+    if float8 is not None:
+        from titan_parallel.float8 import apply_float8
+
+        holder = nn.Module()
+        holder.add_module(blocks_path, blocks)
+        apply_float8(holder, float8, trace_only=True)
+    return blocks
+
+
 def _trace(
     meta_block: nn.Module,
     blocks_path: str,
@@ -232,13 +246,7 @@ def _trace(
 ) -> BlockSaved:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    block = copy.deepcopy(meta_block)
-    if float8 is not None:  # converted where the trainer converts it: in the model, the blocks' names as in the run
-        from titan_parallel.float8 import apply_float8
-
-        holder = nn.Module()
-        holder.add_module(blocks_path, nn.ModuleDict({"0": block}))
-        apply_float8(holder, float8, trace_only=True)
+    block = block_copy(meta_block, blocks_path, float8)["0"]
     with FakeTensorMode():
         _fake_storage(block, dtype)
         hidden = torch.empty(input_shape, dtype=dtype, requires_grad=True)  # (batch, seq, dim)
