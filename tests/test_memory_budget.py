@@ -136,10 +136,16 @@ def test_the_analytic_estimate_follows_the_budget_and_says_what_it_measured():
     assert totals["1"].ranks[0].total == none.ranks[0].total  # nothing to recompute at 1
     assert totals["0"].ranks[0].activations <= full.ranks[0].activations + 2**20  # as full AC (its RNG state aside)
     assert any("memory budget 0.5:" in n for n in totals["0.5"].notes), totals["0.5"].notes
-    # where the compiled blocks are not measured (Mixture-of-Experts) the estimate keeps every activation, says so
-    moe = estimate_analytic(load_config(None, [*base, *budget, "0.5", "--model.name", "qwen3_moe", "--model.flavor",
-                                               "debugmodel_moe"]), 1, device_type="cpu")  # fmt: skip
-    assert any("the memory budget's recompute is not counted" in n for n in moe.notes), moe.notes
+    # a Mixture-of-Experts block is cut at the budget too (its routed experts eager between the compiled pieces)
+    moe = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel_moe")
+    moe_none, moe_half = estimate(*moe), estimate(*moe, *budget, "0.5")
+    assert moe_half.ranks[0].activations < moe_none.ranks[0].activations
+    assert any("memory budget 0.5:" in n for n in moe_half.notes), moe_half.notes
+    # where the compiled blocks are not measured (DDP's autocast) the estimate keeps every activation, says so
+    ddp = ["--parallelism.dp_mode", "ddp", "--parallelism.data_parallel_replicate_degree", "2",
+           "--training.mixed_precision_param", "bfloat16"]  # fmt: skip
+    ddp = estimate_analytic(load_config(None, [*base, *budget, "0.5", *ddp]), 2, device_type="cpu")
+    assert any("the memory budget's recompute is not counted" in n for n in ddp.notes), ddp.notes
 
 
 def test_a_compiled_run_that_does_not_fit_is_offered_the_budget_that_fits():

@@ -292,3 +292,39 @@ def test_a_search_spread_over_processes_measures_what_one_process_measures(monke
         assert eager_saved.measure_eager(spec, args, layout) == result, layout
     here = search(prepare_plan(dataclasses.replace(request, workers=1)))
     assert spread.fits and [(r.layout, r.peak) for r in here.fits] == [(r.layout, r.peak) for r in spread.fits]
+
+
+def test_a_compiled_moe_plan_searches_memory_budgets_measured_on_each_kind_of_block():
+    """The compiled debug DeepSeek-V3 (1 dense and 3 MoE blocks) on one GPU: what each memory budget recomputes is
+    measured on the blocks compiled around their eager experts, the dense and the MoE kind apart, each counted as
+    many times as the model has it, and grows as the budget falls; the search then estimates and ranks layouts at each
+    budget, each no faster than the same layout without AC and keeping no more."""
+    import torch
+
+    from titan_core.job.meta_model import build_meta_model
+    from titan_core.memory.compiled_parallel import Split, parallel_block_backward_flops
+    from titan_core.memory.plan_model import budget_recompute
+
+    job = (*DEBUG_MOE, "--compile.enable", "true", "--training.seq_len", "256")
+    rows = {b: f for _, b, f in budget_recompute(load_config(None, list(job)))}
+    spec, args = get_model_spec("deepseek_v3"), get_model_args("deepseek_v3", "debugmodel")
+    meta = build_meta_model(spec, args)
+
+    def extra(index: int, budget: float) -> float:  # what a budget adds to one block's backward, one sequence (bf16)
+        flops = {b: parallel_block_backward_flops(spec, meta, split=Split(), dim=args.dim, seq_len=256,
+                                                  dtype=torch.bfloat16, memory_budget=b, index=index, target="cuda")
+                 for b in (None, budget)}  # fmt: skip
+        return max(0.0, flops[budget] - flops[None])
+
+    assert args.n_dense_layers == 1 and args.n_layers == 4
+    for budget, per_token in rows.items():
+        assert per_token == pytest.approx((extra(0, budget) + 3 * extra(1, budget)) / 256), budget
+    assert rows[0.25] >= rows[0.5] >= rows[0.75] and rows[0.25] > 0, rows
+    plan = search(prepare_plan(PlanRequest(None, job, gpus=1, gpus_per_node=1, gpu_memory="8GiB", global_batch=2,
+                                           top=100)))  # fmt: skip
+    fits = {(r.layout.local_batch, r.layout.ac_name): r for r in plan.fits}
+    budgeted = [key for key in fits if key[1].startswith("budget")]
+    assert {key[1] for key in budgeted} == {"budget 0.75", "budget 0.5", "budget 0.25"}, sorted(fits)
+    for key in budgeted:
+        assert fits[key].cost.seconds >= fits[(key[0], "none")].cost.seconds
+        assert fits[key].peak <= fits[(key[0], "none")].peak

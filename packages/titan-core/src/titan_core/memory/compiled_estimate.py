@@ -3,16 +3,18 @@ eager ones, with a note saying what was measured, or why not.
 
 The measurements are `titan_core.memory.compiled_saved`'s (a whole block traced on fake tensors at tp = cp = 1,
 the compiled plain loss) and `titan_core.memory.compiled_parallel`'s (a block split and compiled as under tensor /
-context parallel); this module decides which applies to a job, with what (its AC kinds, its memory budget, its
-float8 linears as the target runs them), and turns their figures into `ActivationBytes`.
+context parallel, and a Mixture-of-Experts block compiled around its eager experts); this module decides which
+applies to a job, with what (its AC kinds, its memory budget, its float8 linears as the target runs them), and turns
+their figures into `ActivationBytes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn as nn
 
 from titan_core.memory.compiled_saved import measure_block, measure_loss
 
@@ -55,7 +57,7 @@ def compiled_block_bytes(
     overcount under 1% of a block. One figure per token then serves every micro-batch size, as the
     planner tries them. Under tensor / context parallel a block also keeps per-call tensors that are not small
     (float8 weight copies under TP, ring attention's mask): there it is measured at `sequences` too
-    (`compiled_parallel.parallel_block_bytes`).
+    (`parallel_block_bytes`).
 
     Args:
         job: the resolved job (compile on).
@@ -77,15 +79,11 @@ def compiled_block_bytes(
         why_not = "compile.components leaves the blocks eager"
     elif job.converters.mx is not None:
         why_not = "MX linears are not measured compiled"
-    elif job.spec.plan.moe is not None or act.per_block:
-        why_not = "Mixture-of-Experts blocks are not measured compiled"
     elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel) and not job.parallel.master_weights:
         why_not = "autocast's compiled blocks (DDP with a 16-bit compute dtype) are not measured"
     if why_not is not None:
         return act, f"compile: {why_not}; {eager}"
-    if dims.tp > 1 or dims.cp > 1:
-        from titan_core.memory.compiled_parallel import parallel_block_bytes
-
+    if dims.tp > 1 or dims.cp > 1 or job.spec.plan.moe is not None or act.per_block:
         return parallel_block_bytes(job, act, layout, sequences)
     ac = cfg.activation_checkpoint
     kinds = ["none"]
@@ -166,3 +164,140 @@ def compiled_loss_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes
         f"(eager: {act.logits_saved:,}); its backward holds one gradient of the logits in the compute dtype"
     )
     return dataclasses.replace(act, logits_saved=saved), note
+
+
+def parallel_block_bytes(
+    job: Job, act: ActivationBytes, layout: ActivationLayout, sequences: int = 1
+) -> tuple[ActivationBytes, str]:
+    """`compiled_estimate.compiled_block_bytes` under tensor and / or context parallel, and for Mixture-of-Experts
+    models, with no AC or at the job's memory budget: the block split and compiled on CPU (`measure_parallel_block`),
+    under TP less what its eager sequence-parallel norms keep on CPU beyond what they keep on the target device
+    (`eager_norms_device_gap`: CUDA's fused RMSNorm keeps less than CPU's decomposition). It is measured on CPU
+    because Dynamo cannot trace fake CUDA tensors without a GPU; the compiled graphs are device-blind (Inductor
+    decomposes a norm inside them, Qwen3's QK norms, alike on both; CPU's flash attention keeps what CUDA's does, and
+    `wide_attention` stands in for CUDA's kernel where head widths differ), and so are ring attention, which runs
+    eager between them (its own autograd function, on both devices), and the routed experts, which the trainer
+    leaves eager (at even load, as the eager figures: CPU's per-expert matmuls keep the bytes CUDA's grouped matmul
+    keeps). Where the model's blocks differ (DeepSeek-V3's dense and MoE blocks: `act.per_block`), each kind is
+    measured. Selective `op` and full AC keep the eager figures (their checkpoints keep the block's input and the
+    policy's outputs whether or not the block compiles).
+    With `sequences` > 1, where a block keeps tensors once per call (float8 linears under TP, ring attention), it is
+    traced at one and at two sequences, and what it keeps for the micro-batch is taken on the line through both.
+
+    Args:
+        job: the resolved job (compile on; TP or CP > 1, or a Mixture-of-Experts model).
+        act: the eager figures measured for the job's layout on its device.
+        layout: that layout.
+        sequences: sequences per micro-batch on a rank.
+    """
+    from titan_core.memory.compiled_parallel import (
+        ParallelBlockTrace,
+        Split,
+        eager_norms_device_gap,
+        moe_args,
+        partition_only_backend,
+        trace_block,
+    )
+    from titan_core.memory.compiled_saved import block_signature
+
+    cfg, dims = job.cfg, job.dims
+    assert dims is not None
+    ac, p = cfg.activation_checkpoint, cfg.parallelism
+    split = Split(dims.tp, dims.cp, p.context_parallel_method, p.context_parallel_rotate_method, layout.ep_spans_tp)
+    seq, rank_seq = cfg.training.seq_len, cfg.training.seq_len // dims.cp  # the eager figures are per rank token
+    budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
+    float8 = traced_float8(cfg, job.device_type)
+    options = {"dim": job.model_args.dim, "dtype": job.parallel.param_dtype, "seq_len": seq, "float8": float8,
+               "backend": partition_only_backend(), "target": layout.device_type}  # fmt: skip
+    # The micro-batch's bytes: per call once, the rest per sequence, on the line through one and two sequences where a
+    # block keeps tensors per call (module docstring); elsewhere only a few bytes per position (the debug block, bf16,
+    # per call: TP 2 none, Ulysses 2,056 of 282,888 at seq 64), counted per sequence as at tp = 1.
+    per_call = (float8 is not None and split.tp > 1) or (split.cp > 1 and split.cp_method == "ring")
+    try:
+        meta = job.meta_model()
+        # a multi-token-prediction depth (its input `input_width` wide, its output two tensors) keeps its eager figures
+        signatures = [None if hasattr(b, "input_width") else block_signature(b)
+                      for b in meta.get_submodule(job.spec.plan.blocks).children()]  # fmt: skip
+        kinds: dict[Any, int] = {sig: signatures.index(sig) for sig in signatures if sig is not None}
+        kinds = kinds if act.per_block else {signatures[0]: 0}
+        traced: dict[int, dict[str, ParallelBlockTrace]] = {}
+        whole: dict[int, dict[str, float]] = {}
+        for index in kinds.values():
+            traced[index], whole[index] = {}, {}
+            for kind, b in budgets.items():
+                one = traced[index][kind] = trace_block(job.spec, meta, split, memory_budget=b, index=index, **options)
+                two = 2 * one.saved
+                if sequences > 1 and per_call:
+                    two = trace_block(job.spec, meta, split, memory_budget=b, index=index, batch=2, **options).saved
+                whole[index][kind] = one.saved + (sequences - 1) * (two - one.saved)
+        gap = 0
+        if split.tp > 1:  # the sequence-parallel norms run eager, on the rank's cp x tp part of a sequence
+            gap = eager_norms_device_gap(job.spec, meta, tp=split.tp, seq_len=rank_seq, dim=options["dim"],
+                                         dtype=options["dtype"], device=layout.device_type)  # fmt: skip
+    except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return act, f"compile: tracing the {_describe(split)} block failed ({first_line}); the eager blocks' figures"
+    saved = {
+        index: {kind: round(bytes_ / (sequences * rank_seq) - gap / rank_seq) for kind, bytes_ in by_kind.items()}
+        for index, by_kind in whole.items()
+    }
+    measured = _with_blocks(act, [saved[kinds[s]] if s is not None else None for s in signatures] if act.per_block
+                            else [saved[0]])  # fmt: skip
+    figures = []
+    for index in kinds.values():
+        eager = act.per_block[index] if act.per_block else act
+        name = f"{'MoE' if moe_args(job.spec, _block(meta, job, index)) else 'dense'} block, " if act.per_block else ""
+        line = f"{name}AC none: {saved[index]['none']:,} (eager {eager.block:,})"
+        if "budget" in saved[index]:
+            base, budget = (traced[index][kind].backward_flops or 0.0 for kind in ("none", "budget"))
+            line += (
+                f", memory budget {ac.memory_budget:g}: {saved[index]['budget']:,}, its backward "
+                f"{(budget - base) / max(base, 1.0):.0%} more matmul and attention FLOPs (the recompute)"
+            )
+        figures.append(line)
+    kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
+    how = []
+    if split.tp > 1:
+        how.append(f"each child but the sequence-parallel norms, the norms as on {layout.device_type}")
+    if split.cp > 1 and split.cp_method == "ring":
+        how.append("around the eager ring attention")
+    if job.spec.plan.moe is not None:
+        how.append("the routed experts eager at even load")
+    if None in signatures:
+        how.append("the multi-token-prediction depths as eager")
+    if float8 is not None:
+        how.append(f"float8 {float8.recipe_name} linears " + ("emulated" if float8.emulate else "as on the GPU"))
+    return measured, (
+        f"compile: {_describe(split)} block activations measured compiled as the trainer compiles them "
+        f"({'; '.join([*how, 'fake CPU tensors'])}), bytes per {'rank ' if split.cp > 1 else ''}token per block"
+        f"{f' at {sequences} sequences per micro-batch' if sequences > 1 else ''}: "
+        f"{'; '.join(figures)}{kept}; the loss and the rest as eager"
+    )
+
+
+def _block(meta: nn.Module, job: Job, index: int) -> nn.Module:
+    return list(meta.get_submodule(job.spec.plan.blocks).children())[index]
+
+
+def _with_blocks(act: ActivationBytes, saved: list[dict[str, int] | None]) -> ActivationBytes:
+    """`act` with each block's compiled figures (`block`, and `block_budget` where measured): one dict for all
+    blocks, or one per block where they differ (`per_block`: the top-level figures then the smallest; None keeps
+    that block's eager figures)."""
+    if not act.per_block:
+        assert saved[0] is not None
+        return dataclasses.replace(act, block=saved[0]["none"], block_budget=saved[0].get("budget"))
+    blocks = tuple(
+        a if s is None else dataclasses.replace(a, block=s["none"], block_budget=s.get("budget"))
+        for a, s in zip(act.per_block, saved, strict=True)
+    )
+    budgets = [b.block_budget for b in blocks if b.block_budget is not None]
+    return dataclasses.replace(
+        act, block=min(b.block for b in blocks), block_budget=min(budgets) if budgets else None, per_block=blocks
+    )
+
+
+def _describe(split: Any) -> str:
+    """'TP 8', 'CP 2 (ring)', 'TP 2 x CP 2 (ulysses)'; 'one-rank' for neither."""
+    parts = [f"TP {split.tp}"] if split.tp > 1 else []
+    parts += [f"CP {split.cp} ({split.cp_method})"] if split.cp > 1 else []
+    return " x ".join(parts) or "one-rank"

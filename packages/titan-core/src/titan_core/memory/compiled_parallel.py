@@ -1,5 +1,5 @@
-"""What a compiled block keeps for backward under tensor and / or context parallel: the trainer's own split and
-compile, on fake tensors.
+"""What a compiled block keeps for backward under tensor and / or context parallel, or with Mixture-of-Experts layers:
+the trainer's own split and compile, on fake tensors.
 
 Under TP the trainer compiles each child of a block but the sequence-parallel norms
 (`titan_parallel.apply_compile(per_child=True)`), around DTensors; under ring CP each block
@@ -27,21 +27,28 @@ eager figures are. Some tensors are kept once per call whatever the batch: ring 
 the tensorwise float8 weights (their scale is an all-reduce over the TP ranks, which the partitioner does not
 recompute, so each linear keeps its float8 weight shard: the 1B block at TP 2 in float8 keeps more than in bf16).
 For a micro-batch of more sequences the block is traced at two sequences as well there, and the bytes at the
-job's micro-batch taken on the line through both (`parallel_block_bytes`). tests/test_memory_compiled_parallel.py
-holds the count to what two real ranks (TP 2, CP 2 ring, CP 2 Ulysses, TP 2 with float8 linears) compiled by
-`aot_eager` (the same partitioner, no Inductor passes) save, to the byte.
+job's micro-batch taken on the line through both (`compiled_estimate.parallel_block_bytes`).
+tests/test_memory_compiled_parallel.py holds the count to what two real ranks (TP 2, CP 2 ring, CP 2 Ulysses, TP 2
+with float8 linears) compiled by `aot_eager` (the same partitioner, no Inductor passes) save, to the byte.
 
 Float8 blocks are converted by `titan_parallel.apply_float8` before the split, as the trainer converts them (its
 TP styles then cast to float8 before the all-gather), with the target's graph (`compiled_estimate.traced_float8`).
 Each measurement starts from empty DTensor sharding caches (`fake_run.forget_sharding_specs`: a float8 block at TP 2
 otherwise read less after another TP measurement than first in its process, what real ranks keep).
 
+A Mixture-of-Experts block (at any split, one rank included) compiles around its routed experts, which run eager
+between the compiled pieces at even load (`fake_run.EvenLoad`, as the eager figures); each kind of block is measured
+(DeepSeek-V3's dense and MoE blocks). For a CUDA target, attention of unequal q / v head widths (DeepSeek-V3's) is
+traced as `wide_attention`'s op, which keeps what CUDA's kernel keeps, and bf16 experts as Hopper's grouped matmul
+(`cuda_kernels`). tests/test_memory_compiled_moe.py holds the count to what a real compiled block with real routing
+saves, to the byte.
+
 Not measured here: selective `op` / full AC (their figures stay eager: the checkpoint keeps the
-block's input and the op policy's outputs whether or not the block compiles), Mixture-of-Experts
-and MX blocks (`compiled_estimate.compiled_block_bytes` says which). `parallel_block_bytes`
+block's input and the op policy's outputs whether or not the block compiles), and MX blocks
+(`compiled_estimate.compiled_block_bytes` says which). `compiled_estimate.parallel_block_bytes`
 turns the figure into the estimate's for the target device (the eager norms as they keep there:
-`eager_norms_device_gap`). Results are cached per (family, block shape, split, seq, dtype, budget,
-backend, float8 options, sequences) for the process.
+`eager_norms_device_gap`). Results are cached per (family, block shape, MoE args, split, seq, dtype, budget,
+backend, float8 options, sequences, target) for the process.
 """
 
 from __future__ import annotations
@@ -56,8 +63,6 @@ import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from titan_core.job import Job
-    from titan_core.memory.activations import ActivationBytes, ActivationLayout
     from titan_models import ModelSpec
     from titan_parallel.float8 import Float8Options
 
@@ -73,6 +78,9 @@ class Split:
     cp: int = 1
     cp_method: str = "ring"
     cp_rotate_method: str = "allgather"
+    ep_spans_tp: bool = False
+    """Under TP, the TP ranks join expert parallel (`expert_tensor_parallel_degree = 1`): a MoE layer routes the
+    rank's own sequence shard (`ActivationLayout.ep_spans_tp`)."""
 
     @property
     def tokens(self) -> int:
@@ -104,14 +112,16 @@ def measure_parallel_block(
     backend: str | None = None,
     float8: Float8Options | None = None,
     sequences: int = 1,
+    index: int = 0,
+    target: str = "cpu",
 ) -> int:
-    """Bytes the first block of `meta` keeps for backward on one rank of `split` when compiled as the trainer compiles
+    """Bytes block `index` of `meta` keeps for backward on one rank of `split` when compiled as the trainer compiles
     it there, for `sequences` sequences of `seq_len` tokens (the rank's `seq_len / cp` of each; cached).
 
     Args:
         spec: the model family (its plan's block container and TP styles).
         meta: the model on the meta device (left untouched: its first block is copied).
-        split: the tensor / context parallel degrees (not both 1).
+        split: the tensor / context parallel degrees (both 1: one rank, as a Mixture-of-Experts block is measured).
         dim: width of the block's input (the model's `dim`).
         seq_len: tokens per sequence.
         dtype: the compute dtype: the parameters' and the input's.
@@ -121,58 +131,74 @@ def measure_parallel_block(
         float8: the run's [float8] options, its linears converted by `titan_parallel.apply_float8` before the split,
             as the trainer converts them (`compiled_estimate.traced_float8`: the target's graph); None: no float8.
         sequences: the micro-batch, in sequences.
+        index: which block (a Mixture-of-Experts model's dense and MoE blocks differ).
+        target: the device type the figure is for ("cuda": CUDA's kernels where they keep other tensors,
+            `cuda_kernels`).
     """
     backend = backend or partition_only_backend()
-    return _traced(spec, meta, split, dim, seq_len, dtype, memory_budget, backend, float8, sequences).saved
+    return trace_block(spec, meta, split, dim, seq_len, dtype, memory_budget, backend, float8, sequences, index,
+                   target).saved  # fmt: skip
 
 
 def parallel_block_backward_flops(
     spec: ModelSpec[Any], meta: nn.Module, *, split: Split, dim: int, seq_len: int, dtype: torch.dtype,
-    memory_budget: float | None = None, float8: Float8Options | None = None,
+    memory_budget: float | None = None, float8: Float8Options | None = None, index: int = 0, target: str = "cpu",
 ) -> float:  # fmt: skip
-    """FLOPs of the backward of `meta`'s first block on one rank of `split`, compiled as the trainer compiles it there
-    (under TP its children one by one, each cut by Inductor's partitioner at `memory_budget`), for one sequence of
-    `seq_len` tokens: matmuls and attention, read off the backward graphs (`graph_flops`). A budget's recompute is
-    its figure over the unbudgeted one's (`plan_model.budget_recompute`). The trace is `measure_parallel_block`'s
-    (cached with it).
+    """FLOPs of the backward of block `index` of `meta` on one rank of `split`, compiled as the trainer compiles it
+    there (under TP its children one by one, a Mixture-of-Experts block around its eager experts, each compiled
+    piece cut by Inductor's partitioner at `memory_budget`), for one sequence of `seq_len` tokens: matmuls and
+    attention, read off the backward graphs (`graph_flops`; the eager experts' backward is not in them, and does not
+    change with the budget). A budget's recompute is its figure over the unbudgeted one's
+    (`plan_model.budget_recompute`). The trace is `measure_parallel_block`'s (cached with it).
 
     Args:
         spec: the model family.
         meta: the model on the meta device.
-        split: the tensor / context parallel degrees (not both 1).
+        split: the tensor / context parallel degrees.
         dim: width of the block's input.
         seq_len: tokens per sequence.
         dtype: the compute dtype.
         memory_budget: the partitioner's activation memory budget in [0, 1]; None: its default.
         float8: the run's [float8] options (`measure_parallel_block`); None: no float8.
+        index: which block.
+        target: the device type the figure is for (`measure_parallel_block`).
     """
     backend = partition_only_backend()
-    flops = _traced(spec, meta, split, dim, seq_len, dtype, memory_budget, backend, float8).backward_flops
+    trace = trace_block(spec, meta, split, dim, seq_len, dtype, memory_budget, backend, float8, 1, index, target)
+    flops = trace.backward_flops
     assert flops is not None  # the partition-only backend hands the backward graphs over
     return flops
 
 
-def _traced(
+def trace_block(
     spec: ModelSpec[Any], meta: nn.Module, split: Split, dim: int, seq_len: int, dtype: torch.dtype,
-    memory_budget: float | None, backend: str, float8: Float8Options | None = None, batch: int = 1,
+    memory_budget: float | None, backend: str, float8: Float8Options | None = None, batch: int = 1, index: int = 0,
+    target: str = "cpu",
 ) -> ParallelBlockTrace:  # fmt: skip
-    """Split, compile and call the block once forward (counting what it saves) and once backward (module docstring)."""
+    """Split, compile and call block `index` once forward (counting what it saves) and once backward (module
+    docstring); a Mixture-of-Experts layer's experts, which the trainer leaves eager, at even load. For a CUDA
+    `target`, what CUDA's kernels keep where they differ from CPU's (`cuda_kernels`)."""
     from titan_core.memory.activations import ActivationLayout
     from titan_core.memory.compiled_saved import block_copy, block_signature
-    from titan_core.memory.eager_saved import parallel_copy, rank_positions, rope_table
-    from titan_core.memory.fake_run import block_saved_bytes, fake_mesh, on_fake
+    from titan_core.memory.eager_saved import even_counts, parallel_copy, rank_positions, rope_table
+    from titan_core.memory.fake_run import EvenLoad, block_saved_bytes, fake_mesh, on_fake
     from titan_core.memory.torch_patches import quiet_torch_logs
     from titan_parallel.compile import apply_compile, compile_granularity
 
-    block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
-    key = (spec.name, block_signature(block), split, dim, seq_len, dtype, memory_budget, backend, float8, batch)
+    block = list(meta.get_submodule(spec.plan.blocks).children())[index]
+    moe = moe_args(spec, block)
+    key = (spec.name, block_signature(block), moe, split, dim, seq_len, dtype, memory_budget, backend, float8, batch,
+           target)  # fmt: skip
     if key in _CACHE:
         return _CACHE[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tp, cp = split.tp, split.cp
     layout = ActivationLayout(compute_bytes=dtype.itemsize, tp=tp, cp=cp, cp_rotate_method=split.cp_rotate_method,
-                              cp_method=split.cp_method, seq_len=seq_len, device_type="cpu")  # fmt: skip
+                              cp_method=split.cp_method, seq_len=seq_len, device_type="cpu",
+                              ep_spans_tp=split.ep_spans_tp)  # fmt: skip
+    routed = batch * seq_len // cp // (tp if split.ep_spans_tp else 1)  # tokens a MoE layer routes on the rank
+    counts = even_counts(moe.num_experts, routed * moe.top_k) if moe is not None else (lambda: 0)
     blocks = block_copy(block, spec.plan.blocks, float8)  # converted before the split: TP takes float8 styles
     with fake_mesh(tp, cp, "cpu", cuda_stand_in=False) as mesh, _backward_flops() as flops:
         holder = parallel_copy(spec, {spec.plan.blocks: blocks}, mesh, layout)
@@ -187,13 +213,42 @@ def _traced(
         granularity = compile_granularity(tp, cp, split.cp_method)  # as `parallelize_model` compiles
         apply_compile(holder, spec.plan, **granularity, backend=backend, memory_budget=memory_budget)
         unit = holder.get_submodule(f"{spec.plan.blocks}.0")
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False), quiet_torch_logs():
-            with mode:
+        like_cuda = cuda_kernels() if target == "cuda" else contextlib.nullcontext()
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False), quiet_torch_logs(), like_cuda:
+            with mode, EvenLoad(counts):
                 shape = (batch, seq_len // split.tokens, dim)  # the rank's part of each sequence, as the block gets it
                 saved = block_saved_bytes(unit, spec.plan.blocks, rope, positions, shape, dtype, "cpu", "none",
                                           backward=True)  # fmt: skip
     _CACHE[key] = ParallelBlockTrace(saved, sum(flops) if backend == PARTITION_ONLY else None)
     return _CACHE[key]
+
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Meanwhile a block traced on CPU for a CUDA target runs what the GPU runs where the kernels keep different
+    tensors or cost far more to trace: attention of unequal head widths as CUDA's kernel (`wide_attention`), and the
+    routed experts as Hopper's grouped matmul where the trainer takes it (bf16, aligned widths: `torch._grouped_mm`
+    on fake CPU tensors, which keeps what it keeps on the GPU), rather than the per-expert loop it runs on CPU (the
+    same bytes, but 3 x 256 matmuls forward and again backward for DeepSeek-V3's 256 experts: ~10 s a trace)."""
+    from unittest import mock
+
+    import titan_models.moe as moe
+    from titan_core.memory.wide_attention import cuda_like_attention
+
+    def on_hopper(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        aligned = x.shape[-1] % 8 == 0 and weight.shape[1] % 8 == 0
+        return hasattr(torch, "_grouped_mm") and x.dtype == weight.dtype == torch.bfloat16 and aligned
+
+    with cuda_like_attention(), mock.patch.object(moe, "grouped_mm_supported", on_hopper):
+        yield
+
+
+def moe_args(spec: ModelSpec[Any], block: nn.Module) -> Any:
+    """The `MoEArgs` of `block`'s Mixture-of-Experts layer; None for a block without one."""
+    from titan_parallel.modules import get_submodule_or_none
+
+    layer = get_submodule_or_none(block, spec.plan.moe) if spec.plan.moe is not None else None
+    return getattr(layer, "args", None)
 
 
 PARTITION_ONLY = "titan_partition_only"
@@ -284,89 +339,3 @@ def eager_norms_device_gap(spec: ModelSpec[Any], meta: nn.Module, *, tp: int, di
                 total += saved.total
         kept[where] = total
     return kept["cpu"] - kept[device]
-
-
-def parallel_block_bytes(
-    job: Job, act: ActivationBytes, layout: ActivationLayout, sequences: int = 1
-) -> tuple[ActivationBytes, str]:
-    """`compiled_estimate.compiled_block_bytes` under tensor and / or context parallel, with no AC or at the job's
-    memory budget: the block split and compiled on CPU (`measure_parallel_block`), under TP less what its eager
-    sequence-parallel norms keep on CPU beyond what they keep on the target device (`eager_norms_device_gap`: CUDA's
-    fused RMSNorm keeps less than CPU's decomposition). It is measured on CPU because Dynamo cannot trace fake CUDA
-    tensors without a GPU; the compiled graphs are device-blind (Inductor decomposes a norm inside them, Qwen3's QK
-    norms, alike on both; CPU's flash attention keeps what CUDA's does), and so is ring attention, which runs eager
-    between them (its own autograd function, on both devices). Selective `op` and full AC keep the eager figures
-    (their checkpoints keep the block's input and the policy's outputs whether or not the block compiles).
-    With `sequences` > 1, where a block keeps tensors once per call (float8 linears under TP, ring attention), it is
-    traced at one and at two sequences, and what it keeps for the micro-batch is taken on the line through both.
-
-    Args:
-        job: the resolved job (compile on, TP or CP > 1).
-        act: the eager figures measured for the job's layout on its device.
-        layout: that layout.
-        sequences: sequences per micro-batch on a rank.
-    """
-    from titan_core.memory.compiled_estimate import traced_float8
-
-    cfg, dims = job.cfg, job.dims
-    assert dims is not None
-    ac, p = cfg.activation_checkpoint, cfg.parallelism
-    split = Split(dims.tp, dims.cp, p.context_parallel_method, p.context_parallel_rotate_method)
-    seq, rank_seq = cfg.training.seq_len, cfg.training.seq_len // dims.cp  # the eager figures are per rank token
-    budgets = {"none": None, **({"budget": ac.memory_budget} if ac.mode == "memory_budget" else {})}
-    shape = {"dim": job.model_args.dim, "dtype": job.parallel.param_dtype}
-    float8 = traced_float8(cfg, job.device_type)
-    try:
-        meta = job.meta_model()
-        traced = {kind: _traced(job.spec, meta, split, **shape, seq_len=seq, memory_budget=b,
-                                backend=partition_only_backend(), float8=float8)
-                  for kind, b in budgets.items()}  # fmt: skip
-        # The micro-batch's bytes: per call once, the rest per sequence, on the line through one and two sequences
-        # where a block keeps tensors per call (module docstring); elsewhere only a few bytes per position (the debug
-        # block, bf16, per call: TP 2 none, Ulysses 2,056 of 282,888 at seq 64), counted per sequence as at tp = 1.
-        per_call = (float8 is not None and split.tp > 1) or (split.cp > 1 and split.cp_method == "ring")
-        whole = {}
-        for kind, b in budgets.items():
-            one = traced[kind].saved
-            two = 2 * one
-            if sequences > 1 and per_call:
-                two = _traced(job.spec, meta, split, **shape, seq_len=seq, memory_budget=b,
-                              backend=partition_only_backend(), float8=float8, batch=2).saved  # fmt: skip
-            whole[kind] = one + (sequences - 1) * (two - one)
-        gap = 0
-        if split.tp > 1:  # the sequence-parallel norms run eager, on the rank's cp x tp part of a sequence
-            gap = eager_norms_device_gap(job.spec, meta, tp=split.tp, seq_len=rank_seq, **shape,
-                                         device=layout.device_type)  # fmt: skip
-    except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return act, f"compile: tracing the {_describe(split)} block failed ({first_line}); the eager blocks' figures"
-    saved = {kind: round(bytes_ / (sequences * rank_seq) - gap / rank_seq) for kind, bytes_ in whole.items()}
-    measured = dataclasses.replace(act, block=saved["none"], block_budget=saved.get("budget"))
-    figures = f"AC none: {saved['none']:,} (eager {act.block:,})"
-    if "budget" in saved:
-        base, budget = (traced[kind].backward_flops or 0.0 for kind in ("none", "budget"))
-        figures += (
-            f", memory budget {ac.memory_budget:g}: {saved['budget']:,}, its backward "
-            f"{(budget - base) / max(base, 1.0):.0%} more matmul and attention FLOPs (the recompute)"
-        )
-    kept = "" if ac.mode in ("none", "memory_budget") else f"; AC {ac.mode} as eager"
-    how = []
-    if split.tp > 1:
-        how.append(f"each child but the sequence-parallel norms, the norms as on {layout.device_type}")
-    if split.cp > 1 and split.cp_method == "ring":
-        how.append("around the eager ring attention")
-    if float8 is not None:
-        how.append(f"float8 {float8.recipe_name} linears " + ("emulated" if float8.emulate else "as on the GPU"))
-    return measured, (
-        f"compile: {_describe(split)} block activations measured compiled as the trainer compiles them "
-        f"({'; '.join([*how, 'fake CPU tensors'])}), bytes per {'rank ' if split.cp > 1 else ''}token per block"
-        f"{f' at {sequences} sequences per micro-batch' if sequences > 1 else ''}: "
-        f"{figures}{kept}; the loss and the rest as eager"
-    )
-
-
-def _describe(split: Split) -> str:
-    """'TP 8', 'CP 2 (ring)', 'TP 2 x CP 2 (ulysses)'."""
-    parts = [f"TP {split.tp}"] if split.tp > 1 else []
-    parts += [f"CP {split.cp} ({split.cp_method})"] if split.cp > 1 else []
-    return " x ".join(parts)

@@ -51,12 +51,10 @@ selective op AC both keep bf16's 29,824, the matmuls' outputs.
 An emulated block compiled by Inductor on real CPU tensors keeps exactly what its trace reads
 (tests/test_memory_compiled_float8.py).
 
-Not measured (the analytic tier keeps the eager figures there, and says so): MX linears, autocast (DDP with a bf16
-compute dtype), whose weight copies the analytic tier counts apart, and Mixture-of-Experts models (the routed
-experts' token counts are data-dependent: Dynamo cannot put them in one graph on fake tensors, and under AC it
-refuses the MoE forward's side effect inside the checkpoint; DeepSeek-V3's dense blocks trace, but CPU SDPA runs
-their unequal q/k and v head widths through the math kernel, which keeps the attention matrix CUDA's kernels do
-not).
+Not measured (the analytic tier keeps the eager figures there, and says so): MX linears, and autocast (DDP with a
+bf16 compute dtype), whose weight copies the analytic tier counts apart. Mixture-of-Experts models are not traced
+whole here (the routed experts' token counts are data-dependent: Dynamo cannot put them in one graph on fake
+tensors): `compiled_parallel` compiles their blocks around the eager experts, as the trainer does.
 
 Private torch APIs used (written against torch 2.15; run on torch 2.11 on the GPU machine,
 2026-11-26):

@@ -239,7 +239,7 @@ def _measure(spec: ModelSpec[Any], args: Any, layout: ActivationLayout, meta: nn
                 def at(batch: int, kind: str = kind, block: nn.Module = block) -> tuple[int, ...]:
                     holder = parallel_copy(spec, {spec.plan.blocks: nn.ModuleDict({"0": block})}, mesh, layout)
                     routed = batch * seq // (layout.tp if layout.ep_spans_tp else 1)  # tokens a MoE layer routes
-                    counts = _even_counts(moe.num_experts, routed * moe.top_k) if moe else (lambda: 0)
+                    counts = even_counts(moe.num_experts, routed * moe.top_k) if moe else (lambda: 0)
                     with fake_target(device, counts):
                         on_fake(holder, dtype, device)
                         rope, positions = rope_table(meta, device), rank_positions(mesh, seq, device)
@@ -364,7 +364,7 @@ def rank_positions(mesh: DeviceMesh | None, seq: int, device: str) -> torch.Tens
     return cp_positions(seq, 0, mesh["cp"].size(), device=device)
 
 
-def _even_counts(experts: int, slots: int) -> Callable[[], int]:
+def even_counts(experts: int, slots: int) -> Callable[[], int]:
     """Successive experts' token counts at even load, over and over: `slots` token slots shared by `experts`."""
     state = {"i": 0}
 

@@ -50,10 +50,11 @@ EP_EXPOSED = 1.0
 """Share of expert parallel's all-to-alls on the critical path: the experts wait for the dispatch and the rest of
 the block for the combine; Titan does not overlap them with other work (as DeepEP's or DualPipe's kernels do)."""
 
-ALL_TO_ALLS_PER_LAYER = {"none": 4, "op": 6, "full": 6}
+ALL_TO_ALLS_PER_LAYER = {"none": 4, "op": 6, "full": 6, "budget": 4}
 """All-to-alls per MoE layer and micro-batch: dispatch and combine forward, their reverses backward, and under
 activation checkpointing the recomputed forward's two again (selective "op" keeps no all-to-all output:
-`titan_parallel.activation_checkpoint._SAVE_OPS` lists none, so its recompute runs both exchanges again)."""
+`titan_parallel.activation_checkpoint._SAVE_OPS` lists none, so its recompute runs both exchanges again). A memory
+budget recomputes inside the compiled pieces only, and the exchanges run eager between them: none again."""
 
 
 def ep_group_strides(layout: Layout) -> dict[str, tuple[int, int]]:

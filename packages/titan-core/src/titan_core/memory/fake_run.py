@@ -128,6 +128,12 @@ class EvenLoad(TorchDispatchMode):
         super().__init__()
         self.counts = counts
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while `torch.compile` compiles (Dynamo refuses to trace under another dispatch mode), on while the
+        compiled graphs and the eager code between them run: the experts the trainer leaves eager read the counts."""
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor
 

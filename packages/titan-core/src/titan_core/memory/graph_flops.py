@@ -5,7 +5,8 @@ them for graphs AOTAutograd's partitioner cut on fake tensors, which nothing run
 own per-op formulas (`flop_registry`) to the fake values AOTAutograd records on each node, so the count is the
 counter's (tests/test_memory_budget.py: equal to `FlopCounterMode` over an eager backward of the block). CPU's
 flash attention, which the blocks are traced with, has its own formula here (`attention_flops`, torch 2.15's):
-torch 2.11's counter skips that op, and its formula for CUDA's refuses grouped-query heads.
+torch 2.11's counter skips that op, and its formula for CUDA's refuses grouped-query heads. So has
+`wide_attention`'s op, which stands in for CUDA's kernel where q / v head widths differ.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ def graph_flops(gm: torch.fx.GraphModule) -> float:
     from torch.utils._pytree import tree_map_only
     from torch.utils.flop_counter import flop_registry
 
+    from titan_core.memory.wide_attention import attention, attention_backward
+
     aten = torch.ops.aten
     cpu_flash = {
         aten._scaled_dot_product_flash_attention_for_cpu: 0,  # (query, key, value, ...)
         aten._scaled_dot_product_flash_attention_for_cpu_backward: 1,  # (grad_out, query, key, value, ...)
+        attention._opoverload._overloadpacket: 0,  # `wide_attention`'s stand-in for CUDA's kernel
+        attention_backward._opoverload._overloadpacket: 1,
     }
     total = 0
     for node in (n for n in gm.graph.nodes if n.op == "call_function"):

@@ -115,15 +115,16 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     not assumed.
 
     A block is traced without a budget and at each budget (one sequence of `training.seq_len` in the compute dtype,
-    fake CPU tensors): whole by `compiled_saved.measure_block` at tp = 1, split and compiled child by child as the
-    trainer compiles it under TP by `compiled_parallel.parallel_block_backward_flops` (the partitioner cuts each
-    child alone, so a budget recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add
-    over the unbudgeted ones (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks,
-    times the blocks (a dense family's are alike). Float8 blocks are traced with their float8 linears as the target
-    GPU runs them, converted before the split as the trainer converts them. No row for a degree whose trace fails;
-    () where the memory estimate does not measure compiled blocks either (compile off or not on the blocks, a
-    Mixture-of-Experts model, MX linears; `compiled_estimate.compiled_block_bytes`): the planner then searches no
-    budget there.
+    fake CPU tensors): a dense family's whole by `compiled_saved.measure_block` at tp = 1; split and compiled child
+    by child as the trainer compiles it under TP, and a Mixture-of-Experts model's compiled around its eager routed
+    experts, each kind of block (DeepSeek-V3's dense and MoE blocks), by
+    `compiled_parallel.parallel_block_backward_flops` (the partitioner cuts each compiled piece alone, so a budget
+    recomputes otherwise there). A budget's recompute is the FLOPs its backward graphs add over the unbudgeted ones
+    (matmuls and attention, `graph_flops.graph_flops`), per token, summed over the TP ranks, times the blocks of each
+    kind. Float8 blocks are traced with their float8 linears as the target GPU runs them, converted before the split
+    as the trainer converts them. No row for a degree whose trace fails; () where the memory estimate does not
+    measure compiled blocks either (compile off or not on the blocks, MX linears;
+    `compiled_estimate.compiled_block_bytes`): the planner then searches no budget there.
 
     Args:
         cfg: the job config.
@@ -136,14 +137,12 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     from titan_core.job.meta_model import build_meta_model
     from titan_core.memory.compiled_estimate import traced_float8
     from titan_core.memory.compiled_parallel import Split, parallel_block_backward_flops
-    from titan_core.memory.compiled_saved import measure_block
+    from titan_core.memory.compiled_saved import block_signature, measure_block
     from titan_core.memory.plan_space import PLAN_BUDGETS
 
     spec, args = model_of(cfg)
-    if spec.plan.moe is not None:
-        return ()
     meta = build_meta_model(spec, args)
-    block = next(iter(meta.get_submodule(spec.plan.blocks).children()))
+    blocks = list(meta.get_submodule(spec.plan.blocks).children())
     rope = getattr(meta, "rope_cache", None)
     if not isinstance(rope, torch.Tensor):
         return ()
@@ -151,27 +150,38 @@ def budget_recompute(cfg: JobConfig, tps: tuple[int, ...] = (1,)) -> tuple[tuple
     # the planner's target is CUDA, where `auto` computes in bf16 (`compute_dtype_bytes`)
     dtype = torch.float32 if cfg.training.mixed_precision_param == "float32" else torch.bfloat16
     float8 = traced_float8(cfg, "cuda")
+    # each kind of block (a multi-token-prediction depth, whose budget the estimate does not measure, left out): its
+    # first block's index and how many there are
+    kinds: dict[Any, list[int]] = {}
+    for i, one in enumerate(blocks):
+        if not hasattr(one, "input_width"):
+            kinds.setdefault(block_signature(one), []).append(i)
     shape = {"rope_shape": tuple(rope.shape), "rope_dtype": rope.dtype, "dim": args.dim, "batch": 1, "ac": "none",
              "float8": float8}  # fmt: skip
     where = {"family": cfg.model.name, "blocks_path": spec.plan.blocks, "seq_len": seq}
     found: list[tuple[int, float, float]] = []
     for tp in tps:
+        more = dict.fromkeys(PLAN_BUDGETS, 0.0)
         try:  # FLOPs of one rank's backward, one sequence, per budget (None: the partitioner's default)
-            if tp == 1:
-                flops = {
-                    b: measure_block(block, **where, **shape, dtype=dtype, memory_budget=b).backward_flops
-                    for b in (None, *PLAN_BUDGETS)
-                }
-            else:
-                flops = {
-                    b: parallel_block_backward_flops(spec, meta, split=Split(tp), dim=args.dim, seq_len=seq,
-                                                     dtype=dtype, memory_budget=b, float8=float8)
-                    for b in (None, *PLAN_BUDGETS)
-                }  # fmt: skip
+            for indices in kinds.values():
+                if tp == 1 and spec.plan.moe is None:
+                    block = blocks[indices[0]]
+                    flops = {
+                        b: measure_block(block, **where, **shape, dtype=dtype, memory_budget=b).backward_flops
+                        for b in (None, *PLAN_BUDGETS)
+                    }
+                else:
+                    flops = {
+                        b: parallel_block_backward_flops(spec, meta, split=Split(tp), dim=args.dim, seq_len=seq,
+                                                         dtype=dtype, memory_budget=b, float8=float8,
+                                                         index=indices[0], target="cuda")
+                        for b in (None, *PLAN_BUDGETS)
+                    }  # fmt: skip
+                for b in PLAN_BUDGETS:
+                    more[b] += len(indices) * max(0.0, flops[b] - flops[None])
         except Exception:  # torch raises many kinds; the estimate says what failed where it traces the block again
             continue
-        more = {b: f - flops[None] for b, f in flops.items() if b is not None}
-        found += [(tp, b, args.n_layers * tp * max(0.0, extra) / seq) for b, extra in more.items()]
+        found += [(tp, b, tp * extra / seq) for b, extra in more.items()]
     return tuple(found)
 
 

@@ -31,10 +31,10 @@ AC_MODES = ("none", "op", "full")
 
 PLAN_BUDGETS = (0.75, 0.5, 0.25)
 """Compiled blocks' activation memory budgets searched (`activation_checkpoint.mode = 'memory_budget'`) beside
-`AC_MODES`, where the job compiles its blocks and the estimate measures them (a dense model, no MX; float8 at
-tp = 1 only), at cp = 1 and each TP degree whose recompute was measured (`plan_model.budget_recompute`: the whole
-block at tp = 1, TP's compiled children, which the partitioner cuts one by one around the eager norms, at each
-degree). On Llama
+`AC_MODES`, where the job compiles its blocks and the estimate measures them (no MX), at cp = 1 and each TP degree
+whose recompute was measured (`plan_model.budget_recompute`: a dense block whole at tp = 1, TP's compiled children,
+which the partitioner cuts one by one around the eager norms, at each degree, a Mixture-of-Experts block's compiled
+pieces around its eager experts). On Llama
 3.2 1B's block (bf16, 2048 tokens) 0.75 keeps 68% of the unbudgeted block's bytes and recomputes no matmul, 0.5
 62% for +6% of the backward's FLOPs, 0.25 19% for +29% (selective "op": 39% for +15%); 0 is full AC, 1 none."""
 
