@@ -230,9 +230,9 @@ def test_memory_lower_bound_never_exceeds_the_estimate():
                    if refuse_by_rule(t, args, plan.base, 8192) is None]
         for t in layouts[:: len(layouts) // 25]:
             act = measure_eager(spec, args, ActivationLayout(compute_bytes=2, tp=t.tp, cp=t.cp, seq_len=8192)).act
-            act = None if plan.base.compile.enable else act  # as `search` bounds compiled runs (plan.py)
             peak = estimate_analytic(layout_config(plan, t), gpus, device_type="cuda").peak
-            assert memory_lower_bound(t, plan.workload, act, two - one) <= peak, t
+            bound = memory_lower_bound(t, plan.workload, act, two - one, compiled=plan.base.compile.enable)
+            assert bound <= peak, t
 
 
 def test_search_finds_what_brute_force_finds():

@@ -300,8 +300,11 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
         return refusal or refuse_ep(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, t.ep, t.ep_spans_tp)
 
     experts = w.moe.num_experts if plan.request.expert_parallel else 0
-    if w.budget_recompute:  # measured at tp = 1: also at each TP degree a layout may take (with cp = 1)
-        tps = tuple(tp for tp in divisors(c.gpus) if tp > 1 and refuse(tp, 1, 1, "1F1B", 1, 1) is None)
+    if w.budget_recompute:  # measured at tp = 1: also at each TP degree a layout may take in a node (with cp = 1)
+        # (TP across nodes runs its collectives over the network: those layouts are searched without budgets, which
+        # would cost a trace per budget and kind of block each, ~3 s for DeepSeek-V3 671B's MoE block)
+        tps = tuple(tp for tp in divisors(c.gpus)
+                    if 1 < tp <= c.gpus_per_node and refuse(tp, 1, 1, "1F1B", 1, 1) is None)  # fmt: skip
         if plan.request.progress and tps:
             plan.request.progress(f"measuring what the memory budgets recompute under TP {', '.join(map(str, tps))}")
         more = budget_recompute(cfg, tps) if tps else ()
@@ -331,8 +334,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
             plan.counts["rule"] += 1
             plan.rule_errors[refusal] += 1
             continue
-        act = None if cfg.compile.enable else activations(t.tp, t.cp, t.ep_spans_tp)  # compiled: saves less
-        bound = memory_lower_bound(t, w, act, sizes, compute_bytes, ends)
+        act = activations(t.tp, t.cp, t.ep_spans_tp)  # compiled: its blocks' inputs only
+        bound = memory_lower_bound(t, w, act, sizes, compute_bytes, ends, compiled=cfg.compile.enable)
         over_host = t.offload and host_lower_bound(t, w, c.gpus_per_node) > plan.host_memory
         if bound > plan.usable or over_host:
             plan.counts["lower_bound"] += 1

@@ -129,6 +129,7 @@ def memory_lower_bound(
     block_params: int | BlockSizes,
     compute_bytes: int = 2,
     end_weights: tuple[int, int] = (1, 1),
+    compiled: bool = False,
 ) -> int:
     """Bytes per rank that no estimate of `layout` goes below: step 3's filter.
 
@@ -148,21 +149,27 @@ def memory_lower_bound(
         layout: the layout.
         work: the model and batch.
         act: the eager `ActivationBytes` at this layout's tp and cp (`eager_saved.measure_eager`); None leaves
-            activations out (a compiled run: the estimate reads what the compiled graph keeps, which the eager
-            figures do not bound).
+            activations out.
         block_params: the blocks' sizes (`BlockSizes`), or the parameters of the smallest block of a dense model
             (every block counted as that).
         compute_bytes: bytes of the compute dtype (FSDP gathers the weights in it).
         end_weights: blocks' worth the first and the last pipeline stage's other modules count for
             (`parallelism.pipeline_parallel_{first,last}_stage_less_layers`).
+        compiled: the blocks compile: the estimate reads what the compiled graphs keep, less than the eager figures
+            but never less than each block's input (what full AC keeps; a memory budget of 0 keeps as much), which
+            the bound then counts whatever the AC mode or budget, with no backward or recompute.
     """
     t = layout
     if isinstance(block_params, int):
         block_params = BlockSizes(((block_params, 0),) * work.n_layers)
     states = 0.0 if t.offload else model_states_per_rank(t, work)
     tokens = t.microbatch * work.seq_len // t.cp  # (micro)batch tokens on this rank
-    kept = 0 if act is None else {"none": act.block, "op": act.block_op, "full": act.block_input}[t.ac]
-    recompute = 0 if act is None else {"none": 0, "op": act.block - act.block_op, "full": act.block}[t.ac]
+    kept = recompute = 0
+    if act is not None and compiled:
+        kept = act.block_input
+    elif act is not None:
+        kept = {"none": act.block, "op": act.block_op, "full": act.block_input}[t.ac]
+        recompute = {"none": 0, "op": act.block - act.block_op, "full": act.block}[t.ac]
     accumulates = t.accum > 1 or t.microbatches > 1  # the gradients of earlier (micro-)batches live through backward
     # GPipe without accumulation: its peak, every micro-batch kept, comes before any gradient exists (or a later
     # backward's, with gradients and one micro-batch fewer, is larger): the gradients are not counted
@@ -178,7 +185,7 @@ def memory_lower_bound(
         if r.count == 0:
             continue
         in_flight = inflight_microbatches(t.schedule, t.pp, r.pp_rank, t.stages_per_rank, t.microbatches)
-        backward = 0 if act is None else tokens * (act.block_backward + recompute)  # a block's backward, recompute
+        backward = 0 if act is None or compiled else tokens * (act.block_backward + recompute)  # and its recompute
         gathered = 0.0
         if fsdp:
             gathered = compute_bytes * (3 * r.biggest if reshard else r.gathered)
