@@ -136,7 +136,8 @@ def test_a_compiled_moe_job_is_estimated_with_its_compiled_blocks(estimates):
     for name in ("qwen3_moe", "deepseek_v3"):
         eager, compiled = estimates[(name, "false")], estimates[(name, "true")]
         note = next(n for n in compiled.notes if n.startswith("compile:"))
-        assert "one-rank block activations measured compiled" in note and "experts eager at even load" in note, note
+        assert note.startswith("compile: block activations measured compiled"), note
+        assert "the routed experts eager at even load" in note, note
         assert compiled.peak < eager.peak, (name, compiled.peak, eager.peak)
     note = next(n for n in estimates[("deepseek_v3", "true")].notes if n.startswith("compile:"))
     assert "dense block, AC none" in note and "MoE block, AC none" in note, note

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from titan_core.config import JobConfig
     from titan_core.job import Job
     from titan_core.memory.activations import ActivationBytes, ActivationLayout
+    from titan_core.memory.compiled_parallel import Split
     from titan_parallel.float8 import Float8Options
 
 
@@ -169,18 +170,18 @@ def compiled_loss_bytes(job: Job, act: ActivationBytes) -> tuple[ActivationBytes
 def parallel_block_bytes(
     job: Job, act: ActivationBytes, layout: ActivationLayout, sequences: int = 1
 ) -> tuple[ActivationBytes, str]:
-    """`compiled_estimate.compiled_block_bytes` under tensor and / or context parallel, and for Mixture-of-Experts
-    models, with no AC or at the job's memory budget: the block split and compiled on CPU (`measure_parallel_block`),
+    """`compiled_block_bytes` under tensor and / or context parallel, and for Mixture-of-Experts models, with no AC
+    or at the job's memory budget: the block split and compiled on CPU (`compiled_parallel.measure_parallel_block`),
     under TP less what its eager sequence-parallel norms keep on CPU beyond what they keep on the target device
     (`eager_norms_device_gap`: CUDA's fused RMSNorm keeps less than CPU's decomposition). It is measured on CPU
     because Dynamo cannot trace fake CUDA tensors without a GPU; the compiled graphs are device-blind (Inductor
     decomposes a norm inside them, Qwen3's QK norms, alike on both; CPU's flash attention keeps what CUDA's does, and
     `wide_attention` stands in for CUDA's kernel where head widths differ), and so are ring attention, which runs
     eager between them (its own autograd function, on both devices), and the routed experts, which the trainer
-    leaves eager (at even load, as the eager figures: CPU's per-expert matmuls keep the bytes CUDA's grouped matmul
-    keeps). Where the model's blocks differ (DeepSeek-V3's dense and MoE blocks: `act.per_block`), each kind is
-    measured. Selective `op` and full AC keep the eager figures (their checkpoints keep the block's input and the
-    policy's outputs whether or not the block compiles).
+    leaves eager (at even load, as the eager figures; bf16 ones for a CUDA target as Hopper's grouped matmul:
+    `compiled_parallel.cuda_kernels`). Where the model's blocks differ (DeepSeek-V3's dense and MoE blocks:
+    `act.per_block`), each kind is measured. Selective `op` and full AC keep the eager figures (their checkpoints
+    keep the block's input and the policy's outputs whether or not the block compiles).
     With `sequences` > 1, where a block keeps tensors once per call (float8 linears under TP, ring attention), it is
     traced at one and at two sequences, and what it keeps for the micro-batch is taken on the line through both.
 
@@ -236,7 +237,7 @@ def parallel_block_bytes(
                                          dtype=options["dtype"], device=layout.device_type)  # fmt: skip
     except Exception as e:  # torch raises many kinds; the eager figures still bound the estimate
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return act, f"compile: tracing the {_describe(split)} block failed ({first_line}); the eager blocks' figures"
+        return act, f"compile: tracing the {_describe(split)}block failed ({first_line}); the eager blocks' figures"
     saved = {
         index: {kind: round(bytes_ / (sequences * rank_seq) - gap / rank_seq) for kind, bytes_ in by_kind.items()}
         for index, by_kind in whole.items()
@@ -268,7 +269,7 @@ def parallel_block_bytes(
     if float8 is not None:
         how.append(f"float8 {float8.recipe_name} linears " + ("emulated" if float8.emulate else "as on the GPU"))
     return measured, (
-        f"compile: {_describe(split)} block activations measured compiled as the trainer compiles them "
+        f"compile: {_describe(split)}block activations measured compiled as the trainer compiles them "
         f"({'; '.join([*how, 'fake CPU tensors'])}), bytes per {'rank ' if split.cp > 1 else ''}token per block"
         f"{f' at {sequences} sequences per micro-batch' if sequences > 1 else ''}: "
         f"{'; '.join(figures)}{kept}; the loss and the rest as eager"
@@ -296,8 +297,8 @@ def _with_blocks(act: ActivationBytes, saved: list[dict[str, int] | None]) -> Ac
     )
 
 
-def _describe(split: Any) -> str:
-    """'TP 8', 'CP 2 (ring)', 'TP 2 x CP 2 (ulysses)'; 'one-rank' for neither."""
+def _describe(split: Split) -> str:
+    """'TP 8 ', 'CP 2 (ring) ', 'TP 2 x CP 2 (ulysses) ' (to put before "block"); '' for neither."""
     parts = [f"TP {split.tp}"] if split.tp > 1 else []
     parts += [f"CP {split.cp} ({split.cp_method})"] if split.cp > 1 else []
-    return " x ".join(parts) or "one-rank"
+    return " x ".join(parts) + " " if parts else ""
