@@ -313,7 +313,7 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
     for tp, budget, _ in w.budget_recompute:
         budgets[tp] = (*budgets.get(tp, ()), budget)
     workers = plan.request.workers or (cpus if (cpus := _cpus()) >= SPREAD_FROM_CPUS else 1)
-    if workers > 1 and not cfg.compile.enable:  # the layouts' measurements spread over processes, up front
+    if workers > 1:  # the layouts' eager measurements (a compiled run's bound reads them too) spread over processes
         from titan_core.memory.eager_saved import measure_eager_many
 
         keys = {
