@@ -5,11 +5,10 @@
 
 On 4 processes it runs only `tp_cp_compiled_vs_eager` (TP 2 x CP 2, ring attention). On 2, for each float8
 recipe, the trainer's own model setup (`assemble_model`) builds a seeded tiny Llama converted to float8 and split
-TP=2. Hooks placed after TP's own record what
-each linear really receives (a float8 DTensor, all-gathered in float8, or a
-high-precision one); one forward and backward on a fixed batch is compared with the
-same float8 model alone and with the unconverted model alone. Rank 0 writes the
-types and differences to OUT_JSON; the test asserts on them.
+TP=2. Hooks placed after TP's own record what each linear really receives (a float8 DTensor, all-gathered in
+float8, or a high-precision one); one forward and backward on a fixed batch is compared with the same float8 model
+alone and with the unconverted model alone. Rank 0 writes the types and differences to OUT_JSON; the test asserts
+on them.
 """
 
 from __future__ import annotations

@@ -100,15 +100,15 @@ def local_tensor(weight: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs `x @ weight[e].T` per group here: CUDA compute capability
-    9.0 or newer (Hopper), bf16, and 16-byte aligned rows (dims multiple of 8)."""
-    return (
-        x.is_cuda
-        and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        and x.dtype == weight.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0
-        and weight.shape[1] % 8 == 0
-    )
+    9.0 or newer (Hopper), and inputs it takes (`grouped_mm_fits`)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0) and grouped_mm_fits(x, weight)
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether Hopper's `torch._grouped_mm` takes these inputs, whatever their device: the op exists in this torch,
+    bf16, and 16-byte aligned rows (dims multiple of 8)."""
+    aligned = x.shape[-1] % 8 == 0 and weight.shape[1] % 8 == 0
+    return hasattr(torch, "_grouped_mm") and x.dtype == weight.dtype == torch.bfloat16 and aligned
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

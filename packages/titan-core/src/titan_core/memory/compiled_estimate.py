@@ -14,7 +14,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 
 from titan_core.memory.compiled_saved import measure_block, measure_loss
 
@@ -217,8 +216,8 @@ def parallel_block_bytes(
     try:
         meta = job.meta_model()
         # a multi-token-prediction depth (its input `input_width` wide, its output two tensors) keeps its eager figures
-        signatures = [None if hasattr(b, "input_width") else block_signature(b)
-                      for b in meta.get_submodule(job.spec.plan.blocks).children()]  # fmt: skip
+        blocks = list(meta.get_submodule(job.spec.plan.blocks).children())
+        signatures = [None if hasattr(b, "input_width") else block_signature(b) for b in blocks]
         kinds: dict[Any, int] = {sig: signatures.index(sig) for sig in signatures if sig is not None}
         kinds = kinds if act.per_block else {signatures[0]: 0}
         traced: dict[int, dict[str, ParallelBlockTrace]] = {}
@@ -247,7 +246,7 @@ def parallel_block_bytes(
     figures = []
     for index in kinds.values():
         eager = act.per_block[index] if act.per_block else act
-        name = f"{'MoE' if moe_args(job.spec, _block(meta, job, index)) else 'dense'} block, " if act.per_block else ""
+        name = f"{'MoE' if moe_args(job.spec, blocks[index]) else 'dense'} block, " if act.per_block else ""
         line = f"{name}AC none: {saved[index]['none']:,} (eager {eager.block:,})"
         if "budget" in saved[index]:
             base, budget = (traced[index][kind].backward_flops or 0.0 for kind in ("none", "budget"))
@@ -274,10 +273,6 @@ def parallel_block_bytes(
         f"{f' at {sequences} sequences per micro-batch' if sequences > 1 else ''}: "
         f"{'; '.join(figures)}{kept}; the loss and the rest as eager"
     )
-
-
-def _block(meta: nn.Module, job: Job, index: int) -> nn.Module:
-    return list(meta.get_submodule(job.spec.plan.blocks).children())[index]
 
 
 def _with_blocks(act: ActivationBytes, saved: list[dict[str, int] | None]) -> ActivationBytes:

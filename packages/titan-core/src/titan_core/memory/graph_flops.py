@@ -26,14 +26,14 @@ def graph_flops(gm: torch.fx.GraphModule) -> float:
     from torch.utils._pytree import tree_map_only
     from torch.utils.flop_counter import flop_registry
 
-    from titan_core.memory.wide_attention import attention, attention_backward
+    import titan_core.memory.wide_attention  # noqa: F401  (registers its ops in torch.ops.titan_memory)
 
     aten = torch.ops.aten
     cpu_flash = {
         aten._scaled_dot_product_flash_attention_for_cpu: 0,  # (query, key, value, ...)
         aten._scaled_dot_product_flash_attention_for_cpu_backward: 1,  # (grad_out, query, key, value, ...)
-        attention._opoverload._overloadpacket: 0,  # `wide_attention`'s stand-in for CUDA's kernel
-        attention_backward._opoverload._overloadpacket: 1,
+        torch.ops.titan_memory.causal_attention: 0,  # `wide_attention`'s stand-in for CUDA's kernel
+        torch.ops.titan_memory.causal_attention_backward: 1,
     }
     total = 0
     for node in (n for n in gm.graph.nodes if n.op == "call_function"):

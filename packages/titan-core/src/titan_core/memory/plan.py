@@ -302,7 +302,8 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
     experts = w.moe.num_experts if plan.request.expert_parallel else 0
     if w.budget_recompute:  # measured at tp = 1: also at each TP degree a layout may take in a node (with cp = 1)
         # (TP across nodes runs its collectives over the network: those layouts are searched without budgets, which
-        # would cost a trace per budget and kind of block each, ~3 s for DeepSeek-V3 671B's MoE block)
+        # would cost a trace per budget and kind of block each, ~2.8 s for DeepSeek-V3 671B's MoE
+        # block on a 2-core AMD EPYC with AVX-512)
         tps = tuple(tp for tp in divisors(c.gpus)
                     if 1 < tp <= c.gpus_per_node and refuse(tp, 1, 1, "1F1B", 1, 1) is None)  # fmt: skip
         if plan.request.progress and tps:
