@@ -155,3 +155,35 @@ def test_a_bf16_moe_block_for_a_cuda_target_runs_its_experts_as_one_grouped_matm
         for target in ("cpu", "cuda")
     }
     assert kept["cuda"] - kept["cpu"] == 3 * 4 * args.moe.num_experts, kept
+
+
+def test_layouts_that_differ_where_a_block_cannot_see_it_share_its_trace(monkeypatch):
+    """Expert parallel spanning the TP ranks picks the MoE input's TP style only (a dense block is split alike with or
+    without it) and the CP methods mean nothing at cp = 1: DeepSeek-V3's dense block at TP 2 is traced once for both
+    `ep_spans_tp` values and any CP method, its MoE block once for each `ep_spans_tp` value."""
+    from titan_core.memory import compiled_parallel
+    from titan_parallel.tensor_parallel import planned_styles
+
+    spec, args = get_model_spec("deepseek_v3"), get_model_args("deepseek_v3", "debugmodel")
+    meta = build_meta_model(spec, args)
+    blocks = list(meta.get_submodule(spec.plan.blocks).children())
+    dense, moe = (next(i for i, b in enumerate(blocks) if (get_submodule_or_none(b, spec.plan.moe) is None) == d)
+                  for d in (True, False))  # fmt: skip
+
+    def styles(index: int, spans: bool) -> dict[str, str]:
+        planned = planned_styles(blocks[index], spec.plan.block_tp, loss_parallel=True, ep_spans_tp=spans)
+        return {path: type(style).__name__ for path, style in planned.items()}
+
+    assert styles(dense, True) == styles(dense, False)
+    assert styles(moe, True) != styles(moe, False)
+    monkeypatch.setattr(compiled_parallel, "_CACHE", {})
+
+    def traces(index: int, split: Split) -> int:
+        before = len(compiled_parallel._CACHE)
+        measure_parallel_block(spec, meta, split=split, dim=args.dim, seq_len=SEQ, dtype=torch.float32, index=index)
+        return len(compiled_parallel._CACHE) - before
+
+    assert traces(dense, Split(2, ep_spans_tp=False)) == 1
+    assert traces(dense, Split(2, ep_spans_tp=True, cp_method="ulysses", cp_rotate_method="rotate")) == 0
+    assert traces(moe, Split(2, ep_spans_tp=False)) == 1
+    assert traces(moe, Split(2, ep_spans_tp=True)) == 1
