@@ -108,6 +108,9 @@ def test_budget_parsing_and_usable_part():
     assert parse_gpu_memory("80GB")[0] == 80 * 10**9
     assert parse_gpu_memory("h100")[0] == 80 * 2**30
     assert usable_bytes(80 * 2**30) == int((80 - 2.5) * 2**30 * 0.90)
+    assert usable_bytes(2 * 2**30, "cpu") == int(2 * 2**30 * 0.90)  # no CUDA context on a CPU
+    with pytest.raises(ConfigError, match="--gpu-memory 2 GiB leaves nothing for tensors"):
+        usable_bytes(2 * 2**30)  # within what CUDA keeps outside the allocator: no layout would fit
     with pytest.raises(ValueError, match="--gpu-memory 'eighty'"):
         parse_gpu_memory("eighty")
 

@@ -339,6 +339,7 @@ def test_json_rows_are_ranked_and_their_overrides_reproduce_the_peak():
     (["--gpus", "12"], "--gpus 12"),  # not whole 8-GPU nodes
     (["--gpus", "8", "--gpu", "X999"], "--gpu 'X999'"),
     (["--gpus", "8", "--gpu-memory", "eighty"], "--gpu-memory 'eighty'"),
+    (["--gpus", "8", "--gpu-memory", "2GiB"], "--gpu-memory 2 GiB leaves nothing for tensors"),  # < CUDA's context
     (["--gpus", "8", "--training.seq_lenn", "8192"], "training.seq_lenn"),
     (["--gpus", "8", "--seq-len", "0"], "--seq-len"),
     ([], "--gpus"),

@@ -80,7 +80,18 @@ def parse_gpu_memory(value: str) -> tuple[int, str]:
 
 
 def usable_bytes(device_bytes: int, device_type: str = "cuda") -> int:
-    """What a rank's tensors may use of `device_bytes`: less the CUDA context and fragmentation on a GPU."""
+    """What a rank's tensors may use of `device_bytes`: less the CUDA context and fragmentation on a GPU.
+
+    Raises:
+        ConfigError: naming --gpu-memory, a CUDA device no larger than `CONTEXT_BYTES` (nothing left for tensors:
+            every layout would read as over memory, and more GPUs as the fix).
+    """
     if device_type != "cuda":
         return int(device_bytes * (1 - FRAGMENTATION))
-    return max(0, int((device_bytes - CONTEXT_BYTES) * (1 - FRAGMENTATION)))
+    if device_bytes <= CONTEXT_BYTES:
+        raise ConfigError(
+            f"--gpu-memory {device_bytes / 2**30:.3g} GiB leaves nothing for tensors: a CUDA device keeps about "
+            f"{CONTEXT_BYTES / 2**30:g} GiB outside PyTorch's allocator (its context, NCCL buffers and cuBLAS "
+            "workspaces); give the device's whole memory, e.g. --gpu-memory 80GiB or --gpu-memory H100"
+        )
+    return int((device_bytes - CONTEXT_BYTES) * (1 - FRAGMENTATION))
