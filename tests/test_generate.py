@@ -29,7 +29,7 @@ from titan_core.generation import (
     top_k_filter,
     top_p_filter,
 )
-from titan_core.generation.load import resolve_checkpoint
+from titan_core.model_source import resolve_checkpoint
 from titan_parallel.modules import iter_blocks
 from titan_run import TINY, run_titan
 
@@ -282,6 +282,26 @@ def test_resolve_checkpoint_of_a_run(trained_run):
     assert loaded.checkpoint == step2 and loaded.args.vocab_size == 2048
     codec = load_prompt_codec(loaded.checkpoint, loaded.args.vocab_size)
     assert codec.source == "byte tokenizer" and codec.encode("a") == [256, 97] and codec.eos_ids == (257,)
+
+
+def test_convert_reads_a_run_folder_as_its_newest_complete_step(trained_run, tmp_path):
+    """`titan convert RUN ...` and `--average-with RUN` read the run's newest complete step, as `titan generate` does
+    (it said "unknown checkpoint format" for a run folder): the same weights as converting step-2 by name."""
+    from titan_ckpt.dcp_files import read_dcp_state_dict, read_dcp_tensor_shapes
+
+    step2 = trained_run / "checkpoint" / "step-2"
+    result = CliRunner().invoke(app, ["convert", str(trained_run), str(tmp_path / "run.pt"), "--to", "torch"])
+    assert result.exit_code == 0, result.output
+    assert f"reading dcp checkpoint {step2}" in result.output
+    got = torch.load(tmp_path / "run.pt", weights_only=True)
+    model_keys = [k for k in read_dcp_tensor_shapes(step2) if not k.startswith(("optimizer.", "lr_scheduler."))]
+    expected = read_dcp_state_dict(step2, model_keys)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    step1 = str(trained_run / "checkpoint" / "step-1")
+    result = CliRunner().invoke(app, ["convert", step1, str(tmp_path / "avg.pt"), "--to", "torch", "--average-with",
+                                      str(trained_run)])  # fmt: skip
+    assert result.exit_code == 0 and "averaged 2 checkpoints" in result.output, result.output
+    assert f"reading dcp checkpoint {step2}" in result.output
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,9 @@ import typer
 
 def convert(
     src: str = typer.Argument(
-        ..., help="Source: Hugging Face folder or Hub repo id, DCP folder (e.g. a trainer's step-N), or .pt/.bin file."
+        ...,
+        help="Source: Hugging Face folder or Hub repo id, DCP folder (e.g. a trainer's step-N; a run folder: its "
+        "newest complete step), or .pt/.bin file.",
     ),
     dst: str = typer.Argument(
         ..., help="Output path (must not exist). For --to torch, a .pt path writes one file; else a folder."
@@ -34,8 +36,8 @@ def convert(
     average_with: list[str] = typer.Option(
         [],
         "--average-with",
-        help="Another checkpoint of the same model (any format; repeat for more): DST holds the average of SRC and "
-        "these (checkpoint averaging).",
+        help="Another checkpoint of the same model (any format, or a run folder; repeat for more): DST holds the "
+        "average of SRC and these (checkpoint averaging).",
     ),
     weights: str | None = typer.Option(
         None,

@@ -46,6 +46,7 @@ from titan_core.model_source import (
     hf_adapter,
     infer_model_name,
     load_titan_state_dict,
+    resolve_checkpoint,
     resolve_source_args,
 )
 from titan_models import HFAdapter, get_model_spec
@@ -121,7 +122,7 @@ def convert_checkpoint(
     dst = Path(dst)
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination or delete it first")
-    src_path = resolve_hf_source(src)
+    src_path = resolve_checkpoint(src)  # a run folder: its newest complete step
     src_format = detect_format(src_path)
     if model_name is None:
         model_name = infer_model_name(src_path, src_format)
@@ -202,7 +203,7 @@ def _average(
     log(f"averaging {count} checkpoints, weights {', '.join(f'{w:.4g}' for w in shares)}")
     total = {k: v.float() * shares[0] if v.is_floating_point() else v for k, v in first.items()}
     for other, share in zip(others, shares[1:], strict=True):
-        path = resolve_hf_source(other)
+        path = resolve_checkpoint(other)
         fmt = detect_format(path)
         other_args = resolve_source_args(path, fmt, adapter, model_name, flavor)[0]
         if other_args != args:

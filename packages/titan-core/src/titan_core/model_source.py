@@ -26,6 +26,7 @@ from titan_ckpt.hf_safetensors import (
     read_hf_config,
     read_hf_state_dict,
 )
+from titan_ckpt.step_folders import list_complete_steps, step_folder
 from titan_ckpt.torch_files import read_torch_state_dict
 from titan_core.config.errors import ConfigError, MissingFileError
 from titan_core.data.tokenizer import find_tokenizer_file
@@ -160,6 +161,35 @@ def find_run_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
                     f"{toml_path} is not valid TOML ({err}); fix it, or pass --model-name and --flavor"
                 ) from None
     return None
+
+
+def resolve_checkpoint(source: str) -> Path:
+    """The checkpoint to read: `source` itself, or the newest complete `step-N` of a run or checkpoint folder (as
+    `titan generate`, `titan eval` and `titan convert` read a run folder).
+
+    Args:
+        source: a local path or a Hugging Face Hub repo id (downloaded).
+
+    Raises:
+        ConfigError: a run folder without a complete checkpoint.
+    """
+    path = resolve_hf_source(source)
+    if not path.is_dir() or any(path.glob("*.safetensors")) or (path / ".metadata").is_file():
+        return path
+    run = find_run_config(path)
+    roots = [path]
+    if run is not None and run[0].parent == path:  # a run folder: its checkpoint.folder
+        roots.insert(0, path / str(run[1].get("checkpoint", {}).get("folder", "checkpoint")))
+    for root in roots:
+        steps = list_complete_steps(root)
+        if steps:
+            return step_folder(root, steps[-1])
+    if run is not None and run[0].parent == path:
+        raise ConfigError(
+            f"{path} is a run folder with no complete checkpoint in {roots[0]}; "
+            "train with --checkpoint.enable true, or point to a checkpoint folder"
+        )
+    return path
 
 
 def _families_by_hf_architecture() -> dict[str, str]:

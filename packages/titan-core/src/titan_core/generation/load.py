@@ -19,15 +19,13 @@ from torch import nn
 
 from titan_ckpt.dtypes import DTYPES, parse_dtype
 from titan_ckpt.formats import detect_format
-from titan_ckpt.hf_hub import resolve_hf_source
-from titan_ckpt.step_folders import list_complete_steps, step_folder
 from titan_core.config.errors import ConfigError
 from titan_core.model_source import (
     check_state_dict,
     expected_shapes,
-    find_run_config,
     infer_model_name,
     load_titan_state_dict,
+    resolve_checkpoint,
     resolve_source_args,
 )
 from titan_models import ModelSpec, get_model_spec
@@ -198,31 +196,3 @@ def resolve_tuning(tune: bool | None, device: torch.device, compiled: bool) -> t
     if device.type == "cuda":
         return True, "default on CUDA"
     return False, f"default off on {device.type}"
-
-
-def resolve_checkpoint(source: str) -> Path:
-    """The checkpoint to read: `source` itself, or the newest complete `step-N` of a run or checkpoint folder.
-
-    Args:
-        source: a local path or a Hugging Face Hub repo id (downloaded).
-
-    Raises:
-        ConfigError: a run folder without a complete checkpoint.
-    """
-    path = resolve_hf_source(source)
-    if not path.is_dir() or any(path.glob("*.safetensors")) or (path / ".metadata").is_file():
-        return path
-    run = find_run_config(path)
-    roots = [path]
-    if run is not None and run[0].parent == path:  # a run folder: its checkpoint.folder
-        roots.insert(0, path / str(run[1].get("checkpoint", {}).get("folder", "checkpoint")))
-    for root in roots:
-        steps = list_complete_steps(root)
-        if steps:
-            return step_folder(root, steps[-1])
-    if run is not None and run[0].parent == path:
-        raise ConfigError(
-            f"{path} is a run folder with no complete checkpoint in {roots[0]}; "
-            "train with --checkpoint.enable true, or point to a checkpoint folder"
-        )
-    return path
