@@ -55,6 +55,7 @@ def config_error(config_file, overrides) -> str:
 SPEC_DEFAULTS = {
     "job.dump_folder": "./outputs",
     "job.description": "",
+    "job.print_config": False,
     "model.name": "llama3",
     "model.flavor": "debugmodel",
     "model.hf_assets_path": None,
@@ -532,6 +533,102 @@ def test_every_shipped_config_loads():
         assert cfg.model.hf_assets_path == f"./assets/hf/Llama-3.1-{flavor}", name
     assert configs["llama3_8b"].activation_checkpoint.selective_ac_option == "op"
     assert configs["llama3_405b"].parallelism.pipeline_parallel_schedule == "Interleaved1F1B"
+
+
+TORCHTITAN_DEBUG_TOML = """
+# The keys of torchtitan v0.2.2's own debug-model TOMLs (torchtitan/models/llama3/train_configs/debug_model.toml
+# and DeepSeek-V3's), their values as shipped there; typed in here.
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 debug training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "./tests/assets/tokenizer"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 8
+seq_len = 2048
+max_norm = 1.0
+steps = 10
+dataset = "c4_test"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "2"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 5
+steps = 10
+"""
+
+
+def test_torchtitans_own_debug_toml_loads_as_written(tmp_path):
+    """torchtitan v0.2.2's debug-model TOML, keys and values as it ships them, loads as written (its `job.print_config`
+    had failed it); its datasets are read as torchtitan reads them (tests/test_data.py)."""
+    cfg = load_config(write(tmp_path, TORCHTITAN_DEBUG_TOML), ["--job.print_config"])
+    assert cfg.job.print_config is True and cfg.job.description == "Llama 3 debug training"
+    assert (cfg.training.dataset, cfg.validation.dataset) == ("c4_test", "c4_validation")
+    assert cfg.float8.filter_fqns == ["output"] and cfg.activation_checkpoint.selective_ac_option == "2"
+    # torchtitan keeps Qwen3's MoE flavors in its qwen3 family (its qwen3_moe_debug.toml); Titan in qwen3_moe
+    moe = load_config(None, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"])
+    assert (moe.model.name, moe.model.flavor) == ("qwen3_moe", "debugmodel_moe")
+    assert load_config(None, ["--model.name", "qwen3", "--model.flavor", "8B"]).model.name == "qwen3"
 
 
 def test_shipped_name_resolution(tmp_path, monkeypatch):

@@ -285,6 +285,62 @@ def test_a_hub_dataset_of_several_configs_takes_one_after_a_colon(tmp_path, monk
                                        "or glob), or 'stdlib'")
 
 
+def test_json_files_are_read_when_named_and_left_out_of_a_folder_scan(tmp_path):
+    """A `.json` file named or globbed reads as JSON Lines (what `datasets` writes) or as one array of objects, skips
+    like the others; a folder's scan leaves `.json` out (a dataset's metadata files live there)."""
+    lines, array = tmp_path / "lines.json", tmp_path / "array.json"
+    lines.write_text('{"text": "a"}\n\n{"text": "b", "url": "x"}\n{"text": "c"}\n')
+    array.write_text('  [{"text": "d"}, {"text": "e"}]')
+    assert list(build_source("x", str(lines))) == ["a", "b", "c"]
+    assert list(build_source("x", str(array))) == ["d", "e"]
+    both = build_source("x", str(tmp_path / "*.json"))  # sorted: array.json first
+    assert [list(both.skip(n)) for n in (0, 1, 2, 4)] == [["d", "e", "a", "b", "c"], ["e", "a", "b", "c"],
+                                                          ["a", "b", "c"], ["c"]]  # fmt: skip
+    (tmp_path / "doc.txt").write_text("from the folder")
+    assert list(build_source("x", str(tmp_path))) == ["from the folder"]
+    (tmp_path / "bad.json").write_text('[{"content": "f"}]')
+    with pytest.raises(ValueError) as err:
+        list(build_source("x", str(tmp_path / "bad.json")))
+    assert str(err.value) == (f"{tmp_path / 'bad.json'} (record 0) has no field 'text' (has ['content']); "
+                              "set training.dataset_text_field to the field of the text")  # fmt: skip
+
+
+def test_torchtitans_dataset_names_read_what_torchtitan_reads(tmp_path, monkeypatch):
+    """`c4_test` is torchtitan's test corpus under the working directory (a checkout's tests/assets/c4_test/data.json,
+    JSON Lines); `c4` and `c4_validation` are the hub's allenai/c4 `en` config, train and validation splits (the hub
+    replaced by an in-memory dataset that records what was asked); a local path of that name wins."""
+    datasets = pytest.importorskip("datasets")
+    from titan_core.run_banner import describe_dataset
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        build_source("c4_test", None)
+    assert str(err.value).startswith("training.dataset: 'c4_test' is torchtitan's test corpus, which it reads from "
+                                     "tests/assets/c4_test/*.json under the working directory")  # fmt: skip
+    (tmp_path / "tests" / "assets" / "c4_test").mkdir(parents=True)
+    (tmp_path / "tests" / "assets" / "c4_test" / "data.json").write_text(
+        '{"text": "Beginners BBQ Class", "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.com"}\n'
+        '{"text": "Discussion in Windows 10", "timestamp": "2019-04-21T10:07:13Z", "url": "https://example.org"}\n'
+    )
+    assert list(build_source("c4_test", None)) == ["Beginners BBQ Class", "Discussion in Windows 10"]
+    asked = []
+
+    def load_dataset(path, name=None, *, split, streaming):
+        asked.append((path, name, split))
+        return datasets.Dataset.from_list([{"text": split}]).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert list(build_source("c4", None)) == ["train"]
+    assert list(build_source("c4", None, split="validation", section="validation")) == ["validation"]
+    assert list(build_source("c4_validation", None)) == ["validation"]  # torchtitan reads its validation split
+    assert asked == [("allenai/c4", "en", "train"), ("allenai/c4", "en", "validation"),
+                     ("allenai/c4", "en", "validation")]  # fmt: skip
+    assert describe_dataset("c4_validation", None) == "c4_validation (torchtitan's name: allenai/c4:en, validation split)"
+    (tmp_path / "c4").mkdir()
+    (tmp_path / "c4" / "mine.txt").write_text("my own c4")
+    assert list(build_source("c4", None)) == ["my own c4"]
+
+
 # ---------------------------------------------------------------- loader
 
 

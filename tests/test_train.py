@@ -72,7 +72,10 @@ def test_validation_and_profiler_traces(tmp_path):
     hamlet = str(SHARED_DATA / "shakespeare" / "hamlet_gut.txt")
     proc = run_titan(run, *TINY, "--training.local_batch_size", "4", "--validation.enable", "--validation.freq", "4",
                      "--validation.steps", "2", "--validation.dataset_path", hamlet,
-                     "--profiling.enable_profiling", "--profiling.profile_freq", "5")
+                     "--profiling.enable_profiling", "--profiling.profile_freq", "5", "--job.print_config")
+    # job.print_config: the resolved config, as the run folder's config.toml holds it, once at start-up
+    assert proc.stderr.count("config (job.print_config)") == 1, proc.stderr[-3000:]
+    assert "[validation]\nenable = true\n" in proc.stderr and (run / "config.toml").read_text() in proc.stderr
     records = read_metrics(run)
     val = [(r["step"], r["validation/loss"]) for r in records if "validation/loss" in r]
     assert [s for s, _ in val] == [4, 8, 10]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from titan_core.data.corpus import looks_like_path
+from titan_core.data.corpus import looks_like_path, torchtitan_dataset
 from titan_core.job import Job
 from titan_core.job.run_rules import validation_set_names
 
@@ -70,6 +70,9 @@ def describe_dataset(dataset: str, dataset_path: str | None, held_out: bool = Fa
         return dataset_path if dataset == "stdlib" else f"{dataset} from {dataset_path}"
     if dataset == "stdlib":
         return "the stdlib corpus's held-out files" if held_out else "the built-in Python stdlib corpus"
+    if (torchtitan := torchtitan_dataset(dataset)) is not None:
+        read, split = torchtitan
+        return f"{dataset} (torchtitan's name: {read}{f', {split} split' if split else ''})"
     return dataset if looks_like_path(dataset) else f"{dataset} (Hugging Face)"
 
 

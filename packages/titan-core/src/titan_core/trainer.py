@@ -470,6 +470,8 @@ class Trainer:
         )
         if self.rank == 0:
             logger.info("%s", run_banner(self.job))  # model, data, batch, dtype, layout (+ job.description)
+            if cfg.job.print_config:
+                logger.info("config (job.print_config), as the run folder's config.toml:\n%s", dump_toml(cfg).rstrip())
         losses: list[float] = []
         meter = ThroughputMeter(
             flops_per_token=flops_per_token,

@@ -1,4 +1,4 @@
-"""torchtitan's quantization spellings, read as Titan's own when a config is loaded.
+"""torchtitan's quantization spellings (and its MoE flavors' family), read as Titan's own when a config is loaded.
 
 torchtitan (v0.2.x, its last TOML-configured release) names float8 training
 `model.converters = ["quantize.linear.float8"]` with a `[quantize.linear.float8]` table,
@@ -7,7 +7,8 @@ and MXFP8 `quantize.linear.mx` with `[quantize.linear.mx]`; Titan calls them `fl
 is checked, so everything after sees Titan's names only. The keys are the same in both
 except where `_rewrite_values` says. Each section and converter is given in one spelling
 per file (and per command line); a torchtitan key with no Titan equivalent fails in one
-line naming it.
+line naming it. torchtitan's Qwen3 MoE flavors (`name = "qwen3"`, `flavor = "30B-A3B"`) are Titan's `qwen3_moe`
+family (`MOE_FAMILIES`).
 """
 
 import difflib
@@ -37,6 +38,27 @@ NO_EQUIVALENT: dict[str, str] = {
     "remove the key",
 }
 """torchtitan converters and keys that Titan cannot honour -> why, and the fix."""
+
+MOE_FAMILIES: dict[tuple[str, str], str] = {
+    ("qwen3", flavor): "qwen3_moe" for flavor in ("debugmodel_moe", "30B-A3B", "235B-A22B")
+}
+"""torchtitan's (model.name, model.flavor) -> Titan's model.name, where torchtitan keeps a Mixture-of-Experts model's
+flavors in its dense family (its `qwen3_moe_debug.toml`: `name = "qwen3"`, `flavor = "debugmodel_moe"`) and Titan has
+a family of its own for them (the flavor names are the same)."""
+
+
+def unalias_family(values: dict[str, dict[str, Any]]) -> None:
+    """Rewrite, in place, a torchtitan `model.name` whose flavor is one of Titan's MoE family (`MOE_FAMILIES`).
+
+    Args:
+        values: values[section][key] = value, the file's and the command line's merged.
+    """
+    model = values.get("model", {})
+    name, flavor = model.get("name"), model.get("flavor")
+    family = MOE_FAMILIES.get((name, flavor)) if isinstance(name, str) and isinstance(flavor, str) else None
+    if family is not None:
+        model["name"] = family
+
 
 AUTO_FILTER_ENTRY = "auto_filter_small_kn"
 """torchtitan turns on its small-GEMM filter by listing this in `filter_fqns`; Titan has a key for it."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from titan_core.config.aliases import unalias_args, unalias_file, unalias_values
+from titan_core.config.aliases import unalias_args, unalias_family, unalias_file, unalias_values
 from titan_core.config.errors import ConfigError
 from titan_core.config.keys import (
     describe_unknown_key,
@@ -55,6 +55,7 @@ def load_config(config_file: str | None, overrides: list[str] | tuple[str, ...] 
     for section, table in cli_values.items():
         values.setdefault(section, {}).update(table)
     origins.update(cli_origins)
+    unalias_family(values)
     return validate_config(values, origins)
 
 

@@ -43,6 +43,8 @@ class Job(Section):
     """Run folder: checkpoints, TensorBoard logs, traces and config.toml go under it."""
     description: str = ""
     """Your own line about this run, printed at start-up after the summary of its model, data and layout."""
+    print_config: bool = False
+    """Log the resolved config at start-up, as the run folder's config.toml holds it (rank 0; torchtitan's key)."""
 
 
 class Model(Section):

@@ -12,12 +12,16 @@ what it already trained on. `build_source` picks the source from the config:
   (`split="validation"`), every other file training's. The rule is per file, so a
   Python version that adds or drops files leaves the others where they were.
 - a local file, folder or glob of `.txt` / `.jsonl` / `.parquet` files.
+- torchtitan's dataset names, read as torchtitan reads them (`TORCHTITAN_DATASETS`), so that its TOML files run as
+  written: `c4` (the hub's `allenai/c4:en`), `c4_validation` (its validation split) and `c4_test` (the test corpus
+  of a torchtitan checkout, `./tests/assets/c4_test`), unless a local path of that name exists.
 - anything else: a Hugging Face hub dataset, streamed.
 """
 
 from __future__ import annotations
 
 import builtins
+import glob
 import importlib
 import os
 import sys
@@ -27,16 +31,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from titan_core.config.errors import MissingFileError
 from titan_core.data.hf_dataset import HFDatasetSource
 from titan_core.data.local_files import SUFFIXES, LocalFileSource, expand_pattern
 
-__all__ = ["DocumentSource", "StdlibSource", "build_source", "looks_like_path"]
+__all__ = ["DocumentSource", "StdlibSource", "build_source", "looks_like_path", "torchtitan_dataset"]
 
 # Stdlib folders that are not library code (tests, the IDE, installed packages).
 _STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"})
 VALIDATION_EVERY = 20
 """One stdlib file in this many (by its path's CRC-32) is held out for validation."""
 Split = Literal["train", "validation", "all"]
+
+TORCHTITAN_DATASETS: dict[str, tuple[str, Split | None]] = {
+    "c4": ("allenai/c4:en", None),
+    "c4_validation": ("allenai/c4:en", "validation"),
+    "c4_test": ("tests/assets/c4_test/*.json", None),
+}
+"""torchtitan's dataset name -> (what Titan reads for it, the hub split it always reads, or None for the section's):
+torchtitan v0.2's registry (`hf_datasets/text_datasets.py`), where `c4_test` is a folder of its repository that
+`datasets` reads relative to the working directory (a `data.json` of JSON Lines)."""
 
 
 @runtime_checkable
@@ -79,10 +93,29 @@ def build_source(
         return LocalFileSource(expand_pattern(dataset_path, f"{section}.dataset_path"), text_field, field_key=field_key)
     if dataset == "stdlib":
         return StdlibSource(split=split)
+    if (torchtitan := torchtitan_dataset(dataset)) is not None:
+        name = dataset
+        dataset, forced = torchtitan
+        split = forced or split
+        if looks_like_path(dataset) and not glob.glob(dataset):
+            raise MissingFileError(
+                f"{key}: {name!r} is torchtitan's test corpus, which it reads from {dataset} under the working "
+                f"directory (a torchtitan checkout's); run from there, or point {key} at your own files or 'stdlib'"
+            )
     if looks_like_path(dataset):
         return LocalFileSource(expand_pattern(dataset, key), text_field, field_key=field_key)
     held_out = "validation" if split == "validation" else "train"
     return HFDatasetSource(dataset, text_field, key=key, field_key=field_key, split=held_out)
+
+
+def torchtitan_dataset(name: str) -> tuple[str, Split | None] | None:
+    """What Titan reads for torchtitan's dataset `name` (`TORCHTITAN_DATASETS`); None for another name, or where a
+    local path of that name exists (it wins).
+
+    Args:
+        name: a section's `dataset`.
+    """
+    return TORCHTITAN_DATASETS.get(name) if not os.path.exists(name) else None
 
 
 def looks_like_path(name: str) -> bool:

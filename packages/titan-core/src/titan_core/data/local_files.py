@@ -1,8 +1,11 @@
-"""Documents from local `.txt`, `.jsonl` and `.parquet` files.
+"""Documents from local `.txt`, `.jsonl` and `.parquet` files (and `.json` ones named or globbed).
 
 `.txt`: the whole file is one document. `.jsonl`: one JSON object per line,
 the document is its `text_field`. `.parquet`: one document per row, from the
 column `text_field` (pyarrow, imported only when a parquet file is read).
+`.json`: JSON Lines as `.jsonl` (what `datasets` writes, and torchtitan's `c4_test/data.json`), or one JSON array
+of objects, read whole. A folder's scan leaves `.json` files out (datasets keep metadata such as
+`dataset_info.json` beside their data); a file or glob that names them reads them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ __all__ = ["LocalFileSource", "SUFFIXES", "expand_pattern", "count_documents", "
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _KINDS = "/".join(SUFFIXES)
+NAMED_SUFFIXES = (*SUFFIXES, ".json")
+"""What a file or glob may name: also `.json`, which a folder's scan leaves out (module docstring)."""
 
 
 def expand_pattern(pattern: str, key: str) -> list[Path]:
@@ -28,17 +33,18 @@ def expand_pattern(pattern: str, key: str) -> list[Path]:
         key: the config key that holds `pattern`, for error messages.
     """
     expanded = str(Path(pattern).expanduser())
+    kinds: tuple[str, ...] = NAMED_SUFFIXES
     if any(ch in expanded for ch in "*?["):
         files = [Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file()]
     elif Path(expanded).is_dir():
-        files = [p for p in Path(expanded).rglob("*") if p.is_file()]
+        files, kinds = [p for p in Path(expanded).rglob("*") if p.is_file()], SUFFIXES
     elif Path(expanded).is_file():
-        if Path(expanded).suffix not in SUFFIXES:
-            raise ConfigError(f"{key}: {pattern} is not a {_KINDS} file; convert it or point the key elsewhere")
+        if Path(expanded).suffix not in NAMED_SUFFIXES:
+            raise ConfigError(f"{key}: {pattern} is not a {_KINDS}/.json file; convert it or point the key elsewhere")
         files = [Path(expanded)]
     else:
         raise MissingFileError(f"{key}: {pattern} does not exist; point it at a file, folder or glob of {_KINDS} files")
-    files = sorted((p for p in files if p.suffix in SUFFIXES), key=str)
+    files = sorted((p for p in files if p.suffix in kinds), key=str)
     if not files:
         raise MissingFileError(f"{key}: no {_KINDS} files match {pattern}; fix the path or pattern")
     return files
@@ -53,9 +59,11 @@ def count_documents(path: Path, text_field: str) -> int:
     """
     if path.suffix == ".txt":
         return 1
-    if path.suffix == ".jsonl":
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and not _json_array(path)):
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
+    if path.suffix == ".json":
+        return len(_read_json_array(path))
     return import_parquet().ParquetFile(path).metadata.num_rows
 
 
@@ -73,8 +81,11 @@ def read_documents(
     if path.suffix == ".txt":
         if start == 0:
             yield path.read_text(encoding="utf-8", errors="replace")
-    elif path.suffix == ".jsonl":
+    elif path.suffix == ".jsonl" or (path.suffix == ".json" and not _json_array(path)):
         yield from read_jsonl(path, text_field, start, field_key)
+    elif path.suffix == ".json":
+        for index, record in enumerate(_read_json_array(path)[start:], start=start):
+            yield _text_of(record, text_field, f"{path} (record {index})", field_key)
     else:
         yield from read_parquet(path, text_field, start, field_key)
 
@@ -93,13 +104,37 @@ def read_jsonl(path: Path, text_field: str, start: int, field_key: str) -> Itera
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{line_no} is not valid JSON ({e}); fix the line or remove it") from e
-            if not isinstance(record, dict) or text_field not in record:
-                fields = list(record) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(
-                    f"{path}:{line_no} has no field {text_field!r} (has {fields}); "
-                    f"set {field_key} to the field of the text"
-                )
-            yield str(record[text_field] or "")
+            yield _text_of(record, text_field, f"{path}:{line_no}", field_key)
+
+
+def _text_of(record: object, text_field: str, where: str, field_key: str) -> str:
+    """The `text_field` of one JSON record, or a one-line error naming `where` and `field_key`."""
+    if not isinstance(record, dict) or text_field not in record:
+        fields = list(record) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(
+            f"{where} has no field {text_field!r} (has {fields}); set {field_key} to the field of the text"
+        )
+    return str(record[text_field] or "")
+
+
+def _json_array(path: Path) -> bool:
+    """Whether the `.json` file `path` holds one JSON array (its first non-blank character is '['), not JSON Lines."""
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            text = chunk.lstrip()
+            if text:
+                return text.startswith(b"[")
+    return False
+
+
+def _read_json_array(path: Path) -> list[object]:
+    """The records of the `.json` file `path` that holds one JSON array, parsed whole."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); fix it, or write one object per line (.jsonl)") from e
+    assert isinstance(records, list), "a file whose first character is '[' parses to a list"
+    return records
 
 
 def read_parquet(path: Path, text_field: str, start: int, field_key: str) -> Iterator[str]:
