@@ -79,18 +79,13 @@ def tokenize(
 
 
 def open_source(name: str, text_field: str):
-    """The documents that one INPUT names: local files, 'stdlib', or a hub dataset.
+    """The documents that one INPUT names: local files, 'stdlib', or a hub dataset (as `training.dataset` names them,
+    torchtitan's names included: `titan_core.data.corpus.build_source`).
 
     Args:
         name: a file, folder or glob; "stdlib"; or a Hugging Face dataset name.
         text_field: the JSON field / parquet column / record field of the text.
     """
-    from titan_core.data import HFDatasetSource, LocalFileSource, StdlibSource
-    from titan_core.data.corpus import looks_like_path
-    from titan_core.data.local_files import expand_pattern
+    from titan_core.data.corpus import build_source
 
-    if looks_like_path(name):
-        return LocalFileSource(expand_pattern(name, "titan tokenize INPUT"), text_field, field_key=FIELD_OPTION)
-    if name == "stdlib":
-        return StdlibSource()
-    return HFDatasetSource(name, text_field, key="titan tokenize INPUT", field_key=FIELD_OPTION)
+    return build_source(name, None, text_field, dataset_key="titan tokenize INPUT", field_key=FIELD_OPTION)

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from titan_core.config.errors import ConfigError
-from titan_core.data.corpus import StdlibSource, looks_like_path
-from titan_core.data.hf_dataset import HFDatasetSource
+from titan_core.data.corpus import build_source, looks_like_path
 from titan_core.data.loader import PackedLoader
-from titan_core.data.local_files import LocalFileSource, expand_pattern
 from titan_core.data.permutation import mix_key
 from titan_core.data.token_loader import check_tokenizer
 from titan_core.data.token_shards import is_token_shard_folder, read_manifest
@@ -117,12 +115,7 @@ def open_source(
         check_tokenizer(manifest, tokenizer, key)
         return MixSource(name, key, windows=TokenWindows(manifest, seq_len, shuffle_key, key))
     field_key = key.removesuffix(".path") + ".text_field"  # the entry's own text_field wins
-    if path == "stdlib":
-        documents: Any = StdlibSource()
-    elif looks_like_path(path):
-        documents = LocalFileSource(expand_pattern(path, key), text_field, field_key=field_key)
-    else:
-        documents = HFDatasetSource(path, text_field, key=key, field_key=field_key)
+    documents = build_source(path, None, text_field, dataset_key=key, field_key=field_key)
     return MixSource(name, key, stream=PackedLoader(documents, tokenizer, seq_len, 1, 0, 1))
 
 
