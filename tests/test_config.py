@@ -186,6 +186,8 @@ SPEC_DEFAULTS = {
     "profiling.enable_profiling": False,
     "profiling.save_traces_folder": "profile_traces",
     "profiling.profile_freq": 10,
+    "profiling.profiler_warmup": 1,
+    "profiling.profiler_active": 1,
     "profiling.enable_memory_snapshot": False,
     "profiling.save_memory_snapshot_folder": "memory_snapshot",
     "comm.init_timeout_seconds": 300,

@@ -91,6 +91,27 @@ def test_validation_and_profiler_traces(tmp_path):
     assert proc.returncode == 2 and "profiling.enable_memory_snapshot" in proc.stderr
 
 
+def test_the_profiler_traces_the_last_active_steps_of_each_window(tmp_path):
+    """`profiling.profiler_warmup` / `profiler_active` (torchtitan's keys): every `profile_freq` steps one trace of the
+    window's last `active` steps, after `warmup` steps profiled unrecorded (torch.profiler's own step markers, read
+    from the written traces)."""
+    import json
+
+    from titan_core.profiling import Profiler
+
+    profiler = Profiler(tmp_path, None, freq=4, rank=0, device=torch.device("cpu"), warmup=1, active=2)
+    x = torch.ones(8, 8)
+    for step in range(1, 9):
+        x = (x @ x).tanh()
+        profiler.step(step)
+    profiler.close()
+    traces = {t.parent.name: json.loads(t.read_text()) for t in tmp_path.glob("iteration_*/rank0_trace.json")}
+    steps = {name: sorted(e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#"))
+             for name, trace in traces.items()}  # fmt: skip
+    assert steps == {"iteration_4": ["ProfilerStep#2", "ProfilerStep#3"],
+                     "iteration_8": ["ProfilerStep#6", "ProfilerStep#7"]}, steps  # fmt: skip
+
+
 def test_tokenizer_from_hf_assets_path_widens_a_small_flavor(tmp_path):
     # A tiktoken-format BPE file (the original Llama 3 tokenizer.model format): GPT-2's 50,256 ranks
     # plus 256 special tokens, far more than debugmodel's 2,048-token vocab.

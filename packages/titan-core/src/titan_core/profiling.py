@@ -1,4 +1,5 @@
-"""Profiling: torch.profiler traces and CUDA memory snapshots every `profile_freq` steps.
+"""Profiling: torch.profiler traces (of the last `profiler_active` steps of each window, after `profiler_warmup`
+steps profiled unrecorded) and CUDA memory snapshots every `profile_freq` steps.
 
 Traces go to `<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json`
 (open them in Perfetto or chrome://tracing); memory snapshots (CUDA only) to
@@ -17,10 +18,6 @@ import torch
 
 logger = logging.getLogger("titan")
 
-_WARMUP, _ACTIVE = 1, 1
-MIN_FREQ = _WARMUP + _ACTIVE
-"""The smallest `freq`: a profiled step needs a warm-up step before it (checked by `titan_core.job_check`)."""
-
 
 class Profiler:
     """Call `step(step)` after every training step; `close()` at the end.
@@ -28,13 +25,25 @@ class Profiler:
     Args:
         folder: where traces go (None = no traces).
         memory_folder: where CUDA memory snapshots go (None = none).
-        freq: profile the last step of every `freq` steps (`profiling.profile_freq`).
+        freq: profile the last `active` steps of every `freq` steps (`profiling.profile_freq`), after `warmup` steps
+            run under the profiler unrecorded; `freq` >= `warmup + active` (`titan_core.job.run_rules.profiling`).
         rank: this process's rank, in file names.
         device: the training device; memory snapshots need CUDA.
+        warmup: `profiling.profiler_warmup`.
+        active: `profiling.profiler_active`.
     """
 
-    def __init__(self, folder: Path | None, memory_folder: Path | None, freq: int, rank: int, device: torch.device):
-        self.rank, self.freq = rank, freq
+    def __init__(
+        self,
+        folder: Path | None,
+        memory_folder: Path | None,
+        freq: int,
+        rank: int,
+        device: torch.device,
+        warmup: int = 1,
+        active: int = 1,
+    ):
+        self.rank, self.freq, self.active = rank, freq, active
         self.folder, self.memory_folder = folder, memory_folder
         self._step = 0
         self._torch_profiler = None
@@ -44,7 +53,7 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._torch_profiler = torch.profiler.profile(
                 activities=activities,
-                schedule=torch.profiler.schedule(wait=freq - MIN_FREQ, warmup=_WARMUP, active=_ACTIVE),
+                schedule=torch.profiler.schedule(wait=freq - warmup - active, warmup=warmup, active=active),
                 on_trace_ready=self._save_trace,
                 record_shapes=True,
             )
@@ -58,7 +67,9 @@ class Profiler:
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out / f"rank{self.rank}_trace.json"))
         if self.rank == 0:
-            logger.info("profiler trace of step %d saved in %s", self._step, out)
+            first = self._step - self.active + 1
+            steps = f"step {self._step}" if first == self._step else f"steps {first}-{self._step}"
+            logger.info("profiler trace of %s saved in %s", steps, out)
 
     def step(self, step: int) -> None:
         self._step = step
@@ -95,4 +106,6 @@ def build_profiler(section: Any, run_folder: Path, rank: int, device: torch.devi
         section.profile_freq,
         rank,
         device,
+        section.profiler_warmup,
+        section.profiler_active,
     )

@@ -40,6 +40,10 @@ class Profiling(Section):
     """Trace folder, relative to job.dump_folder."""
     profile_freq: PositiveInt = 10
     """Write a trace every this many steps."""
+    profiler_warmup: NonNegativeInt = 1
+    """Steps profiled unrecorded before the traced ones in each profile_freq window (torchtitan's key)."""
+    profiler_active: PositiveInt = 1
+    """Steps traced at the end of each profile_freq window, into one trace (torchtitan's key)."""
     enable_memory_snapshot: bool = False
     """Record CUDA memory snapshots."""
     save_memory_snapshot_folder: str = "memory_snapshot"

@@ -195,12 +195,15 @@ def checkpoint(d: Draft) -> None:
 
 
 def profiling(d: Draft) -> None:
-    """A profiled step has a warm-up step before it; memory snapshots record CUDA's allocator."""
-    from titan_core.profiling import MIN_FREQ
-
+    """A trace's window holds its warm-up and traced steps; memory snapshots record CUDA's allocator."""
     pr = d.cfg.profiling
-    if (pr.enable_profiling or pr.enable_memory_snapshot) and pr.profile_freq < MIN_FREQ:
-        raise ConfigError(f"profiling.profile_freq must be >= {MIN_FREQ}, got {pr.profile_freq}")
+    window = pr.profiler_warmup + pr.profiler_active
+    if pr.enable_profiling and pr.profile_freq < window:
+        raise ConfigError(
+            f"profiling.profile_freq={pr.profile_freq} is shorter than profiling.profiler_warmup="
+            f"{pr.profiler_warmup} + profiling.profiler_active={pr.profiler_active}: each trace's window holds its "
+            f"warm-up and traced steps; set profile_freq >= {window}"
+        )
     if pr.enable_memory_snapshot and d.device_type != "cuda":
         raise ConfigError(
             "profiling.enable_memory_snapshot records the CUDA caching allocator and needs a CUDA device; "
