@@ -235,6 +235,18 @@ def test_memory_lower_bound_never_exceeds_the_estimate():
             assert bound <= peak, t
 
 
+def test_the_plan_reads_the_model_a_run_builds_its_shape_and_a_longer_rope_table():
+    """The plan measures the model `titan train` would build: `model.shape` applied, and a RoPE table as long as a
+    sequence beyond the flavor's `max_seq_len` (the debug model's 2048; 8192 crashed the blocks' measurement)."""
+    request = PlanRequest("llama3_debugmodel", overrides=("--model.shape", "n_layers=3"), gpus=2, gpus_per_node=2,
+                          gpu_memory="16GiB", seq_len=8192, global_batch=4, top=3)  # fmt: skip
+    plan = search(prepare_plan(request))
+    assert plan.workload.n_layers == 3 and plan.workload.seq_len == 8192
+    assert plan.fits, plan.counts
+    t = plan.fits[0].layout
+    assert plan.fits[0].peak == estimate_analytic(layout_config(plan, t), 2, device_type="cuda").peak
+
+
 def test_search_finds_what_brute_force_finds():
     # 110M on 4 GPUs of 4 GiB: many layouts do not fit, so the lower bound and the skipping rules matter.
     request = PlanRequest("llama3_110m", gpus=4, gpus_per_node=4, gpu_memory="4GiB", seq_len=1024, global_batch=32,

@@ -256,19 +256,19 @@ def refuse_expert_parallel(layout: Layout, cfg: JobConfig) -> str | None:
     from titan_core.job.meta_model import build_meta_model
     from titan_core.job.naming import config_error
     from titan_core.job.options import DIMS_KEYS
-    from titan_models import get_model_args, get_model_spec
+    from titan_core.memory.plan_model import model_of
     from titan_parallel import ParallelConfigError, ParallelDims
     from titan_parallel.expert_parallel import check_ep
 
     t = layout
     if t.ep == 1:
         return None
-    spec = get_model_spec(cfg.model.name)
+    spec, args = model_of(cfg)
     try:
         world = t.dp_replicate * t.dp_shard * t.cp * t.tp * t.pp
         etp = 1 if t.ep_spans_tp else -1
         ParallelDims(t.dp_replicate, t.dp_shard, t.cp, t.tp, t.pp, world_size=world, ep=t.ep, etp=etp)
-        check_ep(build_meta_model(spec, get_model_args(cfg.model.name, cfg.model.flavor)), spec.plan, t.ep)
+        check_ep(build_meta_model(spec, args), spec.plan, t.ep)
     except ParallelConfigError as e:
         return str(config_error(e, DIMS_KEYS))
     return None
