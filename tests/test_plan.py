@@ -374,6 +374,19 @@ def test_no_layout_fits_is_one_line_and_exit_1():
     assert result.stdout == ""
 
 
+def test_no_fit_for_want_of_host_memory_says_how_much_offload_needs():
+    """Llama 3 8B on 2 GPUs of 40 GiB fits only with CPU offload, whose fp32 states (16 bytes x 8.03 B parameters =
+    119.66 GiB per node) exceed --host-memory 64GiB: the one line says so, and what offload would need."""
+    args = ("--config", "llama3_8b", "--gpus", "2", "--gpus-per-node", "2", "--gpu-memory", "40GiB", "--seq-len", "2048",
+            "--global-batch-size", "2", "--compile.enable", "false")  # fmt: skip
+    result = _plan(*args, "--host-memory", "64GiB")
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert line.endswith("with CPU offload a layout fits in GPU memory but needs at least 119.66 GiB of host memory "
+                         "per node (--host-memory 64.00 GiB)"), line  # fmt: skip
+    assert _plan(*args).exit_code == 0  # the default 2 TiB of host memory: it fits, offloaded
+
+
 def test_emit_config_refuses_to_overwrite_without_force(tmp_path):
     out = tmp_path / "plan.toml"
     out.write_text("keep me\n")

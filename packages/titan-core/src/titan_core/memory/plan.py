@@ -145,6 +145,8 @@ class Plan:
         closest: the layout nearest to fitting, when none fits.
         counts: layouts by outcome: layouts, rule, lower_bound, estimated, fit, memory, skipped, not_estimated.
         rule_errors: messages of the rules that refused layouts, with how many each refused.
+        host_needed: the least host memory per node that a CPU-offload layout within GPU memory needed beyond
+            `host_memory` (by its lower bound or its estimate); None where none was refused for host memory.
     """
 
     request: PlanRequest
@@ -158,6 +160,7 @@ class Plan:
     closest: Ranked | None = None
     counts: Counter = field(default_factory=Counter)
     rule_errors: Counter = field(default_factory=Counter)
+    host_needed: int | None = None
 
 
 def prepare_plan(request: PlanRequest) -> Plan:
@@ -337,7 +340,10 @@ def search(plan: Plan, estimate: Estimator | None = None, schedules: tuple[str, 
             continue
         act = activations(t.tp, t.cp, t.ep_spans_tp)  # compiled: its blocks' inputs only
         bound = memory_lower_bound(t, w, act, sizes, compute_bytes, ends, compiled=cfg.compile.enable)
-        over_host = t.offload and host_lower_bound(t, w, c.gpus_per_node) > plan.host_memory
+        host = host_lower_bound(t, w, c.gpus_per_node) if t.offload else 0
+        over_host = host > plan.host_memory
+        if over_host and bound <= plan.usable:
+            _needs_host(plan, host)
         if bound > plan.usable or over_host:
             plan.counts["lower_bound"] += 1
             if not over_host and (closest_bound is None or bound < closest_bound.peak):
@@ -416,8 +422,15 @@ def _estimate_one(plan: Plan, ranked: Ranked, estimate: Estimator) -> bool:
         plan.counts["fit"] += 1
         plan.fits.append(ranked)
         return True
+    if ranked.peak <= plan.usable:
+        _needs_host(plan, host)
     plan.counts["memory"] += 1
     c = plan.closest
     if ranked.peak > plan.usable and (c is None or not c.estimated or ranked.peak < c.peak):
         plan.closest = ranked  # the nearest to fitting: an estimate before a lower bound, then the smallest
     return False
+
+
+def _needs_host(plan: Plan, host: int) -> None:
+    """Note that a layout within GPU memory needed `host` bytes of host memory per node, over `plan.host_memory`."""
+    plan.host_needed = host if plan.host_needed is None else min(plan.host_needed, host)

@@ -188,10 +188,16 @@ def fix_hint(plan: Plan) -> str:
     need = math.ceil(STATE_BYTES_PER_PARAM * w.n_params / plan.usable)
     t = c.layout
     what = f"{t.describe()}, AC {t.ac_name}{', offload' if t.offload else ''}"
+    host = ""
+    if plan.host_needed is not None:
+        host = (
+            f"; with CPU offload a layout fits in GPU memory but needs at least {format_bytes(plan.host_needed)} of "
+            f"host memory per node (--host-memory {format_bytes(plan.host_memory)})"
+        )
     return (
         f"no layout fits {gpus} GPUs of {format_bytes(plan.usable)} usable: the closest ({what}) needs "
         f"{'' if c.estimated else 'at least '}{format_bytes(c.peak)} per GPU; use more GPUs (the model states "
-        f"alone need {need} without offload), more memory per GPU (--gpu-memory) or a shorter --seq-len"
+        f"alone need {need} without offload), more memory per GPU (--gpu-memory) or a shorter --seq-len{host}"
     )
 
 
