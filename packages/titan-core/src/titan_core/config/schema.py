@@ -197,7 +197,7 @@ class Training(Section):
     seq_len: PositiveInt = 256
     """Tokens per sequence."""
     max_norm: PositiveFloat = 1.0
-    """Clip the global gradient norm to this value."""
+    """Clip the global gradient norm to this value; inf: no clipping (the norm is still measured and logged)."""
     steps: PositiveInt = 60
     """Optimizer steps to train for."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
