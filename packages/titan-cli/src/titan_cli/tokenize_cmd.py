@@ -17,7 +17,7 @@ def tokenize(
     inputs: list[str] = typer.Argument(
         ...,
         help=(
-            "Text/.jsonl/.parquet files, folders, globs, 'stdlib', or a Hugging Face dataset name"
+            "Text/.jsonl/.parquet files (.json when named), folders, globs, 'stdlib', or a Hugging Face dataset name"
             " (NAME:CONFIG for one of its configs, as allenai/c4:en); read in the order given."
         ),
     ),
