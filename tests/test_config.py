@@ -95,6 +95,7 @@ SPEC_DEFAULTS = {
     "training.batch_size_rampup_steps": 0,
     "training.seq_len": 256,
     "training.max_norm": 1.0,
+    "training.gc_freq": "auto",
     "training.steps": 60,
     "training.mixed_precision_param": "auto",
     "training.mixed_precision_reduce": "float32",

@@ -72,7 +72,9 @@ def test_validation_and_profiler_traces(tmp_path):
     hamlet = str(SHARED_DATA / "shakespeare" / "hamlet_gut.txt")
     proc = run_titan(run, *TINY, "--training.local_batch_size", "4", "--validation.enable", "--validation.freq", "4",
                      "--validation.steps", "2", "--validation.dataset_path", hamlet,
-                     "--profiling.enable_profiling", "--profiling.profile_freq", "5", "--job.print_config")
+                     "--profiling.enable_profiling", "--profiling.profile_freq", "5", "--job.print_config",
+                     "--training.gc_freq", "4")
+    assert "garbage collection: Python's automatic collector off, every 4 steps (asked for)" in proc.stderr
     # job.print_config: the resolved config, as the run folder's config.toml holds it, once at start-up
     assert proc.stderr.count("config (job.print_config)") == 1, proc.stderr[-3000:]
     assert "[validation]\nenable = true\n" in proc.stderr and (run / "config.toml").read_text() in proc.stderr
@@ -110,6 +112,45 @@ def test_the_profiler_traces_the_last_active_steps_of_each_window(tmp_path):
              for name, trace in traces.items()}  # fmt: skip
     assert steps == {"iteration_4": ["ProfilerStep#2", "ProfilerStep#3"],
                      "iteration_8": ["ProfilerStep#6", "ProfilerStep#7"]}, steps  # fmt: skip
+
+
+def test_periodic_gc_collects_the_young_generations_every_n_steps_with_the_collector_off():
+    """`training.gc_freq` (torchtitan's): Python's automatic collector off while training, `gc.collect(1)` every N
+    steps (seen through `gc.callbacks`), on again after; 'auto' is 50 on CUDA and Python's own on CPU."""
+    import gc
+
+    from titan_core.gc_control import PeriodicGC, resolve_gc_freq
+
+    assert resolve_gc_freq("auto", "cuda") == (50, "auto: on CUDA")
+    assert resolve_gc_freq("auto", "cpu") == (0, "auto: Python's own on cpu")
+    assert resolve_gc_freq(7, "cpu") == (7, "asked for")
+    collected: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.callbacks.append(seen)
+    try:
+        collector = PeriodicGC(3)
+        assert not gc.isenabled() and collected[-1] == 1  # a clean start (Python may have collected just before)
+        before = len(collected)
+        for step in range(1, 8):
+            collector.step(step)
+            keep = [[] for _ in range(2000)]  # tracked containers past the gen-0 threshold (700): Python would collect
+            del keep
+        assert collected[before:] == [1, 1]  # steps 3 and 6, nothing else
+        collector.close()
+        assert gc.isenabled()
+        collected.clear()
+        untouched = PeriodicGC(0)
+        untouched.step(3)
+        untouched.close()
+        assert gc.isenabled() and collected == []
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
 
 
 def test_tokenizer_from_hf_assets_path_widens_a_small_flavor(tmp_path):

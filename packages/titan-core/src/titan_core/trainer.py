@@ -33,6 +33,7 @@ from titan_core.diloco import build_diloco
 from titan_core.downstream_eval import DownstreamEvaluator
 from titan_core.ema import WeightEMA
 from titan_core.fault_tolerance import build_replica_groups
+from titan_core.gc_control import PeriodicGC, resolve_gc_freq
 from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
 from titan_core.kernel_lines import log_kernels
@@ -499,6 +500,10 @@ class Trainer:
             gloo_trace=self.device.type == "cpu" and cfg.comm.trace_buf_size > 0,
         )
         data_wait_s, steps_since_log = 0.0, 0
+        gc_freq, gc_why = resolve_gc_freq(t.gc_freq, self.device.type)
+        if gc_freq and self.rank == 0:
+            logger.info("garbage collection: Python's automatic collector off, every %d steps (%s)", gc_freq, gc_why)
+        collector = PeriodicGC(gc_freq)  # [training] gc_freq: every rank collects at the same steps
         with guard:  # outside the try: a SIGTERM while a failure is explained below only sets the flag
             try:
                 while self.state.step < t.steps and not guard.stop_requested:
@@ -534,6 +539,7 @@ class Trainer:
                     self.checkpointer.save(step, last_step=step == t.steps)  # [checkpoint]
                     if profiler is not None:
                         profiler.step(step)
+                    collector.step(step)
                     if log_step or guard.stop_requested:
                         values = self._step_values(result, data_wait_s / steps_since_log, meter)
                         if self.batch_ramp.steps:  # the logged step's batch, while and after it grows
@@ -563,6 +569,7 @@ class Trainer:
                 watch.explain(error, self.state.step + 1)
                 raise
             finally:
+                collector.close()
                 watch.close()
                 if profiler is not None:
                     profiler.close()

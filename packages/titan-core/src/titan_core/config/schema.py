@@ -200,6 +200,8 @@ class Training(Section):
     """Clip the global gradient norm to this value; inf: no clipping (the norm is still measured and logged)."""
     steps: PositiveInt = 60
     """Optimizer steps to train for."""
+    gc_freq: Literal["auto"] | NonNegativeInt = "auto"
+    """Python's GC off in the loop, run every N steps on all ranks; 0: Python's own; 'auto': 50 on CUDA, else 0."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype (master copy fp32): 'auto' = bf16 on a GPU or CPU with native bf16 (AVX512-BF16/AMX), else fp32."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
