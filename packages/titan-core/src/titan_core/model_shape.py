@@ -15,7 +15,7 @@ from typing import Any
 
 from titan_core.config.errors import ConfigError
 
-__all__ = ["apply_shape", "apply_mup", "run_args"]
+__all__ = ["apply_shape", "apply_mup", "run_args", "for_seq_len"]
 
 _SCALARS = (bool, int, float, str)
 
@@ -184,3 +184,14 @@ def run_args(args: Any, run_config: Mapping[str, Any]) -> Any:
     """
     args = apply_shape(args, run_config.get("model", {}).get("shape", []))
     return apply_mup(args, run_config.get("mup", {}))
+
+
+def for_seq_len(args: Any, seq_len: int) -> Any:
+    """`args` whose RoPE table holds `seq_len` positions where that is more than its `max_seq_len` (a run of longer
+    sequences than the flavor's default builds it so).
+
+    Args:
+        args: a model family's args.
+        seq_len: the run's `training.seq_len`.
+    """
+    return dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))

@@ -21,7 +21,7 @@ def model_shape(d: Draft) -> None:
     """The model name and flavor exist and `model.shape` changes fields the args have; a tokenizer larger than a
     Hugging Face checkpoint's vocab is refused."""
     from titan_core.data import build_tokenizer
-    from titan_core.model_shape import apply_shape
+    from titan_core.model_shape import apply_shape, for_seq_len
     from titan_models import ModelConfigError, get_model_args, get_model_spec
 
     cfg = d.cfg
@@ -58,7 +58,7 @@ def model_shape(d: Draft) -> None:
         d.vocab_widened_from = args.vocab_size
         args = dataclasses.replace(args, vocab_size=vocab)
     d.tokenizer_vocab_size = vocab
-    d.model_args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
+    d.model_args = for_seq_len(args, cfg.training.seq_len)
 
 
 def _same_weights(spec: Any, args: Any, changed: Any, shape: list[str]) -> Any:

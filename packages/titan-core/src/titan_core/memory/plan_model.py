@@ -8,7 +8,6 @@ splits by expert, and tensor parallel by hidden dim (`TPStyle.MOE_INPUT`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from titan_core.config import ConfigError, JobConfig
@@ -19,18 +18,18 @@ from titan_core.memory.step_cost import Workload
 
 def model_of(cfg: JobConfig) -> tuple[Any, Any]:
     """The model family's spec and args of `cfg` as a run of it builds them (`titan_core.job.model_rules`):
-    `model.shape` applied, the RoPE table as long as `training.seq_len` where that is longer than the flavor's
-    `max_seq_len` (a 64k-token plan of Qwen3 4B, whose table holds 40,960 positions, crashed measuring its blocks); a
-    `ConfigError` naming model.name / model.flavor. The flavor's vocabulary: the planner reads no tokenizer."""
-    from titan_core.model_shape import apply_shape
+    `model.shape` and `[mup]` applied (`model_shape.run_args`), the RoPE table as long as `training.seq_len`
+    (`model_shape.for_seq_len`: a 64k-token plan of Qwen3 4B, whose table holds 40,960 positions, crashed measuring
+    its blocks); a `ConfigError` naming model.name / model.flavor. The flavor's vocabulary: the planner reads no
+    tokenizer."""
+    from titan_core.model_shape import for_seq_len, run_args
     from titan_models import get_model_args, get_model_spec
 
     try:
         spec, args = get_model_spec(cfg.model.name), get_model_args(cfg.model.name, cfg.model.flavor)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    args = apply_shape(args, cfg.model.shape)
-    return spec, dataclasses.replace(args, max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
+    return spec, for_seq_len(run_args(args, cfg.model_dump()), cfg.training.seq_len)
 
 
 def workload(cfg: JobConfig) -> Workload:
