@@ -204,6 +204,7 @@ SPEC_DEFAULTS = {
     "validation.freq": 50,
     "validation.steps": 10,
     "validation.local_batch_size": None,
+    "validation.seq_len": None,
     "eval.enable": False,
     "eval.tasks": [],
     "eval.freq": 100,

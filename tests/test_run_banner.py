@@ -118,3 +118,5 @@ def test_no_shipped_default_claims_a_description():
 def test_validation_on_the_stdlib_corpus_reads_its_held_out_files():
     line = banner(["--validation.enable"])
     assert "data: the built-in Python stdlib corpus, validation the stdlib corpus's held-out files" in line
+    longer = banner(["--validation.enable", "--validation.seq_len", "4096"])
+    assert "validation the stdlib corpus's held-out files at 4096 tokens per sequence, byte tokenizer" in longer

@@ -192,6 +192,6 @@ def for_seq_len(args: Any, seq_len: int) -> Any:
 
     Args:
         args: a model family's args.
-        seq_len: the run's `training.seq_len`.
+        seq_len: the longest sequence the run feeds the model (`training.seq_len`, or a longer `validation.seq_len`).
     """
     return dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))

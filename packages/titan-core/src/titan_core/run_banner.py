@@ -42,6 +42,8 @@ def run_banner(job: Job) -> str:
         data += f", validation sets {', '.join(validation_set_names(cfg.validation.sets))}"
     elif cfg.validation.enable:
         data += f", validation {describe_dataset(cfg.validation.dataset, cfg.validation.dataset_path, held_out=True)}"
+    if cfg.validation.enable and cfg.validation.seq_len not in (None, t.seq_len):
+        data += f" at {cfg.validation.seq_len} tokens per sequence"
     shape = f" with {', '.join(cfg.model.shape)}" if cfg.model.shape else ""
     # A checkpoint in Hugging Face format brings its own shape (model.flavor is not used)
     origin = f" from the Hugging Face weights in {job.hf_source}" if job.hf_source else f"/{cfg.model.flavor}"

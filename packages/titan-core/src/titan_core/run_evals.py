@@ -51,7 +51,7 @@ def build_validator(
     make = functools.partial(
         loader_factory,
         tokenizer=tokenizer,
-        seq_len=t.seq_len,
+        seq_len=v.seq_len or t.seq_len,
         local_batch_size=v.local_batch_size or t.local_batch_size,
         dp_rank=mesh["dp"].get_local_rank(),
         dp_world=dp,

@@ -100,6 +100,8 @@ class Validation(Section):
     """Batches per validation."""
     local_batch_size: PositiveInt | None = None
     """Sequences per validation batch on each rank; unset = training.local_batch_size."""
+    seq_len: PositiveInt | None = None
+    """Tokens per validation sequence (e.g. longer than training's, for long context); unset = training.seq_len."""
 
 
 class Eval(Section):

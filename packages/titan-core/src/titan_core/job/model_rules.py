@@ -58,7 +58,9 @@ def model_shape(d: Draft) -> None:
         d.vocab_widened_from = args.vocab_size
         args = dataclasses.replace(args, vocab_size=vocab)
     d.tokenizer_vocab_size = vocab
-    d.model_args = for_seq_len(args, cfg.training.seq_len)
+    v = cfg.validation
+    longest = max(cfg.training.seq_len, (v.seq_len or 0) if v.enable else 0)  # a longer validation.seq_len too
+    d.model_args = for_seq_len(args, longest)
 
 
 def _same_weights(spec: Any, args: Any, changed: Any, shape: list[str]) -> Any:

@@ -212,13 +212,16 @@ def _expert_parallel(d: Draft) -> None:
 
 
 def _context_parallel(d: Draft) -> None:
-    """The sequence splits into 2 x cp chunks (x tp under sequence parallel); a known method and K/V exchange;
-    Ulysses' tp x cp divides the heads."""
+    """The sequences (training's, validation's) split into 2 x cp chunks (x tp under sequence parallel); a known
+    method and K/V exchange; Ulysses' tp x cp divides the heads."""
     from titan_parallel import check_cp, check_cp_method, check_rotate_method
 
-    p = d.cfg.parallelism
+    p, v = d.cfg.parallelism, d.cfg.validation
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     check_cp(d.cfg.training.seq_len, cp, tp)
+    if v.enable and v.seq_len:  # validation's sequences split the same way
+        with naming({**CONTEXT_PARALLEL_KEYS, "seq_len": "validation.seq_len"}):
+            check_cp(v.seq_len, cp, tp)
     args = d.model_args if cp > 1 else None
     check_cp_method(d.parallel.cp_method, getattr(args, "n_heads", None), cp, tp)
     ring = args if d.parallel.cp_method == "ring" else None  # MLA's key and value head dims differ
@@ -241,8 +244,9 @@ NO_EVAL_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def _pipeline(d: Draft) -> None:
-    """A known schedule; stages that divide over the ranks as the schedule places them; enough micro-batches.
-    The module names of each stage are kept for the model setup (pipeline parallel only)."""
+    """A known schedule; stages that divide over the ranks as the schedule places them; enough micro-batches;
+    validation in the training schedule's shape. The module names of each stage are kept for the model setup
+    (pipeline parallel only)."""
     from titan_parallel import ParallelConfigError, check_pipeline
 
     d.pipeline = pipeline_config(d.cfg)
@@ -284,12 +288,14 @@ def _pipeline(d: Draft) -> None:
             f"parallelism.pipeline_parallel_schedule='{schedule}'; pick another schedule or set validation.enable "
             "to false"
         )
-    if v.enable and v.local_batch_size not in (None, t.local_batch_size):
-        # The schedule cuts every batch into the microbatches it was built for.
-        raise ConfigError(
-            f"validation.local_batch_size={v.local_batch_size} differs from training.local_batch_size="
-            f"{t.local_batch_size}; under pipeline parallel validation runs the training schedule: unset it"
-        )
+    for key in ("local_batch_size", "seq_len"):
+        value, training = getattr(v, key), getattr(t, key)
+        if v.enable and value not in (None, training):
+            # The schedule cuts every batch into the microbatches it was built for, of the shape it was built for.
+            raise ConfigError(
+                f"validation.{key}={value} differs from training.{key}={training}; under pipeline parallel "
+                "validation runs the training schedule: unset it"
+            )
 
 
 def _converters(d: Draft) -> None:
