@@ -168,7 +168,7 @@ def test_dtype_option_and_single_torch_file(hf_source, tmp_path):
     assert {dtype for _, dtype in read_dcp_tensor_shapes(tmp_path / "dcp16").values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "dcp16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
-    result = run_cli(tmp_path / "dcp16", tmp_path / "weights.pt", "--to", "torch", "--dtype", "float32")
+    result = run_cli(tmp_path / "dcp16", tmp_path / "weights.pt", "--dtype", "float32")  # .pt: --to torch
     assert result.exit_code == 0, result.output
     state = torch.load(tmp_path / "weights.pt", weights_only=True)
     source = read_hf_state_dict(hf_source)
@@ -234,13 +234,14 @@ def test_bad_inputs_fail_in_one_line_and_write_nothing(hf_source, tmp_path):
         ((bare_dcp, tmp_path / "out6", "--to", "hf"), "--flavor"),
         ((bare_dcp, tmp_path / "out7", "--to", "hf", "--flavor", "debugmodel"), "'tok_embeddings.weight' has shape (2, 2), the model expects (2048, 256)"),
         ((bare_dcp, tmp_path / "out8", "--to", "hf", "--flavor", "nope"), "unknown model.flavor 'nope'"),
+        ((hf_source, tmp_path / "out9"), "--to is needed: DST"),  # a folder does not say its format
     ]
     for args, expected in cases:
         result = run_cli(*args)
         assert result.exit_code == 2, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith("titan convert: error: ") and expected in lines[-1], (args, result.stderr)
-    assert not any((tmp_path / f"out{i}").exists() for i in range(1, 9))
+    assert not any((tmp_path / f"out{i}").exists() for i in range(1, 10))
     assert no_partial_left(tmp_path)
 
 

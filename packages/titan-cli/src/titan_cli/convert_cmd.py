@@ -1,10 +1,12 @@
-"""`titan convert SRC DST --to hf|dcp|torch`: the command-line face of `titan_core.convert`.
+"""`titan convert SRC DST [--to hf|dcp|torch]`: the command-line face of `titan_core.convert`.
 
 Imports only typer at start-up; torch, the models and transformers load when the
 command runs, so `titan --help` stays fast.
 """
 
 from __future__ import annotations
+
+import os
 
 import typer
 
@@ -18,7 +20,9 @@ def convert(
     dst: str = typer.Argument(
         ..., help="Output path (must not exist). For --to torch, a .pt path writes one file; else a folder."
     ),
-    to: str = typer.Option(..., "--to", help="Output format: hf, dcp or torch."),
+    to: str | None = typer.Option(
+        None, "--to", help="Output format: hf, dcp or torch; default: torch where DST ends in .pt / .pth / .bin."
+    ),
     dtype: str | None = typer.Option(
         None, "--dtype", help="Cast weights to float32, bfloat16 or float16 (default: keep)."
     ),
@@ -65,6 +69,7 @@ def convert(
     checkpoints' weights (in fp32), checked for parity when written as Hugging Face
     files. Nothing is left on disk unless the conversion succeeds.
     """
+    from titan_ckpt.torch_files import TORCH_SUFFIXES
     from titan_core.convert import convert_checkpoint
     from titan_core.hf_parity import ParityError
     from titan_core.launch import USER_ERRORS
@@ -75,6 +80,15 @@ def convert(
     if ema and anchors:
         typer.echo("titan convert: error: --ema and --anchors each choose the weights to write; give one", err=True)
         raise typer.Exit(2)
+    if to is None:
+        if os.path.splitext(dst)[1] not in TORCH_SUFFIXES:
+            typer.echo(
+                f"titan convert: error: --to is needed: DST {dst!r} is a folder, which holds hf, dcp or torch "
+                "weights alike; add --to hf, --to dcp or --to torch",
+                err=True,
+            )
+            raise typer.Exit(2)
+        to = "torch"
     try:
         weight_list = [float(w) for w in weights.split(",")] if weights is not None else None
     except ValueError:
