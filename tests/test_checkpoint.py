@@ -201,6 +201,27 @@ def test_keep_interval_spares_milestones_from_keep_latest_k(tmp_path):
     assert err.value.arguments == ("keep_interval", "interval")
 
 
+def test_first_step_save_and_a_load_only_manager(tmp_path):
+    a = Run(seed=1)
+    saver = a.manager(tmp_path, interval=4, save_first_step=True)
+    saved = []
+    for step in range(1, 6):
+        a.step()
+        saved += [step] if saver.save(step, last_step=step == 5) else []
+    assert saved == [1, 4, 5] and sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-4", "step-5"]
+    (tmp_path / "step-6.tmp").mkdir()  # another run's save in progress: a load-only manager leaves it
+    b = Run(seed=2)
+    reader = b.manager(tmp_path, interval=1, load_only=True)
+    assert reader.load() == 5 and b.counter.value == 5
+    assert all(torch.equal(v, params(a.model)[k]) for k, v in params(b.model).items())
+    b.step()
+    assert not reader.due(6, last_step=True) and not reader.save(6, last_step=True) and not reader.save(6, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-4", "step-5", "step-6.tmp"]
+    with pytest.raises(CheckpointError, match="a seed checkpoint needs a manager that saves, not load_only") as err:
+        Run(seed=3).manager(tmp_path / "seed", load_only=True).save_seed()
+    assert err.value.arguments == ("load_only",)
+
+
 def test_model_only_last_save_in_export_dtype(tmp_path):
     a = Run(seed=1)
     a.step(5)
@@ -326,7 +347,7 @@ def test_the_trainer_builds_its_manager_from_the_resolved_options(tmp_path):
     from titan_core.job.options import checkpoint_options
 
     cfg = load_config(None, ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.export_dtype", "bfloat16",
-                             "--job.dump_folder", str(tmp_path)])
+                             "--checkpoint.enable_first_step_checkpoint", "--job.dump_folder", str(tmp_path)])
     a = Run(seed=1)
     parts = dict(model_parts=[a.model], optimizers=[a.optimizer], lr_schedulers=[a.scheduler], dataloader=Counter(),
                  train_state=Counter(), device=torch.device("cpu"), load_model_fn=lambda path: {})
@@ -334,6 +355,7 @@ def test_the_trainer_builds_its_manager_from_the_resolved_options(tmp_path):
     former = build_checkpointer(cfg.checkpoint, run_folder=tmp_path, **parts)  # the config section still works
     assert resolved.options == former.options and resolved.folder == tmp_path / "checkpoint"
     assert (resolved.interval, resolved.export_dtype) == (3, torch.bfloat16)
+    assert resolved.save_first_step and not resolved.load_only
     assert resolved.load_model_fn is not None and former.load_model_fn is None  # not initial_load_in_hf
     with pytest.raises(TypeError, match="run_folder"):
         build_checkpointer(cfg.checkpoint, **parts)

@@ -137,6 +137,8 @@ SPEC_DEFAULTS = {
     "checkpoint.interval": 500,
     "checkpoint.keep_latest_k": 10,
     "checkpoint.keep_interval": 0,
+    "checkpoint.enable_first_step_checkpoint": False,
+    "checkpoint.load_only": False,
     "checkpoint.async_mode": "disabled",
     "checkpoint.last_save_model_only": False,
     "checkpoint.export_dtype": "float32",

@@ -231,6 +231,19 @@ def test_load_step_and_exclude_from_loading(reference, tmp_path):
     assert read_json(run, 6, "train_state")["step"] == 6
 
 
+def test_a_load_only_run_resumes_and_saves_nothing_and_a_first_step_save(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run")
+    for step in (4, 6):
+        shutil.rmtree(ckpt(run, step))  # the run stands at step 2
+    out = train(run, "--checkpoint.load_only")
+    assert "checkpoint.load_only: loaded, and no checkpoint will be saved" in out
+    assert logged_steps(run) == [3, 4, 5, 6] and complete_steps(run) == [2]  # steps 4 and 6 not saved again
+    assert losses(run) == {step: losses(reference)[step] for step in (3, 4, 5, 6)}  # it went on as the reference did
+    first = tmp_path / "first"
+    train(first, "--checkpoint.enable_first_step_checkpoint", "--training.steps", "3")
+    assert complete_steps(first) == [1, 2, 3]  # step 1, the interval's step 2 and the last
+
+
 def test_reshard_2_to_4_to_1_ranks_keeps_losses_and_data_position(reference, tmp_path):
     run = tmp_path / "run"
     train(run, "--checkpoint.async_mode", "async", nproc=2, hook=("stop-after-step", 2))

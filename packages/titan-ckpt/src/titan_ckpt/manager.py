@@ -80,6 +80,8 @@ class CheckpointManager:
             (`CheckpointOptions`); pass either it or `folder` and the setting keywords, not both.
         enable: when False, `load` restores nothing and `save` writes nothing.
         interval: save every this many steps (and at the last step).
+        save_first_step: also save after step 1 (an early proof that saving works, and a state to go back to).
+        load_only: load as set, never save (e.g. evaluating or debugging from a checkpoint).
         keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
         keep_interval: also keep every checkpoint whose step is a multiple of this (milestones, e.g. to
             branch a learning-rate decay from later), which `keep_latest_k` never removes; 0: none. A
@@ -116,6 +118,8 @@ class CheckpointManager:
         options: CheckpointOptions | None = None,
         enable: bool = True,
         interval: int = 500,
+        save_first_step: bool = False,
+        load_only: bool = False,
         keep_latest_k: int = 10,
         keep_interval: int = 0,
         async_mode: AsyncMode = "disabled",
@@ -133,6 +137,8 @@ class CheckpointManager:
             folder="" if folder is None else folder,
             enable=enable,
             interval=interval,
+            save_first_step=save_first_step,
+            load_only=load_only,
             keep_latest_k=keep_latest_k,
             keep_interval=keep_interval,
             async_mode=async_mode,
@@ -170,6 +176,7 @@ class CheckpointManager:
         self.model_parts, self.optimizers = list(model_parts), list(optimizers)
         self.device, self.enable = device, o.enable
         self.interval, self.keep_latest_k, self.keep_interval = o.interval, o.keep_latest_k, o.keep_interval
+        self.save_first_step, self.load_only = o.save_first_step, o.load_only
         self.last_save_model_only, self.export_dtype = o.last_save_model_only, o.export_dtype
         self.load_step, self.exclude = o.load_step, set(o.exclude_from_loading)
         self.initial_load_path = None if o.initial_load_path is None else Path(o.initial_load_path)
@@ -199,7 +206,8 @@ class CheckpointManager:
     # ---- saving ---------------------------------------------------------------------------------
 
     def save(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
-        """Call after every training step: saves when `step` is a multiple of `interval` or `last_step`.
+        """Call after every training step: saves when `step` is a multiple of `interval`, `last_step`, or step 1
+        under `save_first_step`; never under `load_only`.
 
         Also completes a finished background save. Returns whether a save started.
 
@@ -209,7 +217,7 @@ class CheckpointManager:
             force: save the full state now, synchronously, whatever the interval (e.g. before the
                 job is preempted); a step already saved is not saved again.
         """
-        if not self.enable:
+        if not self.enable or self.load_only:
             return False
         self._complete_pending(block=force)
         if force and self._saved_step == step:
@@ -224,8 +232,10 @@ class CheckpointManager:
         return True
 
     def due(self, step: int, *, last_step: bool = False) -> bool:
-        """Whether `save(step, last_step=...)` writes a checkpoint (enabled, and `interval` or the last step)."""
-        return self.enable and (step % self.interval == 0 or last_step)
+        """Whether `save(step, last_step=...)` writes a checkpoint (enabled, not `load_only`, and `interval`, the
+        last step or step 1 under `save_first_step`)."""
+        saving = self.enable and not self.load_only
+        return saving and (step % self.interval == 0 or last_step or (step == 1 and self.save_first_step))
 
     def save_seed(self) -> Path:
         """Save the freshly initialised model alone as `step-0` (a seed checkpoint, written by one
@@ -236,6 +246,10 @@ class CheckpointManager:
         """
         if not self.enable:
             raise CheckpointError("a seed checkpoint needs a manager with enable=True", arguments=("enable",))
+        if self.load_only:
+            raise CheckpointError(
+                "a seed checkpoint needs a manager that saves, not load_only", arguments=("load_only",)
+            )
         if list_complete_steps(self.folder):
             raise CheckpointError(
                 f"{self.folder} already holds checkpoints; "
@@ -377,15 +391,15 @@ class CheckpointManager:
     def load(self) -> int | None:
         """Restore the newest complete checkpoint (or `load_step`); with none, `initial_load_path`.
 
-        Unfinished `step-N.tmp` folders are removed first. Returns the step restored (0 for an
-        initial load), or None when the run starts fresh.
+        Unfinished `step-N.tmp` folders are removed first, except under `load_only` (another run may be
+        writing them). Returns the step restored (0 for an initial load), or None when the run starts fresh.
 
         Raises:
             CheckpointError: `load_step` not found, or a file missing, truncated or corrupt (named).
         """
         if not self.enable:
             return None
-        if self.rank == 0:
+        if self.rank == 0 and not self.load_only:
             remove_tmp_folders(self.folder)
         step = self._choose_step()
         if step is not None:

@@ -24,6 +24,8 @@ class CheckpointOptions:
         folder: the run's checkpoint folder; it holds the `step-N` folders.
         enable: when False, `load` restores nothing and `save` writes nothing.
         interval: save every this many steps (and at the last step).
+        save_first_step: also save after step 1 (an early proof that saving works, and a state to go back to).
+        load_only: load as set, never save (e.g. evaluating or debugging from a checkpoint).
         keep_latest_k: keep this many newest complete checkpoints; 0 keeps all.
         keep_interval: also keep every checkpoint whose step is a multiple of this (milestones, which
             `keep_latest_k` never removes); 0: none. A multiple of `interval`.
@@ -40,6 +42,8 @@ class CheckpointOptions:
     folder: str | Path
     enable: bool = True
     interval: int = 500
+    save_first_step: bool = False
+    load_only: bool = False
     keep_latest_k: int = 10
     keep_interval: int = 0
     async_mode: AsyncMode = "disabled"

@@ -389,14 +389,16 @@ class Trainer:
         self.checkpointer.save(self.state.step, force=True)  # [checkpoint] skipped if this step is already saved
         self.checkpointer.wait()
         if self.rank == 0:
-            took = time.perf_counter() - started
-            saved = f"checkpoint step-{self.state.step} saved ({took:.1f} s); start the same command again to resume"
-            logger.info(
-                "stopped by %s after step %d: %s",
-                self.stopped_by,
-                self.state.step,
-                saved if self.cfg.checkpoint.enable else "nothing saved (checkpoint.enable is off)",
-            )
+            took, ckpt = time.perf_counter() - started, self.cfg.checkpoint
+            if not ckpt.enable or ckpt.load_only:
+                saved = (
+                    "nothing saved (" + ("checkpoint.load_only" if ckpt.enable else "checkpoint.enable is off") + ")"
+                )
+            else:
+                saved = (
+                    f"checkpoint step-{self.state.step} saved ({took:.1f} s); start the same command again to resume"
+                )
+            logger.info("stopped by %s after step %d: %s", self.stopped_by, self.state.step, saved)
 
     def _write_config(self) -> None:
         """Rank 0 writes the resolved config as the run folder's `config.toml`, whole or not at all; a run started
@@ -437,6 +439,9 @@ class Trainer:
         if self.outer is not None and not self.outer.loaded:  # DiLoCo anchors at the weights training starts from
             self.outer.restart()
         self._write_config()  # after the load: a start that cannot resume this folder leaves its run's config
+        if cfg.checkpoint.load_only and self.rank == 0:
+            loaded = "nothing to load: training starts from its initialisation" if resumed is None else "loaded"
+            logger.warning("checkpoint.load_only: %s, and no checkpoint will be saved", loaded)
         if resumed and self.state.step >= t.steps and self.rank == 0:
             logger.warning(
                 "checkpoint: the run stands at step %d, training.steps is %d: nothing left to train; "

@@ -303,6 +303,10 @@ class Checkpoint(Section):
     """Checkpoint folder, relative to job.dump_folder."""
     interval: PositiveInt = 500
     """Save every this many steps (and at the last step)."""
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1: an early proof that saving works (and a state to go back to)."""
+    load_only: bool = False
+    """Load as set (resume, load_step, initial_load_path), never save: e.g. to evaluate or debug from a checkpoint."""
     keep_latest_k: NonNegativeInt = 10
     """Keep this many newest checkpoints; 0 = keep all."""
     keep_interval: NonNegativeInt = 0

@@ -158,8 +158,8 @@ def master_weights_config_blockers(cfg: JobConfig) -> list[str]:
 
 def checkpoint(d: Draft) -> None:
     """[checkpoint] keys (and 'rollback' of training.on_nonfinite / on_loss_spike) that need checkpoint.enable;
-    a seed checkpoint on one process; a Hugging Face export of the model only, from an unpipelined model;
-    milestones at saved steps."""
+    no save asked of a load-only run; a seed checkpoint on one process; a Hugging Face export of the model only,
+    from an unpipelined model; milestones at saved steps."""
     ckpt = d.cfg.checkpoint
     if ckpt.keep_interval % ckpt.interval:
         raise ConfigError(
@@ -167,9 +167,16 @@ def checkpoint(d: Draft) -> None:
             "only those steps are saved; make it one (or 0 for no milestones)"
         )
     if not ckpt.enable:
-        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf"):
+        for key in ("create_seed_checkpoint", "initial_load_path", "last_save_in_hf", "initial_load_in_hf",
+                    "load_only", "enable_first_step_checkpoint"):  # fmt: skip
             if getattr(ckpt, key):
                 raise ConfigError(f"checkpoint.{key} is set but checkpoint.enable is false; add --checkpoint.enable")
+    if ckpt.load_only:
+        for key in ("create_seed_checkpoint", "last_save_in_hf", "enable_first_step_checkpoint"):
+            if getattr(ckpt, key):
+                raise ConfigError(
+                    f"checkpoint.load_only saves nothing, but checkpoint.{key} asks for a save; unset one"
+                )
     if ckpt.create_seed_checkpoint and d.world_size not in (None, 1):
         raise ConfigError(
             f"checkpoint.create_seed_checkpoint runs on one process, not {d.world_size}; "
