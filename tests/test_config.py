@@ -154,6 +154,7 @@ SPEC_DEFAULTS = {
     "activation_checkpoint.memory_budget": 0.5,
     "compile.enable": False,
     "compile.components": ["model", "loss"],
+    "compile.backend": "auto",
     "float8.recipe_name": "tensorwise",
     "float8.enable_fsdp_float8_all_gather": False,
     "float8.precompute_float8_dynamic_scale_for_fsdp": False,

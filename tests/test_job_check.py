@@ -52,6 +52,9 @@ BROKEN = {
                           "(seq_len set by training.seq_len, cp set by parallelism.context_parallel_degree)"]),
     "activation_checkpoint": (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "two"], 1,
                               ["ac_selective_option='two'", "(ac_selective_option set by activation_checkpoint.selective_ac_option)"]),
+    "compile": (["--compile.enable", "true", "--compile.backend", "inductr"], 1,
+                ["compile_backend='inductr' is not a registered torch.compile backend; choose 'inductor', 'aot_eager' or "
+                 "'eager'", "(compile_backend set by compile.backend)"]),
     "pipeline": (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "3",
                   "--parallelism.pipeline_parallel_microbatch_size", "2"], 2,
                  ["local_batch_size=3 is not divisible by microbatch_size=2",
@@ -97,6 +100,7 @@ NAMED_KEYS = {
     "expert_parallel": ("parallelism.expert_parallel_degree",),
     "context_parallel": ("training.seq_len", "parallelism.context_parallel_degree"),
     "activation_checkpoint": ("activation_checkpoint.selective_ac_option",),
+    "compile": ("compile.backend",),
     "pipeline": ("training.local_batch_size", "parallelism.pipeline_parallel_microbatch_size"),
 }
 
@@ -170,6 +174,13 @@ def test_a_broken_rule_is_one_line_naming_the_keys(rule, monkeypatch):
         (["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--checkpoint.keep_interval", "6"],
          ["checkpoint.keep_interval=6 is not a multiple of checkpoint.interval=4"]),
         (["--checkpoint.load_only"], ["checkpoint.load_only is set but checkpoint.enable is false"]),
+        (["--compile.enable", "true", "--compile.backend", "inductor", "--parallelism.tensor_parallel_degree", "2",
+          "--training.device", "cpu"],
+         ["compile_backend='inductor' with tp=2 on CPU", "(compile_backend set by compile.backend, tp set by "
+          "parallelism.tensor_parallel_degree, device_type set by training.device)"]),
+        (["--compile.enable", "true", "--compile.backend", "eager", "--activation_checkpoint.mode", "memory_budget"],
+         ["ac_mode='memory_budget' needs a backend whose partitioner the budget steers (inductor, aot_eager, "
+          "aot_eager_decomp_partition), not compile_backend='eager'"]),
         (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.create_seed_checkpoint"],
          ["checkpoint.load_only saves nothing, but checkpoint.create_seed_checkpoint asks for a save; unset one"]),
         (FT_ON + ["--fault_tolerance.semi_sync_method", "diloco", "--training.on_nonfinite", "rollback",

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+    from titan_core.config.schema import JobConfig
     from titan_core.job import Job
     from titan_parallel import ComputeCopies, SharedWeights
 
@@ -111,6 +112,12 @@ def precasts_float8_weights(master_weights: bool, converters: Converters) -> boo
     """Whether the tensorwise float8 weights keep a copy cast once per optimizer step
     (`titan_parallel.float8_precast`): under master weights, where nothing gathers them in float8."""
     return master_weights and converters.float8 is not None and converters.float8.recipe_name == "tensorwise"
+
+
+def loss_backend(cfg: JobConfig) -> str:
+    """The loss's `torch.compile` backend: `compile.backend`, Inductor under 'auto' (the blocks' 'auto' is
+    `titan_parallel.compile.compile_backend`)."""
+    return "inductor" if cfg.compile.backend == "auto" else cfg.compile.backend
 
 
 def loss_compiled_for(job: Job) -> bool:
@@ -194,7 +201,17 @@ def assemble_model(
         from titan_parallel.linear_cross_entropy import fuse_output_loss
 
         for _, module in stage_modules:
-            head = fuse_output_loss(module, plan, compiled=compiled_loss, float8=float8_loss, z_loss=z_loss) or head
+            head = (
+                fuse_output_loss(
+                    module,
+                    plan,
+                    compiled=compiled_loss,
+                    backend=options.compile_backend or "inductor",
+                    float8=float8_loss,
+                    z_loss=z_loss,
+                )
+                or head
+            )
     if options.dp_mode == "ddp":
         # DDP buckets the gradients of real parameters: materialise first, then wrap.
         init_weights([s.module for s in stage_modules], spec, model_args, device, seed)
@@ -211,7 +228,10 @@ def assemble_model(
         if precasts_float8_weights(True, converters):
             from titan_parallel.float8_precast import PrecastFloat8Weights
 
-            precast = PrecastFloat8Weights(parts, copies, compiled=options.compile and device.type == "cuda")
+            inductor = options.compile_backend in (None, "inductor")  # its casts are Inductor kernels
+            precast = PrecastFloat8Weights(
+                parts, copies, compiled=options.compile and inductor and device.type == "cuda"
+            )
             logger.info(
                 "float8: %d weights cast to float8 once per optimizer step (master weights), not in every "
                 "forward, recompute and backward",

@@ -117,7 +117,8 @@ def _describe_compute(job: Job) -> str:
     if job.converters.mx is not None:
         parts.append(f"MX {job.converters.mx.recipe_name}")
     if job.cfg.compile.enable:
-        parts.append(f"compiled ({', '.join(job.cfg.compile.components)})")
+        backend = f"; {job.cfg.compile.backend}" if job.cfg.compile.backend != "auto" else ""
+        parts.append(f"compiled ({', '.join(job.cfg.compile.components)}{backend})")
     ac = job.cfg.activation_checkpoint
     if ac.mode != "none":
         detail = {"selective": f" {ac.selective_ac_option}", "memory_budget": f" {ac.memory_budget:g}"}.get(ac.mode, "")

@@ -340,6 +340,47 @@ def check_ac(
         )
 
 
+MIN_CUT_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+"""`torch.compile` backends whose AOTAutograd partitioner is min-cut, which an activation memory budget steers."""
+
+
+def check_compile_backend(compile_backend: str | None, device_type: str, tp: int = 1, ac_mode: str = "none") -> None:
+    """Raise unless the blocks can be compiled with `compile_backend`.
+
+    Args:
+        compile_backend: a registered `torch.compile` backend: "inductor", or e.g. "aot_eager" (AOTAutograd without
+            code generation) or "eager" (Dynamo alone) to bisect a compile problem; None: the default
+            (`titan_parallel.compile.compile_backend`: Inductor, "aot_eager" for TP on CPU).
+        device_type: the device type the model runs on.
+        tp: tensor parallel degree. On CPU Inductor's C++ code gives a tensor-parallel feed-forward wrong input
+            gradients (torch 2.15; see `titan_parallel.compile`), so "inductor" is refused there.
+        ac_mode: "memory_budget" needs a backend in `MIN_CUT_BACKENDS`.
+    """
+    if compile_backend is None:
+        return
+    if compile_backend != "inductor":
+        from torch._dynamo import list_backends
+
+        if compile_backend not in list_backends(exclude_tags=()):
+            raise ParallelConfigError(
+                f"compile_backend={compile_backend!r} is not a registered torch.compile backend; choose 'inductor', "
+                "'aot_eager' or 'eager' (all: torch._dynamo.list_backends(exclude_tags=()))",
+                arguments=("compile_backend",),
+            )
+    if compile_backend == "inductor" and device_type == "cpu" and tp > 1:
+        raise ParallelConfigError(
+            f"compile_backend='inductor' with tp={tp} on CPU: Inductor's C++ code gives a tensor-parallel "
+            "feed-forward wrong input gradients; leave compile_backend unset (aot_eager there) or choose 'aot_eager'",
+            arguments=("compile_backend", "tp", "device_type"),
+        )
+    if ac_mode == "memory_budget" and compile_backend not in MIN_CUT_BACKENDS:
+        raise ParallelConfigError(
+            f"ac_mode='memory_budget' needs a backend whose partitioner the budget steers "
+            f"({', '.join(MIN_CUT_BACKENDS)}), not compile_backend={compile_backend!r}",
+            arguments=("ac_mode", "compile_backend"),
+        )
+
+
 def check_async_tp(tp: int, device_type: str, compile: bool) -> None:
     """Raise unless async tensor parallel (`async_tp`) can run: tp > 1, on CUDA, with the blocks compiled.
 

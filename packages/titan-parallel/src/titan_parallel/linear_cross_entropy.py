@@ -121,20 +121,23 @@ def _chunk_grad_float8(
     return g8, g8.t().contiguous(), g_scale
 
 
-_compiled: dict[str, Callable] = {}
+_compiled: dict[str, dict[str, Callable]] = {}  # by backend, by kernel
 
 
-def _kernels(compiled: bool) -> tuple[Callable, Callable, Callable, Callable | None]:
-    """(lse, max and sum of exps, gradient, gradient in e5m2) per chunk, compiled; eager, the last is None (the
-    fused cast would hold |g| and fp32 copies of the whole chunk: `ChunkedFloat8Matmuls.cast_gradient` casts in
-    blocks)."""
+def _kernels(compiled: bool, backend: str = "inductor") -> tuple[Callable, Callable, Callable, Callable | None]:
+    """(lse, max and sum of exps, gradient, gradient in e5m2) per chunk, compiled with `backend`; eager, the last
+    is None (the fused cast would hold |g| and fp32 copies of the whole chunk: `ChunkedFloat8Matmuls.cast_gradient`
+    casts in blocks)."""
     if not compiled:
         return _chunk_lse, _chunk_max_sumexp, _chunk_grad, None
-    if not _compiled:
-        for name, fn in (("lse", _chunk_lse), ("max_sumexp", _chunk_max_sumexp), ("grad", _chunk_grad),
-                         ("grad_float8", _chunk_grad_float8)):  # fmt: skip
-            _compiled[name] = torch.compile(fn)
-    return _compiled["lse"], _compiled["max_sumexp"], _compiled["grad"], _compiled["grad_float8"]
+    if backend not in _compiled:
+        _compiled[backend] = {
+            name: torch.compile(fn, backend=backend)
+            for name, fn in (("lse", _chunk_lse), ("max_sumexp", _chunk_max_sumexp), ("grad", _chunk_grad),
+                             ("grad_float8", _chunk_grad_float8))
+        }  # fmt: skip
+    kernels = _compiled[backend]
+    return kernels["lse"], kernels["max_sumexp"], kernels["grad"], kernels["grad_float8"]
 
 
 def _loss_and_grads(
@@ -148,13 +151,14 @@ def _loss_and_grads(
     ignore_index: int,
     want_grads: bool,
     compiled: bool,
+    backend: str = "inductor",
     float8: Float8Loss | None = None,
     z_loss: float = 0.0,
     z_loss_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mean loss, d loss / d h, d loss / d weight); h `(rows, dim)`, weight `(vocab_local, dim)`, labels `(rows,)`;
     the mean z-loss term appended to `z_loss_out` where given."""
-    lse_of, max_sumexp, grad_of, grad_float8_of = _kernels(compiled)
+    lse_of, max_sumexp, grad_of, grad_float8_of = _kernels(compiled, backend)
     z_args = (z_loss,) if z_loss else ()  # the kernels' z-loss argument, left out (their default) when off
     vocab_local = weight.shape[0]
     valid = labels != ignore_index
@@ -167,7 +171,8 @@ def _loss_and_grads(
     grad_w = torch.zeros_like(weight) if want_grads else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     z_total = torch.zeros((), dtype=torch.float32, device=h.device) if z_loss else None
-    f8 = ChunkedFloat8Matmuls(h, weight, float8, group, want_grads, compiled) if float8 is not None else None
+    f8_compiled = compiled and backend == "inductor"  # its casts are Inductor kernels; eager under another backend
+    f8 = ChunkedFloat8Matmuls(h, weight, float8, group, want_grads, f8_compiled) if float8 is not None else None
     for start in range(0, h.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         h_c = h[rows]
@@ -230,6 +235,7 @@ def linear_cross_entropy(
     chunk_rows: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     compiled: bool = False,
+    backend: str = "inductor",
     float8: Float8Loss | None = None,
     z_loss: float = 0.0,
     z_loss_out: list[torch.Tensor] | None = None,
@@ -247,6 +253,8 @@ def linear_cross_entropy(
         chunk_rows: tokens per chunk; None: `default_chunk_rows(vocab)`.
         ignore_index: label value that contributes nothing.
         compiled: compile the per-chunk arithmetic (`torch.compile`).
+        backend: the `torch.compile` backend where `compiled` (another than Inductor, e.g. "aot_eager", to
+            bisect a compile problem).
         float8: run the three GEMMs in float8 (`titan_parallel.float8_matmul`: torchao's tensorwise
             recipe, what a `Float8Linear` output projection computes); None: in `h`'s dtype.
         z_loss: weight of the z-loss (PaLM's auxiliary loss, which keeps the softmax normaliser near 1);
@@ -288,6 +296,7 @@ def linear_cross_entropy(
         vocab_start=vocab_start,
         ignore_index=ignore_index,
         compiled=compiled,
+        backend=backend,
         float8=float8,
         z_loss=z_loss,
         z_loss_out=z_loss_out,
@@ -306,6 +315,7 @@ class LinearCrossEntropyHead:
 
     chunk_rows: int | None = None
     compiled_loss: bool = False
+    loss_backend: str = "inductor"
     float8_loss: Float8Loss | None = None
     z_loss: float = 0.0
     z_loss_out: list[torch.Tensor] | None = None
@@ -316,8 +326,8 @@ class LinearCrossEntropyHead:
         weight = self.weight  # type: ignore[attr-defined]
         z_loss = self.z_loss if torch.is_grad_enabled() else 0.0
         return linear_cross_entropy(
-            h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss, float8=self.float8_loss,
-            z_loss=z_loss, z_loss_out=self.z_loss_out,
+            h, weight, labels, chunk_rows=self.chunk_rows, compiled=self.compiled_loss, backend=self.loss_backend,
+            float8=self.float8_loss, z_loss=z_loss, z_loss_out=self.z_loss_out,
         )  # fmt: skip
 
 
@@ -327,6 +337,7 @@ def fuse_output_loss(
     *,
     chunk_rows: int | None = None,
     compiled: bool = False,
+    backend: str = "inductor",
     float8: Float8Loss | None = None,
     z_loss: float = 0.0,
 ) -> nn.Module | None:
@@ -343,6 +354,7 @@ def fuse_output_loss(
         plan: names the output projection (`TPStyle.OUTPUT` in `plan.tp`).
         chunk_rows: tokens per chunk (None: `default_chunk_rows`).
         compiled: compile the per-chunk arithmetic.
+        backend: the `torch.compile` backend where `compiled`.
         float8: the loss's GEMMs in float8 (`linear_cross_entropy`'s `float8`); leave the projection
             itself out of `apply_float8` (`output_projection_path` names it).
         z_loss: the z-loss weight in training (`LinearCrossEntropyHead`); 0: none.
@@ -358,6 +370,7 @@ def fuse_output_loss(
         return None
     head.__class__ = type("LinearCrossEntropyLinear", (LinearCrossEntropyHead, nn.Linear), {})
     head.chunk_rows, head.compiled_loss, head.float8_loss = chunk_rows, compiled, float8  # type: ignore[assignment]
+    head.loss_backend = backend  # type: ignore[assignment]
     head.z_loss = z_loss  # type: ignore[assignment]
     return head
 

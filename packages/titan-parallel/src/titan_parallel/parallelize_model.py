@@ -25,6 +25,7 @@ from titan_parallel.layout import (
     ParallelDims,
     check_ac,
     check_async_tp,
+    check_compile_backend,
     check_cp_method,
     check_data_parallel,
     check_rotate_method,
@@ -52,6 +53,8 @@ class ParallelOptions:
         ac_selective_option: "op" or every Nth block (a positive int as a string).
         ac_memory_budget: under "memory_budget", the share of their activations the compiled blocks keep, in [0, 1].
         compile: compile each block.
+        compile_backend: the blocks' `torch.compile` backend (see `check_compile_backend`); None: Inductor,
+            "aot_eager" for TP on CPU (`titan_parallel.compile.compile_backend`).
         pipeline_parallel: the model is one pipeline stage.
         master_weights: one data-parallel rank computes in `param_dtype` through copies an optimizer writes
             (`titan_parallel.master_weights`), not through FSDP; `master_weights_blockers` says when it can.
@@ -70,6 +73,7 @@ class ParallelOptions:
     ac_selective_option: str = "2"
     ac_memory_budget: float = 0.5
     compile: bool = False
+    compile_backend: str | None = None
     pipeline_parallel: bool = False
     master_weights: bool = False
 
@@ -127,6 +131,8 @@ def check_options(mesh: ParallelMesh, options: ParallelOptions) -> None:
     )
     if options.async_tp:
         check_async_tp(mesh.dims.tp, mesh.device_type, options.compile)
+    if options.compile:
+        check_compile_backend(options.compile_backend, mesh.device_type, mesh.dims.tp, options.ac_mode)
 
 
 def parallelize(
@@ -182,7 +188,7 @@ def parallelize(
             model,
             plan,
             **compile_granularity(tp, mesh["cp"].size(), options.cp_method),
-            backend=compile_backend(mesh["tp"].device_type, tp),
+            backend=options.compile_backend or compile_backend(mesh["tp"].device_type, tp),
             memory_budget=options.ac_memory_budget if options.ac_mode == "memory_budget" else None,
         )
     if options.dp_mode == "ddp":

@@ -361,6 +361,8 @@ class Compile(Section):
     """Compile the components below."""
     components: list[Literal["model", "loss"]] = ["model", "loss"]
     """What to compile: each transformer block ('model') and/or the loss."""
+    backend: str = "auto"
+    """torch.compile backend: 'auto' = Inductor (aot_eager for TP on CPU); 'aot_eager' / 'eager' bisect a problem."""
 
 
 class Float8(Section):

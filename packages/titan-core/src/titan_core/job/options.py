@@ -69,6 +69,7 @@ PARALLEL_OPTION_KEYS: dict[str, str] = {
     "ac_selective_option": "activation_checkpoint.selective_ac_option",
     "ac_memory_budget": "activation_checkpoint.memory_budget",
     "compile": "compile.enable",
+    "compile_backend": "compile.backend",
     "pipeline_parallel": "parallelism.pipeline_parallel_degree",
     "master_weights": "optimizer.master_weights",
 }
@@ -102,6 +103,7 @@ def parallel_options(cfg: JobConfig, param_dtype: torch.dtype) -> ParallelOption
         ac_selective_option=ac.selective_ac_option,
         ac_memory_budget=ac.memory_budget,
         compile=cfg.compile.enable and "model" in cfg.compile.components,
+        compile_backend=None if cfg.compile.backend == "auto" else cfg.compile.backend,
         pipeline_parallel=p.pipeline_parallel_degree > 1,
     )
 

@@ -239,6 +239,16 @@ def _activation_checkpoint(d: Draft) -> None:
     check_ac(p.ac_mode, p.ac_selective_option, ac_memory_budget=p.ac_memory_budget, compile=p.compile)
 
 
+def _compile(d: Draft) -> None:
+    """A registered `torch.compile` backend that can compile this layout's blocks (checked with the loss's too)."""
+    from titan_parallel import check_compile_backend
+
+    p, blocks = d.parallel, d.parallel.compile  # the loss alone: neither TP nor AC reach it
+    if d.cfg.compile.enable and d.cfg.compile.backend != "auto":
+        tp = d.cfg.parallelism.tensor_parallel_degree if blocks else 1
+        check_compile_backend(p.compile_backend, d.device_type, tp, p.ac_mode if blocks else "none")
+
+
 NO_EVAL_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Pipeline schedules whose forward-only pass fails in torch (validation is refused under them)."""
 
@@ -340,6 +350,12 @@ CONTEXT_PARALLEL_KEYS = {
 }
 """`check_cp(seq_len, cp, tp)`, `check_cp_method(cp_method, n_heads, cp, tp)` and `check_rotate_method(cp_rotate_method,
 ...)`."""
+COMPILE_KEYS = {
+    **_keys(PARALLEL_OPTION_KEYS, "compile_backend", "ac_mode"),
+    **_keys(DIMS_KEYS, "tp"),
+    "device_type": DEVICE_KEY,
+}
+"""`check_compile_backend(compile_backend, device_type, tp, ac_mode)`."""
 AC_KEYS = _keys(PARALLEL_OPTION_KEYS, "ac_mode", "ac_selective_option", "ac_memory_budget", "compile")
 """`check_ac(ac_mode, ac_selective_option, ac_memory_budget=, compile=)`."""
 PIPELINE_RULE_KEYS = {**PIPELINE_KEYS, **_keys(DIMS_KEYS, "pp"), **_keys(RUN_KEYS, "n_layers", "local_batch_size")}
@@ -357,6 +373,7 @@ RULES: tuple[Rule, ...] = (
     Rule("expert_parallel", _expert_parallel, _keys(DIMS_KEYS, "ep")),
     Rule("context_parallel", _context_parallel, CONTEXT_PARALLEL_KEYS),
     Rule("activation_checkpoint", _activation_checkpoint, AC_KEYS),
+    Rule("compile", _compile, COMPILE_KEYS),
     Rule("pipeline", _pipeline, PIPELINE_RULE_KEYS),
     Rule("converters", _converters),  # two library calls, each with its own table
     Rule("checkpoint", checkpoint),

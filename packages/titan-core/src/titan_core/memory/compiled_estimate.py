@@ -77,6 +77,8 @@ def compiled_block_bytes(
     why_not = None
     if not job.parallel.compile:
         why_not = "compile.components leaves the blocks eager"
+    elif job.parallel.compile_backend == "eager":
+        why_not = "compile.backend = 'eager' runs Dynamo alone, whose blocks save what eager ones do"
     elif job.converters.mx is not None:
         why_not = "MX linears are not measured compiled"
     elif dtype != torch.float32 and not uses_fsdp(dims, job.parallel) and not job.parallel.master_weights:
