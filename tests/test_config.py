@@ -82,6 +82,7 @@ SPEC_DEFAULTS = {
     "lr_scheduler.decay_ratio": None,
     "lr_scheduler.decay_type": "linear",
     "lr_scheduler.min_lr_factor": 0.0,
+    "lr_scheduler.total_steps": None,
     "training.dataset": "stdlib",
     "training.dataset_path": None,
     "training.dataset_text_field": "text",

@@ -16,12 +16,14 @@ import torch
 
 from titan_ckpt import CheckpointOptions
 from titan_core.checkpointing import build_checkpointer
+from titan_core.config import load_config
 from titan_core.config.errors import ConfigError
+from titan_core.job import resolve
 from titan_core.lr_schedule import build_lr_scheduler
 from titan_core.muon import MuonOptions
 from titan_core.optim import OptimizerOptions, build_optimizer
 from titan_models import get_model_args, get_model_spec
-from titan_run import TINY, losses, run_titan
+from titan_run import TINY, losses, read_metrics, run_titan
 
 
 def _lrs(steps: int, n: int | None = None, **schedule) -> list[float]:
@@ -453,3 +455,16 @@ def test_gradient_norms_of_large_cpu_tensors_are_exact_to_fp32():
         assert grouped_norms([[grad]])[0].item() == pytest.approx(exact, rel=1e-6)
         assert clip_grad_norm_([param], max_norm=1.0).item() == pytest.approx(exact, rel=1e-6)
         assert param.grad.double().norm().item() == pytest.approx(1.0, rel=1e-2)  # clipped to 1 (bf16: 3 digits)
+
+
+def test_total_steps_makes_a_short_run_follow_the_start_of_a_long_schedule(tmp_path):
+    # lr_scheduler.total_steps 10, W = 2, decay_ratio 0.4 (D = 4, S = 4): the 6 steps of this run take the first 6
+    # factors of test_wsd_linear_with_min_lr_factor's schedule, and never decay.
+    run_titan(tmp_path, *TINY, "--training.steps", "6", "--optimizer.lr", "1e-3", "--lr_scheduler.total_steps", "10",
+              "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.4")  # fmt: skip
+    lrs = [r["optim/lr"] for r in read_metrics(tmp_path) if "optim/lr" in r]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-6)
+    with pytest.raises(ConfigError) as caught:
+        resolve(load_config(None, ["--lr_scheduler.total_steps", "5", "--lr_scheduler.warmup_steps", "6"]), 1)
+    assert str(caught.value) == ("lr_scheduler.warmup_steps: 6 must be between 0 and lr_scheduler.total_steps (5); "
+                                 "lower it, unset it, or raise lr_scheduler.total_steps")  # fmt: skip

@@ -12,7 +12,8 @@ The factor that scales `optimizer.lr` follows torchtitan's
 - steps past the end keep the last step's factor.
 
 D = round(decay_ratio * steps), or steps - W when `decay_ratio` is None;
-S = steps - W - D.
+S = steps - W - D. `steps` is `lr_scheduler.total_steps` where set (torchtitan's key: a short run follows the
+start of a longer run's schedule), else `training.steps`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,24 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_core.config.errors import ConfigError
 
-__all__ = ["build_lr_scheduler", "warmup_stable_decay_factor", "resolve_warmup", "DECAY_TYPES", "DEFAULT_WARMUP_STEPS"]
+if TYPE_CHECKING:
+    from titan_core.config.schema import JobConfig
+
+__all__ = [
+    "build_lr_scheduler",
+    "warmup_stable_decay_factor",
+    "resolve_warmup",
+    "schedule_steps",
+    "DECAY_TYPES",
+    "DEFAULT_WARMUP_STEPS",
+]
 
 logger = logging.getLogger("titan")
 
@@ -35,7 +47,17 @@ DEFAULT_WARMUP_STEPS = 10
 """`lr_scheduler.warmup_steps` when unset, for a run of at least that many steps."""
 
 
-def resolve_warmup(configured: int | None, steps: int) -> tuple[int, str | None]:
+def schedule_steps(cfg: JobConfig) -> tuple[int, str]:
+    """The steps the schedule spans and the key they come from: `lr_scheduler.total_steps`, else `training.steps`.
+
+    Args:
+        cfg: the job's config.
+    """
+    total = cfg.lr_scheduler.total_steps
+    return (total, "lr_scheduler.total_steps") if total is not None else (cfg.training.steps, "training.steps")
+
+
+def resolve_warmup(configured: int | None, steps: int, steps_key: str = "training.steps") -> tuple[int, str | None]:
     """The warmup a run of `steps` steps takes, and a note for the log when the default was shortened.
 
     Unset, it is `DEFAULT_WARMUP_STEPS`, or all of a shorter run (`titan train --training.steps 1`
@@ -43,7 +65,8 @@ def resolve_warmup(configured: int | None, steps: int) -> tuple[int, str | None]
 
     Args:
         configured: `lr_scheduler.warmup_steps`; None when unset.
-        steps: `training.steps`.
+        steps: the steps the schedule spans (`lr_scheduler.total_steps`, else `training.steps`).
+        steps_key: the key `steps` comes from, for messages.
 
     Returns:
         (warmup steps, note or None).
@@ -55,13 +78,13 @@ def resolve_warmup(configured: int | None, steps: int) -> tuple[int, str | None]
         if steps >= DEFAULT_WARMUP_STEPS:
             return DEFAULT_WARMUP_STEPS, None
         return steps, (
-            f"lr_scheduler.warmup_steps unset: warming up over all {steps} step(s) of training.steps "
+            f"lr_scheduler.warmup_steps unset: warming up over all {steps} step(s) of {steps_key} "
             f"(the default {DEFAULT_WARMUP_STEPS} is longer than the run)"
         )
     if not 0 <= configured <= steps:
         raise ConfigError(
-            f"lr_scheduler.warmup_steps: {configured} must be between 0 and training.steps ({steps}); "
-            "lower it, unset it, or raise training.steps"
+            f"lr_scheduler.warmup_steps: {configured} must be between 0 and {steps_key} ({steps}); "
+            f"lower it, unset it, or raise {steps_key}"
         )
     return configured, None
 
@@ -113,6 +136,7 @@ def build_lr_scheduler(
     decay_ratio: float | None = None,
     decay_type: str = "linear",
     min_lr_factor: float = 0.0,
+    steps_key: str = "training.steps",
 ) -> LambdaLR:
     """Build the warmup-stable-decay schedule for `optimizer`.
 
@@ -123,13 +147,15 @@ def build_lr_scheduler(
 
     Args:
         optimizer: the optimizer whose `lr` the schedule scales.
-        steps: total optimizer steps (`training.steps`).
+        steps: the optimizer steps the schedule spans (`lr_scheduler.total_steps`, else `training.steps`); steps
+            past them keep the last factor.
         warmup_steps: steps of linear warmup (`lr_scheduler.warmup_steps`).
         decay_ratio: fraction of `steps` spent decaying at the end; None decays
             over all steps after warmup. If warmup plus decay exceed `steps`,
             decay is shortened to the steps left after warmup (with a warning).
         decay_type: "linear", "sqrt" or "cosine".
         min_lr_factor: final LR as a fraction of the peak.
+        steps_key: the key `steps` comes from, for messages.
 
     Returns:
         A `LambdaLR`; call `step()` once after each optimizer step.
@@ -138,7 +164,7 @@ def build_lr_scheduler(
         ConfigError: warmup longer than training, an unknown decay type, or
             a factor or ratio outside [0, 1].
     """
-    resolve_warmup(warmup_steps, steps)  # refuses one outside [0, steps]
+    resolve_warmup(warmup_steps, steps, steps_key)  # refuses one outside [0, steps]
     if decay_type not in DECAY_TYPES:
         raise ConfigError(f"lr_scheduler.decay_type: unknown {decay_type!r}; choose one of {', '.join(DECAY_TYPES)}")
     if not 0.0 <= min_lr_factor <= 1.0:
@@ -151,9 +177,10 @@ def build_lr_scheduler(
         decay_steps = round(steps * decay_ratio)
         if warmup_steps + decay_steps > steps:
             logger.warning(
-                "lr_scheduler: warmup (%d) + decay (%d) steps exceed training.steps (%d); decaying over %d steps",
+                "lr_scheduler: warmup (%d) + decay (%d) steps exceed %s (%d); decaying over %d steps",
                 warmup_steps,
                 decay_steps,
+                steps_key,
                 steps,
                 steps - warmup_steps,
             )

@@ -38,7 +38,7 @@ from titan_core.job import resolve
 from titan_core.job.host_memory import check_host_memory, host_memory_available
 from titan_core.kernel_lines import log_kernels
 from titan_core.loss_spike import InjectedSpike, LossSpikePolicy
-from titan_core.lr_schedule import build_lr_scheduler
+from titan_core.lr_schedule import build_lr_scheduler, schedule_steps
 from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops, memory_stats
 from titan_core.metrics.layer_norms import LayerNorms
 from titan_core.metrics.peak_flops import raise_cpu_peak
@@ -184,14 +184,16 @@ class Trainer:
             description = getattr(optimizer, "description", "")
             if self.rank == 0 and description:
                 logger.info("optimizer %s, part %d: %s", cfg.optimizer.name, part, description)
+        lr_steps, lr_steps_key = schedule_steps(cfg)
         self.lr_schedulers = [
             build_lr_scheduler(
                 optimizer,
-                steps=t.steps,
+                steps=lr_steps,
                 warmup_steps=job.warmup_steps,
                 decay_ratio=cfg.lr_scheduler.decay_ratio,
                 decay_type=cfg.lr_scheduler.decay_type,
                 min_lr_factor=cfg.lr_scheduler.min_lr_factor,
+                steps_key=lr_steps_key,
             )
             for optimizer in self.optimizers
         ]

@@ -112,6 +112,8 @@ class LRScheduler(Section):
     """Shape of the decay."""
     min_lr_factor: UnitFraction = 0.0
     """Final learning rate as a fraction of optimizer.lr."""
+    total_steps: PositiveInt | None = None
+    """Steps the schedule spans (a short run follows the start of a long run's); unset = training.steps."""
 
 
 class DatasetSource(Section):

@@ -227,10 +227,11 @@ def metrics(d: Draft) -> None:
 
 
 def lr_schedule(d: Draft) -> None:
-    """A set `lr_scheduler.warmup_steps` fits in `training.steps`; unset, it is 10 or the whole of a shorter run."""
-    from titan_core.lr_schedule import resolve_warmup
+    """A set `lr_scheduler.warmup_steps` fits in the schedule (`lr_scheduler.total_steps`, else `training.steps`);
+    unset, it is 10 or the whole of a shorter schedule."""
+    from titan_core.lr_schedule import resolve_warmup, schedule_steps
 
-    d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, d.cfg.training.steps)
+    d.warmup_steps, d.warmup_note = resolve_warmup(d.cfg.lr_scheduler.warmup_steps, *schedule_steps(d.cfg))
 
 
 def ema(d: Draft) -> None:
