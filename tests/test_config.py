@@ -200,6 +200,7 @@ SPEC_DEFAULTS = {
     "comm.trace_buf_size": 20000,
     "debug.seed": 0,
     "debug.deterministic": False,
+    "debug.deterministic_warn_only": False,
     "debug.inject_loss_spike_step": None,
     "validation.enable": False,
     "validation.dataset": "stdlib",

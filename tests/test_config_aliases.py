@@ -208,3 +208,15 @@ def test_unknown_torchtitan_spellings_are_named_with_a_suggestion(tmp_path):
     message = config_error(write(tmp_path, '[quantize.linear.float8]\nrecipe_name = "rowwize"\n', "bad.toml"), [])
     assert message.startswith("float8.recipe_name: 'rowwize' is not one of 'tensorwise', 'rowwise'")
     assert "as quantize.linear.float8.recipe_name" in message
+
+
+def test_torchtitans_former_tokenizer_path_is_hf_assets_path(tmp_path):
+    folder = str(tmp_path / "Llama-3.1-8B")
+    from_file = load_config(write(tmp_path, f'[model]\nname = "llama3"\ntokenizer_path = "{folder}"\n'), [])
+    assert from_file.model.hf_assets_path == folder
+    assert load_config(None, ["--model.tokenizer_path", folder]) == from_file
+    assert load_config(None, [f"--model.tokenizer-path={folder}"]).model.hf_assets_path == folder
+    message = config_error(write(tmp_path, f'[model]\ntokenizer_path = "{folder}"\nhf_assets_path = "x"\n', "both.toml"), [])
+    assert "model.hf_assets_path and model.tokenizer_path" in message and "keep one" in message
+    message = config_error(None, ["--model.hf_assets_path", "x", "--model.tokenizer_path", folder])
+    assert "--model.hf_assets_path and --model.tokenizer_path" in message and "keep one" in message

@@ -190,3 +190,16 @@ def test_torch_warnings_a_run_cannot_act_on_are_left_out_of_its_log():
             logger.removeHandler(handler)
         assert seen == ["a warning worth reading"], (name, seen)
         assert len(logger.filters) == 1, logger.filters
+
+
+def test_deterministic_algorithms_warn_only(monkeypatch):
+    from titan_core.train_state import set_determinism
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # restored after the test
+    try:
+        assert set_determinism(3, deterministic=True, warn_only=True) == 3
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        set_determinism(3, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -92,7 +92,7 @@ class Trainer:
         self.batch_ramp = job.batch_ramp  # each step's batch: `training.batch_size_rampup_*` (titan_core.batch_ramp)
         self.options = job.parallel
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic)
+        self.seed = set_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
         self.run_folder = Path(cfg.job.dump_folder)
         # [fault_tolerance]: this job is one torchft replica group, reading its own slice of the data
         self.replicas = build_replica_groups(

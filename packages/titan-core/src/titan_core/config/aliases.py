@@ -7,7 +7,8 @@ and MXFP8 `quantize.linear.mx` with `[quantize.linear.mx]`; Titan calls them `fl
 is checked, so everything after sees Titan's names only. The keys are the same in both
 except where `_rewrite_values` says. Each section and converter is given in one spelling
 per file (and per command line); a torchtitan key with no Titan equivalent fails in one
-line naming it. torchtitan's Qwen3 MoE flavors (`name = "qwen3"`, `flavor = "30B-A3B"`) are Titan's `qwen3_moe`
+line naming it. torchtitan's deprecated `model.tokenizer_path` is `model.hf_assets_path` (`KEY_ALIASES`).
+torchtitan's Qwen3 MoE flavors (`name = "qwen3"`, `flavor = "30B-A3B"`) are Titan's `qwen3_moe`
 family (`MOE_FAMILIES`).
 """
 
@@ -38,6 +39,9 @@ NO_EQUIVALENT: dict[str, str] = {
     "remove the key",
 }
 """torchtitan converters and keys that Titan cannot honour -> why, and the fix."""
+
+KEY_ALIASES: dict[str, str] = {"model.tokenizer_path": "model.hf_assets_path"}
+"""torchtitan key -> Titan's, where only the name differs (torchtitan's deprecated `tokenizer_path`)."""
 
 MOE_FAMILIES: dict[tuple[str, str], str] = {
     ("qwen3", flavor): "qwen3_moe" for flavor in ("debugmodel_moe", "30B-A3B", "235B-A22B")
@@ -82,6 +86,7 @@ def unalias_file(data: dict[str, Any], where: str) -> tuple[dict[str, Any], dict
         ConfigError: both spellings of one section or converter; a torchtitan section or key without
             a Titan equivalent.
     """
+    data = _rename_keys(data, where)
     if "quantize" not in data:
         return _rewrite_converters(data, where), {}
     data = dict(data)
@@ -121,9 +126,16 @@ def unalias_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
     rewritten: list[str] = []
     spelled: dict[str, str] = {}
     sections_given: set[str] = set()
+    keys_given: set[str] = set()
     for i, token in enumerate(args):
         flag, has_equals, text = token[2:].partition("=")
         dotted = flag.replace("-", "_")
+        if token.startswith("--") and dotted in KEY_ALIASES:
+            keys_given.add(dotted)
+            dotted = KEY_ALIASES[dotted]
+            token = f"--{dotted}" + (f"={text}" if has_equals else "")
+        elif token.startswith("--"):
+            keys_given.add(dotted)
         section = dotted.partition(".")[0]
         if not token.startswith("--") or section != "quantize":
             if token.startswith("--"):
@@ -144,6 +156,10 @@ def unalias_args(args: list[str]) -> tuple[list[str], dict[str, str]]:
         sections_given.add(alias)
         spelled[f"{target}.{key}"] = f"{alias}.{key}"
         rewritten.append(f"--{target}.{key}" + (f"={text}" if has_equals else ""))
+    for alias, target in KEY_ALIASES.items():
+        if {alias, target} <= keys_given:
+            raise ConfigError(f"--{target} and --{alias} on the command line are one key in two spellings (Titan's "
+                              "and torchtitan's former one); keep one")  # fmt: skip
     for alias, target in SECTION_ALIASES.items():
         if {alias, target} <= sections_given:
             raise ConfigError(
@@ -166,6 +182,23 @@ def unalias_values(values: dict[str, dict[str, Any]], spelled: dict[str, str], w
     rewritten = _rewrite_converters(values, where)
     if rewritten is not values:
         values["model"] = rewritten["model"]
+
+
+def _rename_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` with each key of `KEY_ALIASES` under Titan's name (a new dict where one is renamed)."""
+    for alias, target in KEY_ALIASES.items():
+        section, _, key = alias.partition(".")
+        table = data.get(section)
+        if not isinstance(table, dict) or key not in table:
+            continue
+        target_key = target.partition(".")[2]
+        if target_key in table:
+            raise ConfigError(
+                f"{target} and {alias} {where} are one key in two spellings (Titan's and torchtitan's former one); "
+                "keep one"
+            )
+        data = {**data, section: {(target_key if k == key else k): v for k, v in table.items()}}
+    return data
 
 
 def _quantize_tables(quantize: Any, where: str) -> list[tuple[str, dict[str, Any]]]:

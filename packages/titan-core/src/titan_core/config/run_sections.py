@@ -68,6 +68,8 @@ class Debug(Section):
     """Random seed; unset = not seeded."""
     deterministic: bool = False
     """Use deterministic algorithms (slower)."""
+    deterministic_warn_only: bool = False
+    """Under debug.deterministic, an op without a deterministic algorithm warns instead of failing."""
     inject_loss_spike_step: int | None = None
     """Multiply this step's loss on the last rank by 10, once: tries training.on_loss_spike; unset = never."""
 
