@@ -88,6 +88,10 @@ def describe_unknown_key(dotted: str, origin: str, what: str = "key") -> str:
     if dotted.lower() in LAUNCHER_WORDS:
         fix = "the job's size is set by --nproc-per-node N (processes per node) and --nnodes M"
         return f"unknown config {what} '{dotted}' {origin}; {fix}"
+    from titan_core.config.torchtitan_keys import torchtitan_only
+
+    if (instead := torchtitan_only(dotted)) is not None:
+        return f"config {what} '{dotted}' {origin} is torchtitan's, with no Titan equivalent: {instead}"
     suggestion = suggest_key(dotted)
     fix = f"did you mean '{suggestion}'?" if suggestion else HELP_HINT
     return f"unknown config {what} '{dotted}' {origin}; {fix}"
