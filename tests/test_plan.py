@@ -222,13 +222,19 @@ def test_memory_lower_bound_never_exceeds_the_estimate():
     from titan_core.memory.eager_saved import measure_eager
     from titan_models import get_model_args, get_model_spec
 
-    for config, gpus, global_batch in (("llama3_70b", 64, 512), ("llama3_405b", 512, 256)):
-        plan = prepare_plan(PlanRequest(config, gpus=gpus, seq_len=8192, global_batch=global_batch))
+    # The 70B's shipped config compiles, so its estimates trace compiled blocks (~3 s each on a 2-core EPYC): a
+    # dozen layouts check the compiled bound; the 405B, uncompiled here, checks the eager bound on 25.
+    for config, gpus, global_batch, compiled, samples in (("llama3_70b", 64, 512, "true", 12),
+                                                          ("llama3_405b", 512, 256, "false", 25)):
+        request = PlanRequest(config, overrides=("--compile.enable", compiled), gpus=gpus, seq_len=8192,
+                              global_batch=global_batch)
+        plan = prepare_plan(request)
+        assert plan.base.compile.enable is (compiled == "true")
         spec, args = get_model_spec("llama3"), get_model_args("llama3", plan.base.model.flavor)
         one, two = (spec.count_params(dataclasses.replace(args, n_layers=n)) for n in (1, 2))
         layouts = [t for t in candidate_layouts(gpus, 8, 8192, global_batch, SCHEDULES)
                    if refuse_by_rule(t, args, plan.base, 8192) is None]
-        for t in layouts[:: len(layouts) // 25]:
+        for t in layouts[:: len(layouts) // samples]:
             act = measure_eager(spec, args, ActivationLayout(compute_bytes=2, tp=t.tp, cp=t.cp, seq_len=8192)).act
             peak = estimate_analytic(layout_config(plan, t), gpus, device_type="cuda").peak
             bound = memory_lower_bound(t, plan.workload, act, two - one, compiled=plan.base.compile.enable)
