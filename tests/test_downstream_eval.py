@@ -19,7 +19,7 @@ import torch.distributed as dist
 from titan_run import TINY, read_metrics, run_titan
 
 from titan_core.config import ConfigError, load_config
-from titan_core.downstream_eval import MultipleChoiceTask, load_task, score_task
+from titan_core.downstream_eval import MultipleChoiceTask, load_task, load_tasks, score_task
 from titan_core.trainer import Trainer
 
 SEQ_LEN = 32  # TINY's
@@ -31,7 +31,6 @@ EXAMPLES = [
     {"context": LONG, "endings": [" loved fish.", " was a very small teapot."], "label": 1},
     {"context": "Water boils at 100 degrees", "endings": [" Celsius.", " Fahrenheit", " Kelvin in space."], "label": 2},
     {"context": "for i in", "endings": [" range(10):", " the house"], "label": 0},
-    {"context": "x", "endings": ["", " y"], "label": 1},  # an empty ending scores 0
 ]
 
 
@@ -69,12 +68,22 @@ def test_load_task_names_and_rejects(tmp_path):
     assert load_task(str(path)).name == "toy"
     named = load_task(f"hella={path}", max_examples=3)
     assert named.name == "hella" and len(named.labels) == 3 and named.labels == [0, 0, 1]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"context": "a", "endings": [" b"], "label": 0}\n{"context": "a", "endings": [" b"], "label": 1}\n')
-    with pytest.raises(ConfigError, match=r"bad.jsonl:2 .*label < len\(endings\)"):
-        load_task(str(bad))
+    good = '{"context": "a", "endings": [" b", " c"], "label": 0}\n'
+    for second, why in (('{"context": "a", "endings": [" b", " c"], "label": 2}', "the label 2 is not the index of an ending"),
+                        ('{"context": "a", "endings": [" b", " c"], "label": true}', "the label True is not the index"),
+                        ('{"context": "a", "endings": ["", " c"], "label": 1}', "an empty ending has log-likelihood 0"),
+                        ('{"context": "a", "endings": [" b"], "label": 0}', "a choice needs a list of two endings or more"),
+                        ('{"context": 3, "endings": [" b", " c"], "label": 0}', "the context is not a string")):  # fmt: skip
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(good + second + "\n")
+        with pytest.raises(ConfigError) as caught:
+            load_task(str(bad))
+        assert str(caught.value).startswith(f"eval.tasks: {bad}:2 is not ") and f"({why}" in str(caught.value)
     with pytest.raises(FileNotFoundError, match="eval.tasks"):
         load_task(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="eval.tasks: the name 'toy' labels two tasks, whose eval/toy/... figures"):
+        load_tasks([str(path), f"toy={tmp_path / 'other.jsonl'}"])
+    assert [t.name for t in load_tasks([str(path), f"toy2={path}"])] == ["toy", "toy2"]
 
 
 @pytest.mark.parametrize("fused", ["true", "false"])
@@ -99,7 +108,6 @@ def test_scores_equal_an_independent_log_softmax(tmp_path, fused):
     assert got[len(expected) :] == [0.0] * (len(got) - len(expected))  # the padding rows
     tasks = load_task(str(task))
     assert results == pytest.approx(score_task(tasks, expected), abs=1e-5)
-    assert expected[-2] == 0.0  # the empty ending
 
 
 def eval_records(run: Path) -> dict[int, dict]:

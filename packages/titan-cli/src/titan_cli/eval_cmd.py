@@ -52,6 +52,14 @@ def evaluate(
             err=True,
         )
         raise typer.Exit(2)
+    for flag, value, ok, fix in (
+        ("--batch-size", batch_size, batch_size >= 1, "give 1 or more sequences"),
+        ("--num-fewshot", num_fewshot, num_fewshot is None or num_fewshot >= 0, "give 0 or more examples"),
+        ("--limit", limit, limit is None or limit > 0, "give a count of examples, or a fraction of each task below 1"),
+    ):
+        if not ok:
+            typer.echo(f"titan eval: error: {flag} {value:g}: {fix}", err=True)
+            raise typer.Exit(2)
     names = [name.strip() for name in tasks.split(",") if name.strip()]
     try:
         from titan_core.config.errors import ConfigError

@@ -67,6 +67,37 @@ class MultipleChoiceTask:
     labels: list[int]
 
 
+def task_name_and_file(spec: str) -> tuple[str, Path]:
+    """An `eval.tasks` entry's name and file: `name=path`, or `path` named by the file's stem.
+
+    Args:
+        spec: one entry of `eval.tasks`.
+    """
+    name, named, path = spec.partition("=")
+    if not named:
+        name, path = "", spec
+    file = Path(path).expanduser()
+    return name or file.stem, file
+
+
+def load_tasks(specs: Sequence[str], max_examples: int | None = None) -> list[MultipleChoiceTask]:
+    """The tasks of `eval.tasks`, each named once (their metrics are `eval/<name>/...`).
+
+    Args:
+        specs: `eval.tasks`.
+        max_examples: keep each task's first this many examples; None keeps all.
+    """
+    names = [task_name_and_file(spec)[0] for spec in specs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(
+            f"eval.tasks: the name {twice[0]!r} labels two tasks, whose eval/{twice[0]}/... figures would overwrite "
+            "each other; drop one, or name each as name=path",
+            keys=("eval.tasks",),
+        )
+    return [load_task(spec, max_examples) for spec in specs]
+
+
 def load_task(spec: str, max_examples: int | None = None) -> MultipleChoiceTask:
     """A task from `eval.tasks`: `path` (named by the file's stem) or `name=path`, a JSONL file.
 
@@ -74,11 +105,7 @@ def load_task(spec: str, max_examples: int | None = None) -> MultipleChoiceTask:
         spec: one entry of `eval.tasks`.
         max_examples: keep the first this many examples; None keeps all.
     """
-    name, named, path = spec.partition("=")
-    if not named:
-        name, path = "", spec
-    file = Path(path).expanduser()
-    name = name or file.stem
+    name, file = task_name_and_file(spec)
     if not file.is_file():
         raise MissingFileError(f"eval.tasks: {file} is not a file; point it at a JSONL file of multiple-choice tasks")
     task = MultipleChoiceTask(name, [], [], [])
@@ -91,13 +118,10 @@ def load_task(spec: str, max_examples: int | None = None) -> MultipleChoiceTask:
             try:
                 row = json.loads(line)
                 context, endings, label = row["context"], row["endings"], row["label"]
-                valid = isinstance(context, str) and isinstance(endings, list) and len(endings) > 0
-                valid = valid and all(isinstance(e, str) for e in endings) and isinstance(label, int)
-                if not valid or not 0 <= label < len(endings):
-                    raise ValueError("wrong types or label out of range")
+                _check_example(context, endings, label)
             except (ValueError, KeyError, TypeError) as error:
                 raise ConfigError(
-                    f'eval.tasks: {file}:{number} is not {{"context": str, "endings": [str, ...], "label": int}} '
+                    f'eval.tasks: {file}:{number} is not {{"context": str, "endings": [str, str, ...], "label": int}} '
                     f"with 0 <= label < len(endings) ({error})",
                     keys=("eval.tasks",),
                 ) from None
@@ -107,6 +131,18 @@ def load_task(spec: str, max_examples: int | None = None) -> MultipleChoiceTask:
     if not task.labels:
         raise ConfigError(f"eval.tasks: {file} holds no examples", keys=("eval.tasks",))
     return task
+
+
+def _check_example(context: object, endings: object, label: object) -> None:
+    """Raise `ValueError` saying what is wrong with one example's fields."""
+    if not isinstance(context, str):
+        raise ValueError("the context is not a string")
+    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+        raise ValueError("a choice needs a list of two endings or more, each a string")
+    if not all(endings):
+        raise ValueError("an empty ending has log-likelihood 0 and wins every time")
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(endings):
+        raise ValueError(f"the label {label!r} is not the index of an ending")
 
 
 def task_rows(task: MultipleChoiceTask, tokenizer: Tokenizer, seq_len: int) -> tuple[list[list[int]], list[int], int]:

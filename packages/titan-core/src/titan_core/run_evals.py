@@ -13,7 +13,7 @@ import torch
 
 from titan_core.config import JobConfig
 from titan_core.data import loader_factory
-from titan_core.downstream_eval import DownstreamEvaluator, load_task
+from titan_core.downstream_eval import DownstreamEvaluator, MultipleChoiceTask, load_tasks
 from titan_core.ema import WeightEMA
 from titan_core.job.run_rules import validation_set_names
 from titan_core.validation import Validator
@@ -93,6 +93,7 @@ def build_downstream_eval(
     parts: list[torch.nn.Module],
     device: torch.device,
     rank: int,
+    tasks: list[MultipleChoiceTask] | None = None,
 ) -> DownstreamEvaluator | None:
     """The run's `DownstreamEvaluator` over `eval.tasks`; None without [eval].
 
@@ -106,12 +107,13 @@ def build_downstream_eval(
         parts: this rank's model parts.
         device: the training device.
         rank: this process's rank.
+        tasks: `eval.tasks` read already (`load_tasks`); None: read here.
     """
     e, t = cfg.eval, cfg.training
     if not e.enable:
         return None
     return DownstreamEvaluator(
-        [load_task(spec, e.max_examples) for spec in e.tasks],
+        tasks if tasks is not None else load_tasks(e.tasks, e.max_examples),
         tokenizer,
         seq_len=t.seq_len,  # the training shapes: nothing recompiles, the pipeline schedule runs unchanged
         local_batch_size=t.local_batch_size,

@@ -30,7 +30,7 @@ from titan_core.checkpointing import (
 from titan_core.config import JobConfig, dump_toml
 from titan_core.data import build_loader, build_tokenizer
 from titan_core.diloco import build_diloco
-from titan_core.downstream_eval import DownstreamEvaluator
+from titan_core.downstream_eval import DownstreamEvaluator, load_tasks
 from titan_core.ema import WeightEMA
 from titan_core.fault_tolerance import build_replica_groups
 from titan_core.gc_control import PeriodicGC, resolve_gc_freq
@@ -105,6 +105,8 @@ class Trainer:
         dp_rank, dp_world = self.mesh["dp"].get_local_rank(), self.dims.dp
         if self.replicas is not None:
             dp_rank, dp_world = self.replicas.data_slice(dp_rank, dp_world)
+        # [eval] tasks read now, with the data: a wrong task file fails before the model is built
+        self.eval_tasks = load_tasks(cfg.eval.tasks, cfg.eval.max_examples) if cfg.eval.enable else None
         self.loader = build_loader(  # token shards (`titan tokenize`), a weighted mix, or on-the-fly tokenization
             t.dataset,
             t.dataset_path,
@@ -309,6 +311,7 @@ class Trainer:
             parts=self.model.parts,
             device=self.device,
             rank=self.rank,
+            tasks=self.eval_tasks,
         )
 
     def _float8_after_step(self):
