@@ -68,14 +68,14 @@ def test_load_task_names_and_rejects(tmp_path):
     assert load_task(str(path)).name == "toy"
     named = load_task(f"hella={path}", max_examples=3)
     assert named.name == "hella" and len(named.labels) == 3 and named.labels == [0, 0, 1]
-    good = '{"context": "a", "endings": [" b", " c"], "label": 0}\n'
-    for second, why in (('{"context": "a", "endings": [" b", " c"], "label": 2}', "the label 2 is not the index of an ending"),
-                        ('{"context": "a", "endings": [" b", " c"], "label": true}', "the label True is not the index"),
-                        ('{"context": "a", "endings": ["", " c"], "label": 1}', "an empty ending has log-likelihood 0"),
-                        ('{"context": "a", "endings": [" b"], "label": 0}', "a choice needs a list of two endings or more"),
-                        ('{"context": 3, "endings": [" b", " c"], "label": 0}', "the context is not a string")):  # fmt: skip
+    good = {"context": "a", "endings": [" b", " c"], "label": 0}
+    for change, why in (({"label": 2}, "the label 2 is not the index of an ending"),
+                        ({"label": True}, "the label True is not the index"),
+                        ({"endings": ["", " c"]}, "an empty ending has log-likelihood 0"),
+                        ({"endings": [" b"]}, "a choice needs a list of two endings or more"),
+                        ({"context": 3}, "the context is not a string")):  # fmt: skip
         bad = tmp_path / "bad.jsonl"
-        bad.write_text(good + second + "\n")
+        bad.write_text(json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
         with pytest.raises(ConfigError) as caught:
             load_task(str(bad))
         assert str(caught.value).startswith(f"eval.tasks: {bad}:2 is not ") and f"({why}" in str(caught.value)

@@ -198,7 +198,7 @@ def test_a_missing_extra_a_bad_checkpoint_or_an_unknown_task_is_one_line(run, tm
     assert result.stderr.strip() == "titan eval: error: --tasks no_such_task_xyz: no such lm-eval task in " \
         f"--include-path {tasks} or in lm-eval's own; check the names (`lm_eval ls tasks`)"
     for option, says in ((["--batch-size", "0"], "--batch-size 0: give 1 or more sequences"),
-                         (["--limit", "-1"], "--limit -1: give a count of examples, or a fraction of each task below 1"),
+                         (["--limit", "-1"], "--limit -1: give a count of examples, or a fraction of each task"),
                          (["--limit", "0"], "--limit 0: give a count of examples"),
                          (["--num-fewshot", "-1"], "--num-fewshot -1: give 0 or more examples")):  # fmt: skip
         result = CliRunner().invoke(app, ["eval", str(run), "--tasks", "toy_mc", "--include-path", tasks, *option])
