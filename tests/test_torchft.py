@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_loss_spike import dcp_tensors
-from titan_run import REPO, TINY, titan_env
+from titan_run import REPO, TINY, run_titan, titan_env
 import warm_python
 
 pytest.importorskip("torchft")
@@ -250,3 +250,28 @@ def test_a_rollback_takes_every_group_back_and_one_that_went_further_heals(tmp_p
         assert last[0].keys() == last[1].keys()
         different = [k for k in last[0] if not torch.equal(last[0][k], last[1][k])]
         assert not different, different
+
+
+def test_a_lighthouse_nobody_answers_at_is_one_line_naming_the_key(tmp_path):
+    proc = run_titan(tmp_path / "run", *TINY, "--training.steps", "2", "--fault_tolerance.enable", "true",
+                     "--fault_tolerance.lighthouse", "http://localhost:1", "--fault_tolerance.quorum_timeout_seconds",
+                     "2", check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "titan: error: fault_tolerance.lighthouse: no lighthouse answered at http://localhost:1 within "
+        "fault_tolerance.quorum_timeout_seconds (2 s); start one with `titan lighthouse` (it prints its address) and "
+        "give that address, or fix this one"
+    )
+
+
+def test_a_lighthouse_bind_address_that_cannot_work_is_one_line():
+    from typer.testing import CliRunner
+
+    from titan_cli.main import app
+
+    result = CliRunner().invoke(app, ["lighthouse", "--bind", "notanaddress"])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "titan: error: --bind notanaddress: invalid socket address; give HOST:PORT that is free here, e.g. [::]:29510"
+    )
+    assert CliRunner().invoke(app, ["lighthouse", "--min-replicas", "0"]).exit_code == 2  # typer's range check

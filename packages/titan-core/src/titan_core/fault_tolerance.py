@@ -26,10 +26,11 @@ waited for then or a few steps later) and the same commit vote.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -104,6 +105,21 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+@contextlib.contextmanager
+def _unreachable_lighthouse(address: str, seconds: float) -> Iterator[None]:
+    """torchft's "failed to connect to ADDRESS within timeout" as one line naming `fault_tolerance.lighthouse`."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "failed to connect" not in str(error):
+            raise
+        raise ConfigError(
+            f"fault_tolerance.lighthouse: no lighthouse answered at {address or '(unset)'} within "
+            f"fault_tolerance.quorum_timeout_seconds ({seconds:g} s); start one with `titan lighthouse` (it prints its "
+            "address) and give that address, or fix this one"
+        ) from None
+
+
 class ReplicaGroups:
     """This job's seat among the torchft replica groups: quorum, gradient average, commit, live recovery.
 
@@ -139,25 +155,29 @@ class ReplicaGroups:
             pg = torchft.ProcessGroupGloo(timeout=timeout)
         else:
             raise ValueError(f"replica groups' backend {options.backend!r}: use 'gloo' or 'nccl'")
-        self.manager: torchft.Manager = torchft.Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=options.min_replica_size,
-            use_async_quorum=not options.semi_sync,  # DiLoCo heals at the quorum, before it reads the weights
-            # Unseeded, per step: the groups' first quorum (step 0) gives every group group 0's initial weights (the
-            # others heal, and do not train that step). DiLoCo's first quorum comes after its first inner steps, whose
-            # weights it must not replace: its groups start from the same seed instead (the job check asks for it).
-            init_sync=not (options.semi_sync or options.same_init),
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
-            rank=rank,
-            world_size=world_size,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=options.lighthouse or None,
-            replica_id=f"titan_{options.replica_id}",
-        )
+        lighthouse = options.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        with _unreachable_lighthouse(lighthouse, options.quorum_timeout_s):
+            self.manager: torchft.Manager = torchft.Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=options.min_replica_size,
+                use_async_quorum=not options.semi_sync,  # DiLoCo heals at the quorum, before it reads the weights
+                # Unseeded, per step: the groups' first quorum (step 0) gives every group group 0's initial weights
+                # (the others heal, and do not train that step). DiLoCo's first quorum comes after its first inner
+                # steps, whose weights it must not replace: its groups start from the same seed instead (the job
+                # check asks for it).
+                init_sync=not (options.semi_sync or options.same_init),
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=options.quorum_timeout_s),  # to the lighthouse, at start
+                rank=rank,
+                world_size=world_size,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=options.lighthouse or None,
+                replica_id=f"titan_{options.replica_id}",
+            )
         if rank == 0:
             logger.info(
                 "fault tolerance: replica group %d of %d joins the lighthouse %s (at least %d groups per step; "

@@ -135,7 +135,7 @@ class FaultTolerance(Section):
     timeout_seconds: PositiveFloat = 10.0
     """Cross-group all-reduce, commit vote and live recovery give up after this; the step is then retried."""
     quorum_timeout_seconds: PositiveFloat = 60.0
-    """How long a group waits at the quorum for min_replica_size groups before it fails."""
+    """How long a group waits at the quorum for min_replica_size groups, and for the lighthouse at start."""
     process_group: Literal["auto", "gloo", "nccl"] = "auto"
     """The cross-group collectives' backend (torchft's): 'auto' = NCCL when training on CUDA, gloo otherwise."""
     semi_sync_method: Literal["none", "diloco", "local_sgd"] = "none"
