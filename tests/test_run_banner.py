@@ -120,3 +120,19 @@ def test_validation_on_the_stdlib_corpus_reads_its_held_out_files():
     assert "data: the built-in Python stdlib corpus, validation the stdlib corpus's held-out files" in line
     longer = banner(["--validation.enable", "--validation.seq_len", "4096"])
     assert "validation the stdlib corpus's held-out files at 4096 tokens per sequence, byte tokenizer" in longer
+
+
+def test_a_mix_says_which_sources_are_token_shards_and_which_text(tmp_path: Path):
+    import json
+
+    from titan_core.config.schema import DatasetSource
+    from titan_core.data.token_shards import FORMAT, MANIFEST
+    from titan_core.run_banner import describe_mix
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": FORMAT}))  # what marks a token-shard folder
+    shards, text = DatasetSource(path=str(tmp_path), weight=7, name="plays"), DatasetSource(path="stdlib", weight=3)
+    assert describe_mix([shards], shuffle=True) == "mix of plays 100% (token shards shuffled)"
+    assert describe_mix([text], shuffle=True) == "mix of stdlib 100% (text tokenized in document order)"
+    assert describe_mix([shards, text], shuffle=False) == (
+        "mix of plays 70% + stdlib 30% (token shards in file order: plays; text tokenized in document order: stdlib)"
+    )

@@ -79,7 +79,9 @@ def describe_dataset(dataset: str, dataset_path: str | None, held_out: bool = Fa
 
 
 def describe_mix(mix: list, shuffle: bool, phases: Sequence = ()) -> str:
-    """`mix of web 70% + code 30%, from step 800 web 50% + math 50% (token shards shuffled)`.
+    """`mix of web 70% + code 30%, from step 800 web 50% + math 50% (token shards shuffled)`; text sources, which
+    are tokenized in document order, named as such (`... (token shards shuffled: web; text tokenized in document
+    order: code)`).
 
     Args:
         mix: `training.dataset_mix`'s entries.
@@ -87,6 +89,7 @@ def describe_mix(mix: list, shuffle: bool, phases: Sequence = ()) -> str:
         phases: `training.dataset_mix_phases`' entries.
     """
     from titan_core.data.mix_sources import default_name
+    from titan_core.data.token_shards import is_token_shard_folder
 
     names = [entry.name or default_name(entry.path) for entry in mix]
 
@@ -97,7 +100,16 @@ def describe_mix(mix: list, shuffle: bool, phases: Sequence = ()) -> str:
     text = f"mix of {weighted([entry.weight for entry in mix])}"
     for phase in phases:
         text += f", from step {phase.step} {weighted([phase.weights.get(n, 0.0) for n in names])}"
-    return f"{text} (token shards {'shuffled' if shuffle else 'in file order'})"
+    shards = [is_token_shard_folder(entry.path) for entry in mix]
+    order = f"token shards {'shuffled' if shuffle else 'in file order'}"
+    if all(shards):
+        return f"{text} ({order})"
+    text_order = "text tokenized in document order"
+    if not any(shards):
+        return f"{text} ({text_order})"
+    sharded = ", ".join(n for n, shard in zip(names, shards, strict=True) if shard)
+    read_as_text = ", ".join(n for n, shard in zip(names, shards, strict=True) if not shard)
+    return f"{text} ({order}: {sharded}; {text_order}: {read_as_text})"
 
 
 def _describe_batch(job: Job) -> str:
