@@ -263,3 +263,17 @@ def test_switching_optimizer_on_resume_names_the_keys():
     with pytest.raises(ConfigError, match="exclude_from_loading") as error:
         SchedulersState([build_lr_scheduler(muon, steps=4, warmup_steps=1)]).load_state_dict(saved)
     assert error.value.keys == ("optimizer.name", "checkpoint.exclude_from_loading")
+
+
+def test_resuming_a_muon_run_with_adamw_names_the_optimizer_keys(tmp_path):
+    from titan_run import TINY, run_titan
+
+    run_titan(tmp_path, *TINY, "--training.steps", "2", "--optimizer.name", "Muon", "--checkpoint.enable")
+    proc = run_titan(tmp_path, *TINY, "--training.steps", "3", "--checkpoint.enable", check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last == (
+        f"titan: error: the checkpoints in {tmp_path} were saved with optimizer.name = 'Muon' and "
+        "optimizer.weight_decay_exclude = [] (its config.toml), which build other param groups than this run's "
+        "'AdamW' and []: resume with those, or add 'optimizer' and 'lr_scheduler' to checkpoint.exclude_from_loading "
+        "to start them afresh"
+    ), proc.stderr[-3000:]

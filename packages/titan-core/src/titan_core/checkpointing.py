@@ -209,14 +209,13 @@ def another_models_checkpoint(
 
 
 def another_optimizers_checkpoint(
-    error: Exception, run_folder: Path, checkpoint_folder: str | Path, name: str, weight_decay_exclude: Sequence[str]
+    run_folder: Path, checkpoint_folder: str | Path, name: str, weight_decay_exclude: Sequence[str]
 ) -> ConfigError | None:
     """The error to tell when the run folder's own checkpoint did not load and its earlier run (its `config.toml`)
     built other optimizer param groups: another `optimizer.name`, or weight decay exclusions added or removed (one
     group against two); None when that is not the case (the error stands).
 
     Args:
-        error: what the load raised.
         run_folder: `job.dump_folder`.
         checkpoint_folder: where the run's `step-N` folders are.
         name: this run's `optimizer.name`.
@@ -234,7 +233,8 @@ def another_optimizers_checkpoint(
         f"the checkpoints in {run_folder} were saved with optimizer.name = {saved_name!r} and "
         f"optimizer.weight_decay_exclude = {saved_exclude} (its config.toml), which build other param groups than "
         f"this run's {name!r} and {list(weight_decay_exclude)}: resume with those, or add 'optimizer' and "
-        f"'lr_scheduler' to checkpoint.exclude_from_loading to start them afresh ({error})",
+        f"'lr_scheduler' to checkpoint.exclude_from_loading to start them afresh",  # not the load's own error,
+        # which blames the model (the same one)
         keys=("optimizer.name", "optimizer.weight_decay_exclude", "checkpoint.exclude_from_loading"),
     )
 

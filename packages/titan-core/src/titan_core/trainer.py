@@ -435,7 +435,7 @@ class Trainer:
         except CheckpointError as e:
             folder, o = self.job.checkpoint.folder, cfg.optimizer
             told = another_models_checkpoint(e, self.run_folder, folder, cfg.model.name, cfg.model.flavor)
-            told = told or another_optimizers_checkpoint(e, self.run_folder, folder, o.name, o.weight_decay_exclude)
+            told = told or another_optimizers_checkpoint(self.run_folder, folder, o.name, o.weight_decay_exclude)
             if told is None:
                 raise
             raise told from e
