@@ -105,6 +105,8 @@ def test_bad_weights_and_entries_are_one_line_naming_the_key():
         '[{"path": "/x", "weight": 1}, {"path": "/y"}]': "training.dataset_mix[1].weight is missing",
         '[{"path": "/x", "weight": 1, "wieght": 2}]': "training.dataset_mix[0] has unknown key(s) ['wieght']",
         '[{"weight": 1}]': "training.dataset_mix[0].path is missing",
+        '{"path": "/x", "weight": 1}': "training.dataset_mix is one table, not a list of them: put it in [...]",
+        '["/x"]': "training.dataset_mix[0] is '/x', not a table",
     }
     for value, expected in cases.items():
         with pytest.raises(ConfigError) as caught:

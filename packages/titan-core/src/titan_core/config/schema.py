@@ -150,6 +150,8 @@ def _check_dataset_mix(value: object) -> object:
     for i, entry in enumerate(value):
         if isinstance(entry, DatasetSource):
             continue
+        if isinstance(entry, str) and entry.lstrip().startswith("{"):  # one table, not a list of them
+            raise ValueError("training.dataset_mix is one table, not a list of them: put it in [...]")
         if not isinstance(entry, dict):
             raise ValueError(f"training.dataset_mix[{i}] is {entry!r}, not a table; {example}")
         unknown = set(entry) - set(DatasetSource.model_fields)
