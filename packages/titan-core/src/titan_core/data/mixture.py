@@ -246,10 +246,12 @@ class MixtureLoader:
         theirs_before = [(int(a), list(b)) for a, b in state.get("phases", []) if a < position]
         ours_before = [(a, b) for a, b in self.phases if a < position]
         if ours_before != theirs_before:  # later phases may change: a run can decide on its annealing mix late
+            names = [source.name for source in self.sources]
             raise ConfigError(
-                f"the checkpoint's data had mixture phases {theirs_before or 'none'} (first global sample, shares) "
-                f"before its position (global sample {position}), this run's training.dataset_mix_phases give "
-                f"{ours_before or 'none'}; change only the phases that start after the checkpoint's step, {SKIP}"
+                f"the checkpoint's data had mixture phases {_describe_phases(theirs_before, names)} before its "
+                f"position (global sample {position}), this run's training.dataset_mix_phases give "
+                f"{_describe_phases(ours_before, names)}; change only the phases that start after the checkpoint's "
+                f"step, {SKIP}"
             )
         self.close()
         for source, saved in zip(self.sources, state["sources"], strict=True):
@@ -268,6 +270,18 @@ class MixtureLoader:
 
 def _describe_shuffle(seed: int | None) -> str:
     return "training.shuffle = false" if seed is None else f"training.shuffle_seed = {seed}"
+
+
+def _describe_phases(phases: list[tuple[int, list[Any]]], names: list[str]) -> str:
+    """'from global sample 8 plays 90% + code 10%, ...', or 'none'."""
+    if not phases:
+        return "none"
+
+    def weighted(shares: list[Any]) -> str:
+        total = sum(shares)
+        return " + ".join(f"{n} {100 * s / total:.0f}%" for n, s in zip(names, shares, strict=True) if s)
+
+    return ", ".join(f"from global sample {start} {weighted(shares)}" for start, shares in phases)
 
 
 def _describe_sources(sources: list[dict[str, Any]]) -> str:
