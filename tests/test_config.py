@@ -448,6 +448,8 @@ def test_range_checks(tmp_path):
     assert "checkpoint.keep_latest_k" in config_error(None, ["--checkpoint.keep_latest_k", "-1"])
     assert load_config(None, ["--checkpoint.keep_latest_k", "0"]).checkpoint.keep_latest_k == 0
     assert "optimizer.beta2" in config_error(None, ["--optimizer.beta2", "1.5"])
+    message = config_error(None, ["--eval.freq", "0", "--eval.max_examples", "0", "--training.steps", "0"])
+    assert message == "training.steps: 0 must be > 0 (from --training.steps) (also wrong: eval.freq, eval.max_examples)"
     # The option's rule is titan-parallel's, checked with the job (tests/test_job_check.py); an int written in TOML is read as the string option.
     path = write(tmp_path, "[activation_checkpoint]\nselective_ac_option = 3\n", "ac.toml")
     assert load_config(path, []).activation_checkpoint.selective_ac_option == "3"

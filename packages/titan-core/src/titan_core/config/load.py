@@ -167,8 +167,9 @@ def describe_validation_error(error: ValidationError, origins: dict[str, str]) -
     else:
         problem = f"{value!r}: {first['msg']}"
     origin = origins.get(dotted)
-    more = len(error.errors()) - 1
-    tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    others = list(dict.fromkeys(".".join(str(part) for part in e["loc"][:2]) for e in error.errors()[1:]))
+    others = [key for key in others if key != dotted] or others  # the same key twice: still say there is more
+    tail = f" (also wrong: {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})" if others else ""
     where = "" if problem.startswith(dotted) else f"{dotted}: "  # a validator's message may name the key itself
     return f"{where}{problem}{' ' + origin if origin else ''}{tail}"
 
