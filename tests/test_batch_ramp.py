@@ -59,7 +59,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """One process with the ramp (4 steps), one without it at the ramp's first batch (1 step), and 2 FSDP ranks
     with the ramp, stopped after step 2 (inside the ramp) and resumed on 2 ranks."""
     root = tmp_path_factory.mktemp("ramp")
-    folders = {name: root / name for name in ("one", "first_batch", "two")}
+    folders = {name: root / name for name in ("one", "first_batch", "two", "short")}
     cmd = [sys.executable, str(FORK_RUN), "2", str(WORKER), "stop-after-step", "2", *RUN, *RAMP,
            "--training.local_batch_size", "2", "--job.dump_folder", str(folders["two"])]  # fmt: skip
     proc = warm_python.run(cmd, env=titan_env(), cwd=REPO, timeout=600)
@@ -67,6 +67,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     run_titan_all({
         folders["one"]: [*RUN, *RAMP, "--training.local_batch_size", "4"],
         folders["first_batch"]: [*TINY, "--training.steps", "2", "--training.local_batch_size", "4"],
+        folders["short"]: [*TINY, *RAMP, "--training.steps", "2", "--training.local_batch_size", "4"],
     })  # fmt: skip
     run_titan_all({folders["two"]: [*RUN, *RAMP, "--training.local_batch_size", "2"]}, nproc=2)
     return folders
@@ -85,6 +86,13 @@ def test_the_ramp_on_two_ranks_resumed_matches_one_process(runs):
             saved = folder / "checkpoint" / f"step-{step}"
             assert json.loads((saved / "dataloader.json").read_text())["samples_consumed"] == samples
             assert json.loads((saved / "train_state.json").read_text())["tokens_seen"] == samples * 32
+
+
+def test_a_ramp_as_long_as_the_run_is_said_at_start(runs):
+    assert [r["data/global_batch"] for r in read_metrics(runs["short"])] == [4, 8]
+    said = ("training.batch_size_rampup_steps=2 is not shorter than training.steps=2: the batch grows to the run's "
+            "end (8 sequences at its last step, not training.global_batch_size=12)")
+    assert said in (runs["short"] / "train.log").read_text()
 
 
 def test_the_banner_names_the_ramp():

@@ -149,6 +149,12 @@ class Trainer:
                 logger.warning("%s", job.dtype_warning)
             if job.warmup_note:
                 logger.info("%s", job.warmup_note)
+            if t.batch_size_rampup_start and t.batch_size_rampup_steps >= t.steps:
+                logger.warning(
+                    "training.batch_size_rampup_steps=%d is not shorter than training.steps=%d: the batch grows to "
+                    "the run's end (%d sequences at its last step, not training.global_batch_size=%d)",
+                    t.batch_size_rampup_steps, t.steps, self.batch_ramp.global_batch(t.steps), job.global_batch,
+                )  # fmt: skip
             if cfg.validation.enable and (overlap := training_overlap(cfg)):
                 logger.warning("%s", overlap)
         self.loss = StepLoss(cross_entropy_loss)  # normalised in one place; the runner sets its divisor
