@@ -100,3 +100,17 @@ def test_the_banner_names_the_ramp():
 
     job = resolve(load_config(None, [*RAMP, "--training.local_batch_size", "2", "--training.seq_len", "32"]), 2)
     assert "global batch 4 -> 12 over 2 steps x seq_len 32, 1 -> 3 micro-batches per step" in run_banner(job)
+
+
+def test_a_resume_on_another_global_batch_is_said():
+    from titan_core.train_state import TrainState
+
+    saved = TrainState(step=3, tokens_seen=3 * 16 * 32)  # 3 steps of 16 sequences of 32 tokens
+    assert saved.batch_change(16, 32) is None
+    assert saved.batch_change(8, 32) == (
+        "resumed at step 3, whose steps took 16 sequences each on average; this run's take 8 "
+        "(training.global_batch_size, or local_batch_size x the data-parallel degree where it is -1): set "
+        "training.global_batch_size = 16 to keep the batch"
+    )
+    assert TrainState(step=2, tokens_seen=(4 + 7) * 32).batch_change(8, 32) is None  # no whole average: not said
+    assert TrainState().batch_change(8, 32) is None

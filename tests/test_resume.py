@@ -251,6 +251,7 @@ def test_reshard_2_to_4_to_1_ranks_keeps_losses_and_data_position(reference, tmp
     assert complete_steps(run) == [2, 4, 6]
     # The same config: its optimizer settings are the checkpoint's (titan_core.checkpointing.ConfigSettings).
     assert not any("optimizer settings apply" in out for out in resumed), resumed[0][-3000:]
+    assert not any("whose steps took" in out for out in resumed)  # the same global batch on 2, 4 and 1 ranks
     assert [json.loads((ckpt(run, s) / "manifest.json").read_text())["world_size"] for s in (2, 4, 6)] == [2, 4, 1]
     assert logged_steps(run) == [1, 2, 3, 4, 5, 6]
     ref = losses(reference)

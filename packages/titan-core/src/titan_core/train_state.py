@@ -22,6 +22,26 @@ class TrainState:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
+    def batch_change(self, global_batch: int, seq_len: int) -> str | None:
+        """A note where the checkpointed steps took another batch than `global_batch` sequences (a resume on another
+        data-parallel degree with `training.global_batch_size = -1`); None where they took the same, or none.
+
+        Args:
+            global_batch: the resumed run's sequences per step (it has no batch ramp).
+            seq_len: tokens per sequence.
+        """
+        if not self.step or self.tokens_seen % (self.step * seq_len):
+            return None  # nothing saved, or steps of several batch sizes (a ramp)
+        before = self.tokens_seen // (self.step * seq_len)
+        if before == global_batch:
+            return None
+        return (
+            f"resumed at step {self.step}, whose steps took {before} sequences each on average; this run's take "
+            f"{global_batch} "
+            "(training.global_batch_size, or local_batch_size x the data-parallel degree where it is -1): set "
+            f"training.global_batch_size = {before} to keep the batch"
+        )
+
 
 def set_determinism(seed: int | None, deterministic: bool, warn_only: bool = False) -> int:
     """Seed every RNG with the same seed on every rank (rank 0's when `seed` is None); returns it. With

@@ -453,6 +453,9 @@ class Trainer:
         if cfg.checkpoint.load_only and self.rank == 0:
             loaded = "nothing to load: training starts from its initialisation" if resumed is None else "loaded"
             logger.warning("checkpoint.load_only: %s, and no checkpoint will be saved", loaded)
+        if resumed and not self.batch_ramp.steps and self.rank == 0:  # no ramp: one batch size
+            if note := self.state.batch_change(self.batch_ramp.full, t.seq_len):
+                logger.warning("%s", note)
         if resumed and self.state.step >= t.steps and self.rank == 0:
             logger.warning(
                 "checkpoint: the run stands at step %d, training.steps is %d: nothing left to train; "
