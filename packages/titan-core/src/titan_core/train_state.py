@@ -31,15 +31,14 @@ class TrainState:
             seq_len: tokens per sequence.
         """
         if not self.step or self.tokens_seen % (self.step * seq_len):
-            return None  # nothing saved, or steps of several batch sizes (a ramp)
+            return None  # nothing saved, or no whole number of sequences per step (steps of several batch sizes)
         before = self.tokens_seen // (self.step * seq_len)
         if before == global_batch:
             return None
         return (
             f"resumed at step {self.step}, whose steps took {before} sequences each on average; this run's take "
-            f"{global_batch} "
-            "(training.global_batch_size, or local_batch_size x the data-parallel degree where it is -1): set "
-            f"training.global_batch_size = {before} to keep the batch"
+            f"{global_batch} (training.global_batch_size, or local_batch_size x the data-parallel degree where it is "
+            f"-1): set training.global_batch_size = {before} to keep the batch"
         )
 
 
