@@ -8,7 +8,7 @@ A thin wrapper around `torchft._torchft.LighthouseServer` (what torchft's own
 from __future__ import annotations
 
 import signal
-import threading
+import time
 
 import typer
 
@@ -49,11 +49,12 @@ def lighthouse(
     except RuntimeError as error:  # torchft's: "invalid socket address", "Address already in use", ...
         typer.echo(f"titan: error: --bind {bind}: {error}; give HOST:PORT that is free here, e.g. [::]:29510", err=True)
         raise typer.Exit(2) from None
-    stop = threading.Event()
+    stopped: list[int] = []  # a plain flag: a handler that takes a lock (`threading.Event.set`) deadlocks when a
+    # second signal lands inside the first handler (`timeout CMD` signals the process and `uv run` forwards it again)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, lambda signum, _: stopped.append(signum))
     typer.echo(f"lighthouse at {server.address()}: pass --fault_tolerance.lighthouse {server.address()}")
-    while not stop.wait(0.5):  # a timed wait lets the signal handler run
-        pass
+    while not stopped:
+        time.sleep(0.2)  # the handler runs between sleeps
     server.shutdown()
     typer.echo("lighthouse stopped")
