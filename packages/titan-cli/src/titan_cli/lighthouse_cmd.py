@@ -49,8 +49,8 @@ def lighthouse(
     except RuntimeError as error:  # torchft's: "invalid socket address", "Address already in use", ...
         typer.echo(f"titan: error: --bind {bind}: {error}; give HOST:PORT that is free here, e.g. [::]:29510", err=True)
         raise typer.Exit(2) from None
-    stopped: list[int] = []  # a plain flag: a handler that takes a lock (`threading.Event.set`) deadlocks when a
-    # second signal lands inside the first handler (`timeout CMD` signals the process and `uv run` forwards it again)
+    stopped: list[int] = []  # a plain flag: a handler calling `threading.Event.set` deadlocked on the lock the
+    # interrupted `Event.wait` held (`timeout CMD` signals the process and `uv run` forwards it: two chances a stop)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, _: stopped.append(signum))
     typer.echo(f"lighthouse at {server.address()}: pass --fault_tolerance.lighthouse {server.address()}")

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-    from titan_core.config.schema import JobConfig
     from titan_core.job import Job
     from titan_parallel import ComputeCopies, SharedWeights
 
@@ -112,12 +111,6 @@ def precasts_float8_weights(master_weights: bool, converters: Converters) -> boo
     """Whether the tensorwise float8 weights keep a copy cast once per optimizer step
     (`titan_parallel.float8_precast`): under master weights, where nothing gathers them in float8."""
     return master_weights and converters.float8 is not None and converters.float8.recipe_name == "tensorwise"
-
-
-def loss_backend(cfg: JobConfig) -> str:
-    """The loss's `torch.compile` backend: `compile.backend`, Inductor under 'auto' (the blocks' 'auto' is
-    `titan_parallel.compile.compile_backend`)."""
-    return "inductor" if cfg.compile.backend == "auto" else cfg.compile.backend
 
 
 def loss_compiled_for(job: Job) -> bool:

@@ -88,18 +88,14 @@ def describe_mix(mix: list, shuffle: bool, phases: Sequence = ()) -> str:
         shuffle: `training.shuffle`.
         phases: `training.dataset_mix_phases`' entries.
     """
+    from titan_core.data.mix_schedule import describe_weights
     from titan_core.data.mix_sources import default_name
     from titan_core.data.token_shards import is_token_shard_folder
 
     names = [entry.name or default_name(entry.path) for entry in mix]
-
-    def weighted(weights: list[float]) -> str:
-        total = sum(weights)
-        return " + ".join(f"{n} {100 * w / total:.0f}%" for n, w in zip(names, weights, strict=True) if w > 0)
-
-    text = f"mix of {weighted([entry.weight for entry in mix])}"
+    text = f"mix of {describe_weights(names, [entry.weight for entry in mix])}"
     for phase in phases:
-        text += f", from step {phase.step} {weighted([phase.weights.get(n, 0.0) for n in names])}"
+        text += f", from step {phase.step} {describe_weights(names, [phase.weights.get(n, 0.0) for n in names])}"
     shards = [is_token_shard_folder(entry.path) for entry in mix]
     order = f"token shards {'shuffled' if shuffle else 'in file order'}"
     if all(shards):

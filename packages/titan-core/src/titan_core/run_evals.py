@@ -13,7 +13,7 @@ import torch
 
 from titan_core.config import JobConfig
 from titan_core.data import loader_factory
-from titan_core.downstream_eval import DownstreamEvaluator, MultipleChoiceTask, load_tasks
+from titan_core.downstream_eval import DownstreamEvaluator, MultipleChoiceTask
 from titan_core.ema import WeightEMA
 from titan_core.job.run_rules import validation_set_names
 from titan_core.validation import Validator
@@ -93,7 +93,7 @@ def build_downstream_eval(
     parts: list[torch.nn.Module],
     device: torch.device,
     rank: int,
-    tasks: list[MultipleChoiceTask] | None = None,
+    tasks: list[MultipleChoiceTask],
 ) -> DownstreamEvaluator | None:
     """The run's `DownstreamEvaluator` over `eval.tasks`; None without [eval].
 
@@ -107,13 +107,13 @@ def build_downstream_eval(
         parts: this rank's model parts.
         device: the training device.
         rank: this process's rank.
-        tasks: `eval.tasks` read already (`load_tasks`); None: read here.
+        tasks: `eval.tasks`, read (`titan_core.downstream_eval.load_tasks`).
     """
     e, t = cfg.eval, cfg.training
     if not e.enable:
         return None
     return DownstreamEvaluator(
-        tasks if tasks is not None else load_tasks(e.tasks, e.max_examples),
+        tasks,
         tokenizer,
         seq_len=t.seq_len,  # the training shapes: nothing recompiles, the pipeline schedule runs unchanged
         local_batch_size=t.local_batch_size,

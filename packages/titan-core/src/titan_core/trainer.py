@@ -43,7 +43,7 @@ from titan_core.metrics import MetricsLogger, ThroughputMeter, device_peak_flops
 from titan_core.metrics.layer_norms import LayerNorms
 from titan_core.metrics.peak_flops import raise_cpu_peak
 from titan_core.metrics.wandb_sink import WandbOptions
-from titan_core.model_setup import build_model_parts, loss_backend, loss_compiled_for
+from titan_core.model_setup import build_model_parts, loss_compiled_for
 from titan_core.model_source import HF_RUN_CONFIG
 from titan_core.moe_balance import ExpertLoadBalancer
 from titan_core.optim import build_optimizer, resolve_implementation
@@ -106,7 +106,7 @@ class Trainer:
         if self.replicas is not None:
             dp_rank, dp_world = self.replicas.data_slice(dp_rank, dp_world)
         # [eval] tasks read now, with the data: a wrong task file fails before the model is built
-        self.eval_tasks = load_tasks(cfg.eval.tasks, cfg.eval.max_examples) if cfg.eval.enable else None
+        self.eval_tasks = load_tasks(cfg.eval.tasks, cfg.eval.max_examples) if cfg.eval.enable else []
         self.loader = build_loader(  # token shards (`titan tokenize`), a weighted mix, or on-the-fly tokenization
             t.dataset,
             t.dataset_path,
@@ -164,7 +164,7 @@ class Trainer:
         if t.z_loss_weight:
             loss_fn = functools.partial(cross_entropy_loss, z_loss=t.z_loss_weight, z_loss_out=self.loss.z_terms)
         if loss_compiled_for(job):
-            loss_fn = torch.compile(loss_fn, backend=loss_backend(cfg))
+            loss_fn = torch.compile(loss_fn, backend=self.options.compile_backend or "inductor")  # compile.backend
         elif cfg.compile.enable and "loss" in cfg.compile.components and self.rank == 0:
             logger.info("compile: the loss runs eager under loss parallel (the blocks are compiled)")
         self.loss.fn = loss_fn

@@ -13,6 +13,7 @@ from pydantic.fields import FieldInfo
 
 from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig, Section
+from titan_core.config.torchtitan_keys import torchtitan_only
 
 HELP_HINT = "run `titan train --help-config` to list every key"
 
@@ -88,8 +89,6 @@ def describe_unknown_key(dotted: str, origin: str, what: str = "key") -> str:
     if dotted.lower() in LAUNCHER_WORDS:
         fix = "the job's size is set by --nproc-per-node N (processes per node) and --nnodes M"
         return f"unknown config {what} '{dotted}' {origin}; {fix}"
-    from titan_core.config.torchtitan_keys import torchtitan_only
-
     if (instead := torchtitan_only(dotted)) is not None:
         return f"config {what} '{dotted}' {origin} is torchtitan's, with no Titan equivalent: {instead}"
     suggestion = suggest_key(dotted)

@@ -33,6 +33,17 @@ __all__ = ["MAX_PERIOD", "MixSchedule", "PhasedMixSchedule", "phase_shares", "sh
 MAX_PERIOD = 10_000
 
 
+def describe_weights(names: Sequence[str], weights: Sequence[float]) -> str:
+    """`web 70% + code 30%`: each source with a weight above 0, as its share of their sum.
+
+    Args:
+        names: the sources' names.
+        weights: their weights (or integer shares), in the same order.
+    """
+    total = sum(weights)
+    return " + ".join(f"{n} {100 * w / total:.0f}%" for n, w in zip(names, weights, strict=True) if w > 0)
+
+
 def shares_of(weights: Sequence[float], key: str = "training.dataset_mix") -> list[int]:
     """Integer shares of one period, proportional to `weights`, divided by their gcd.
 

@@ -28,7 +28,7 @@ import torch
 
 from titan_core.config.errors import ConfigError
 from titan_core.data.loader import SKIP
-from titan_core.data.mix_schedule import PhasedMixSchedule
+from titan_core.data.mix_schedule import PhasedMixSchedule, describe_weights
 from titan_core.data.mix_sources import MixSource
 from titan_core.data.token_loader import _Prefetcher
 
@@ -276,12 +276,7 @@ def _describe_phases(phases: list[tuple[int, list[Any]]], names: list[str]) -> s
     """'from global sample 8 plays 90% + code 10%, ...', or 'none'."""
     if not phases:
         return "none"
-
-    def weighted(shares: list[Any]) -> str:
-        total = sum(shares)
-        return " + ".join(f"{n} {100 * s / total:.0f}%" for n, s in zip(names, shares, strict=True) if s)
-
-    return ", ".join(f"from global sample {start} {weighted(shares)}" for start, shares in phases)
+    return ", ".join(f"from global sample {start} {describe_weights(names, shares)}" for start, shares in phases)
 
 
 def _describe_sources(sources: list[dict[str, Any]]) -> str:

@@ -244,7 +244,7 @@ def _compile(d: Draft) -> None:
     from titan_parallel import check_compile_backend
 
     p, blocks = d.parallel, d.parallel.compile  # the loss alone: neither TP nor AC reach it
-    if d.cfg.compile.enable and d.cfg.compile.backend != "auto":
+    if d.cfg.compile.enable:  # 'auto' is None: nothing to check
         tp = d.cfg.parallelism.tensor_parallel_degree if blocks else 1
         check_compile_backend(p.compile_backend, d.device_type, tp, p.ac_mode if blocks else "none")
 
