@@ -16,7 +16,7 @@ from titan_core.data import loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, MultipleChoiceTask
 from titan_core.ema import WeightEMA
 from titan_core.job.run_rules import validation_set_names
-from titan_core.validation import Validator
+from titan_core.validation import Validator, first_batch_fits
 from titan_parallel.mesh import ParallelMesh
 
 __all__ = ["build_downstream_eval", "build_validator", "ema_validation"]
@@ -71,6 +71,12 @@ def build_validator(
         }
     else:
         loaders = {"": make(v.dataset, v.dataset_path, t.dataset_text_field)}
+    if v.steps == -1:  # all of the data: each set must fill one batch
+        keys = [f"validation.sets[{i}].path" for i in range(len(v.sets))] or [
+            "validation.dataset_path" if v.dataset_path else "validation.dataset"
+        ]
+        for key, make_loader in zip(keys, loaders.values(), strict=True):
+            first_batch_fits(make_loader, key)
     return Validator(
         loaders,
         steps=v.steps,

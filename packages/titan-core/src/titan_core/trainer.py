@@ -51,10 +51,11 @@ from titan_core.profiling import build_profiler
 from titan_core.run_banner import run_banner
 from titan_core.run_evals import build_downstream_eval, build_validator, ema_validation
 from titan_core.run_guard import NonFinitePolicy, RunGuard
+from titan_core.start_notes import build_notes, log_notes, resume_notes
 from titan_core.step import Batch, StepResult, StepRunner
 from titan_core.step_loss import HeadLoss, StepLoss, cross_entropy_loss
 from titan_core.train_state import TrainState, set_determinism
-from titan_core.validation import Validator, training_overlap
+from titan_core.validation import Validator
 from titan_parallel.attention_backend import choose_sdpa_backends
 from titan_parallel.comm_watch import CommWatch
 from titan_parallel.distributed import init_distributed, resolve_device
@@ -120,43 +121,15 @@ class Trainer:
             shuffle=t.shuffle,
             shuffle_seed=t.shuffle_seed,
             mix=t.dataset_mix,
-            mix_phases=[  # each phase from its step's first sample: micro-batch rounds before it x samples per round
-                (
-                    self.batch_ramp.samples_through(p.step - 1)
-                    // self.batch_ramp.per_round
-                    * dp_world
-                    * t.local_batch_size,
-                    p.weights,
-                )
-                for p in t.dataset_mix_phases
-            ],  # fmt: skip
+            mix_phases=[(self._first_sample(p.step, dp_world), p.weights) for p in t.dataset_mix_phases],
         )
-        if self.rank == 0 and job.vocab_widened_from:
-            logger.info(
-                "model vocab %d widened to the tokenizer's %d tokens",
-                job.vocab_widened_from,
-                self.model_args.vocab_size,
-            )
+        log_notes(build_notes(job, self.batch_ramp), self.rank)  # the dtype, a widened vocab, a shortened warmup, ...
         self.n_params = self.spec.count_params(self.model_args)
         self.n_active_params = self.spec.active_params(self.model_args)
         if host_memory_check and job.device_type == "cpu":  # refused before allocating, not OOM-killed later
             d, local_processes = self.dims, int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             shards = d.dp_shard * d.cp * d.tp * d.pp
             check_host_memory(self.n_params, cfg.optimizer.name, shards, local_processes, host_memory_available())
-        if self.rank == 0:
-            logger.info("compute dtype %s", job.dtype_reason)
-            if job.dtype_warning:
-                logger.warning("%s", job.dtype_warning)
-            if job.warmup_note:
-                logger.info("%s", job.warmup_note)
-            if t.batch_size_rampup_start and t.batch_size_rampup_steps >= t.steps:
-                logger.warning(
-                    "training.batch_size_rampup_steps=%d is not shorter than training.steps=%d: the batch grows to "
-                    "the run's end (%d sequences at its last step, not training.global_batch_size=%d)",
-                    t.batch_size_rampup_steps, t.steps, self.batch_ramp.global_batch(t.steps), job.global_batch,
-                )  # fmt: skip
-            if cfg.validation.enable and (overlap := training_overlap(cfg)):
-                logger.warning("%s", overlap)
         self.loss = StepLoss(cross_entropy_loss)  # normalised in one place; the runner sets its divisor
         self.loss.mtp_depths = getattr(self.model_args, "n_mtp_layers", 0)  # `mtp.layers`, set by the job check
         self.loss.mtp_weight = cfg.mtp.loss_weight
@@ -450,31 +423,9 @@ class Trainer:
         if self.outer is not None and not self.outer.loaded:  # DiLoCo anchors at the weights training starts from
             self.outer.restart()
         self._write_config()  # after the load: a start that cannot resume this folder leaves its run's config
-        if cfg.checkpoint.load_only and self.rank == 0:
-            loaded = "nothing to load: training starts from its initialisation" if resumed is None else "loaded"
-            logger.warning("checkpoint.load_only: %s, and no checkpoint will be saved", loaded)
-        if resumed and not self.batch_ramp.steps and self.rank == 0:  # no ramp: one batch size
-            if note := self.state.batch_change(self.batch_ramp.full, t.seq_len):
-                logger.warning("%s", note)
-        if resumed and self.state.step >= t.steps and self.rank == 0:
-            logger.warning(
-                "checkpoint: the run stands at step %d, training.steps is %d: nothing left to train; "
-                "raise training.steps to go on",
-                self.state.step,
-                t.steps,
-            )
+        log_notes(resume_notes(self.job, self.state, self.batch_ramp, resumed), self.rank)
         if self.replicas is not None:  # torchft's step follows the run's
             self.replicas.resume_at(self.state.step)
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        if restarts and self.rank == 0:
-            logger.warning(
-                "restart %d of %s (titan train --max-restarts): %s",
-                restarts,
-                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
-                f"resumed from step {resumed}"
-                if resumed
-                else "no checkpoint to resume from (checkpoint.enable), starting at step 0",
-            )
         flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak = device_peak_flops(self.device, self.options.param_dtype, cfg.metrics.peak_tflops)
         metrics = MetricsLogger(

@@ -1,7 +1,9 @@
 """Validation: the loss on held-out data every `validation.freq` steps, under every layout.
 
 Every validation pass reads the same first `steps` batches from a fresh loader,
-so the figures of different steps compare. The forward is the step runner's
+so the figures of different steps compare; `steps = -1` reads all of the data, to
+the last batch that does not wrap past its end (every rank reads the global
+position, so all agree on where that is without a collective). The forward is the step runner's
 (`titan_core.step.StepRunner.eval_loss`): the same placement, CP sharding, mixed
 precision and loss parallel as training, and under pipeline parallel the
 schedule's forward-only pass.
@@ -15,16 +17,19 @@ warning at start-up.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titan_core.config.errors import ConfigError
 from titan_core.config.schema import JobConfig
 from titan_core.data import MixtureLoader, PackedLoader, TokenShardLoader
 from titan_core.data.corpus import looks_like_path
+from titan_core.data.token_loader import Batch
 
 
 def training_overlap(cfg: JobConfig) -> str | None:
@@ -61,13 +66,36 @@ def training_overlap(cfg: JobConfig) -> str | None:
     return None
 
 
+def first_batch_fits(make_loader: Callable[[], PackedLoader | TokenShardLoader | MixtureLoader], key: str) -> None:
+    """For `validation.steps = -1`: refuse, at start, data that does not fill one global validation batch (a pass
+    over all of it would hold no batch).
+
+    Args:
+        make_loader: gives a fresh loader over the set, at its start.
+        key: the config key that names the set, for the message.
+    """
+    loader = make_loader()
+    try:
+        next(loader)
+        if isinstance(loader, MixtureLoader) or not loader.wrapped():
+            return
+        tokens = loader.dp_world * loader.local_batch_size * (loader.seq_len + 1)
+    finally:
+        loader.close()
+    raise ConfigError(
+        f"{key}: the data holds fewer tokens than one validation batch ({tokens:,} over all ranks), so "
+        "validation.steps = -1 (all of it) has no batch to read; give it more data, lower "
+        "validation.local_batch_size or validation.seq_len, or give validation.steps a number (batches then repeat)"
+    )
+
+
 class Validator:
     """Computes the global mean validation loss of each validation set.
 
     Args:
         make_loaders: per set, by its label, a function giving a fresh loader over its data, positioned at its
             start (this rank's data-parallel share); one entry with the label "" for `validation.dataset`.
-        steps: batches per validation pass of each set.
+        steps: batches per validation pass of each set; -1 = all of each set's data, one pass to its end.
         eval_loss: `(inputs, labels) -> this batch's mean loss` on this rank, None on pipeline ranks without
             the last stage (`StepRunner.eval_loss`).
         parts: this rank's model parts (put in eval mode for the pass).
@@ -97,21 +125,39 @@ class Validator:
         for part in self.parts:
             part.eval()
         totals = torch.zeros(len(self.make_loaders), device=self.device)
+        counts = torch.zeros(len(self.make_loaders), device=self.device)
         try:
             for i, make_loader in enumerate(self.make_loaders.values()):
-                for (inputs, labels), _ in zip(make_loader(), range(self.steps), strict=False):
-                    loss = self.eval_loss(inputs, labels)
-                    if loss is not None:
-                        totals[i] += loss.float()
+                loader = make_loader()
+                try:
+                    for inputs, labels in self._batches(loader):
+                        counts[i] += 1
+                        loss = self.eval_loss(inputs, labels)
+                        if loss is not None:
+                            totals[i] += loss.float()
+                finally:
+                    loader.close()
         finally:
             for part, mode in zip(self.parts, modes, strict=True):
                 part.train(mode)
-        totals = totals / self.steps
+        totals = totals / counts  # every set holds a batch: `first_batch_fits` checked it for steps = -1
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.loss_group)
         if self.pp_group is not None:  # only the last stage's ranks hold a loss; the others add 0
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.pp_group)
         means = (totals / dist.get_world_size(self.loss_group)).tolist()
         return dict(zip(self.make_loaders, means, strict=True))
+
+    def _batches(self, loader: PackedLoader | TokenShardLoader | MixtureLoader) -> Iterator[Batch]:
+        """A pass's batches: the first `steps`, or (-1) each one that does not read past the data's end."""
+        if self.steps != -1:
+            yield from itertools.islice(loader, self.steps)
+            return
+        if isinstance(loader, MixtureLoader):
+            raise TypeError("a validation pass over all of the data reads one source in order, not a mixture")
+        for batch in loader:
+            if loader.wrapped():
+                return
+            yield batch
 
     def metrics(self) -> dict[str, object]:
         """A validation pass as log values: `validation/loss`; with several sets also `validation/<name>/loss`

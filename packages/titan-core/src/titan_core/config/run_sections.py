@@ -3,7 +3,14 @@ switches, validation, downstream evals and torchft fault tolerance. `JobConfig` 
 
 from typing import Literal
 
-from titan_core.config.section import NonNegativeInt, PositiveFloat, PositiveInt, Section, UnitFraction
+from titan_core.config.section import (
+    MinusOneOrPositive,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    UnitFraction,
+)
 
 
 class Metrics(Section):
@@ -98,8 +105,8 @@ class Validation(Section):
     """Several held-out sets, each logged as validation/<name>/loss (their mean as validation/loss); [] = dataset."""
     freq: PositiveInt = 50
     """Validate every this many steps."""
-    steps: PositiveInt = 10
-    """Batches per validation."""
+    steps: MinusOneOrPositive = 10
+    """Batches per validation; -1 = all of the data, one pass to its end (the last partial batch left out)."""
     local_batch_size: PositiveInt | None = None
     """Sequences per validation batch on each rank; unset = training.local_batch_size."""
     seq_len: PositiveInt | None = None

@@ -15,6 +15,8 @@ from pydantic import Field, field_validator
 from titan_core.config.run_sections import Comm, Debug, Eval, FaultTolerance, Metrics, Profiling, Validation
 from titan_core.config.section import (
     Degree,
+    MinusOneOrNonNegative,
+    MinusOneOrPositive,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -22,18 +24,6 @@ from titan_core.config.section import (
     Section,
     UnitFraction,
 )
-
-
-def _require_minus_one_or_at_least(value: int, low: int) -> int:
-    """Let a field hold -1 (meaning "derive it") or any int >= `low`.
-
-    Args:
-        value: the field's value.
-        low: the smallest value allowed besides -1.
-    """
-    if value != -1 and value < low:
-        raise ValueError(f"{value!r} must be -1 or >= {low}")
-    return value
 
 
 class Job(Section):
@@ -192,7 +182,7 @@ class Training(Section):
     """Picks the shuffle's permutations (saved with the data position: a resume must use the same)."""
     local_batch_size: PositiveInt = 8
     """Sequences per micro-batch on each data-parallel rank."""
-    global_batch_size: int = -1
+    global_batch_size: MinusOneOrPositive = -1
     """Sequences per step, all ranks; -1 = local_batch_size x DP degree; a multiple of that accumulates gradients."""
     batch_size_rampup_start: PositiveInt | None = None
     """Global batch at step 1, growing linearly to global_batch_size over batch_size_rampup_steps; unset = no ramp."""
@@ -235,11 +225,6 @@ class Training(Section):
     prefetch_batches: NonNegativeInt = 2
     """Batches of pre-tokenized data read ahead in a background thread; 0 = read in the training step."""
 
-    @field_validator("global_batch_size")
-    @classmethod
-    def _check_global_batch_size(cls, value: int) -> int:
-        return _require_minus_one_or_at_least(value, 1)
-
     @field_validator("dataset_mix", mode="before")
     @classmethod
     def _check_dataset_mix(cls, value: object) -> object:
@@ -251,7 +236,7 @@ class Parallelism(Section):
 
     data_parallel_replicate_degree: Degree = 1
     """Replicas in HSDP (or DDP); 1 = plain FSDP."""
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: MinusOneOrPositive = -1
     """FSDP shards; -1 = the rest of the world after the other degrees."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered params after forward: 'default' = yes, except under pipeline parallel or on one shard rank."""
@@ -292,11 +277,6 @@ class Parallelism(Section):
     expert_tensor_parallel_degree: int = -1
     """MoE under TP and EP: -1 or the TP degree = TP splits each expert; 1 = the TP ranks join expert parallel."""
 
-    @field_validator("data_parallel_shard_degree")
-    @classmethod
-    def _check_shard_degree(cls, value: int) -> int:
-        return _require_minus_one_or_at_least(value, 1)
-
 
 class Checkpoint(Section):
     """Distributed checkpointing (DCP) and Hugging Face import/export."""
@@ -321,7 +301,7 @@ class Checkpoint(Section):
     """Save only the model weights (no optimizer, no data state) at the last step."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights in a model-only last save."""
-    load_step: int = -1
+    load_step: MinusOneOrNonNegative = -1
     """Step to resume from; -1 = the latest one found."""
     exclude_from_loading: list[str] = []
     """State keys not to load on resume, e.g. ["optimizer", "lr_scheduler", "dataloader"]."""
@@ -335,11 +315,6 @@ class Checkpoint(Section):
     """Write the last (model-only) save as Hugging Face safetensors."""
     create_seed_checkpoint: bool = False
     """Only initialise the model on one process, save it as step 0 and exit."""
-
-    @field_validator("load_step")
-    @classmethod
-    def _check_load_step(cls, value: int) -> int:
-        return _require_minus_one_or_at_least(value, 0)
 
 
 class ActivationCheckpoint(Section):

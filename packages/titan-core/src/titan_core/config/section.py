@@ -2,7 +2,17 @@
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _minus_one_or_at_least(low: int) -> AfterValidator:
+    def check(value: int) -> int:
+        if value != -1 and value < low:
+            raise ValueError(f"{value!r} must be -1 or >= {low}")
+        return value
+
+    return AfterValidator(check)
+
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -10,6 +20,10 @@ Degree = Annotated[int, Field(ge=1)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 UnitFraction = Annotated[float, Field(ge=0, le=1)]
+MinusOneOrPositive = Annotated[int, _minus_one_or_at_least(1)]
+"""-1 (derive it, or all of it: the field's docstring says which) or any int >= 1."""
+MinusOneOrNonNegative = Annotated[int, _minus_one_or_at_least(0)]
+"""-1 (the field's docstring says what it means) or any int >= 0."""
 
 
 class Section(BaseModel):

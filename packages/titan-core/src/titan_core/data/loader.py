@@ -161,6 +161,11 @@ class PackedLoader:
         document[-1] = self.tokenizer.eos_id
         return document
 
+    def wrapped(self) -> bool:
+        """Whether the batches returned so far read past the data's end, into its next epoch (every rank reads the
+        whole stream, so every rank answers alike)."""
+        return self.epoch > 0
+
     def close(self) -> None:
         """Nothing to release: this loader reads in the training step, with no thread."""
 

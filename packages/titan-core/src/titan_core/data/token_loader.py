@@ -228,6 +228,11 @@ class TokenShardLoader:
             self._stop_prefetcher()  # runs `stop` once, and not again at collection
         self._prefetcher = self._stop_prefetcher = None
 
+    def wrapped(self) -> bool:
+        """Whether the batches returned so far read past the data's end, into its next epoch (the position is
+        global, so every rank answers alike)."""
+        return self.samples_consumed * (self.seq_len + 1) > self.stream.total
+
     def metrics(self) -> dict[str, float]:
         """The epoch of the next sample, as `data/epoch` (for the metrics of a log step)."""
         return {"data/epoch": self.samples_consumed * (self.seq_len + 1) // self.stream.total}
