@@ -125,6 +125,20 @@ def test_the_example_reads_its_whole_set():
     assert batches == 5  # as the example's comment says
 
 
+@pytest.mark.parametrize("section, key", [("validation", "validation.dataset_path"),
+                                          ("training", "training.dataset_path")])  # fmt: skip
+def test_an_empty_file_is_named_by_its_sections_key(tmp_path, section, key):
+    from titan_core.data import build_tokenizer
+    from titan_core.data.build import loader_factory
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    make = loader_factory("stdlib", str(empty), "text", build_tokenizer(None), seq_len=SEQ, local_batch_size=2,
+                          section=section)  # fmt: skip
+    with pytest.raises(ConfigError, match=f"has no documents; check {key}$"):
+        next(make())
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_steps_is_minus_one_or_positive(value):
     with pytest.raises(ConfigError, match="validation.steps"):

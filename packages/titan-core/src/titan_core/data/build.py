@@ -127,4 +127,4 @@ def loader_factory(
     source = build_source(
         dataset, dataset_path, text_field, split=split, section=section, dataset_key=dataset_key, field_key=field_key
     )
-    return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world)
+    return functools.partial(PackedLoader, source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world, key=key)

@@ -47,6 +47,7 @@ class PackedLoader:
         local_batch_size: samples per batch on this rank (B).
         dp_rank: this rank's index among the data-parallel ranks.
         dp_world: how many data-parallel ranks share the stream (W).
+        key: the config key that names the data, for the message when it holds no documents.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class PackedLoader:
         local_batch_size: int,
         dp_rank: int = 0,
         dp_world: int = 1,
+        key: str = "training.dataset / training.dataset_path",
     ):
         if seq_len < 1:
             raise ConfigError(f"training.seq_len must be >= 1, got {seq_len}")
@@ -72,6 +74,7 @@ class PackedLoader:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_world = dp_world
+        self.key = key
         # Position of the next unconsumed token: token `doc_offset` of the
         # wrapped document `doc_index` of epoch `epoch`.
         self.epoch = 0
@@ -138,9 +141,7 @@ class PackedLoader:
         text = next(self._documents, None)
         if text is None:
             if self.doc_index == 0:
-                raise ConfigError(
-                    f"the dataset {self.source!r} has no documents; check training.dataset / training.dataset_path"
-                )
+                raise ConfigError(f"the dataset {self.source!r} has no documents; check {self.key}")
             if self.doc_offset:
                 raise ConfigError(
                     f"loader state points into document {self.doc_index}, past the dataset's end; "

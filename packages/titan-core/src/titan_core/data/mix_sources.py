@@ -59,7 +59,9 @@ class MixSource:
         if self.stream is None:
             return self
         stream = self.stream
-        return MixSource(self.name, self.key, stream=PackedLoader(stream.source, stream.tokenizer, stream.seq_len, 1))
+        return MixSource(
+            self.name, self.key, stream=PackedLoader(stream.source, stream.tokenizer, stream.seq_len, 1, key=self.key)
+        )
 
     def epoch(self, samples: int) -> int:
         """The epoch the source reads in after `samples` of its samples.
@@ -116,7 +118,7 @@ def open_source(
         return MixSource(name, key, windows=TokenWindows(manifest, seq_len, shuffle_key, key))
     field_key = key.removesuffix(".path") + ".text_field"  # the entry's own text_field wins
     documents = build_source(path, None, text_field, dataset_key=key, field_key=field_key)
-    return MixSource(name, key, stream=PackedLoader(documents, tokenizer, seq_len, 1, 0, 1))
+    return MixSource(name, key, stream=PackedLoader(documents, tokenizer, seq_len, 1, 0, 1, key=key))
 
 
 def open_sources(
