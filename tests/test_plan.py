@@ -372,6 +372,27 @@ def test_impossible_request_is_one_line_naming_the_flag(args, names, tmp_path):
     assert not out.exists()
 
 
+def test_without_a_global_batch_the_plan_takes_the_configs_own_on_those_gpus():
+    """llama3_70b leaves training.global_batch_size = -1 with local batch 8 and TP 8: on 64 GPUs it trains with
+    8 x 8 data-parallel ranks = 64 sequences, the batch the plan then ranks layouts at (and says why)."""
+    args = ("--config", "llama3_70b", "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "8192", "--top", "1",
+            "--compile.enable", "false")  # fmt: skip
+    result = _plan(*args, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["global_batch"] == 64
+    assert data["global_batch_from"].startswith("the config's local batch 8 x its data-parallel degree 8 on 64 GPUs")
+    given = json.loads(_plan(*args, "--json", "--global-batch-size", "64").stdout)
+    assert given["global_batch_from"] is None and given["layouts"] == data["layouts"]
+    [first] = [line for line in _plan(*args).stdout.splitlines() if " global batch " in line]
+    assert "global batch 64 = 524,288 tokens per step (the config's local batch 8" in first, first
+    # degrees that do not fill the GPUs give no such batch: one line asking for the flag
+    result = _plan("--config", "llama3_70b", "--gpus", "4", "--gpus-per-node", "4", "--gpu-memory", "80GiB")
+    assert result.exit_code == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("titan: error: --global-batch-size is needed") and "tp 8" in line and "--gpus 4" in line
+
+
 def test_no_layout_fits_is_one_line_and_exit_1():
     result = _plan("--config", "llama3_405b", "--gpus", "8", "--gpu-memory", "80GiB", "--global-batch-size", "8")
     assert result.exit_code == 1, result.output

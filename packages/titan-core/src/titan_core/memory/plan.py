@@ -147,6 +147,8 @@ class Plan:
         rule_errors: messages of the rules that refused layouts, with how many each refused.
         host_needed: the least host memory per node that a CPU-offload layout within GPU memory needed beyond
             `host_memory` (by its lower bound or its estimate); None where none was refused for host memory.
+        global_batch_from: where the global batch came from when neither `--global-batch-size` nor the config gave
+            it (`config_global_batch`); None where one did.
     """
 
     request: PlanRequest
@@ -161,6 +163,7 @@ class Plan:
     counts: Counter = field(default_factory=Counter)
     rule_errors: Counter = field(default_factory=Counter)
     host_needed: int | None = None
+    global_batch_from: str | None = None
 
 
 def prepare_plan(request: PlanRequest) -> Plan:
@@ -187,8 +190,9 @@ def prepare_plan(request: PlanRequest) -> Plan:
     if r.global_batch is not None:
         tokens += ["--training.global_batch_size", str(r.global_batch)]
     base = load_config(r.config, tokens)
-    if base.training.global_batch_size == -1:
-        raise ConfigError("--global-batch-size is needed: the config leaves training.global_batch_size = -1")
+    batch_from = None
+    if base.training.global_batch_size == -1:  # the batch the config trains with on these GPUs
+        base.training.global_batch_size, batch_from = config_global_batch(base, r.gpus)
     cluster = _cluster(r, base)
     if r.gpu_memory is None and not any(r.gpu.lower() == name.lower() for name in GPU_MEMORY_GIB):
         raise ConfigError(f"--gpu {r.gpu!r} has no memory size in the table; give --gpu-memory (e.g. 80GiB)")
@@ -196,7 +200,34 @@ def prepare_plan(request: PlanRequest) -> Plan:
     host_memory = _host_bytes(r.host_memory)
     if r.progress and base.compile.enable:
         r.progress("measuring the compiled block on fake tensors: what it keeps, and recomputes at each memory budget")
-    return Plan(r, base, cluster, workload(base), usable_bytes(device_memory), device_memory, host_memory)
+    plan = Plan(r, base, cluster, workload(base), usable_bytes(device_memory), device_memory, host_memory)
+    plan.global_batch_from = batch_from
+    return plan
+
+
+def config_global_batch(cfg: JobConfig, gpus: int) -> tuple[int, str]:
+    """The global batch of a config that leaves `training.global_batch_size = -1`, as it trains on `gpus` GPUs: its
+    local batch x its data-parallel degree there; and where that figure comes from, for the plan's first line.
+
+    Raises:
+        ConfigError: the config's degrees give no data-parallel degree on `gpus` GPUs.
+    """
+    p, local = cfg.parallelism, cfg.training.local_batch_size
+    others = p.tensor_parallel_degree * p.context_parallel_degree * p.pipeline_parallel_degree
+    replicas, shards = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    fixed = others * replicas * (shards if shards != -1 else 1)
+    if gpus % fixed or (shards != -1 and fixed != gpus):
+        raise ConfigError(
+            f"--global-batch-size is needed: the config leaves training.global_batch_size = -1 (local batch x the "
+            f"data-parallel degree), and its degrees (tp {p.tensor_parallel_degree} x cp {p.context_parallel_degree} "
+            f"x pp {p.pipeline_parallel_degree} x dp_replicate {replicas} x dp_shard {shards}) do not fill --gpus "
+            f"{gpus}"
+        )
+    dp = replicas * (shards if shards != -1 else gpus // fixed)
+    return local * dp, (
+        f"the config's local batch {local} x its data-parallel degree {dp} on {gpus} GPUs; --global-batch-size sets "
+        "another"
+    )
 
 
 def _host_bytes(value: str | None) -> int:

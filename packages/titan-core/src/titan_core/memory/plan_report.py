@@ -85,6 +85,7 @@ def describe_request(plan: Plan) -> str:
         f"{cfg.model.name} {cfg.model.flavor} on {c.gpus} x {plan.request.gpu} ({nodes}), "
         f"{format_bytes(plan.device_memory)} per GPU ({format_bytes(plan.usable)} usable); "
         f"seq {w.seq_len}, global batch {w.global_batch} = {w.seq_len * w.global_batch:,} tokens per step"
+        + (f" ({plan.global_batch_from})" if plan.global_batch_from else "")
     )
 
 
@@ -162,6 +163,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "usable": plan.usable,
         "seq_len": w.seq_len,
         "global_batch": w.global_batch,
+        "global_batch_from": plan.global_batch_from,  # None: --global-batch-size or the config's
         "cost_model": {
             "peak_flops": c.peak_flops,
             "mfu": c.mfu,
