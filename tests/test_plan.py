@@ -373,19 +373,19 @@ def test_impossible_request_is_one_line_naming_the_flag(args, names, tmp_path):
 
 
 def test_without_a_global_batch_the_plan_takes_the_configs_own_on_those_gpus():
-    """llama3_70b leaves training.global_batch_size = -1 with local batch 8 and TP 8: on 64 GPUs it trains with
-    8 x 8 data-parallel ranks = 64 sequences, the batch the plan then ranks layouts at (and says why)."""
-    args = ("--config", "llama3_70b", "--gpus", "64", "--gpu-memory", "80GiB", "--seq-len", "8192", "--top", "1",
+    """llama3_70b leaves training.global_batch_size = -1 with local batch 8 and TP 8: on 16 GPUs it trains with
+    8 x 2 data-parallel ranks = 16 sequences, the batch the plan then ranks layouts at (and says why)."""
+    args = ("--config", "llama3_70b", "--gpus", "16", "--gpu-memory", "80GiB", "--seq-len", "8192", "--top", "1",
             "--compile.enable", "false")  # fmt: skip
     result = _plan(*args, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["global_batch"] == 64
-    assert data["global_batch_from"].startswith("the config's local batch 8 x its data-parallel degree 8 on 64 GPUs")
-    given = json.loads(_plan(*args, "--json", "--global-batch-size", "64").stdout)
+    assert data["global_batch"] == 16
+    assert data["global_batch_from"].startswith("the config's local batch 8 x its data-parallel degree 2 on 16 GPUs")
+    given = json.loads(_plan(*args, "--json", "--global-batch-size", "16").stdout)
     assert given["global_batch_from"] is None and given["layouts"] == data["layouts"]
     [first] = [line for line in _plan(*args).stdout.splitlines() if " global batch " in line]
-    assert "global batch 64 = 524,288 tokens per step (the config's local batch 8" in first, first
+    assert "global batch 16 = 131,072 tokens per step (the config's local batch 8" in first, first
     # degrees that do not fill the GPUs give no such batch: one line asking for the flag
     result = _plan("--config", "llama3_70b", "--gpus", "4", "--gpus-per-node", "4", "--gpu-memory", "80GiB")
     assert result.exit_code == 2 and result.stdout == ""

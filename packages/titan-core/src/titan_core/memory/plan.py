@@ -200,9 +200,8 @@ def prepare_plan(request: PlanRequest) -> Plan:
     host_memory = _host_bytes(r.host_memory)
     if r.progress and base.compile.enable:
         r.progress("measuring the compiled block on fake tensors: what it keeps, and recomputes at each memory budget")
-    plan = Plan(r, base, cluster, workload(base), usable_bytes(device_memory), device_memory, host_memory)
-    plan.global_batch_from = batch_from
-    return plan
+    usable = usable_bytes(device_memory)
+    return Plan(r, base, cluster, workload(base), usable, device_memory, host_memory, global_batch_from=batch_from)
 
 
 def config_global_batch(cfg: JobConfig, gpus: int) -> tuple[int, str]:
