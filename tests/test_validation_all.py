@@ -95,14 +95,14 @@ def test_data_that_fills_no_batch_is_one_line_naming_its_key(tmp_path):
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": "too short"}) + "\n")
     make = loader_factory(str(small), None, "text", build_tokenizer(None), seq_len=SEQ, local_batch_size=2,
-                          dp_rank=1, dp_world=2, section="validation")  # fmt: skip
+                          dp_rank=1, dp_world=2, section="validation", dataset_key="validation.sets[1].path")
     with pytest.raises(ConfigError) as caught:
-        first_batch_fits(make, "validation.sets[1].path")
+        first_batch_fits(make)
     message = str(caught.value)
     expected = "validation.sets[1].path: the data holds fewer tokens than one validation batch (132 over all ranks)"
     assert "\n" not in message and message.startswith(expected), message
     first_batch_fits(loader_factory("stdlib", None, "text", build_tokenizer(None), seq_len=SEQ, local_batch_size=2,
-                                    section="validation"), "validation.dataset")  # the held-out corpus fills one
+                                    section="validation"))  # the held-out corpus fills one
 
 
 def test_the_example_reads_its_whole_set():
@@ -114,15 +114,19 @@ def test_the_example_reads_its_whole_set():
     cfg = load_config(str(REPO / "examples" / "validation_all.toml"))
     v = cfg.validation
     assert v.enable and v.steps == -1 and resolve(cfg, 1).model_args.max_seq_len >= v.seq_len
-    make = loader_factory(v.dataset, str(REPO / v.dataset_path), "text", build_tokenizer(None), seq_len=v.seq_len,
+    tokenizer = build_tokenizer(None)
+    make = loader_factory(v.dataset, str(REPO / v.dataset_path), "text", tokenizer, seq_len=v.seq_len,
                           local_batch_size=v.local_batch_size, section="validation")  # fmt: skip
-    first_batch_fits(make, "validation.dataset_path")
+    first_batch_fits(make)
     loader, batches = make(), 0
     for _ in loader:
         if loader.wrapped():
             break
         batches += 1
-    assert batches == 5  # as the example's comment says
+    # worked out from the file: each document is [bos] + its tokens + [eos], cut into batches of whole samples
+    lines = (REPO / v.dataset_path).read_text().splitlines()
+    tokens = sum(len(tokenizer.encode(json.loads(line)["text"])) + 2 for line in lines)
+    assert batches == tokens // (v.local_batch_size * (v.seq_len + 1)) == 5  # 5: as the example's comment says
 
 
 @pytest.mark.parametrize("section, key", [("validation", "validation.dataset_path"),

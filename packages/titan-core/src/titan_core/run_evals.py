@@ -72,11 +72,8 @@ def build_validator(
     else:
         loaders = {"": make(v.dataset, v.dataset_path, t.dataset_text_field)}
     if v.steps == -1:  # all of the data: each set must fill one batch
-        keys = [f"validation.sets[{i}].path" for i in range(len(v.sets))] or [
-            "validation.dataset_path" if v.dataset_path else "validation.dataset"
-        ]
-        for key, make_loader in zip(keys, loaders.values(), strict=True):
-            first_batch_fits(make_loader, key)
+        for make_loader in loaders.values():
+            first_batch_fits(make_loader)
     return Validator(
         loaders,
         steps=v.steps,

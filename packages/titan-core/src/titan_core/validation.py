@@ -66,20 +66,19 @@ def training_overlap(cfg: JobConfig) -> str | None:
     return None
 
 
-def first_batch_fits(make_loader: Callable[[], PackedLoader | TokenShardLoader | MixtureLoader], key: str) -> None:
+def first_batch_fits(make_loader: Callable[[], PackedLoader | TokenShardLoader | MixtureLoader]) -> None:
     """For `validation.steps = -1`: refuse, at start, data that does not fill one global validation batch (a pass
-    over all of it would hold no batch).
+    over all of it would hold no batch), naming the config key the loader reads (its `key`).
 
     Args:
         make_loader: gives a fresh loader over the set, at its start.
-        key: the config key that names the set, for the message.
     """
     loader = make_loader()
     try:
         next(loader)
         if isinstance(loader, MixtureLoader) or not loader.wrapped():
             return
-        tokens = loader.dp_world * loader.local_batch_size * (loader.seq_len + 1)
+        tokens, key = loader.dp_world * loader.local_batch_size * (loader.seq_len + 1), loader.key
     finally:
         loader.close()
     raise ConfigError(
@@ -125,7 +124,7 @@ class Validator:
         for part in self.parts:
             part.eval()
         totals = torch.zeros(len(self.make_loaders), device=self.device)
-        counts = torch.zeros(len(self.make_loaders), device=self.device)
+        counts = [0] * len(self.make_loaders)
         try:
             for i, make_loader in enumerate(self.make_loaders.values()):
                 loader = make_loader()
@@ -140,7 +139,8 @@ class Validator:
         finally:
             for part, mode in zip(self.parts, modes, strict=True):
                 part.train(mode)
-        totals = totals / counts  # every set holds a batch: `first_batch_fits` checked it for steps = -1
+        # every set holds a batch (`first_batch_fits` checked it for steps = -1)
+        totals = totals / torch.tensor(counts, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.loss_group)
         if self.pp_group is not None:  # only the last stage's ranks hold a loss; the others add 0
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.pp_group)
