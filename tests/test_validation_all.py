@@ -90,25 +90,26 @@ def test_two_fsdp_ranks_read_the_same_batches_as_one_process(runs):
 def test_data_that_fills_no_batch_is_one_line_naming_its_key(tmp_path):
     from titan_core.data import build_tokenizer
     from titan_core.data.build import loader_factory
-    from titan_core.validation import first_batch_fits
+    from titan_core.validation import check_first_batch
 
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": "too short"}) + "\n")
     make = loader_factory(str(small), None, "text", build_tokenizer(None), seq_len=SEQ, local_batch_size=2,
                           dp_rank=1, dp_world=2, section="validation", dataset_key="validation.sets[1].path")
     with pytest.raises(ConfigError) as caught:
-        first_batch_fits(make)
+        check_first_batch(make, whole_pass=True)
     message = str(caught.value)
     expected = "validation.sets[1].path: the data holds fewer tokens than one validation batch (132 over all ranks)"
     assert "\n" not in message and message.startswith(expected), message
-    first_batch_fits(loader_factory("stdlib", None, "text", build_tokenizer(None), seq_len=SEQ, local_batch_size=2,
-                                    section="validation"))  # the held-out corpus fills one
+    check_first_batch(make, whole_pass=False)  # a fixed number of batches repeats what there is
+    check_first_batch(loader_factory("stdlib", None, "text", build_tokenizer(None), seq_len=SEQ, local_batch_size=2,
+                                     section="validation"), whole_pass=True)  # the held-out corpus fills one
 
 
 def test_the_example_reads_its_whole_set():
     from titan_core.data import build_tokenizer
     from titan_core.data.build import loader_factory
-    from titan_core.validation import first_batch_fits
+    from titan_core.validation import check_first_batch
     from titan_run import REPO
 
     cfg = load_config(str(REPO / "examples" / "validation_all.toml"))
@@ -117,7 +118,7 @@ def test_the_example_reads_its_whole_set():
     tokenizer = build_tokenizer(None)
     make = loader_factory(v.dataset, str(REPO / v.dataset_path), "text", tokenizer, seq_len=v.seq_len,
                           local_batch_size=v.local_batch_size, section="validation")  # fmt: skip
-    first_batch_fits(make)
+    check_first_batch(make, whole_pass=True)
     loader, batches = make(), 0
     for _ in loader:
         if loader.wrapped():
@@ -141,6 +142,18 @@ def test_an_empty_file_is_named_by_its_sections_key(tmp_path, section, key):
                           section=section)  # fmt: skip
     with pytest.raises(ConfigError, match=f"has no documents; check {key}$"):
         next(make())
+
+
+def test_an_empty_validation_file_stops_the_run_before_its_first_step(tmp_path):
+    """With a fixed number of validation batches (they repeat what there is), an empty file is still refused when
+    the run starts, not at the first validation after `validation.freq` steps of training."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = run_titan(tmp_path / "run", *TINY, "--validation.enable", "--validation.freq", "5",
+                     "--validation.steps", "2", "--validation.dataset_path", str(empty), check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"the dataset {str(empty)!r} has no documents; check validation.dataset_path" in proc.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == "" and "step  1/" not in proc.stdout  # no step ran
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])

@@ -16,7 +16,7 @@ from titan_core.data import loader_factory
 from titan_core.downstream_eval import DownstreamEvaluator, MultipleChoiceTask
 from titan_core.ema import WeightEMA
 from titan_core.job.run_rules import validation_set_names
-from titan_core.validation import Validator, first_batch_fits
+from titan_core.validation import Validator, check_first_batch
 from titan_parallel.mesh import ParallelMesh
 
 __all__ = ["build_downstream_eval", "build_validator", "ema_validation"]
@@ -71,9 +71,8 @@ def build_validator(
         }
     else:
         loaders = {"": make(v.dataset, v.dataset_path, t.dataset_text_field)}
-    if v.steps == -1:  # all of the data: each set must fill one batch
-        for make_loader in loaders.values():
-            first_batch_fits(make_loader)
+    for make_loader in loaders.values():  # each set has documents (and, for steps = -1, fills one batch)
+        check_first_batch(make_loader, whole_pass=v.steps == -1)
     return Validator(
         loaders,
         steps=v.steps,

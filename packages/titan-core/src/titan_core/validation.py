@@ -66,17 +66,22 @@ def training_overlap(cfg: JobConfig) -> str | None:
     return None
 
 
-def first_batch_fits(make_loader: Callable[[], PackedLoader | TokenShardLoader | MixtureLoader]) -> None:
-    """For `validation.steps = -1`: refuse, at start, data that does not fill one global validation batch (a pass
-    over all of it would hold no batch), naming the config key the loader reads (its `key`).
+def check_first_batch(
+    make_loader: Callable[[], PackedLoader | TokenShardLoader | MixtureLoader], *, whole_pass: bool
+) -> None:
+    """Read a set's first batch when the run starts, so data with no documents is refused before training, not
+    at the first validation; with `whole_pass` (`validation.steps = -1`), also refuse data that does not fill one
+    global validation batch (a pass over all of it would hold no batch). Each refusal names the config key the
+    loader reads (its `key`).
 
     Args:
         make_loader: gives a fresh loader over the set, at its start.
+        whole_pass: each pass reads all of the set's data, to its end.
     """
     loader = make_loader()
     try:
         next(loader)
-        if isinstance(loader, MixtureLoader) or not loader.wrapped():
+        if not whole_pass or isinstance(loader, MixtureLoader) or not loader.wrapped():
             return
         tokens, key = loader.dp_world * loader.local_batch_size * (loader.seq_len + 1), loader.key
     finally:
@@ -139,7 +144,7 @@ class Validator:
         finally:
             for part, mode in zip(self.parts, modes, strict=True):
                 part.train(mode)
-        # every set holds a batch (`first_batch_fits` checked it for steps = -1)
+        # every set holds a batch (`check_first_batch` checked it for steps = -1)
         totals = totals / torch.tensor(counts, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.loss_group)
         if self.pp_group is not None:  # only the last stage's ranks hold a loss; the others add 0

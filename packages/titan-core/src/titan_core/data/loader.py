@@ -141,7 +141,7 @@ class PackedLoader:
         text = next(self._documents, None)
         if text is None:
             if self.doc_index == 0:
-                raise ConfigError(f"the dataset {self.source!r} has no documents; check {self.key}")
+                raise ConfigError(f"the dataset {self.source} has no documents; check {self.key}")
             if self.doc_offset:
                 raise ConfigError(
                     f"loader state points into document {self.doc_index}, past the dataset's end; "

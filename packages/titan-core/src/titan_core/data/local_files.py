@@ -207,3 +207,8 @@ class LocalFileSource:
 
     def __repr__(self) -> str:
         return f"LocalFileSource({len(self.files)} files, text_field={self.text_field!r})"
+
+    def __str__(self) -> str:  # what a message names: the file, or the first and last of several
+        if len(self.files) == 1:
+            return repr(str(self.files[0]))
+        return f"{len(self.files)} files {str(self.files[0])!r} ... {str(self.files[-1])!r}"
