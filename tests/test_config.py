@@ -201,6 +201,7 @@ SPEC_DEFAULTS = {
     "debug.seed": 0,
     "debug.deterministic": False,
     "debug.deterministic_warn_only": False,
+    "debug.moe_force_load_balance": False,
     "debug.inject_loss_spike_step": None,
     "validation.enable": False,
     "validation.dataset": "stdlib",

@@ -71,6 +71,31 @@ def test_expert_bias_selects_but_does_not_weigh():
     torch.testing.assert_close(weights, scores.gather(1, chosen))  # ...but weighs by its unbiased score
 
 
+def test_forced_balance_routes_round_robin_in_training_only():
+    """`force_load_balance`: slot k of token i goes to expert (2i + k) % 6 whatever the scores and the bias, weighted
+    by the router's (renormalised, scaled) scores of those experts; every expert gets 36 / 6 slots; the router still
+    gets a gradient through the weights; in eval mode the router routes."""
+    moe = _built(dataclasses.replace(ARGS, force_load_balance=True))
+    x = torch.randn(2, 9, 16)
+    out = moe(x)
+    assert moe.tokens_per_expert.tolist() == [6.0] * 6
+    tokens, ref = x.view(-1, 16), torch.zeros(18, 16)
+    for t in range(18):
+        chosen = [(2 * t) % 6, (2 * t + 1) % 6]
+        scores = (tokens[t] @ moe.router.gate.weight.T).sigmoid()[chosen]
+        for w, e in zip(scores / scores.sum() * 2.5, chosen):
+            ex = moe.experts
+            out_e = (F.silu(tokens[t] @ ex.w1[e].T) * (tokens[t] @ ex.w3[e].T)) @ ex.w2[e].T
+            ref[t] += w * out_e
+        ref[t] += moe.shared_experts(tokens[t])
+    torch.testing.assert_close(out, ref.view(2, 9, 16), atol=1e-6, rtol=1e-5)
+    out.square().sum().backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+    moe.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), _reference(moe, tokens).view(2, 9, 16), atol=1e-6, rtol=1e-5)
+
+
 def test_group_limited_routing_by_hand():
     """Groups {0,1}, {2,3}, {4,5}; group score = sum of its 2 best. Scores 0.9 0.1 | 0.6 0.55 | 0.8 0.0:
     group sums 1.0, 1.15, 0.8 -> groups 1 and 0 are kept; the top 2 of {0.9, 0.1, 0.6, 0.55} are experts

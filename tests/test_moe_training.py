@@ -115,3 +115,20 @@ def test_trained_moe_converts_to_hf_and_back_and_generates(runs, tmp_path):
     from_run = titan("generate", str(resharded), *greedy).stdout
     from_hf = titan("generate", str(hf), *greedy, "--model-name", "deepseek_v3").stdout
     assert from_run.strip() and from_run == from_hf
+
+
+def test_forced_balance_loads_every_expert_equally_under_expert_parallel(tmp_path):
+    """`debug.moe_force_load_balance` (torchtitan's key) on 2 ranks at EP 2: every step's slots are spread evenly
+    over the 8 experts of each of the 3 MoE blocks (`moe/max_load` 1.0), and the run says so at start."""
+    run = tmp_path / "forced"
+    args = [arg for arg in RUN if arg not in ("--checkpoint.enable",)]
+    proc = run_titan(run, *args, "--checkpoint.enable", "false", "--training.steps", "3",
+                     "--training.local_batch_size", str(GLOBAL_BATCH // 2), EP, "2",
+                     "--debug.moe_force_load_balance", nproc=2)  # fmt: skip
+    assert "debug.moe_force_load_balance: MoE tokens are routed round-robin" in proc.stdout + proc.stderr
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["moe/max_load"] == 1.0
+        counts = record["moe/tokens_per_expert"]
+        assert len(counts) == 3 and all(c == [GLOBAL_BATCH * 32 * 2 / 8] * 8 for c in counts.values()), counts

@@ -1,7 +1,7 @@
 """What `titan train` says once at start, beside the banner: the choices the job check made for the run (the
 compute dtype, a widened vocabulary, a shortened warmup), settings that do something other than the user may
-expect (a batch ramp as long as the run, validation on training's own files), and, after the checkpoint load,
-what the resume found. Each note is a `(logging level, line)`; rank 0 logs them (`log_notes`)."""
+expect (a batch ramp as long as the run, validation on training's own files, forced MoE balance), and, after the
+checkpoint load, what the resume found. Each note is a `(logging level, line)`; rank 0 logs them (`log_notes`)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def build_notes(job: Job, batch_ramp: BatchRamp) -> list[Note]:
             f"step, not training.global_batch_size={job.global_batch})"))  # fmt: skip
     if cfg.validation.enable and (overlap := training_overlap(cfg)):
         notes.append((logging.WARNING, overlap))
+    if cfg.debug.moe_force_load_balance:
+        notes.append((logging.WARNING, "debug.moe_force_load_balance: MoE tokens are routed round-robin in "
+                                       "training, every expert equally loaded; the router does not learn to route, "
+                                       "so the loss is not a real run's (for throughput measurements)"))  # fmt: skip
     return notes
 
 

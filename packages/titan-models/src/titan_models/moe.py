@@ -63,6 +63,11 @@ class MoEArgs:
     """Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3's); 0 = off."""
     router_z_loss_coeff: float = 0.0
     """Weight of the router z-loss (ST-MoE's, OLMoE's 1e-3): mean over tokens of logsumexp(router logits)^2; 0 = off."""
+    force_load_balance: bool = False
+    """In training, send slot k of the i-th token (in this rank's order) to expert `(i * top_k + k) % num_experts`,
+    whatever the router scores, weighted by the router's scores of those experts: every expert gets the same tokens
+    (throughput measurements free of an untrained router's imbalance). The model does not learn to route; eval
+    (validation, generation) routes by the router."""
 
     def __post_init__(self) -> None:
         for name in ("aux_loss_coeff", "router_z_loss_coeff"):
@@ -219,6 +224,8 @@ class TokenChoiceTopKRouter(nn.Module):
         logits = self.gate(x).float()  # (tokens, experts)
         z = logits.logsumexp(dim=-1).square().mean() if a.router_z_loss_coeff > 0 and self.training else None
         scores = logits.softmax(dim=-1) if a.score_func == "softmax" else logits.sigmoid()
+        if a.force_load_balance and self.training:
+            return *self._weights(scores, balanced_choice(x.shape[0], a.top_k, a.num_experts, x.device)), scores, z
         choice = scores + expert_bias if expert_bias is not None else scores
         if a.n_groups > 1:
             grouped = choice.view(x.shape[0], a.n_groups, -1)  # (tokens, groups, experts per group)
@@ -226,14 +233,35 @@ class TokenChoiceTopKRouter(nn.Module):
             kept = group_scores.topk(a.topk_groups, dim=-1).indices
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
             choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).flatten(1)
-        chosen = choice.topk(a.top_k, dim=-1).indices  # (tokens, top_k)
+        return *self._weights(scores, choice.topk(a.top_k, dim=-1).indices), scores, z  # chosen: (tokens, top_k)
+
+    def _weights(self, scores: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the routing weights of the `chosen` experts `(tokens, top_k)`: their scores, renormalised if
+        `route_norm`, times `route_scale`; `chosen`)."""
         weights = scores.gather(1, chosen)
-        if a.route_norm:
+        if self.args.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * a.route_scale, chosen, scores, z
+        return weights * self.args.route_scale, chosen
 
     def init_weights(self) -> None:
         init_trunc_normal_(self.gate.weight, 0.02)
+
+
+def balanced_choice(tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """Round-robin routing (`MoEArgs.force_load_balance`): slot k of token i goes to expert
+    `(i * top_k + k) % num_experts`, so every expert gets `tokens * top_k / num_experts` slots (to within one),
+    and a token's k experts differ while `top_k <= num_experts`.
+
+    Args:
+        tokens: tokens routed on this rank.
+        top_k: experts per token.
+        num_experts: routed experts.
+        device: where the indices live.
+
+    Returns:
+        `(tokens, top_k)` int64 expert indices.
+    """
+    return (torch.arange(tokens * top_k, device=device) % num_experts).view(tokens, top_k)
 
 
 def _recomputing() -> bool:

@@ -77,6 +77,8 @@ class Debug(Section):
     """Use deterministic algorithms (slower)."""
     deterministic_warn_only: bool = False
     """Under debug.deterministic, an op without a deterministic algorithm warns instead of failing."""
+    moe_force_load_balance: bool = False
+    """Route MoE tokens round-robin in training: every expert equally loaded, for throughput tests (docs/moe.md)."""
     inject_loss_spike_step: int | None = None
     """Multiply this step's loss on the last rank by 10, once: tries training.on_loss_spike; unset = never."""
 

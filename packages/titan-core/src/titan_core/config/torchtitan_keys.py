@@ -50,13 +50,12 @@ TORCHTITAN_ONLY: dict[str, str] = {
     f"groups); {REMOVE}",
     "comm.save_traces_folder": FLIGHT_RECORDER,
     "comm.save_traces_file_prefix": FLIGHT_RECORDER,
-    # [checkpoint], [fault_tolerance], [metrics], [debug], [memory_estimation]
+    # [checkpoint], [fault_tolerance], [metrics], [memory_estimation]
     "checkpoint.enable_ft_dataloader_checkpoints": f"Titan's checkpoints always hold the data position; {REMOVE}",
     "checkpoint.initial_load_in_hf_quantized": "Titan reads unquantized Hugging Face weights only; dequantize the "
     "checkpoint first",
     "fault_tolerance.process_group_timeout_ms": "set fault_tolerance.timeout_seconds (in seconds) instead",
     "metrics.save_for_all_ranks": f"Titan logs the global figures of all ranks once; {REMOVE}",
-    "debug.moe_force_load_balance": f"Titan routes tokens by the router alone; {REMOVE}",
     "memory_estimation": "`titan estimate-memory` (and the check before every run) estimate memory; remove the section",
 }
 """torchtitan key (or section) -> what to do in Titan, for the one-line error."""

@@ -81,18 +81,20 @@ def _same_weights(spec: Any, args: Any, changed: Any, shape: list[str]) -> Any:
 
 
 def moe(d: Draft) -> None:
-    """`[moe]`'s coefficients replace the flavor's (or the Hugging Face config's) in every MoE layer; a dense model
-    has none to replace."""
-    given = {key: value for key, value in d.cfg.moe.model_dump().items() if value is not None}
-    if not given:
+    """`[moe]`'s coefficients (and `debug.moe_force_load_balance`) replace the flavor's (or the Hugging Face
+    config's) in every MoE layer; a dense model has none to replace."""
+    keys = {f"moe.{key}": value for key, value in d.cfg.moe.model_dump().items() if value is not None}
+    if d.cfg.debug.moe_force_load_balance:
+        keys["debug.moe_force_load_balance"] = True
+    if not keys:
         return
     moe = getattr(d.model_args, "moe", None)
     if moe is None:
-        keys = ", ".join(f"moe.{key}" for key in given)
         raise ConfigError(
-            f"{keys}: model.name={d.cfg.model.name!r} flavor {d.cfg.model.flavor!r} has no Mixture-of-Experts "
-            "layers; remove the [moe] settings or choose an MoE flavor"
+            f"{', '.join(keys)}: model.name={d.cfg.model.name!r} flavor {d.cfg.model.flavor!r} has no "
+            f"Mixture-of-Experts layers; remove {'it' if len(keys) == 1 else 'them'} or choose an MoE flavor"
         )
+    given = {key.split(".")[1].removeprefix("moe_"): value for key, value in keys.items()}
     if given.get("load_balance_coeff") == 0:
         given["load_balance_coeff"] = None  # no expert bias
     d.model_args = dataclasses.replace(d.model_args, moe=dataclasses.replace(moe, **given))  # values checked by [moe]
