@@ -98,7 +98,7 @@ def test_config_round_trip_and_hf_names():
     # The softmax scale carries YaRN's mscale_all_dim squared, as transformers computes it.
     assert args.softmax_scale == pytest.approx(DeepseekV3ForCausalLM(hf).model.layers[0].self_attn.scaling, rel=1e-12)
     for bad, key in (({"rope_interleave": False}, "rope_interleave"), ({"attention_bias": True}, "attention_bias"),
-                     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config")):
+                     ({"quantization_config": {"quant_method": "gptq"}}, "quant_method 'gptq'")):
         with pytest.raises(ModelConfigError, match=key):
             args_from_hf_config({**config, **bad})
 

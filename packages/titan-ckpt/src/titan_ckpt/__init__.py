@@ -4,7 +4,7 @@
   (a manifest of sizes and CRC-32), optionally async saves of the model, optimizer, RNG
   and JSON states; resume into any layout (FSDP, TP, pipeline stages, another world size).
   Its settings are keywords, or one frozen `CheckpointOptions` (`options=`).
-- Hugging Face safetensors: read, write (sharded, with index and config.json), and
+- Hugging Face safetensors: read (block-FP8 weights dequantized), write (sharded, with index and config.json), and
   `convert_hf_to_dcp` for a model whose names you map.
 - Single-process DCP and torch files, format detection, `atomic_output` for
   all-or-nothing files, dtype names, Hub download (`resolve_hf_source`).

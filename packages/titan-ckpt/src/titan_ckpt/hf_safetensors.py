@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from titan_ckpt.dtypes import cast_floating, dtype_name, state_dict_dtype
 from titan_ckpt.errors import CheckpointError, CheckpointNotFoundError
+from titan_ckpt.hf_fp8 import dequantize_fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -151,14 +152,16 @@ def list_hf_shards(folder: str | Path) -> list[Path]:
 
 
 def read_hf_state_dict(folder: str | Path, progress: bool | None = None) -> dict[str, torch.Tensor]:
-    """Load every tensor of a safetensors checkpoint into CPU memory.
+    """Load every tensor of a safetensors checkpoint into CPU memory; the weights of a block-FP8 checkpoint
+    (DeepSeek-V3's, Qwen3-FP8's: `*_scale_inv` tensors) come dequantized to float32, without their scales
+    (`titan_ckpt.hf_fp8`).
 
     Args:
         folder: the checkpoint folder.
         progress: show a progress bar on stderr; None shows one for checkpoints over 1 GiB.
 
     Raises:
-        ValueError: a shard is truncated or corrupt (the message names it).
+        ValueError: a shard is truncated or corrupt (the message names it), or quantized other than by block FP8.
     """
     shards = list_hf_shards(folder)
     state_dict: dict[str, torch.Tensor] = {}
@@ -173,7 +176,8 @@ def read_hf_state_dict(folder: str | Path, progress: bool | None = None) -> dict
                     f"{shard} is truncated or corrupt ({err}); download or export this file again"
                 ) from None
             bar.update(shard.stat().st_size)
-    return state_dict
+    config = read_hf_config(folder) if (Path(folder) / CONFIG_FILE).is_file() else None
+    return dequantize_fp8(state_dict, config, str(folder))
 
 
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:

@@ -16,6 +16,7 @@ import torch
 from titan_ckpt.atomic import atomic_output
 from titan_ckpt.dcp_files import write_dcp_checkpoint
 from titan_ckpt.dtypes import cast_floating
+from titan_ckpt.hf_fp8 import dequantized_config
 from titan_ckpt.hf_hub import resolve_hf_source
 from titan_ckpt.hf_safetensors import read_hf_config, read_hf_state_dict
 
@@ -55,7 +56,7 @@ def convert_hf_to_dcp(
         ValueError: a damaged shard or config.json.
     """
     src = resolve_hf_source(source, revision)
-    config = read_hf_config(src)
+    config = dequantized_config(read_hf_config(src))  # the weights below are read dequantized
     state_dict = read_hf_state_dict(src, progress)
     if from_hf is not None:
         state_dict = from_hf(state_dict)

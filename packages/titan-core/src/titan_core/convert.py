@@ -54,7 +54,15 @@ from titan_models import HFAdapter, get_model_spec
 TORCH_FILE_NAME = "model.pt"
 """State-dict file written inside a torch-format output folder."""
 # config.json keys that describe the weights or the writer rather than the model; recomputed on write.
-_STALE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "transformers_version")
+_STALE_CONFIG_KEYS = (
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "quantization_config",  # block-FP8 weights are read dequantized (titan_ckpt.hf_fp8)
+)
 
 
 @dataclass(frozen=True)

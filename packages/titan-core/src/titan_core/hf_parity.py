@@ -7,6 +7,8 @@ A conversion that touches Hugging Face is only renamed into place once this chec
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,12 +101,20 @@ def check_hf_parity(
     tokens = torch.randint(0, args.vocab_size, (1, n_tokens), generator=generator).to(device)  # (1, seqlen)
 
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    kwargs: dict[str, Any] = {dtype_kwarg: torch.float32}
+    if (hf_folder / "config.json").is_file() and json.loads((hf_folder / "config.json").read_text()).get(
+        "quantization_config"
+    ):  # block FP8, as Titan reads it: transformers' own dequantization is the reference
+        if importlib.util.find_spec("accelerate") is None or not hasattr(transformers, "FineGrainedFP8Config"):
+            why = "transformers reads an FP8 checkpoint with accelerate (`pip install accelerate`) from version 4.50"
+            return ParityReport(None, None, 0, skipped=f"{why}; install both to check")
+        kwargs["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True)
     hf_class = getattr(transformers, hf_architecture)
     hf_logging = transformers.utils.logging
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per check is noise in `titan convert`'s output
     try:
-        hf_model = hf_class.from_pretrained(hf_folder, local_files_only=True, **{dtype_kwarg: torch.float32})
+        hf_model = hf_class.from_pretrained(hf_folder, local_files_only=True, **kwargs)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()

@@ -52,8 +52,8 @@ TORCHTITAN_ONLY: dict[str, str] = {
     "comm.save_traces_file_prefix": FLIGHT_RECORDER,
     # [checkpoint], [fault_tolerance], [metrics], [memory_estimation]
     "checkpoint.enable_ft_dataloader_checkpoints": f"Titan's checkpoints always hold the data position; {REMOVE}",
-    "checkpoint.initial_load_in_hf_quantized": "Titan reads unquantized Hugging Face weights only; dequantize the "
-    "checkpoint first",
+    "checkpoint.initial_load_in_hf_quantized": "Titan dequantizes block-FP8 Hugging Face checkpoints (DeepSeek-V3's) "
+    f"whenever it reads them; {REMOVE}",
     "fault_tolerance.process_group_timeout_ms": "set fault_tolerance.timeout_seconds (in seconds) instead",
     "metrics.save_for_all_ranks": f"Titan logs the global figures of all ranks once; {REMOVE}",
     "memory_estimation": "`titan estimate-memory` (and the check before every run) estimate memory; remove the section",

@@ -22,7 +22,8 @@ says `num_nextn_predict_layers: n_mtp_layers`; `args_from_hf_config` does not re
 transformers writes 1 into every DeepSeek-V3 config whether or not the weights hold the layer (it drops
 them on load): a training job asks for the depths with `mtp.layers`, `titan convert` counts the layers the
 weights hold.
-FP8 checkpoints (`*.weight_scale_inv`, `quantization_config`) are refused: dequantize to bf16 first.
+FP8 checkpoints (DeepSeek's own: `*.weight_scale_inv`, `quantization_config.quant_method = "fp8"`) are read
+dequantized by `titan_ckpt.read_hf_state_dict` (`titan_ckpt.hf_fp8`); `from_hf` itself takes unquantized weights.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
         Titan names, loadable into `Transformer(args)` with `strict=True`.
 
     Raises:
-        ModelConfigError: a name that is not a `DeepseekV3ForCausalLM` parameter, an FP8 checkpoint,
+        ModelConfigError: a name that is not a `DeepseekV3ForCausalLM` parameter, FP8 weights still quantized,
             a missing expert, or softmax expert scores in `args`.
     """
     _check_sigmoid(args)
@@ -159,7 +160,8 @@ def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) 
     for name, tensor in hf_state_dict.items():
         if name.endswith("weight_scale_inv"):
             raise ModelConfigError(
-                f"'{name}': FP8 checkpoints are not supported; dequantize to bf16 first (DeepSeek's fp8_cast_bf16.py)"
+                f"'{name}': FP8 weights with their scales; read the checkpoint with titan_ckpt.read_hf_state_dict, "
+                "which dequantizes them"
             )
         if name in _HF_TOP_NAMES:
             titan[_HF_TOP_NAMES[name]] = tensor
@@ -219,8 +221,11 @@ def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
             f"config.json model_type '{model_type}' is not 'deepseek_v3'; "
             "only DeepSeek-V3-architecture checkpoints convert"
         )
-    if config.get("quantization_config"):
-        raise ModelConfigError("config.json has quantization_config (an FP8 checkpoint); dequantize it to bf16 first")
+    method = (config.get("quantization_config") or {}).get("quant_method", "fp8")
+    if method != "fp8":  # block FP8 (DeepSeek's own checkpoints) is dequantized as it is read: titan_ckpt.hf_fp8
+        raise ModelConfigError(
+            f"config.json's quantization_config has quant_method {method!r}; use an unquantized or block-FP8 checkpoint"
+        )
     if config.get("attention_bias", False):
         raise ModelConfigError(
             "config.json attention_bias=true is not supported by Titan's DeepSeek-V3; use a checkpoint without biases"
