@@ -49,8 +49,12 @@ def test_train_from_hf_and_export_to_hf(tmp_path):
 
     exported = transformers.LlamaForCausalLM.from_pretrained(one / "checkpoint" / "step-1", local_files_only=True)
     two = tmp_path / "two-steps"
-    run_titan(two, *COMMON, "--training.steps", "2", "--checkpoint.initial_load_path", str(src))
-    # Step 2's loss uses the weights after step 1: exactly what was exported.
+    # On 2 FSDP ranks (the same global batch of 4): rank 0 alone reads the Hugging Face files and hands each tensor
+    # to rank 1 (titan_ckpt.model_state.set_full_model_state), so step 1 again starts from the HF weights ...
+    run_titan(two, *COMMON, "--training.steps", "2", "--checkpoint.initial_load_path", str(src),
+              "--training.local_batch_size", str(BATCH // 2), nproc=2)  # fmt: skip
+    assert abs(losses(two)[0] - hf_loss(hf, *first)) < 1e-5
+    # ... and step 2's loss uses the weights after step 1: exactly what the one-process run exported.
     assert abs(losses(two)[1] - hf_loss(exported.float().eval(), *second)) < 1e-5
     assert abs(losses(two)[1] - losses(two)[0]) > 1e-3  # the update did change the weights
 

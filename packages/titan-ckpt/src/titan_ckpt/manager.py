@@ -97,7 +97,8 @@ class CheckpointManager:
         initial_load_path: a checkpoint to start from when `folder` has none.
         initial_load_model_only: load only the model weights from `initial_load_path`.
         load_model_fn: reads `initial_load_path` (or an externally saved step) as full weights,
-            for formats other than DCP (e.g. Hugging Face safetensors).
+            for formats other than DCP (e.g. Hugging Face safetensors); called on rank 0 only, which hands each
+            tensor to the other ranks in turn (one copy of the weights in host memory, not one per rank).
         save_model_fn: writes the last model-only save in another format instead of DCP.
         checksums: record and check CRC-32 of every file (else sizes only).
 
@@ -459,8 +460,8 @@ class CheckpointManager:
     def _load_initial(self, path: Path) -> None:
         """Start from `initial_load_path`: another format through `load_model_fn`, or a DCP folder."""
         names = {"model"} if self.initial_load_model_only else set(self._all_states()) - self.exclude
-        if self.load_model_fn is not None:
-            ms.set_full_model_state(self.model_parts, dict(self.load_model_fn(path)), str(path))
+        if (read := self.load_model_fn) is not None:
+            ms.set_full_model_state(self.model_parts, lambda: read(path), str(path), self.pg)
             if self.rank == 0:
                 logger.info("checkpoint: initial model weights loaded from %s", path)
             return

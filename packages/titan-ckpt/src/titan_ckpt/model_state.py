@@ -13,10 +13,11 @@ returned apart, for a JSON file.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -236,24 +237,52 @@ def get_full_model_state(model_parts: Sequence[nn.Module], dtype: torch.dtype | 
     return out
 
 
-def set_full_model_state(model_parts: Sequence[nn.Module], full: dict[str, torch.Tensor], where: str) -> None:
+def set_full_model_state(
+    model_parts: Sequence[nn.Module],
+    read: Callable[[], Mapping[str, torch.Tensor]],
+    where: str,
+    pg: dist.ProcessGroup | None = None,
+) -> None:
     """Load full (unsharded) tensors into the parts, each rank keeping its shards.
+
+    With several processes, only rank 0 calls `read`: every other rank receives each tensor from it in turn (torch's
+    `broadcast_from_rank0`), holding one full tensor at a time, so a node holds one copy of the weights, not one
+    per rank, and the source is read once. Every rank must pass the same number of parts.
 
     Args:
         model_parts: the model parts.
-        full: at least every parameter of the parts, by name.
+        read: gives at least every parameter of every rank's parts, by name (on rank 0 only).
         where: the source, for messages.
+        pg: the group for the key check (a gloo group where the default one is NCCL); None: the default group.
 
     Raises:
-        CheckpointError: a parameter of the parts is missing from `full`.
+        CheckpointError: a parameter of some rank's parts is missing from what `read` gives (on every rank).
     """
-    for part in model_parts:
-        keys = list(get_model_state_dict(part))
-        missing = [k for k in keys if k not in full]
-        if missing:
-            raise CheckpointError(
-                f"{where} lacks '{missing[0]}' ({len(missing)} of {len(keys)} model tensors missing); "
-                "load weights of the model in model_parts",
-                arguments=("model_parts",),
-            )
-        set_model_state_dict(part, {k: full[k] for k in keys}, options=StateDictOptions(full_state_dict=True))
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if several else 0
+    full = dict(read()) if rank == 0 else {}
+    names = [sorted(full)]
+    if several:
+        dist.broadcast_object_list(names, src=0, group=pg)
+    available = set(names[0])
+    parts_keys = [list(get_model_state_dict(part)) for part in model_parts]
+    keys = [k for part_keys in parts_keys for k in part_keys]
+    missing = [k for k in keys if k not in available]
+    found = [(rank, missing[0], len(missing), len(keys))] if missing else []
+    if several:
+        everywhere: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everywhere, found, group=pg)
+        found = [f for ranks_found in everywhere for f in ranks_found]
+    if found:
+        which, first, count, total = found[0]
+        on = f" (rank {which}'s parts)" if several else ""
+        raise CheckpointError(
+            f"{where} lacks '{first}' ({count} of {total} model tensors missing{on}); "
+            "load weights of the model in model_parts",
+            arguments=("model_parts",),
+        )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=several, strict=not several)
+    for part, part_keys in zip(model_parts, parts_keys, strict=True):
+        # rank 0 hands every tensor over (each rank takes its parts' own); a single process, its parts' only
+        given: dict[str, Any] = dict(full) if several else {k: full[k] for k in part_keys}
+        set_model_state_dict(part, given, options=options)

@@ -60,7 +60,7 @@ def load_states(
                 "or pick a DCP checkpoint with load_step",
                 arguments=("load_model_fn", "load_step"),
             )
-        ms.set_full_model_state(model_parts, dict(load_model_fn(folder)), str(folder))
+        ms.set_full_model_state(model_parts, lambda: load_model_fn(folder), str(folder), pg)
     elif "model" in names:
         part_states = ms.get_part_states(model_parts)
         tensors.update({k: v for s in part_states for k, v in s.items()})
