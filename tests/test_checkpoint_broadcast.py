@@ -16,3 +16,7 @@ def test_only_rank_0_reads_and_every_rank_gets_its_shards(tmp_path):
     assert rank0["reads"] == [0, 0, 0] and rank1["reads"] == []  # each of the 3 loads read on rank 0 only
     expected = "src lacks '2.weight' (2 of 4 model tensors missing (rank 1's parts)); load weights of the model"
     assert rank0["error"].startswith(expected) and rank1["error"] == rank0["error"]
+    # rank 0 failing to read tells the others, which would otherwise wait on it, and keeps its own error
+    assert rank0["broken"] == "src/model.safetensors is truncated or corrupt"
+    assert rank1["broken"] == ("rank 0 could not read src (CheckpointError: src/model.safetensors is truncated or "
+                               "corrupt); see rank 0's error")

@@ -6,8 +6,8 @@ tests/test_checkpoint_broadcast.py:
 Two gloo ranks load a 3-layer MLP sharded over both by FSDP2, then stand-ins for pipeline stages (rank 0 holds
 layers 0-1, rank 1 layers 1-2). Only rank 0 may read the full weights (the reader raises on any other rank); every
 rank's parameters (gathered, where sharded) must then equal the source's tensors. A source lacking one of rank 1's
-layers must fail on both ranks with the same one line naming rank 1's missing tensor. Rank 0 writes what each rank
-saw.
+layers must fail on both ranks with the same one line naming rank 1's missing tensor, and a reader failing on rank 0
+must fail rank 1 too, naming rank 0's error. Rank 0 writes what each rank saw.
 """
 
 from __future__ import annotations
@@ -77,6 +77,15 @@ def main() -> None:
             results["error"] = None
         except CheckpointError as e:
             results["error"] = str(e)
+        def broken():
+            if rank == 0:
+                raise CheckpointError("src/model.safetensors is truncated or corrupt")
+            raise AssertionError("only rank 0 reads the source")
+
+        try:
+            set_full_model_state([model], broken, "src")
+        except CheckpointError as e:
+            results["broken"] = str(e)
         results["reads"] = reads
     except Exception:
         traceback.print_exc()

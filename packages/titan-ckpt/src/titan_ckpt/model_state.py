@@ -256,14 +256,27 @@ def set_full_model_state(
         pg: the group for the key check (a gloo group where the default one is NCCL); None: the default group.
 
     Raises:
-        CheckpointError: a parameter of some rank's parts is missing from what `read` gives (on every rank).
+        CheckpointError: a parameter of some rank's parts is missing from what `read` gives (on every rank), or
+            (on the other ranks) `read` failed on rank 0, which raises its own error.
     """
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if several else 0
-    full = dict(read()) if rank == 0 else {}
-    names = [sorted(full)]
+    full: dict[str, torch.Tensor] = {}
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            full = dict(read())
+        except Exception as e:  # the other ranks wait on rank 0: tell them before raising
+            if not several:
+                raise
+            failure = e
+    names: list[Any] = [f"{type(failure).__name__}: {failure}" if failure else sorted(full)]
     if several:
         dist.broadcast_object_list(names, src=0, group=pg)
+    if failure is not None:
+        raise failure
+    if isinstance(names[0], str):
+        raise CheckpointError(f"rank 0 could not read {where} ({names[0]}); see rank 0's error")
     available = set(names[0])
     parts_keys = [list(get_model_state_dict(part)) for part in model_parts]
     keys = [k for part_keys in parts_keys for k in part_keys]
