@@ -71,6 +71,9 @@ def test_bad_checkpoints_are_one_line_naming_the_tensor_or_key():
         dequantize_fp8({"v_scale_inv": torch.ones(1, 1)}, None, "ckpt")
     with pytest.raises(CheckpointError, match="quant_method 'gptq'; only block FP8"):
         dequantize_fp8({"w": torch.ones(2, 2)}, {"quantization_config": {"quant_method": "gptq"}}, "ckpt")
+    with pytest.raises(CheckpointError, match="weight_block_size 128 is not two positive integers"):
+        bad_block = {"quantization_config": {"weight_block_size": 128}}
+        dequantize_fp8({"w": q, "w_scale_inv": torch.ones(2, 1)}, bad_block, "ckpt")
     plain = {"w": torch.ones(2, 2)}
     assert dequantize_fp8(plain, {}, "ckpt") is plain  # nothing quantized: untouched
 

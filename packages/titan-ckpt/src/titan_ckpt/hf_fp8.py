@@ -52,7 +52,7 @@ def fp8_block_size(config: dict[str, Any] | None, source: str) -> tuple[int, int
             "('fp8', with *_scale_inv tensors) is dequantized on load: use an unquantized checkpoint"
         )
     block = quant.get("weight_block_size") or DEFAULT_BLOCK
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
         raise CheckpointError(f"{source}: config.json's weight_block_size {block!r} is not two positive integers")
     return int(block[0]), int(block[1])
 
