@@ -115,6 +115,13 @@ def check_hf_parity(
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per check is noise in `titan convert`'s output
     try:
         hf_model = hf_class.from_pretrained(hf_folder, local_files_only=True, **kwargs)
+    except (ValueError, RuntimeError) as err:  # transformers 5 reports a failed weight conversion as RuntimeError
+        if "quantization_config" not in kwargs:
+            raise
+        # transformers' FP8 op takes the block from the scale grid and refuses partial blocks (DeepSeek-V3's
+        # 576-row kv_a_proj_with_mqa), which Titan reads (titan_ckpt.hf_fp8): no reference to compare with
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return ParityReport(None, None, 0, skipped=f"transformers could not dequantize these FP8 weights: {first}")
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
