@@ -8,7 +8,6 @@ A conversion that touches Hugging Face is only renamed into place once this chec
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from titan_ckpt.dtypes import cast_floating
+from titan_ckpt.hf_safetensors import read_hf_config
 
 PARITY_TOKENS = 256
 """Sequence length of the parity check."""
@@ -102,9 +102,7 @@ def check_hf_parity(
 
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     kwargs: dict[str, Any] = {dtype_kwarg: torch.float32}
-    if (hf_folder / "config.json").is_file() and json.loads((hf_folder / "config.json").read_text()).get(
-        "quantization_config"
-    ):  # block FP8, as Titan reads it: transformers' own dequantization is the reference
+    if read_hf_config(hf_folder).get("quantization_config"):  # block FP8: transformers' dequantization is the reference
         if importlib.util.find_spec("accelerate") is None or not hasattr(transformers, "FineGrainedFP8Config"):
             why = "transformers reads an FP8 checkpoint with accelerate (`pip install accelerate`) from version 4.50"
             return ParityReport(None, None, 0, skipped=f"{why}; install both to check")

@@ -83,9 +83,11 @@ def _same_weights(spec: Any, args: Any, changed: Any, shape: list[str]) -> Any:
 def moe(d: Draft) -> None:
     """`[moe]`'s coefficients (and `debug.moe_force_load_balance`) replace the flavor's (or the Hugging Face
     config's) in every MoE layer; a dense model has none to replace."""
-    keys = {f"moe.{key}": value for key, value in d.cfg.moe.model_dump().items() if value is not None}
+    given = {key: value for key, value in d.cfg.moe.model_dump().items() if value is not None}
+    keys = [f"moe.{key}" for key in given]
     if d.cfg.debug.moe_force_load_balance:
-        keys["debug.moe_force_load_balance"] = True
+        given["force_load_balance"] = True
+        keys.append("debug.moe_force_load_balance")
     if not keys:
         return
     moe = getattr(d.model_args, "moe", None)
@@ -94,7 +96,6 @@ def moe(d: Draft) -> None:
             f"{', '.join(keys)}: model.name={d.cfg.model.name!r} flavor {d.cfg.model.flavor!r} has no "
             f"Mixture-of-Experts layers; remove {'it' if len(keys) == 1 else 'them'} or choose an MoE flavor"
         )
-    given = {key.split(".")[1].removeprefix("moe_"): value for key, value in keys.items()}
     if given.get("load_balance_coeff") == 0:
         given["load_balance_coeff"] = None  # no expert bias
     d.model_args = dataclasses.replace(d.model_args, moe=dataclasses.replace(moe, **given))  # values checked by [moe]
